@@ -1,0 +1,55 @@
+# syntax=docker/dockerfile:1
+# The batchd loader server.
+#
+#   docker build -t batchd .
+#   docker run --rm -p 50051:50051 --shm-size=2g \
+#     -v "$PWD/examples/fashion_mnist.yaml:/etc/batchd/config.yaml:ro" \
+#     -v /usr/share/datasets/fashion-mnist:/usr/share/datasets/fashion-mnist:ro \
+#     batchd
+#
+# Build args:
+#   TORCH_SPEC      which torch to install (default torch==2.13.0)
+#   TORCH_PIP_ARGS  extra pip arguments for it (default: the CPU build from PyTorch's own index,
+#                   a few hundred MB instead of the multi-GB CUDA build that PyPI serves;
+#                   pass --build-arg TORCH_PIP_ARGS= for PyPI's default build)
+# docker-compose.yml runs this image together with the example trainer.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# ---- build: a virtual environment with torch and batchd (no test extras) -----------------------
+FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+# torch first, in a layer of its own: the largest download and the one that changes least.
+# batchd's own `torch>=2.1` is then already met by this build.
+RUN pip install ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY batchd/ batchd/
+COPY proto/ proto/
+COPY server/ server/
+COPY client/ client/
+RUN pip install . && batchd --help >/dev/null
+
+# ---- runtime -------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE}
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+RUN useradd --system --user-group --uid 10001 --create-home --home-dir /home/batchd \
+        --shell /usr/sbin/nologin batchd \
+    && mkdir -p /etc/batchd
+COPY --from=build /opt/venv /opt/venv
+# Dataset indexes are cached under ~/.cache/batchd, i.e. /home/batchd/.cache/batchd.
+USER batchd
+WORKDIR /home/batchd
+EXPOSE 50051
+# gRPC health protocol (grpc.health.v1): `batchd health` exits 0 iff the server says SERVING.
+# It assumes the server listens on port 50051; override it (docker run --health-cmd, or a
+# compose healthcheck) for another address.
+HEALTHCHECK --interval=15s --timeout=10s --start-period=60s --retries=3 \
+    CMD ["batchd", "health", "127.0.0.1:50051", "--timeout", "5"]
+ENTRYPOINT ["batchd"]
+# 0.0.0.0: a server bound to the container's loopback could not be reached through EXPOSE;
+# --address overrides the address in the config file.
+CMD ["serve", "--config", "/etc/batchd/config.yaml", "--address", "0.0.0.0:50051"]

@@ -1,0 +1,105 @@
+# batchd: the single entry point for developers and CI.
+#
+#   make install   create .venv, install torch, then batchd (editable) with its test extras;
+#                  installs the Fashion-MNIST Debian package when it is missing (root + apt)
+#   make test      run the test suite            (PYTEST_ARGS='-k deploy -x' to pass options)
+#   make demo      train a small CNN on Fashion-MNIST through a local batchd server (ARGS=...)
+#   make bench     run the benchmarks (ARGS=...); installs mate-backgrounds for the photo set
+#   make proto     regenerate batchd.v1's *_pb2 code from proto/batchd/v1/*.proto
+#   make clean     remove .venv and everything generated
+#
+# torch. The default wheel of `torch` on PyPI is a multi-GB CUDA build. Without a GPU (no
+# `nvidia-smi` on PATH) install asks for TORCH_SPEC=torch==2.13.0, which on this project's
+# machines resolves to a CPU wheel shipped with them. CPU-only users elsewhere get the small
+# CPU build from PyTorch's own index with
+#     make install TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cpu'
+# and anyone may choose another build, e.g. make install TORCH_SPEC='torch==2.13.0'.
+# install is stamped (.venv/.installed, redone when pyproject.toml changes): after changing
+# TORCH_SPEC or TORCH_PIP_ARGS on an existing .venv, run `make clean install`.
+#
+# Works non-interactively (CI=true, no terminal): pip and apt never prompt.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+.DELETE_ON_ERROR:
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
+TORCH_SPEC ?= torch==2.13.0
+else
+TORCH_SPEC ?= torch
+endif
+TORCH_PIP_ARGS ?=
+
+ARGS ?=
+PYTEST_ARGS ?=
+
+FMNIST_FILE := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+MATE_PHOTOS := /usr/share/backgrounds/mate/nature
+
+export PIP_NO_INPUT := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export DEBIAN_FRONTEND := noninteractive
+ifneq ($(filter true TRUE True 1 yes,$(CI)),)
+export PIP_PROGRESS_BAR := off
+endif
+
+# $(call apt_provide,PACKAGE,PATH-IT-PROVIDES,WHO-NEEDS-IT): install a Debian package when the
+# path is missing and we can (root with apt-get); otherwise say how. Never fatal: the tests
+# that need the data skip with a reason, and the scripts that need it say what is missing.
+define apt_provide
+	@if [ -e '$(2)' ]; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo ">> $(2) is missing: apt-get install $(1)"; \
+	  { apt-get update -q && apt-get install -y -q $(1); } \
+	    || echo "!! apt-get install $(1) failed; $(3) will not work until it is installed" >&2; \
+	else \
+	  echo "!! $(2) is missing; $(3) needs it." >&2; \
+	  echo "   On Debian/Ubuntu: sudo apt-get install $(1)" >&2; \
+	  echo "   Elsewhere: get the files that package ships and put them at that path." >&2; \
+	fi
+endef
+
+.PHONY: help install datasets demo test proto bench bench-deps clean
+
+help:
+	@sed -n '3,9p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+
+install: $(STAMP) datasets
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, so that the dependency `torch>=2.1` of batchd is already met by the right build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
+	$(PY) -m pip install -e '.[test]'
+	@touch $@
+
+datasets:
+	$(call apt_provide,dataset-fashion-mnist,$(FMNIST_FILE),the Fashion-MNIST demo and tests)
+
+demo: install
+	$(PY) examples/train_fashion_mnist.py $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+proto: $(STAMP)
+	$(PY) proto/generate.py
+
+bench-deps:
+	$(call apt_provide,mate-backgrounds,$(MATE_PHOTOS),the photo benchmark (bench/make_photos.py))
+
+bench: install bench-deps
+	$(PY) bench/run_all.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .cache bench/data
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

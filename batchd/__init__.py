@@ -1,0 +1,46 @@
+"""batchd: decode and augment on a loader server; stream ordered, deterministic batches to training.
+
+The names users type::
+
+    import batchd
+    loader = batchd.RemoteDataLoader("127.0.0.1:50051", "fmnist-train", batch_size=256, shuffle=True)
+    batchd.list_datasets("127.0.0.1:50051")
+
+Client names are imported lazily so that server worker processes never import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from batchd.errors import BatchdError, DatasetNotFoundError, SampleError, ShapeMismatchError, WorkerError
+
+if TYPE_CHECKING:
+    from batchd.client.datasets import DatasetInfo, list_datasets
+    from batchd.client.loader import RemoteDataLoader
+
+__all__ = [
+    "BatchdError",
+    "DatasetInfo",
+    "DatasetNotFoundError",
+    "RemoteDataLoader",
+    "SampleError",
+    "ShapeMismatchError",
+    "WorkerError",
+    "list_datasets",
+]
+
+_LAZY = {
+    "DatasetInfo": "batchd.client.datasets",
+    "list_datasets": "batchd.client.datasets",
+    "RemoteDataLoader": "batchd.client.loader",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchd' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

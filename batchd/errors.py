@@ -1,0 +1,37 @@
+"""Errors users of batchd catch. Shared by server and client; no heavy imports."""
+
+from __future__ import annotations
+
+
+class BatchdError(Exception):
+    """Base of batchd's own errors."""
+
+
+class DatasetNotFoundError(BatchdError, LookupError):
+    """The server has no dataset of the requested name."""
+
+
+class SampleError(BatchdError, RuntimeError):
+    """A sample could not be read, decoded or transformed.
+
+    Attributes: dataset (name), index (dataset sample index), path (file relative to the
+    dataset root, or "#index" for array-backed datasets), reason (what went wrong).
+    """
+
+    def __init__(self, dataset: str, index: int, path: str, reason: str):
+        self.dataset, self.index, self.path, self.reason = dataset, int(index), path, reason
+        super().__init__(f"dataset {dataset!r}, sample {index} ({path}): {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.dataset, self.index, self.path, self.reason))
+
+
+class ShapeMismatchError(BatchdError, ValueError):
+    """Images of one batch came out of the pipeline with different shapes, so they cannot stack."""
+
+
+class WorkerError(BatchdError, RuntimeError):
+    """A worker process failed (an exception in a pipeline, or it died) while building a batch.
+
+    The message carries the worker's traceback.
+    """

@@ -1,0 +1,165 @@
+"""Fast encoding of the ``batchd.v1.Batch`` message, byte-compatible with the generated code.
+
+Pixels dominate a batch (a 256 x 224 x 224 x 3 uint8 batch is 38.5 MB). Going through the
+protobuf objects costs three copies on each side (into the message, into the serialized
+string, out of the parsed message). Here the server joins the tensors' buffers straight into
+the serialized bytes (one copy, from shared memory) and the client slices tensors out of the
+received bytes without copying (``memoryview``). Field numbers follow ``loader.proto``; a
+test checks both functions against the generated ``loader_pb2`` classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+# Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages)
+# Tensor: 1 name, 2 dtype (strings), 3 shape (packed int64), 4 data (bytes)
+_WT_VARINT, _WT_LEN = 0, 2
+
+
+@dataclass(frozen=True, slots=True)
+class WireTensor:
+    """One tensor: numpy dtype name, shape, and its raw little-endian C-order bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WireBatch:
+    batch_index: int
+    epoch: int
+    num_batches: int
+    tensors: tuple[WireTensor, ...]
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n += 1 << 64  # int64 negatives are ten-byte varints
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+def _len_field(field: int, payload_len: int) -> bytes:
+    return _key(field, _WT_LEN) + _varint(payload_len)
+
+
+def encode_batch(batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor]) -> bytes:
+    """The serialized ``Batch``; each tensor's data is copied once, into the result."""
+    parts: list[bytes | memoryview] = []
+    for field, value in ((1, batch_index), (2, epoch), (3, num_batches)):
+        if value:
+            parts += [_key(field, _WT_VARINT), _varint(value)]
+    for t in tensors:
+        name, dtype = t.name.encode(), t.dtype.encode()
+        shape = b"".join(_varint(d) for d in t.shape)
+        data = memoryview(t.data).cast("B") if not isinstance(t.data, bytes) else t.data
+        head = _len_field(1, len(name)) + name + _len_field(2, len(dtype)) + dtype
+        if shape:
+            head += _len_field(3, len(shape)) + shape
+        data_head = _len_field(4, len(data)) if len(data) else b""
+        parts += [_len_field(4, len(head) + len(data_head) + len(data)), head, data_head, data]
+    return b"".join(parts)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("malformed varint in Batch message")
+
+
+def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
+    if wire_type == _WT_VARINT:
+        return _read_varint(buf, pos)[1]
+    if wire_type == _WT_LEN:
+        n, pos = _read_varint(buf, pos)
+        return pos + n
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 5:
+        return pos + 4
+    raise ValueError(f"unsupported wire type {wire_type} in Batch message")
+
+
+def _signed(n: int) -> int:
+    return n - (1 << 64) if n >= 1 << 63 else n
+
+
+def _decode_tensor(buf: memoryview) -> WireTensor:
+    name = dtype = ""
+    shape: list[int] = []
+    data: memoryview = buf[0:0]
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        field, wt = key >> 3, key & 7
+        if wt == _WT_LEN and field in (1, 2, 3, 4):
+            n, pos = _read_varint(buf, pos)
+            chunk = buf[pos : pos + n]
+            pos += n
+            if field == 1:
+                name = bytes(chunk).decode()
+            elif field == 2:
+                dtype = bytes(chunk).decode()
+            elif field == 3:
+                p = 0
+                while p < n:
+                    v, p = _read_varint(chunk, p)
+                    shape.append(_signed(v))
+            else:
+                data = chunk
+        elif wt == _WT_VARINT and field == 3:  # unpacked repeated int64
+            v, pos = _read_varint(buf, pos)
+            shape.append(_signed(v))
+        else:
+            pos = _skip(buf, pos, wt)
+    return WireTensor(name, dtype, tuple(shape), data)
+
+
+def decode_batch(data: bytes | memoryview) -> WireBatch:
+    """Parse a serialized ``Batch``; tensor data are memoryviews into ``data`` (no copy).
+
+    Raises ValueError on a malformed message.
+    """
+    buf = memoryview(data)
+    header = {1: 0, 2: 0, 3: 0}
+    tensors: list[WireTensor] = []
+    pos, end = 0, len(buf)
+    try:
+        while pos < end:
+            key, pos = _read_varint(buf, pos)
+            field, wt = key >> 3, key & 7
+            if wt == _WT_VARINT and field in header:
+                header[field], pos = _read_varint(buf, pos)
+            elif wt == _WT_LEN and field == 4:
+                n, pos = _read_varint(buf, pos)
+                tensors.append(_decode_tensor(buf[pos : pos + n]))
+                pos += n
+            else:
+                pos = _skip(buf, pos, wt)
+    except IndexError:
+        raise ValueError("truncated Batch message") from None
+    if pos != end:
+        raise ValueError("truncated Batch message")
+    return WireBatch(header[1], header[2], header[3], tuple(tensors))

@@ -1,0 +1,211 @@
+"""``RemoteDataLoader``: a PyTorch-DataLoader-shaped iterator over batches a batchd server builds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from typing import Any, Iterator
+
+import grpc
+import torch
+
+from batchd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel, translate
+from batchd.client.datasets import DatasetInfo, describe
+from batchd.client.receiver import Receiver, _End, to_tensors
+from batchd.sampler import num_batches
+from batchd.v1 import loader_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def _pipeline(transform: Any) -> pb.Pipeline | None:
+    """None, a preset name, or an albumentations transform (sent as JSON of A.to_dict)."""
+    if transform is None:
+        return None
+    if isinstance(transform, str):
+        if not transform:
+            raise ValueError("transform must be None, a preset name or an albumentations transform, not ''")
+        return pb.Pipeline(preset=transform)
+    import albumentations as A
+
+    if not isinstance(transform, A.BaseCompose | A.BasicTransform):
+        raise ValueError(f"transform must be None, a preset name or an albumentations transform, "
+                         f"not {type(transform).__name__}")
+    if not isinstance(transform, A.Compose):
+        transform = A.Compose([transform])
+    return pb.Pipeline(albumentations_json=json.dumps(A.to_dict(transform), sort_keys=True))
+
+
+class RemoteDataLoader:
+    """Iterate batches of a dataset that a batchd server at ``address`` decodes and augments.
+
+    Each batch is a dict of tensors: ``image`` [B, H, W, C] (uint8 unless the pipeline changes
+    the dtype, e.g. Normalize gives float32), ``label`` int64 [B], ``index`` int64 [B] (dataset
+    sample indices). Batch ``b`` of an epoch is a pure function of (dataset, transform,
+    batch_size, shuffle, seed, epoch, b, rank, world_size): iterating twice, on another server,
+    or with another number of server workers gives the same bytes.
+
+    Args:
+        address: ``HOST:PORT`` or ``unix:PATH`` of the server.
+        dataset: a dataset name from the server's config.
+        batch_size: samples per batch (>= 1).
+        shuffle: permute the samples each epoch (a pure function of seed and epoch).
+        seed: the seed of the shuffle and of the pipeline's random augmentations.
+        drop_last: drop the final partial batch (and do not pad shards), as in DataLoader.
+        transform: None (images as decoded), a preset name from the server config, or an
+            albumentations transform/Compose (sent in albumentations' serialized form).
+        rank, world_size: this process's shard, as in DistributedSampler.
+        device: None/"cpu" for CPU tensors, or a CUDA device: batches are copied through reused
+            pinned buffers on a side stream, overlapping the copy with compute.
+        prefetch: batches the server computes ahead of the one being read (>= 1).
+        timeout: seconds without a batch before iteration raises TimeoutError.
+        connect_timeout: seconds to find the server before raising ConnectionError.
+
+    Raises (at construction): ValueError for bad arguments, ConnectionError if no server
+    answers, DatasetNotFoundError if the server has no such dataset. Iteration raises
+    ValueError (bad preset or pipeline, with the server's explanation), SampleError (a sample
+    could not be read; names dataset, index and file), ShapeMismatchError, WorkerError,
+    ConnectionError (server gone) or TimeoutError.
+
+    Epochs: each complete pass advances ``epoch`` by one (so shuffle differs per pass, as with
+    DataLoader); ``set_epoch(e)`` picks the epoch explicitly, as with DistributedSampler.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        dataset: str,
+        *,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        transform: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device | None = None,
+        prefetch: int = 2,
+        timeout: float = 120.0,
+        connect_timeout: float = 10.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}")
+        if not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        self.address = address
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
+        self.prefetch = prefetch
+        self.timeout = timeout
+        self.epoch = 0
+        self._pipeline = _pipeline(transform)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._transfer = None
+        if self.device.type == "cuda":
+            from batchd.client.transfer import CudaTransfer
+
+            self._transfer = CudaTransfer(self.device)
+        elif self.device.type != "cpu":
+            raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}")
+        self._channel = open_channel(address, connect_timeout=connect_timeout, max_message_bytes=max_message_bytes)
+        self._finalizer = weakref.finalize(self, self._channel.close)
+        # StreamBatches is parsed by batchd.wire (tensors as views of the message, no copies)
+        self._stream_batches = self._channel.unary_stream(
+            "/batchd.v1.BatchLoader/StreamBatches",
+            request_serializer=pb.StreamBatchesRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._receiver: Receiver | None = None
+        try:
+            self.info: DatasetInfo = describe(self._channel, address, dataset, timeout=connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- DataLoader surface ------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return num_batches(self.info.num_samples, self.batch_size, world_size=self.world_size, drop_last=self.drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iteration (its shuffle order and augmentation seeds)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self._iterate(self.epoch, 0)
+
+    def close(self) -> None:
+        """Cancel any stream in progress and close the channel. Idempotent."""
+        if self._receiver is not None:
+            self._receiver.stop()
+            self._receiver = None
+        self._finalizer()
+
+    def __enter__(self) -> "RemoteDataLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _request(self, epoch: int, start_batch: int) -> pb.StreamBatchesRequest:
+        return pb.StreamBatchesRequest(
+            dataset=self.dataset, pipeline=self._pipeline, batch_size=self.batch_size, shuffle=self.shuffle,
+            seed=self.seed, epoch=epoch, drop_last=self.drop_last, rank=self.rank, world_size=self.world_size,
+            start_batch=start_batch, prefetch=self.prefetch,
+        )
+
+    def _convert(self, raw) -> Any:
+        batch = to_tensors(raw)
+        if self._transfer is not None:
+            return self._transfer.to_device(batch)
+        return batch
+
+    def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
+        if not self._finalizer.alive:
+            raise RuntimeError("the loader is closed")
+        if self._receiver is not None:  # a previous iteration was abandoned: one stream at a time
+            self._receiver.stop()
+        try:
+            call = self._stream_batches(self._request(epoch, start_batch))
+        except grpc.RpcError as e:
+            raise translate(e, self.address) from None
+        receiver = self._receiver = Receiver(call, self.address, self._convert)
+        receiver.start()
+        expected = start_batch
+        try:
+            while True:
+                item = receiver.get(self.timeout, f"dataset {self.dataset!r}, epoch {epoch}, batch {expected}")
+                if isinstance(item, _End):
+                    break
+                if self._transfer is not None:
+                    item = self._transfer.hand_over(*item)
+                expected += 1
+                yield item
+            if expected != len(self):
+                raise RuntimeError(f"the server ended epoch {epoch} after {expected} of {len(self)} batches")
+            if self.epoch == epoch:
+                self.epoch = epoch + 1
+        finally:
+            receiver.stop()
+            if self._receiver is receiver:
+                self._receiver = None

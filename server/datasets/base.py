@@ -1,0 +1,68 @@
+"""What every dataset kind provides: a sized, indexable source of (image, label) samples.
+
+A dataset is opened twice: once in the server (which builds its index into ``cache_dir`` if
+needed and answers DescribeDataset) and once in every worker process (which maps that index
+read-only). The index must be small per process: numpy arrays on memory-mapped files, never a
+Python object per sample, so a 10-million-sample dataset costs each worker only the pages it
+touches.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchd.errors import SampleError
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSpec:
+    """One sample before any pipeline: image [H, W, C] of ``image_dtype``; -1 marks a varying dim."""
+
+    image_shape: tuple[int, int, int]
+    image_dtype: str = "uint8"
+
+
+class Dataset(abc.ABC):
+    """A map-style dataset of images with integer labels.
+
+    Subclasses are cheap to open in every worker; all per-sample state lives in numpy arrays
+    (memory-mapped where large).
+    """
+
+    name: str
+    kind: str
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of samples."""
+
+    @property
+    @abc.abstractmethod
+    def classes(self) -> list[str]:
+        """Class names; label ``l`` is ``classes[l]``."""
+
+    @property
+    @abc.abstractmethod
+    def sample_spec(self) -> SampleSpec:
+        """What a decoded sample looks like."""
+
+    @abc.abstractmethod
+    def label(self, index: int) -> int:
+        """The label of sample ``index`` (0 <= index < len), without reading the image."""
+
+    @abc.abstractmethod
+    def load_image(self, index: int) -> np.ndarray:
+        """Read and decode sample ``index``: uint8 [H, W, C] (RGB for colour images).
+
+        Raises SampleError (naming dataset, index and file) if it cannot be read or decoded.
+        """
+
+    def source(self, index: int) -> str:
+        """Where sample ``index`` comes from, relative to the dataset root (for error messages)."""
+        return f"#{index}"
+
+    def sample_error(self, index: int, reason: str) -> SampleError:
+        return SampleError(dataset=self.name, index=index, path=self.source(index), reason=reason)

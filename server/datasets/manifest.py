@@ -1,0 +1,189 @@
+"""A table of (path, label) rows: CSV, or Parquet when the file ends in .parquet / .pq."""
+
+from __future__ import annotations
+
+import csv
+import os
+import pathlib
+
+import numpy as np
+
+from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, open_cached, remove_stale
+from ._files import DEFAULT_MAX_PIXELS, FileDataset
+
+COLUMNS = ("path", "label")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def _read_table(path: str):
+    """The table's ``path`` (string) and ``label`` columns as a pyarrow Table."""
+    import pyarrow as pa
+    import pyarrow.csv as pv
+    import pyarrow.parquet as pq
+
+    is_parquet = path.lower().endswith(PARQUET_SUFFIXES)
+    try:
+        if is_parquet:
+            names = pq.read_schema(path).names
+        else:
+            with open(path, newline="", encoding="utf-8-sig") as f:
+                names = next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError, csv.Error, pa.ArrowException) as e:
+        if isinstance(e, FileNotFoundError):
+            raise FileNotFoundError(f"{path}: manifest not found") from None
+        raise ValueError(f"{path}: cannot read the manifest's {'schema' if is_parquet else 'header'}: {e}") from None
+    for col in COLUMNS:
+        if col not in names:
+            raise ValueError(f"{path}: manifest has no column {col!r} (its columns: {', '.join(map(str, names)) or 'none'})")
+    try:
+        if is_parquet:
+            return pq.read_table(path, columns=list(COLUMNS))
+        return pv.read_csv(
+            path,
+            convert_options=pv.ConvertOptions(
+                include_columns=list(COLUMNS),
+                column_types={"path": pa.string()},
+                null_values=[""],  # only empty cells are missing; "NA" may be a class
+                strings_can_be_null=True,
+            ),
+        )
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: cannot read the manifest: {e}") from None
+
+
+def _first_row(mask) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.index(mask, True).as_py())
+
+
+def _check_no_nulls(path: str, name: str, column) -> None:
+    import pyarrow.compute as pc
+
+    if column.null_count:
+        row = _first_row(pc.is_null(column))
+        raise ValueError(f"{path}: row {row} (0-based, header not counted) has no {name}")
+
+
+def _path_chunks(column) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(offsets int64 [n + 1], data chunks) of a string column, from its arrow buffers (no Python strings)."""
+    import pyarrow as pa
+
+    n = len(column)
+    offsets = np.empty(n + 1, dtype=np.int64)
+    offsets[0] = 0
+    pieces = []
+    row = 0
+    for chunk in column.chunks:
+        m = len(chunk)
+        if m == 0:
+            continue
+        _, off_buf, data_buf = chunk.buffers()
+        off_dtype = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
+        offs = np.frombuffer(off_buf, dtype=off_dtype)[chunk.offset : chunk.offset + m + 1]
+        start, end = int(offs[0]), int(offs[-1])
+        offsets[row + 1 : row + m + 1] = offs[1:] - start + offsets[row]
+        if end > start:
+            pieces.append(np.frombuffer(data_buf, dtype=np.uint8)[start:end])
+        row += m
+    return offsets, pieces
+
+
+def _labels(path: str, column) -> tuple[np.ndarray, list[str]]:
+    """(labels int64 [n], classes) from an integer or string label column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = column.type
+    if pa.types.is_dictionary(t):
+        column = column.cast(t.value_type)
+        t = column.type
+    if pa.types.is_integer(t):
+        labels = column.to_numpy().astype(np.int64, copy=False)
+        if len(labels) and labels.min() < 0:
+            row = int(np.argmax(labels < 0))
+            raise ValueError(f"{path}: row {row} (0-based, header not counted) has a negative label {labels[row]}")
+        return labels, [str(i) for i in range(int(labels.max()) + 1)]
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        unique = pc.unique(column)
+        unique = unique.take(pc.array_sort_indices(unique))
+        labels = pc.index_in(column, value_set=unique).to_numpy().astype(np.int64, copy=False)
+        return labels, unique.to_pylist()
+    raise ValueError(f"{path}: label column has type {t}; expected integers or strings")
+
+
+def _build(table_path: str, out: pathlib.Path, fingerprint) -> None:
+    import pyarrow as pa
+
+    try:
+        _build_from_arrow(table_path, out, fingerprint)
+    finally:
+        pa.default_memory_pool().release_unused()  # else the pool keeps ~1.6 GB after a 10M-row CSV
+
+
+def _build_from_arrow(table_path: str, out: pathlib.Path, fingerprint) -> None:
+    import pyarrow as pa
+
+    table = _read_table(table_path)
+    if table.num_rows == 0:
+        raise ValueError(f"{table_path}: manifest has no rows")
+    paths, labels_col = table.column("path"), table.column("label")
+    del table
+    if not (pa.types.is_string(paths.type) or pa.types.is_large_string(paths.type)):
+        try:
+            paths = paths.cast(pa.large_string())
+        except pa.ArrowException:
+            raise ValueError(f"{table_path}: path column has type {paths.type}; expected strings") from None
+    _check_no_nulls(table_path, "path", paths)
+    _check_no_nulls(table_path, "label", labels_col)
+    labels, classes = _labels(table_path, labels_col)
+    del labels_col
+    offsets, pieces = _path_chunks(paths)
+    empty = np.flatnonzero(offsets[1:] == offsets[:-1])
+    if len(empty):
+        raise ValueError(f"{table_path}: row {int(empty[0])} (0-based, header not counted) has an empty path")
+    with ArrayFileWriter(out) as w:
+        w.add_chunks("path_bytes", np.uint8, (int(offsets[-1]),), pieces)
+        w.add("path_offsets", offsets)
+        w.add("labels", labels)
+        w.meta.update(kind=Manifest.kind, source=fingerprint, classes=classes)
+
+
+class Manifest(FileDataset):
+    """Rows of a CSV or Parquet table with columns ``path`` and ``label`` (others ignored).
+
+    Sample ``i`` is row ``i``. Paths are relative to ``cfg.root`` (default: the table's folder);
+    absolute paths are used as they are. Integer labels are used as they are (classes
+    ``"0".."max"``); string labels become their position among the sorted distinct values
+    (classes = those values). load_image(i): uint8 [H, W, 3] RGB; source(i): the row's path.
+
+    The server (``build=True``) reads the table once with pyarrow and writes the packed index
+    (see ``_files``) to ``cache_dir``, keyed by the table's path, size and mtime; it reuses an
+    index already there. Workers (``build=False``) only map it. The constructor raises
+    FileNotFoundError if the table is missing, ValueError (naming the file, and the column or
+    row) for a missing ``path``/``label`` column, a null or empty value, a negative or
+    non-integer, non-string label, or an empty table, and ``_cache.IndexMissingError``
+    (``build=False``) if the server has not built the index. load_image raises SampleError.
+    """
+
+    kind = "manifest"
+
+    def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
+        super().__init__(name, max_pixels=max_pixels)
+        table_path = os.path.abspath(cfg.path)
+        root = os.path.abspath(cfg.root) if cfg.root is not None else os.path.dirname(table_path)
+        try:
+            fingerprint = file_fingerprint(table_path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{table_path}: manifest not found (dataset {name!r})") from None
+        out = cache_path(cache_dir, self.kind, table_path, fingerprint)
+        index = None
+        if build:
+            try:
+                index = ArrayFile(out)
+            except (FileNotFoundError, ValueError):
+                _build(table_path, out, fingerprint)
+                remove_stale(out)
+        if index is None:
+            index = open_cached(out, what=f"dataset {name!r} ({self.kind}, {table_path})")
+        self._attach(index, root)

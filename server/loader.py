@@ -1,0 +1,168 @@
+"""The loader: datasets + worker pool + streams, as a plain Python object (no gRPC here).
+
+``Loader`` validates requests, turns them into ``Stream`` objects and owns every resource the
+server holds. The gRPC servicer (``service.py``) is a thin adapter over it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from batchd.errors import DatasetNotFoundError
+from batchd.sampler import num_batches, shard_indices
+from batchd.server import pipeline as pipelines
+from batchd.server import shm
+from batchd.server.config import ServerConfig
+from batchd.server.datasets import Dataset, open_dataset
+from batchd.server.pool import WorkerPool
+from batchd.server.stream import Stream, StreamRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamArgs:
+    """A StreamBatches request as the client sent it (0 = default where the proto says so)."""
+
+    dataset: str
+    preset: str = ""
+    albumentations_json: str = ""
+    batch_size: int = 1
+    shuffle: bool = False
+    seed: int = 0
+    epoch: int = 0
+    drop_last: bool = False
+    rank: int = 0
+    world_size: int = 1
+    start_batch: int = 0
+    prefetch: int = 0
+
+
+class Loader:
+    """Opens the configured datasets, starts the worker pool, serves streams.
+
+    Raises whatever opening a dataset raises (FileNotFoundError, ValueError naming the file),
+    and RuntimeError if workers fail to start. Call ``close()`` (or use ``with``) to stop.
+    """
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        shm.remove_stale()
+        self.datasets: dict[str, Dataset] = {}
+        for name, dcfg in config.datasets.items():
+            self.datasets[name] = open_dataset(name, dcfg, config.cache_dir, build=True)
+            log.info("dataset %r: %s, %d samples, %d classes", name, dcfg.kind, len(self.datasets[name]),
+                     len(self.datasets[name].classes))
+        self._presets = {name: pipelines.canonical_json(spec) for name, spec in config.pipelines.items()}
+        for name, text in self._presets.items():
+            try:
+                pipelines.build(text)
+            except ValueError as e:
+                raise ValueError(f"pipelines.{name}: {e}") from None
+        self._checked: dict[str, None] = {}  # pipeline keys already known to build
+        self.slots = shm.SlotPool(max_slots=config.max_slots)
+        self.pool = WorkerPool(
+            config.workers, dict(config.datasets), config.cache_dir, self.slots,
+            worker_timeout_s=config.worker_timeout_s, max_task_retries=config.max_task_retries,
+        )
+        self._lock = threading.Lock()
+        self.streams: dict[int, Stream] = {}
+        self._closed = False
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def dataset(self, name: str) -> Dataset:
+        """Raises DatasetNotFoundError if the server has no dataset ``name``."""
+        try:
+            return self.datasets[name]
+        except KeyError:
+            raise DatasetNotFoundError(f"no dataset {name!r} on this server; it has {sorted(self.datasets)}") from None
+
+    def _pipeline(self, args: StreamArgs) -> tuple[str, str]:
+        """(name for logs, canonical JSON) of the request's pipeline. Raises ValueError."""
+        if args.preset and args.albumentations_json:
+            raise ValueError("give either a preset name or an albumentations pipeline, not both")
+        if args.preset:
+            if args.preset not in self._presets:
+                raise ValueError(f"unknown pipeline preset {args.preset!r}; this server has {sorted(self._presets)}")
+            return args.preset, self._presets[args.preset]
+        if not args.albumentations_json:
+            return "none", ""
+        text = pipelines.canonical_json(args.albumentations_json)
+        key = pipelines.pipeline_key(text)
+        if key not in self._checked:
+            pipelines.build(text)
+            self._checked[key] = None
+        return "custom:" + key[:8], text
+
+    def open_stream(self, args: StreamArgs) -> Stream:
+        """Validate ``args`` and start building its batches.
+
+        Raises DatasetNotFoundError for an unknown dataset, ValueError for any other bad field.
+        """
+        cfg = self.config
+        ds = self.dataset(args.dataset)
+        if not 1 <= args.batch_size <= cfg.max_batch_size:
+            raise ValueError(f"batch_size must be in [1, {cfg.max_batch_size}], got {args.batch_size}")
+        world_size = args.world_size or 1
+        if not 0 <= args.rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {args.rank}")
+        prefetch = args.prefetch or cfg.default_prefetch
+        if prefetch > cfg.max_prefetch:
+            raise ValueError(f"prefetch must be at most {cfg.max_prefetch}, got {prefetch}")
+        if len(ds) == 0:
+            raise ValueError(f"dataset {args.dataset!r} has no samples")
+        name, text = self._pipeline(args)
+        n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last)
+        if args.start_batch > n:
+            raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")
+        indices = shard_indices(
+            len(ds), shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
+            rank=args.rank, world_size=world_size, drop_last=args.drop_last,
+        )
+        request = StreamRequest(
+            dataset=args.dataset, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text, pipeline_name=name,
+            batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
+            drop_last=args.drop_last, rank=args.rank, world_size=world_size, start_batch=args.start_batch,
+            prefetch=prefetch,
+        )
+        stream = Stream(request, indices, n, self._release_slot)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the loader is shutting down")
+            self.streams[stream.id] = stream
+        self.pool.add_stream(stream)
+        log.info(
+            "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
+            "batches %d..%d prefetch=%d", stream.id, args.dataset, name, args.batch_size, args.shuffle, args.seed,
+            args.epoch, args.rank, world_size, args.start_batch, n, prefetch,
+        )
+        return stream
+
+    def _release_slot(self, slot) -> None:
+        self.slots.release(slot)
+        self.pool.wake()
+
+    def close_stream(self, stream: Stream, reason: str = "finished") -> None:
+        self.pool.remove_stream(stream)
+        with self._lock:
+            self.streams.pop(stream.id, None)
+        log.info("stream %d %s after %d batches", stream.id, reason, stream.batches_sent)
+
+    def close(self) -> None:
+        """Stop every stream and worker and unlink shared memory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            streams = list(self.streams.values())
+        for s in streams:
+            s.close()
+        self.pool.close()
+        self.slots.close()

@@ -1,0 +1,338 @@
+"""The persistent worker pool and its scheduler.
+
+One thread (``_loop``) owns every worker pipe. It waits on the pipes, the worker processes'
+sentinels and a wake-up pipe, and in each round:
+
+1. collects finished batches and hands them to their stream's reorder buffer;
+2. notices dead workers (within ``_POLL_S``), logs the exit code or signal, rebuilds their
+   in-flight batches on other workers and starts a replacement;
+3. fails batches that took longer than ``worker_timeout_s`` (their worker is killed and replaced);
+4. dispatches new tasks: streams are served round robin, each worker holds at most
+   ``_DEPTH`` tasks, each stream at most ``prefetch`` batches in flight or buffered.
+
+Workers are started from a ``forkserver`` context, created before any gRPC server exists, so no
+process is ever forked from a process running gRPC threads (grpc doc/fork_support.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+
+from batchd.errors import SampleError, ShapeMismatchError, WorkerError
+from batchd.sampler import batch_seed
+from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
+from batchd.server.shm import Segment, SlotPool
+from batchd.server.stream import ReadyBatch, Stream
+from batchd.server.worker import worker_main
+
+log = logging.getLogger(__name__)
+
+_DEPTH = 2  # tasks queued per worker: one running, one waiting, so a worker never idles
+_POLL_S = 0.5
+_JOIN_S = 5.0
+
+
+@dataclass(slots=True)
+class _InFlight:
+    stream: Stream
+    batch_index: int
+    slot: Segment
+    worker_id: int
+    started: float
+
+
+@dataclass(slots=True)
+class _WorkerHandle:
+    worker_id: int
+    process: mp.process.BaseProcess
+    conn: Connection
+    ready: bool = False
+    tasks: set[int] = field(default_factory=set)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            return f"died with signal {-exitcode} ({signal.Signals(-exitcode).name})"
+        except ValueError:
+            return f"died with signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+class WorkerPool:
+    """``num_workers`` worker processes building batches for any number of streams.
+
+    dataset_configs: name -> dataset config, opened by each worker. Raises RuntimeError if the
+    workers do not all start within ``start_timeout`` seconds.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        dataset_configs: dict,
+        cache_dir,
+        slots: SlotPool,
+        *,
+        worker_timeout_s: float = 300.0,
+        max_task_retries: int = 3,
+        start_timeout: float = 60.0,
+    ):
+        self.num_workers = num_workers
+        self.slots = slots
+        self.worker_timeout_s = worker_timeout_s
+        self.max_task_retries = max_task_retries
+        self._dataset_configs = dataset_configs
+        self._cache_dir = cache_dir
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["numpy", "cv2", "albumentations", "batchd.server.worker"])
+        self._lock = threading.Lock()  # guards _streams
+        self._streams: collections.deque[Stream] = collections.deque()
+        self._in_flight: dict[int, _InFlight] = {}
+        self._task_ids = iter(range(1, 1 << 62))
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._closing = False
+        self.restarts = 0
+        self.busy_seconds = 0.0
+        self._workers: dict[int, _WorkerHandle] = {}
+        for worker_id in range(num_workers):
+            self._workers[worker_id] = self._start_worker(worker_id)
+        self._await_ready(start_timeout)
+        self._thread = threading.Thread(target=self._loop, name="batchd-pool", daemon=True)
+        self._thread.start()
+
+    # --- public ------------------------------------------------------------------------------
+
+    def add_stream(self, stream: Stream) -> None:
+        with self._lock:
+            self._streams.append(stream)
+        self.wake()
+
+    def remove_stream(self, stream: Stream) -> None:
+        stream.close()
+        with self._lock:
+            try:
+                self._streams.remove(stream)
+            except ValueError:
+                pass
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full: a wake-up is already pending
+            pass
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers.values()]
+
+    def close(self, timeout: float = _JOIN_S) -> None:
+        """Stop the scheduler, then Shutdown -> join -> terminate -> kill every worker."""
+        if self._closing:
+            return
+        self._closing = True
+        self.wake()
+        self._thread.join(timeout)
+        for w in self._workers.values():
+            try:
+                w.conn.send(Shutdown())
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        for w in self._workers.values():
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        for w in self._workers.values():
+            if w.process.is_alive():
+                w.process.terminate()
+                w.process.join(1.0)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(1.0)
+            w.conn.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # --- workers -----------------------------------------------------------------------------
+
+    def _start_worker(self, worker_id: int) -> _WorkerHandle:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=worker_main,
+            args=(worker_id, child_conn, self._dataset_configs, self._cache_dir, self.slots.prefix, os.getpid()),
+            name=f"batchd-worker-{worker_id}",
+            daemon=True,
+        )
+        process.start()
+        child_conn.close()
+        return _WorkerHandle(worker_id, process, parent_conn)
+
+    def _await_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = {w.conn: w for w in self._workers.values()}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.close(1.0)
+                raise RuntimeError(f"{len(pending)} of {self.num_workers} workers did not start within {timeout:.0f} s")
+            for conn in wait(list(pending) + [w.process.sentinel for w in pending.values()], remaining):
+                if isinstance(conn, Connection):
+                    msg = conn.recv()
+                    if isinstance(msg, Ready):
+                        pending.pop(conn).ready = True
+                else:
+                    dead = next(w for w in pending.values() if w.process.sentinel == conn)
+                    self.close(1.0)
+                    raise RuntimeError(f"worker {dead.worker_id} {describe_exit(dead.process.exitcode)} while starting")
+        log.info("%d workers ready (pids %s)", self.num_workers, self.worker_pids)
+
+    def _on_death(self, w: _WorkerHandle) -> None:
+        self._receive(w)  # batches it finished before dying still count
+        w.process.join(0.1)
+        log.warning(
+            "worker %d (pid %d) %s with %d batches in flight; rebuilding them and starting a replacement",
+            w.worker_id, w.process.pid, describe_exit(w.process.exitcode), len(w.tasks),
+        )
+        cause = describe_exit(w.process.exitcode)
+        for task_id in sorted(w.tasks):
+            job = self._in_flight.pop(task_id)
+            self.slots.release(job.slot)
+            tries = job.stream.retry(job.batch_index)
+            if tries > self.max_task_retries:
+                ds, idx = job.stream.request.dataset, job.stream.batch_indices(job.batch_index)
+                job.stream.fail(
+                    WorkerError(
+                        f"batch {job.batch_index} of dataset {ds!r} (samples {idx.tolist()}) killed its worker "
+                        f"{tries} times (last: worker {cause}); giving up. A sample in it may crash the decoder."
+                    ),
+                    job.batch_index,
+                )
+        w.conn.close()
+        self.restarts += 1
+        self._workers[w.worker_id] = self._start_worker(w.worker_id)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._closing:
+            handles = {w.conn: w for w in self._workers.values()}
+            sentinels = {w.process.sentinel: w for w in self._workers.values()}
+            try:
+                ready = wait([*handles, *sentinels, self._wake_r], _POLL_S)
+            except OSError:
+                continue
+            for obj in ready:
+                if obj == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                elif obj in handles:
+                    self._receive(handles[obj])
+            for obj in ready:
+                if obj in sentinels and not self._closing:
+                    self._on_death(sentinels[obj])
+            self._expire()
+            self._dispatch()
+
+    def _receive(self, w: _WorkerHandle) -> None:
+        try:
+            while w.conn.poll():
+                self._handle(w, w.conn.recv())
+        except (EOFError, OSError):
+            pass  # the worker died; its sentinel reports it
+
+    def _handle(self, w: _WorkerHandle, msg) -> None:
+        if isinstance(msg, Ready):
+            w.ready = True
+            return
+        job = self._in_flight.pop(msg.task_id, None)
+        w.tasks.discard(msg.task_id)
+        if job is None:
+            return
+        self.busy_seconds += time.monotonic() - job.started
+        if isinstance(msg, BatchDone):
+            slot = self.slots.adopt(job.slot, msg.slot_name) if msg.grown else job.slot
+            job.stream.slot_hint = max(t.offset + t.nbytes for t in msg.tensors)
+            job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, msg.timings))
+        elif isinstance(msg, TaskFailed):
+            self.slots.release(job.slot)
+            job.stream.fail(_reraisable(msg), job.batch_index)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for task_id, job in list(self._in_flight.items()):
+            if now - job.started > self.worker_timeout_s:
+                w = self._workers[job.worker_id]
+                log.error("worker %d took over %.0f s on batch %d; killing it", w.worker_id, self.worker_timeout_s, job.batch_index)
+                self._in_flight.pop(task_id)
+                w.tasks.discard(task_id)
+                self.slots.release(job.slot)
+                job.stream.fail(
+                    WorkerError(
+                        f"batch {job.batch_index} of dataset {job.stream.request.dataset!r} took longer than "
+                        f"worker_timeout_s={self.worker_timeout_s:g} s"
+                    ),
+                    job.batch_index,
+                )
+                w.process.kill()
+
+    def _dispatch(self) -> None:
+        with self._lock:
+            streams = [s for s in self._streams if not s.closed]
+        free = [w for w in self._workers.values() if w.process.is_alive()]
+        turn = 0
+        while streams and free:
+            w = min(free, key=lambda w: len(w.tasks))
+            if len(w.tasks) >= _DEPTH:
+                return
+            # round robin: the first stream (from the rotating start) that wants work
+            for _ in range(len(streams)):
+                stream = streams[turn % len(streams)]
+                turn += 1
+                if stream.wants_work():
+                    break
+            else:
+                return
+            slot = self.slots.acquire(stream.slot_hint)
+            if slot is None:
+                return  # every slot is held; a release wakes us
+            b = stream.take_task()
+            req = stream.request
+            task = Task(
+                task_id=next(self._task_ids),
+                dataset=req.dataset,
+                pipeline_key=req.pipeline_key,
+                pipeline_json=req.pipeline_json,
+                indices=stream.batch_indices(b),
+                seed=batch_seed(seed=req.seed, epoch=req.epoch, batch_index=b, rank=req.rank, world_size=req.world_size),
+                slot_name=slot.name,
+                slot_capacity=slot.capacity,
+            )
+            self._in_flight[task.task_id] = _InFlight(stream, b, slot, w.worker_id, time.monotonic())
+            w.tasks.add(task.task_id)
+            try:
+                w.conn.send(task)
+            except (OSError, ValueError):
+                free.remove(w)  # dead; _on_death will rebuild the task
+        with self._lock:  # rotate so the next round starts with another stream
+            if self._streams:
+                self._streams.rotate(-1)
+
+
+def _reraisable(msg: TaskFailed) -> BaseException:
+    """The worker's exception, with its traceback in the message where the type allows."""
+    err = msg.error
+    if isinstance(err, (SampleError, ShapeMismatchError)):
+        return err  # data errors: the message already names dataset, sample and file
+    if err is not None and isinstance(err, ValueError):
+        err.add_note(f"Worker traceback:\n{msg.traceback}")
+        return err
+    return WorkerError(f"{msg.error_type}: {msg.message}\n\nWorker traceback:\n{msg.traceback}")

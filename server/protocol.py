@@ -1,0 +1,96 @@
+"""The messages between the server and its worker processes.
+
+Each worker has one duplex pipe. Down it go ``Task`` and ``Shutdown``; up it come ``Ready``,
+``BatchDone`` and ``TaskFailed``. Workers never raise across the pipe: a failure is a
+``TaskFailed`` carrying the exception (pickled when possible) and the worker's formatted
+traceback, which the server re-raises with that traceback attached. Pixels never cross the pipe:
+a worker writes the batch into a shared-memory slot and sends only its layout.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Kind(enum.IntEnum):
+    READY = 1
+    BATCH_DONE = 2
+    TASK_FAILED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where one tensor of a batch lies in its slot: ``nbytes`` bytes at ``offset``, C order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """Build one batch: load ``indices``, run the pipeline seeded with ``seed``, stack into a slot.
+
+    task_id: unique per server. dataset: config name. pipeline_key/pipeline_json: the
+    albumentations pipeline ("" = none), cached per worker by key. indices: int64 [B].
+    slot_name/slot_capacity: the shared-memory slot to write, bytes.
+    """
+
+    task_id: int
+    dataset: str
+    pipeline_key: str
+    pipeline_json: str
+    indices: np.ndarray
+    seed: int
+    slot_name: str
+    slot_capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Finish and exit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    worker_id: int
+    pid: int
+    kind: Kind = Kind.READY
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDone:
+    """The batch is in ``slot_name`` (a new, larger segment when ``grown``), laid out as ``tensors``.
+
+    timings: seconds spent per stage ("read", "decode", "pipeline", "stack").
+    """
+
+    task_id: int
+    worker_id: int
+    slot_name: str
+    slot_capacity: int
+    grown: bool
+    tensors: tuple[TensorLayout, ...]
+    timings: dict[str, float] = field(default_factory=dict)
+    kind: Kind = Kind.BATCH_DONE
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFailed:
+    """Building the batch raised. ``error`` is the exception if it pickles, else None."""
+
+    task_id: int
+    worker_id: int
+    error: BaseException | None
+    error_type: str
+    message: str
+    traceback: str
+    kind: Kind = Kind.TASK_FAILED

@@ -1,0 +1,153 @@
+"""The gRPC servicer: a thin adapter from ``batchd.v1.BatchLoader`` to a ``Loader``.
+
+StreamBatches responses are serialized by ``batchd.wire.encode_batch`` straight from the
+worker's shared-memory slot (one copy), so the handler is registered with an identity
+serializer. The stream's generator never blocks for long: it waits for the next batch in slices
+of ``_POLL_S`` and stops as soon as ``context.is_active()`` turns false (client gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import grpc
+
+from batchd import wire
+from batchd.errors import DatasetNotFoundError, SampleError, ShapeMismatchError, WorkerError
+from batchd.server.loader import Loader, StreamArgs
+from batchd.v1 import loader_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SERVICE = "batchd.v1.BatchLoader"
+ERROR_DETAIL_KEY = "batchd-error-bin"
+_POLL_S = 0.25
+
+
+def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
+    ds = loader.dataset(name)
+    spec = ds.sample_spec
+    return pb.DatasetInfo(
+        name=name,
+        kind=ds.kind,
+        num_samples=len(ds),
+        class_names=list(ds.classes),
+        sample=[
+            pb.TensorSpec(name="image", dtype=spec.image_dtype, shape=list(spec.image_shape)),
+            pb.TensorSpec(name="label", dtype="int64", shape=[]),
+            pb.TensorSpec(name="index", dtype="int64", shape=[]),
+        ],
+    )
+
+
+def stream_args(request: pb.StreamBatchesRequest) -> StreamArgs:
+    which = request.pipeline.WhichOneof("source") if request.HasField("pipeline") else None
+    return StreamArgs(
+        dataset=request.dataset,
+        preset=request.pipeline.preset if which == "preset" else "",
+        albumentations_json=request.pipeline.albumentations_json if which == "albumentations_json" else "",
+        batch_size=request.batch_size,
+        shuffle=request.shuffle,
+        seed=request.seed,
+        epoch=request.epoch,
+        drop_last=request.drop_last,
+        rank=request.rank,
+        world_size=request.world_size,
+        start_batch=request.start_batch,
+        prefetch=request.prefetch,
+    )
+
+
+class BatchLoaderService:
+    """Implements ListDatasets, DescribeDataset and StreamBatches over ``loader``."""
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+
+    def ListDatasets(self, request: pb.ListDatasetsRequest, context: grpc.ServicerContext) -> pb.ListDatasetsResponse:
+        return pb.ListDatasetsResponse(datasets=[dataset_info(self.loader, n) for n in sorted(self.loader.datasets)])
+
+    def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: grpc.ServicerContext) -> pb.DatasetInfo:
+        try:
+            return dataset_info(self.loader, request.name)
+        except DatasetNotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+
+    def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
+        try:
+            stream = self.loader.open_stream(stream_args(request))
+        except DatasetNotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        reason = "finished"
+        epoch = request.epoch
+        try:
+            while True:
+                try:
+                    batch = stream.next(_POLL_S)
+                except (SampleError, ShapeMismatchError, WorkerError, ValueError, TypeError) as e:
+                    reason = f"failed: {type(e).__name__}"
+                    _abort_with_detail(context, stream.request.dataset, e)
+                    return
+                if batch is None:
+                    if stream.finished:
+                        return
+                    if not context.is_active():
+                        reason = "cancelled by the client"
+                        return
+                    continue
+                try:
+                    buf = batch.slot.buf
+                    data = wire.encode_batch(
+                        batch.batch_index, epoch, stream.num_batches,
+                        [wire.WireTensor(t.name, t.dtype, t.shape, buf[t.offset : t.offset + t.nbytes])
+                         for t in batch.tensors],
+                    )
+                finally:
+                    stream.release(batch)
+                yield data
+        finally:
+            self.loader.close_stream(stream, reason)
+
+
+def _abort_with_detail(context: grpc.ServicerContext, dataset: str, e: BaseException) -> None:
+    detail = pb.ErrorDetail(type=type(e).__name__, message=str(e), dataset=dataset)
+    if isinstance(e, SampleError):
+        detail.indices.append(e.index)
+        detail.paths.append(e.path)
+        detail.reason = e.reason
+    code = grpc.StatusCode.INTERNAL if isinstance(e, WorkerError) else (
+        grpc.StatusCode.DATA_LOSS if isinstance(e, SampleError) else grpc.StatusCode.INVALID_ARGUMENT
+    )
+    log.error("stream on dataset %r failed: %s", dataset, "".join(traceback.format_exception(e)).rstrip())
+    context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
+    message = str(e).split("\n\nWorker traceback:")[0]  # the traceback stays in the server log
+    if getattr(e, "__notes__", None) and not isinstance(e, WorkerError):
+        message += "\n" + "\n".join(n for n in e.__notes__ if not n.startswith("Worker traceback"))
+    context.abort(code, message)
+
+
+def add_to_server(service: BatchLoaderService, server: grpc.Server) -> None:
+    """Register ``service``; StreamBatches responses are pre-serialized bytes."""
+    handlers = {
+        "ListDatasets": grpc.unary_unary_rpc_method_handler(
+            service.ListDatasets,
+            request_deserializer=pb.ListDatasetsRequest.FromString,
+            response_serializer=pb.ListDatasetsResponse.SerializeToString,
+        ),
+        "DescribeDataset": grpc.unary_unary_rpc_method_handler(
+            service.DescribeDataset,
+            request_deserializer=pb.DescribeDatasetRequest.FromString,
+            response_serializer=pb.DatasetInfo.SerializeToString,
+        ),
+        "StreamBatches": grpc.unary_stream_rpc_method_handler(
+            service.StreamBatches,
+            request_deserializer=pb.StreamBatchesRequest.FromString,
+            response_serializer=bytes,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

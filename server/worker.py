@@ -1,0 +1,223 @@
+"""The worker process: read, decode, transform and stack whole batches into shared memory.
+
+``worker_main`` runs in a process started by the server's ``forkserver`` context (never forked
+from the process that runs gRPC). It opens the datasets read-only (memory-mapped indexes),
+answers each ``Task`` with exactly one ``BatchDone`` or ``TaskFailed`` and never raises across
+the pipe. It exits on ``Shutdown``, on EOF, or within a second of the server disappearing.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from batchd.errors import ShapeMismatchError
+from batchd.server import pipeline as pipelines
+from batchd.server.datasets import Dataset, open_dataset
+from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed, TensorLayout
+from batchd.server.shm import Segment
+
+_ALIGN = 64
+_CACHED_SEGMENTS = 16
+_CACHED_PIPELINES = 32
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def batch_layout(batch_size: int, image_shape: tuple[int, ...], image_dtype: np.dtype) -> tuple[TensorLayout, ...]:
+    """image [B, *image_shape] at 0, then label int64 [B] and index int64 [B], 64-byte aligned."""
+    image = TensorLayout("image", np.dtype(image_dtype).name, (batch_size, *image_shape), 0)
+    label = TensorLayout("label", "int64", (batch_size,), _align(image.nbytes))
+    index = TensorLayout("index", "int64", (batch_size,), label.offset + _align(label.nbytes))
+    return image, label, index
+
+
+def layout_nbytes(layout: tuple[TensorLayout, ...]) -> int:
+    return max(t.offset + t.nbytes for t in layout)
+
+
+def view(buf: memoryview, t: TensorLayout) -> np.ndarray:
+    """A numpy array on ``buf`` for tensor ``t`` (no copy)."""
+    return np.frombuffer(buf, dtype=t.dtype, count=int(np.prod(t.shape)), offset=t.offset).reshape(t.shape)
+
+
+class _Worker:
+    def __init__(self, worker_id: int, dataset_configs: dict[str, Any], cache_dir, new_segment_prefix: str):
+        self.worker_id = worker_id
+        self.dataset_configs = dataset_configs
+        self.cache_dir = cache_dir
+        self.new_segment_prefix = new_segment_prefix
+        self.datasets: dict[str, Dataset] = {}
+        self.pipelines: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.segments: collections.OrderedDict[str, Segment] = collections.OrderedDict()
+        self.grown = 0
+
+    def dataset(self, name: str) -> Dataset:
+        ds = self.datasets.get(name)
+        if ds is None:
+            ds = self.datasets[name] = open_dataset(name, self.dataset_configs[name], self.cache_dir, build=False)
+        return ds
+
+    def pipeline(self, key: str, text: str):
+        if not key:
+            return None
+        p = self.pipelines.get(key)
+        if p is None:
+            p = self.pipelines[key] = pipelines.build(text)
+            if len(self.pipelines) > _CACHED_PIPELINES:
+                self.pipelines.popitem(last=False)
+        else:
+            self.pipelines.move_to_end(key)
+        return p
+
+    def segment(self, name: str) -> Segment:
+        seg = self.segments.get(name)
+        if seg is None:
+            seg = self.segments[name] = Segment.attach(name)
+            while len(self.segments) > _CACHED_SEGMENTS:
+                self._forget(next(iter(self.segments)))
+        else:
+            self.segments.move_to_end(name)
+        return seg
+
+    def _forget(self, name: str) -> None:
+        seg = self.segments.pop(name)
+        try:
+            seg.close()
+        except BufferError:
+            pass
+
+    def run(self, task: Task) -> BatchDone:
+        ds = self.dataset(task.dataset)
+        compose = self.pipeline(task.pipeline_key, task.pipeline_json)
+        if compose is not None:
+            compose.set_random_seed(task.seed)
+        t_load = t_pipe = t_copy = 0.0
+        batch_size = len(task.indices)
+        labels = np.empty(batch_size, np.int64)
+        images = first_shape = first_index = None
+        seg = grown = layout = None
+        for i, index in enumerate(task.indices.tolist()):
+            t0 = time.perf_counter()
+            image = ds.load_image(index)
+            labels[i] = ds.label(index)
+            t1 = time.perf_counter()
+            if compose is not None:
+                try:
+                    image = compose(image=image)["image"]
+                except Exception as e:
+                    e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
+                    raise
+            image = _as_hwc_array(image, ds.name, index)
+            t2 = time.perf_counter()
+            if images is None:
+                first_shape, first_index = image.shape, index
+                layout = batch_layout(batch_size, image.shape, image.dtype)
+                seg, grown = self._slot(task, layout_nbytes(layout))
+                images = view(seg.buf, layout[0])
+            elif image.shape != first_shape or image.dtype != images.dtype:
+                raise ShapeMismatchError(
+                    f"dataset {ds.name!r}: sample {index} ({ds.source(index)}) is {image.dtype}{list(image.shape)} "
+                    f"after the pipeline but sample {first_index} ({ds.source(first_index)}) is "
+                    f"{images.dtype}{list(first_shape)}; images of a batch must have one shape "
+                    "(add a Resize or crop to the pipeline)"
+                )
+            images[i] = image
+            t_load += t1 - t0
+            t_pipe += t2 - t1
+            t_copy += time.perf_counter() - t2
+        view(seg.buf, layout[1])[:] = labels
+        view(seg.buf, layout[2])[:] = task.indices
+        del images
+        timings = {"load": t_load, "pipeline": t_pipe, "copy": t_copy}
+        return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings)
+
+    def _slot(self, task: Task, nbytes: int) -> tuple[Segment, bool]:
+        """The task's slot if the batch fits, else a new segment of exactly nbytes (the server adopts it)."""
+        if nbytes <= task.slot_capacity:
+            return self.segment(task.slot_name), False
+        if task.slot_name in self.segments:
+            self._forget(task.slot_name)
+        self.grown += 1
+        seg = Segment.create(f"{self.new_segment_prefix}w{self.worker_id}-{os.getpid()}-{self.grown}", nbytes)
+        self.segments[seg.name] = seg
+        return seg, True
+
+
+def _as_hwc_array(image: Any, dataset: str, index: int) -> np.ndarray:
+    if not isinstance(image, np.ndarray):
+        raise TypeError(
+            f"dataset {dataset!r}, sample {index}: the pipeline returned {type(image).__name__}, not a numpy "
+            "array (drop ToTensorV2: batchd returns [B, H, W, C] arrays and the client makes tensors)"
+        )
+    if image.ndim == 2:
+        image = image[:, :, None]
+    return image
+
+
+def _failure(task_id: int, worker_id: int, exc: BaseException) -> TaskFailed:
+    tb = "".join(traceback.format_exception(exc))
+    try:
+        pickle.loads(pickle.dumps(exc))  # some exceptions pickle but do not unpickle
+        error = exc
+    except Exception:
+        error = None
+    return TaskFailed(task_id, worker_id, error, type(exc).__name__, str(exc), tb)
+
+
+def _parent_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def worker_main(
+    worker_id: int,
+    conn: Connection,
+    dataset_configs: dict[str, Any],
+    cache_dir,
+    segment_prefix: str,
+    server_pid: int,
+) -> None:
+    """Serve tasks from ``conn`` until Shutdown, EOF, or the server (``server_pid``) is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which shuts us down
+    import cv2
+
+    cv2.setNumThreads(1)  # one worker per core; OpenCV's own threads would oversubscribe
+    worker = _Worker(worker_id, dataset_configs, cache_dir, segment_prefix)
+    conn.send(Ready(worker_id, os.getpid()))
+    while True:
+        try:
+            if not conn.poll(1.0):
+                if not _parent_alive(server_pid):
+                    return
+                continue
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if isinstance(msg, Shutdown):
+            return
+        try:
+            reply: BatchDone | TaskFailed = worker.run(msg)
+        except Exception as e:
+            reply = _failure(msg.task_id, worker_id, e)
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+        except Exception as e:  # the reply itself did not pickle
+            conn.send(_failure(msg.task_id, worker_id, e))
