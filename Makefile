@@ -60,7 +60,7 @@ define apt_provide
 	  { apt-get update -q && apt-get install -y -q $(1); } \
 	    || echo "!! apt-get install $(1) failed; $(3) will not work until it is installed" >&2; \
 	else \
-	  echo "!! $(2) is missing; $(3) needs it." >&2; \
+	  echo "!! $(2) is missing (wanted by $(3))." >&2; \
 	  echo "   On Debian/Ubuntu: sudo apt-get install $(1)" >&2; \
 	  echo "   Elsewhere: get the files that package ships and put them at that path." >&2; \
 	fi

@@ -7,6 +7,7 @@ import json
 import mmap
 import os
 import pathlib
+import re
 import struct
 import subprocess
 import sys
@@ -452,7 +453,7 @@ def test_corrupt_files_raise_sample_error(corrupt, index, path, reason):
         corrupt.load_image(index)
     err = info.value
     assert (err.dataset, err.index, err.path) == ("bad", index, path)
-    assert __import__("re").search(reason, err.reason), err.reason
+    assert re.search(reason, err.reason), err.reason
     assert f"sample {index} ({path})" in str(err)
 
 
@@ -519,3 +520,15 @@ def test_public_names():
     import batchd.server.datasets as m
 
     assert m.__all__ == sorted(m.__all__) == ["Dataset", "SampleSpec", "open_dataset"]
+
+
+@pytest.mark.parametrize("typ", [pa.string(), pa.large_string()])
+def test_packing_arrow_string_chunks_respects_slices(typ):
+    from batchd.server.datasets._files import PackedStrings
+    from batchd.server.datasets.manifest import _path_chunks
+
+    arr = pa.array(["a/ü.png", "bb.png", "c/c/c.jpg", "d.png"], typ)
+    col = pa.chunked_array([arr.slice(1, 2), arr.slice(0, 0), arr.slice(3, 1), arr.slice(0, 1)], typ)
+    offsets, pieces = _path_chunks(col)
+    packed = PackedStrings(np.concatenate(pieces), offsets)
+    assert [packed[i] for i in range(len(packed))] == ["bb.png", "c/c/c.jpg", "d.png", "a/ü.png"]

@@ -239,6 +239,11 @@ def test_compose_files_exist_in_the_repository():
         if cmd and cmd[0] in ("python", "python3"):
             script = next(a for a in cmd[1:] if not a.startswith("-"))
             assert (REPO / script).is_file(), f"{name}: runs {script}, which is not in the repository"
+            res = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True,
+                                 text=True, timeout=45, stdin=subprocess.DEVNULL)
+            assert res.returncode == 0, f"{name}: {script} --help failed:\n{res.stderr}"
+            for opt in (a.split("=")[0] for a in cmd[2:] if a.startswith("--")):
+                assert opt in res.stdout, f"{name}: {script} has no option {opt}"
 
 
 @pytest.mark.timeout(60)
@@ -295,7 +300,7 @@ def test_health_fails_when_no_server_listens():
 
 
 @pytest.mark.timeout(60)
-def test_serve_example_config_reports_healthy_and_stops_on_sigterm():
+def test_serve_example_config_reports_healthy_and_stops_on_sigterm(tmp_path):
     """What the compose file runs, run directly: serve, probe health, SIGTERM, exit 0."""
     missing = [f for f in FMNIST_FILES if not (FMNIST_DIR / f).is_file()]
     if missing:
@@ -303,7 +308,8 @@ def test_serve_example_config_reports_healthy_and_stops_on_sigterm():
     proc = subprocess.Popen(
         [batchd_exe(), "serve", "--config", str(EXAMPLE_CONFIG), "--address", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # Its dataset cache goes to a temporary folder, not the user's ~/.cache.
+        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp_path)},
     )
     lines: queue.Queue[str | None] = queue.Queue()
     log: list[str] = []

@@ -51,17 +51,11 @@ def _read_table(path: str):
         raise ValueError(f"{path}: cannot read the manifest: {e}") from None
 
 
-def _first_row(mask) -> int:
-    import pyarrow.compute as pc
-
-    return int(pc.index(mask, True).as_py())
-
-
 def _check_no_nulls(path: str, name: str, column) -> None:
     import pyarrow.compute as pc
 
     if column.null_count:
-        row = _first_row(pc.is_null(column))
+        row = int(pc.index(pc.is_null(column), True).as_py())
         raise ValueError(f"{path}: row {row} (0-based, header not counted) has no {name}")
 
 
@@ -97,6 +91,9 @@ def _labels(path: str, column) -> tuple[np.ndarray, list[str]]:
     t = column.type
     if pa.types.is_dictionary(t):
         column = column.cast(t.value_type)
+        t = column.type
+    if getattr(pa.types, "is_string_view", lambda _: False)(t):
+        column = column.cast(pa.large_string())
         t = column.type
     if pa.types.is_integer(t):
         labels = column.to_numpy().astype(np.int64, copy=False)
