@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-# Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages)
-# Tensor: 1 name, 2 dtype (strings), 3 shape (packed int64), 4 data (bytes)
+# Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages), 5 segment, 6 lease
+# Tensor: 1 name, 2 dtype (strings), 3 shape (packed int64), 4 data (bytes), 5 offset, 6 compression
 _WT_VARINT, _WT_LEN = 0, 2
 
 
@@ -25,7 +25,9 @@ class WireTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: memoryview | bytes
+    data: memoryview | bytes = b""
+    offset: int = 0  # into the batch's shared-memory segment, when it has one
+    compression: int = 0  # loader.proto Compression
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,8 @@ class WireBatch:
     epoch: int
     num_batches: int
     tensors: tuple[WireTensor, ...]
+    segment: str = ""
+    lease: int = 0
 
 
 def _varint(n: int) -> bytes:
@@ -58,12 +62,19 @@ def _len_field(field: int, payload_len: int) -> bytes:
     return _key(field, _WT_LEN) + _varint(payload_len)
 
 
-def encode_batch(batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor]) -> bytes:
+def encode_batch(
+    batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor], *, segment: str = "", lease: int = 0
+) -> bytes:
     """The serialized ``Batch``; each tensor's data is copied once, into the result."""
     parts: list[bytes | memoryview] = []
     for field, value in ((1, batch_index), (2, epoch), (3, num_batches)):
         if value:
             parts += [_key(field, _WT_VARINT), _varint(value)]
+    if segment:
+        seg = segment.encode()
+        parts += [_len_field(5, len(seg)), seg]
+    if lease:
+        parts += [_key(6, _WT_VARINT), _varint(lease)]
     for t in tensors:
         name, dtype = t.name.encode(), t.dtype.encode()
         shape = b"".join(_varint(d) for d in t.shape)
@@ -72,7 +83,12 @@ def encode_batch(batch_index: int, epoch: int, num_batches: int, tensors: Sequen
         if shape:
             head += _len_field(3, len(shape)) + shape
         data_head = _len_field(4, len(data)) if len(data) else b""
-        parts += [_len_field(4, len(head) + len(data_head) + len(data)), head, data_head, data]
+        tail = b""
+        if t.offset:
+            tail += _key(5, _WT_VARINT) + _varint(t.offset)
+        if t.compression:
+            tail += _key(6, _WT_VARINT) + _varint(t.compression)
+        parts += [_len_field(4, len(head) + len(data_head) + len(data) + len(tail)), head, data_head, data, tail]
     return b"".join(parts)
 
 
@@ -110,6 +126,7 @@ def _decode_tensor(buf: memoryview) -> WireTensor:
     name = dtype = ""
     shape: list[int] = []
     data: memoryview = buf[0:0]
+    offset = compression = 0
     pos, end = 0, len(buf)
     while pos < end:
         key, pos = _read_varint(buf, pos)
@@ -132,9 +149,13 @@ def _decode_tensor(buf: memoryview) -> WireTensor:
         elif wt == _WT_VARINT and field == 3:  # unpacked repeated int64
             v, pos = _read_varint(buf, pos)
             shape.append(_signed(v))
+        elif wt == _WT_VARINT and field == 5:
+            offset, pos = _read_varint(buf, pos)
+        elif wt == _WT_VARINT and field == 6:
+            compression, pos = _read_varint(buf, pos)
         else:
             pos = _skip(buf, pos, wt)
-    return WireTensor(name, dtype, tuple(shape), data)
+    return WireTensor(name, dtype, tuple(shape), data, offset, compression)
 
 
 def decode_batch(data: bytes | memoryview) -> WireBatch:
@@ -143,7 +164,8 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
     Raises ValueError on a malformed message.
     """
     buf = memoryview(data)
-    header = {1: 0, 2: 0, 3: 0}
+    header = {1: 0, 2: 0, 3: 0, 6: 0}
+    segment = ""
     tensors: list[WireTensor] = []
     pos, end = 0, len(buf)
     try:
@@ -156,10 +178,14 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
                 n, pos = _read_varint(buf, pos)
                 tensors.append(_decode_tensor(buf[pos : pos + n]))
                 pos += n
+            elif wt == _WT_LEN and field == 5:
+                n, pos = _read_varint(buf, pos)
+                segment = bytes(buf[pos : pos + n]).decode()
+                pos += n
             else:
                 pos = _skip(buf, pos, wt)
     except IndexError:
         raise ValueError("truncated Batch message") from None
     if pos != end:
         raise ValueError("truncated Batch message")
-    return WireBatch(header[1], header[2], header[3], tuple(tensors))
+    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6])

@@ -13,10 +13,14 @@ import torch
 from batchd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel, translate
 from batchd.client.datasets import DatasetInfo, describe
 from batchd.client.receiver import Receiver, _End, to_tensors
+from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
 from batchd.sampler import num_batches
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "shm", "inline")
+_warned_no_shm: set[str] = set()
 
 
 def _pipeline(transform: Any) -> pb.Pipeline | None:
@@ -61,6 +65,15 @@ class RemoteDataLoader:
         prefetch: batches the server computes ahead of the one being read (>= 1).
         timeout: seconds without a batch before iteration raises TimeoutError.
         connect_timeout: seconds to find the server before raising ConnectionError.
+        transport: "auto" (shared memory when this process can read the server's /dev/shm,
+            i.e. same host and IPC namespace, else bytes in the gRPC messages), "shm" (shared
+            memory or RuntimeError), or "inline" (always bytes in the messages).
+        compression: None, or "lz4" to compress inline tensor bytes (for slow remote links).
+
+    Memory: over shared memory, a batch's tensors are views of a server slot lent to this
+    client; the slot goes back when the last tensor on it is freed. Inline, they are views of
+    the received message. Either way a batch stays valid as long as it is referenced, and may
+    be modified in place, as with DataLoader.
 
     Raises (at construction): ValueError for bad arguments, ConnectionError if no server
     answers, DatasetNotFoundError if the server has no such dataset. Iteration raises
@@ -89,6 +102,8 @@ class RemoteDataLoader:
         timeout: float = 120.0,
         connect_timeout: float = 10.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        transport: str = "auto",
+        compression: str | None = None,
     ):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -102,6 +117,15 @@ class RemoteDataLoader:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if compression not in (None, "lz4"):
+            raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
+        self.transport = transport
+        self._compression = pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE
+        self._connect_timeout = connect_timeout
+        self._shm: SharedMemorySession | None = None
+        self._shm_tried = False
         self.address = address
         self.dataset = dataset
         self.batch_size = batch_size
@@ -157,6 +181,12 @@ class RemoteDataLoader:
         if self._receiver is not None:
             self._receiver.stop()
             self._receiver = None
+        if self._shm is not None:
+            # tensors still held keep their slots: the session (and channel) ends with the last one
+            self._shm.close()
+            if self._shm.outstanding:
+                self._finalizer.detach()
+                return
         self._finalizer()
 
     def __enter__(self) -> "RemoteDataLoader":
@@ -167,15 +197,33 @@ class RemoteDataLoader:
 
     # --- internals ---------------------------------------------------------------------------
 
+    def _shared_memory(self) -> SharedMemorySession | None:
+        """The shared-memory session, opened on first use; None when the transport is inline."""
+        if self.transport == "inline" or self._shm_tried:
+            return self._shm
+        self._shm_tried = True
+        try:
+            self._shm = SharedMemorySession.open(self._channel, self.address, self._connect_timeout)
+        except SharedMemoryUnavailable as e:
+            if self.transport == "shm":
+                raise RuntimeError(f"transport='shm' but shared memory with {self.address} is unavailable: {e}") from None
+            if self.address not in _warned_no_shm:
+                _warned_no_shm.add(self.address)
+                log.warning("shared memory with %s is unavailable (%s); batches travel in gRPC messages", self.address, e)
+        return self._shm
+
     def _request(self, epoch: int, start_batch: int) -> pb.StreamBatchesRequest:
+        shm = self._shared_memory()
         return pb.StreamBatchesRequest(
             dataset=self.dataset, pipeline=self._pipeline, batch_size=self.batch_size, shuffle=self.shuffle,
             seed=self.seed, epoch=epoch, drop_last=self.drop_last, rank=self.rank, world_size=self.world_size,
             start_batch=start_batch, prefetch=self.prefetch,
+            transport=pb.TRANSPORT_SHARED_MEMORY if shm is not None else pb.TRANSPORT_INLINE,
+            session=shm.session if shm is not None else "", compression=self._compression,
         )
 
     def _convert(self, raw) -> Any:
-        batch = to_tensors(raw)
+        batch = self._shm.tensors(raw) if raw.segment else to_tensors(raw)
         if self._transfer is not None:
             return self._transfer.to_device(batch)
         return batch

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import grpc
+import lz4.frame as lz4_frame
 import torch
 
 from batchd import wire
 from batchd.client.channel import translate
+from batchd.v1 import loader_pb2 as pb
 
 _POLL_S = 0.1
 
@@ -52,8 +54,9 @@ def to_tensors(batch: wire.WireBatch) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)
         for t in batch.tensors:
             dtype = _torch_dtype(t.dtype)
-            if len(t.data):
-                out[t.name] = torch.frombuffer(t.data, dtype=dtype).view(t.shape)
+            data = lz4_frame.decompress(t.data) if t.compression == pb.COMPRESSION_LZ4 else t.data
+            if len(data):
+                out[t.name] = torch.frombuffer(data, dtype=dtype).view(t.shape)
             else:
                 out[t.name] = torch.empty(t.shape, dtype=dtype)
     return out

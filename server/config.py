@@ -76,6 +76,8 @@ class ServerConfig(_Strict):
     max_task_retries: times a batch is rebuilt after its worker died before the stream fails.
     grpc_threads: threads serving RPCs; each open stream holds one.
     max_slots: shared-memory batch slots; at most this many batches exist at once (bounds memory).
+    max_leases_per_session: slots a same-host client may hold at once over the shared-memory
+        transport (on top of max_slots); further batches are sent inline. 0 disables the transport.
     """
 
     address: str = "127.0.0.1:50051"
@@ -93,6 +95,7 @@ class ServerConfig(_Strict):
     max_task_retries: int = Field(default=3, ge=0)
     grpc_threads: int = Field(default=64, ge=2)
     max_slots: int = Field(default=64, ge=2)
+    max_leases_per_session: int = Field(default=8, ge=0)
 
     @field_validator("address")
     @classmethod

@@ -16,6 +16,7 @@ from batchd.server import pipeline as pipelines
 from batchd.server import shm
 from batchd.server.config import ServerConfig
 from batchd.server.datasets import Dataset, open_dataset
+from batchd.server.leases import LeaseTable
 from batchd.server.pool import WorkerPool
 from batchd.server.stream import Stream, StreamRequest
 
@@ -62,7 +63,9 @@ class Loader:
             except ValueError as e:
                 raise ValueError(f"pipelines.{name}: {e}") from None
         self._checked: dict[str, None] = {}  # pipeline keys already known to build
-        self.slots = shm.SlotPool(max_slots=config.max_slots)
+        self.owner = shm.Owner()
+        self.slots = shm.SlotPool(max_slots=config.max_slots, prefix=self.owner.prefix)
+        self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
         self.pool = WorkerPool(
             config.workers, dict(config.datasets), config.cache_dir, self.slots,
             worker_timeout_s=config.worker_timeout_s, max_task_retries=config.max_task_retries,
@@ -149,11 +152,20 @@ class Loader:
         self.slots.release(slot)
         self.pool.wake()
 
+    def _wake_pool(self) -> None:
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.wake()
+
     def close_stream(self, stream: Stream, reason: str = "finished") -> None:
         self.pool.remove_stream(stream)
         with self._lock:
             self.streams.pop(stream.id, None)
         log.info("stream %d %s after %d batches", stream.id, reason, stream.batches_sent)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Stop every stream and worker and unlink shared memory. Idempotent."""
@@ -165,4 +177,6 @@ class Loader:
         for s in streams:
             s.close()
         self.pool.close()
+        self.leases.close_all()
         self.slots.close()
+        self.owner.close()

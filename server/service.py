@@ -9,9 +9,11 @@ of ``_POLL_S`` and stops as soon as ``context.is_active()`` turns false (client 
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 
 import grpc
+import lz4.frame as lz4_frame
 
 from batchd import wire
 from batchd.errors import DatasetNotFoundError, SampleError, ShapeMismatchError, WorkerError
@@ -84,7 +86,8 @@ class BatchLoaderService:
         except RuntimeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         reason = "finished"
-        epoch = request.epoch
+        shared = request.transport == pb.TRANSPORT_SHARED_MEMORY and bool(request.session)
+        lz4 = request.compression == pb.COMPRESSION_LZ4
         try:
             while True:
                 try:
@@ -100,18 +103,48 @@ class BatchLoaderService:
                         reason = "cancelled by the client"
                         return
                     continue
+                lease = self.loader.leases.lend(request.session, batch.slot) if shared else None
                 try:
-                    buf = batch.slot.buf
-                    data = wire.encode_batch(
-                        batch.batch_index, epoch, stream.num_batches,
-                        [wire.WireTensor(t.name, t.dtype, t.shape, buf[t.offset : t.offset + t.nbytes])
-                         for t in batch.tensors],
-                    )
+                    data = _encode(batch, request.epoch, stream.num_batches, lease, lz4)
                 finally:
-                    stream.release(batch)
+                    stream.release(batch, lent=lease is not None)
                 yield data
         finally:
             self.loader.close_stream(stream, reason)
+
+    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
+        if not request.session:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session id is empty")
+        leases, owner = self.loader.leases, self.loader.owner
+        leases.open(request.session)
+        log.info("shared-memory session %s opened by %s", request.session[:8], context.peer())
+        try:
+            yield pb.SessionEvent(probe_segment=owner.probe_name, probe_token=owner.probe_token)
+            while context.is_active() and not self.loader.closed:
+                time.sleep(_POLL_S)
+        finally:
+            returned = leases.close(request.session)
+            log.info("shared-memory session %s closed; %d slots it held went back", request.session[:8], returned)
+
+    def ReleaseLeases(self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext):
+        self.loader.leases.release(request.session, request.leases)
+        return pb.ReleaseLeasesResponse()
+
+
+def _encode(batch, epoch: int, num_batches: int, lease: int | None, lz4: bool) -> bytes:
+    """The serialized Batch: slot place and lease when lent, else the bytes (LZ4-framed if asked)."""
+    if lease is not None:
+        tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset) for t in batch.tensors]
+        return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors, segment=batch.slot.name, lease=lease)
+    buf = batch.slot.buf
+    tensors = []
+    for t in batch.tensors:
+        data = buf[t.offset : t.offset + t.nbytes]
+        if lz4:
+            tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, lz4_frame.compress(data), compression=pb.COMPRESSION_LZ4))
+        else:
+            tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, data))
+    return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors)
 
 
 def _abort_with_detail(context: grpc.ServicerContext, dataset: str, e: BaseException) -> None:
@@ -148,6 +181,16 @@ def add_to_server(service: BatchLoaderService, server: grpc.Server) -> None:
             service.StreamBatches,
             request_deserializer=pb.StreamBatchesRequest.FromString,
             response_serializer=bytes,
+        ),
+        "OpenSession": grpc.unary_stream_rpc_method_handler(
+            service.OpenSession,
+            request_deserializer=pb.OpenSessionRequest.FromString,
+            response_serializer=pb.SessionEvent.SerializeToString,
+        ),
+        "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
+            service.ReleaseLeases,
+            request_deserializer=pb.ReleaseLeasesRequest.FromString,
+            response_serializer=pb.ReleaseLeasesResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -3,8 +3,10 @@
 A segment is a file in ``/dev/shm`` (POSIX shared memory on Linux) mapped with ``mmap``; we
 manage the files ourselves rather than through ``multiprocessing.shared_memory`` so that no
 resource tracker unlinks a slot behind the server's back when a worker exits. Every name starts
-with ``batchd-<server pid>-`` so segments left by a server that was SIGKILLed are found and
-removed by the next server on the host (``remove_stale``).
+with the owning server's prefix ``batchd-<pid>-<random>-``; the server holds an exclusive
+``flock`` on ``<prefix>lock`` while it lives, so segments left by a server that was SIGKILLed
+are found and removed by the next server sharing the directory (``remove_stale``), even across
+PID namespaces (containers sharing an IPC namespace).
 
 Slots are reused across batches and streams: a fresh segment costs a page fault per 4 KiB on
 first write; a reused one costs nothing. Their number bounds the memory the server holds.
@@ -12,19 +14,21 @@ first write; a reused one costs nothing. Their number bounds the memory the serv
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import mmap
 import os
 import pathlib
 import re
+import secrets
 import tempfile
 import threading
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = pathlib.Path("/dev/shm") if os.path.isdir("/dev/shm") else pathlib.Path(tempfile.gettempdir())
-_NAME = re.compile(r"^batchd-(\d+)-")
+_PREFIX = re.compile(r"^(batchd-\d+-[0-9a-f]+-)")
 
 
 class Segment:
@@ -68,28 +72,64 @@ class Segment:
 
 
 def remove_stale() -> int:
-    """Unlink segments of batchd servers that no longer run; returns how many."""
-    removed = 0
+    """Unlink the segments of batchd servers that no longer run; returns how many."""
+    by_prefix: dict[str, list[pathlib.Path]] = {}
     for path in SHM_DIR.glob("batchd-*"):
-        m = _NAME.match(path.name)
-        if not m:
-            continue
-        pid = int(m.group(1))
+        m = _PREFIX.match(path.name)
+        if m:
+            by_prefix.setdefault(m.group(1), []).append(path)
+    removed = 0
+    for prefix, paths in by_prefix.items():
         try:
-            os.kill(pid, 0)
-            continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            path.unlink()
-            removed += 1
+            fd = os.open(SHM_DIR / f"{prefix}lock", os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # no lock file: its server is gone (or never finished starting)
         except OSError:
-            pass
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # alive
+            for path in paths:
+                try:
+                    path.unlink()
+                    removed += 1
+                except OSError:
+                    pass
+        finally:
+            if fd is not None:
+                os.close(fd)
     if removed:
-        log.info("removed %d shared-memory segments left by servers that are gone", removed)
+        log.info("removed %d shared-memory segments left by batchd servers that are gone", removed)
     return removed
+
+
+class Owner:
+    """This server's claim on a segment-name prefix: an flock held until ``close``.
+
+    Also writes the probe segment that clients read to find out whether they share this
+    server's shared memory (``probe_name``, holding ``probe_token``).
+    """
+
+    def __init__(self) -> None:
+        self.prefix = f"batchd-{os.getpid()}-{secrets.token_hex(4)}-"
+        self._lock_fd = os.open(SHM_DIR / f"{self.prefix}lock", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self.probe_token = secrets.token_bytes(16)
+        self.probe_name = f"{self.prefix}probe"
+        probe = Segment.create(self.probe_name, len(self.probe_token))
+        probe.buf[: len(self.probe_token)] = self.probe_token
+        probe.close()
+
+    def close(self) -> None:
+        for name in (self.probe_name, f"{self.prefix}lock"):
+            try:
+                os.unlink(SHM_DIR / name)
+            except FileNotFoundError:
+                pass
+        os.close(self._lock_fd)
 
 
 class SlotPool:
@@ -100,8 +140,8 @@ class SlotPool:
     Thread-safe.
     """
 
-    def __init__(self, *, max_slots: int, default_capacity: int = 1 << 20, prefix: str | None = None):
-        self.prefix = prefix or f"batchd-{os.getpid()}-"
+    def __init__(self, *, max_slots: int, prefix: str, default_capacity: int = 1 << 20):
+        self.prefix = prefix
         self.max_slots = max_slots
         self.default_capacity = default_capacity
         self._counter = itertools.count()
@@ -153,6 +193,20 @@ class SlotPool:
         with self._lock:
             if slot.name in self._all:
                 self._free.append(slot)
+
+    def detach(self, slot: Segment) -> None:
+        """Lend ``slot`` out (to a client): it no longer counts against ``max_slots`` until ``give_back``."""
+        with self._lock:
+            self._all.pop(slot.name, None)
+
+    def give_back(self, slot: Segment) -> None:
+        """A lent slot returns: reused if there is room, else unlinked."""
+        with self._lock:
+            if len(self._all) < self.max_slots:
+                self._all[slot.name] = slot
+                self._free.append(slot)
+                return
+        self._drop(slot)
 
     def _drop(self, slot: Segment) -> None:
         slot.unlink()

@@ -166,9 +166,10 @@ class Stream:
     def finished(self) -> bool:
         return self._next_yield >= self.num_batches
 
-    def release(self, batch: ReadyBatch) -> None:
-        """The batch was sent: its slot can be reused."""
-        self._release_slot(batch.slot)
+    def release(self, batch: ReadyBatch, *, lent: bool = False) -> None:
+        """The batch was sent: its slot can be reused (unless it was lent to the client)."""
+        if not lent:
+            self._release_slot(batch.slot)
         with self._cond:
             self.batches_sent += 1
             self.samples_sent += batch.tensors[0].shape[0]

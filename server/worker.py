@@ -172,7 +172,10 @@ def _failure(task_id: int, worker_id: int, exc: BaseException) -> TaskFailed:
         error = exc
     except Exception:
         error = None
-    return TaskFailed(task_id, worker_id, error, type(exc).__name__, str(exc), tb)
+    # notes (e.g. "while applying the pipeline to dataset ..., sample ...") name the sample; the
+    # message is all a client sees when the exception travels as a WorkerError
+    message = "\n".join([str(exc), *(n for n in getattr(exc, "__notes__", ()) if isinstance(n, str))])
+    return TaskFailed(task_id, worker_id, error, type(exc).__name__, message, tb)
 
 
 def _parent_alive(pid: int) -> bool:

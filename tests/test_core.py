@@ -50,6 +50,7 @@ def fmnist_test_ref(fmnist_root):
 
 def loader(server, dataset="fmnist-test", **kwargs) -> "batchd.RemoteDataLoader":
     kwargs.setdefault("connect_timeout", 10)
+    kwargs.setdefault("timeout", 60)
     return batchd.RemoteDataLoader(server.address, dataset, **kwargs)
 
 

@@ -24,33 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61tchd/v1/loader.proto\x12\tbatchd.v1\"\x15\n\x13ListDatasetsRequest\"@\n\x14ListDatasetsResponse\x12(\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x16.batchd.v1.DatasetInfo\"&\n\x16\x44\x65scribeDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"z\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\x13\n\x0b\x63lass_names\x18\x04 \x03(\t\x12%\n\x06sample\x18\x05 \x03(\x0b\x32\x15.batchd.v1.TensorSpec\"E\n\x08Pipeline\x12\x10\n\x06preset\x18\x01 \x01(\tH\x00\x12\x1d\n\x13\x61lbumentations_json\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\xec\x01\n\x14StreamBatchesRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12%\n\x08pipeline\x18\x02 \x01(\x0b\x32\x13.batchd.v1.Pipeline\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x11\n\tdrop_last\x18\x07 \x01(\x08\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x13\n\x0bstart_batch\x18\n \x01(\x04\x12\x10\n\x08prefetch\x18\x0b \x01(\r\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"d\n\x05\x42\x61tch\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0bnum_batches\x18\x03 \x01(\x04\x12\"\n\x07tensors\x18\x04 \x03(\x0b\x32\x11.batchd.v1.Tensor\"m\n\x0b\x45rrorDetail\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\x12\x0f\n\x07indices\x18\x04 \x03(\x03\x12\r\n\x05paths\x18\x05 \x03(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t2\xf2\x01\n\x0b\x42\x61tchLoader\x12O\n\x0cListDatasets\x12\x1e.batchd.v1.ListDatasetsRequest\x1a\x1f.batchd.v1.ListDatasetsResponse\x12L\n\x0f\x44\x65scribeDataset\x12!.batchd.v1.DescribeDatasetRequest\x1a\x16.batchd.v1.DatasetInfo\x12\x44\n\rStreamBatches\x12\x1f.batchd.v1.StreamBatchesRequest\x1a\x10.batchd.v1.Batch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61tchd/v1/loader.proto\x12\tbatchd.v1\"%\n\x12OpenSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\":\n\x0cSessionEvent\x12\x15\n\rprobe_segment\x18\x01 \x01(\t\x12\x13\n\x0bprobe_token\x18\x02 \x01(\x0c\"7\n\x14ReleaseLeasesRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06leases\x18\x02 \x03(\x04\"\x17\n\x15ReleaseLeasesResponse\"\x15\n\x13ListDatasetsRequest\"@\n\x14ListDatasetsResponse\x12(\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x16.batchd.v1.DatasetInfo\"&\n\x16\x44\x65scribeDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"z\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\x13\n\x0b\x63lass_names\x18\x04 \x03(\t\x12%\n\x06sample\x18\x05 \x03(\x0b\x32\x15.batchd.v1.TensorSpec\"E\n\x08Pipeline\x12\x10\n\x06preset\x18\x01 \x01(\tH\x00\x12\x1d\n\x13\x61lbumentations_json\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\xd3\x02\n\x14StreamBatchesRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12%\n\x08pipeline\x18\x02 \x01(\x0b\x32\x13.batchd.v1.Pipeline\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x11\n\tdrop_last\x18\x07 \x01(\x08\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x13\n\x0bstart_batch\x18\n \x01(\x04\x12\x10\n\x08prefetch\x18\x0b \x01(\r\x12\'\n\ttransport\x18\x0c \x01(\x0e\x32\x14.batchd.v1.Transport\x12\x0f\n\x07session\x18\r \x01(\t\x12+\n\x0b\x63ompression\x18\x0e \x01(\x0e\x32\x16.batchd.v1.Compression\"\x7f\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12+\n\x0b\x63ompression\x18\x06 \x01(\x0e\x32\x16.batchd.v1.Compression\"\x84\x01\n\x05\x42\x61tch\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0bnum_batches\x18\x03 \x01(\x04\x12\"\n\x07tensors\x18\x04 \x03(\x0b\x32\x11.batchd.v1.Tensor\x12\x0f\n\x07segment\x18\x05 \x01(\t\x12\r\n\x05lease\x18\x06 \x01(\x04\"m\n\x0b\x45rrorDetail\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\x12\x0f\n\x07indices\x18\x04 \x03(\x03\x12\r\n\x05paths\x18\x05 \x03(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t*>\n\tTransport\x12\x14\n\x10TRANSPORT_INLINE\x10\x00\x12\x1b\n\x17TRANSPORT_SHARED_MEMORY\x10\x01*8\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x13\n\x0f\x43OMPRESSION_LZ4\x10\x01\x32\x8f\x03\n\x0b\x42\x61tchLoader\x12O\n\x0cListDatasets\x12\x1e.batchd.v1.ListDatasetsRequest\x1a\x1f.batchd.v1.ListDatasetsResponse\x12L\n\x0f\x44\x65scribeDataset\x12!.batchd.v1.DescribeDatasetRequest\x1a\x16.batchd.v1.DatasetInfo\x12\x44\n\rStreamBatches\x12\x1f.batchd.v1.StreamBatchesRequest\x1a\x10.batchd.v1.Batch0\x01\x12G\n\x0bOpenSession\x12\x1d.batchd.v1.OpenSessionRequest\x1a\x17.batchd.v1.SessionEvent0\x01\x12R\n\rReleaseLeases\x12\x1f.batchd.v1.ReleaseLeasesRequest\x1a .batchd.v1.ReleaseLeasesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batchd.v1.loader_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LISTDATASETSREQUEST']._serialized_start=37
-  _globals['_LISTDATASETSREQUEST']._serialized_end=58
-  _globals['_LISTDATASETSRESPONSE']._serialized_start=60
-  _globals['_LISTDATASETSRESPONSE']._serialized_end=124
-  _globals['_DESCRIBEDATASETREQUEST']._serialized_start=126
-  _globals['_DESCRIBEDATASETREQUEST']._serialized_end=164
-  _globals['_TENSORSPEC']._serialized_start=166
-  _globals['_TENSORSPEC']._serialized_end=222
-  _globals['_DATASETINFO']._serialized_start=224
-  _globals['_DATASETINFO']._serialized_end=346
-  _globals['_PIPELINE']._serialized_start=348
-  _globals['_PIPELINE']._serialized_end=417
-  _globals['_STREAMBATCHESREQUEST']._serialized_start=420
-  _globals['_STREAMBATCHESREQUEST']._serialized_end=656
-  _globals['_TENSOR']._serialized_start=658
-  _globals['_TENSOR']._serialized_end=724
-  _globals['_BATCH']._serialized_start=726
-  _globals['_BATCH']._serialized_end=826
-  _globals['_ERRORDETAIL']._serialized_start=828
-  _globals['_ERRORDETAIL']._serialized_end=937
-  _globals['_BATCHLOADER']._serialized_start=940
-  _globals['_BATCHLOADER']._serialized_end=1182
+  _globals['_TRANSPORT']._serialized_start=1317
+  _globals['_TRANSPORT']._serialized_end=1379
+  _globals['_COMPRESSION']._serialized_start=1381
+  _globals['_COMPRESSION']._serialized_end=1437
+  _globals['_OPENSESSIONREQUEST']._serialized_start=37
+  _globals['_OPENSESSIONREQUEST']._serialized_end=74
+  _globals['_SESSIONEVENT']._serialized_start=76
+  _globals['_SESSIONEVENT']._serialized_end=134
+  _globals['_RELEASELEASESREQUEST']._serialized_start=136
+  _globals['_RELEASELEASESREQUEST']._serialized_end=191
+  _globals['_RELEASELEASESRESPONSE']._serialized_start=193
+  _globals['_RELEASELEASESRESPONSE']._serialized_end=216
+  _globals['_LISTDATASETSREQUEST']._serialized_start=218
+  _globals['_LISTDATASETSREQUEST']._serialized_end=239
+  _globals['_LISTDATASETSRESPONSE']._serialized_start=241
+  _globals['_LISTDATASETSRESPONSE']._serialized_end=305
+  _globals['_DESCRIBEDATASETREQUEST']._serialized_start=307
+  _globals['_DESCRIBEDATASETREQUEST']._serialized_end=345
+  _globals['_TENSORSPEC']._serialized_start=347
+  _globals['_TENSORSPEC']._serialized_end=403
+  _globals['_DATASETINFO']._serialized_start=405
+  _globals['_DATASETINFO']._serialized_end=527
+  _globals['_PIPELINE']._serialized_start=529
+  _globals['_PIPELINE']._serialized_end=598
+  _globals['_STREAMBATCHESREQUEST']._serialized_start=601
+  _globals['_STREAMBATCHESREQUEST']._serialized_end=940
+  _globals['_TENSOR']._serialized_start=942
+  _globals['_TENSOR']._serialized_end=1069
+  _globals['_BATCH']._serialized_start=1072
+  _globals['_BATCH']._serialized_end=1204
+  _globals['_ERRORDETAIL']._serialized_start=1206
+  _globals['_ERRORDETAIL']._serialized_end=1315
+  _globals['_BATCHLOADER']._serialized_start=1440
+  _globals['_BATCHLOADER']._serialized_end=1839
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,16 @@ class BatchLoaderStub:
                 request_serializer=batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.SerializeToString,
                 response_deserializer=batchd_dot_v1_dot_loader__pb2.Batch.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_stream(
+                '/batchd.v1.BatchLoader/OpenSession',
+                request_serializer=batchd_dot_v1_dot_loader__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=batchd_dot_v1_dot_loader__pb2.SessionEvent.FromString,
+                _registered_method=True)
+        self.ReleaseLeases = channel.unary_unary(
+                '/batchd.v1.BatchLoader/ReleaseLeases',
+                request_serializer=batchd_dot_v1_dot_loader__pb2.ReleaseLeasesRequest.SerializeToString,
+                response_deserializer=batchd_dot_v1_dot_loader__pb2.ReleaseLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class BatchLoaderServicer:
@@ -78,6 +88,22 @@ class BatchLoaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """A client on the server's host opens a session to receive batches in shared memory. The
+        first event names a probe segment the client must be able to read (same /dev/shm); the
+        call then stays open, and every slot leased to the session goes back when it ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLeases(self, request, context):
+        """The client no longer uses these leased slots (the tensors on them were freed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BatchLoaderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +121,16 @@ def add_BatchLoaderServicer_to_server(servicer, server):
                     servicer.StreamBatches,
                     request_deserializer=batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.FromString,
                     response_serializer=batchd_dot_v1_dot_loader__pb2.Batch.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=batchd_dot_v1_dot_loader__pb2.OpenSessionRequest.FromString,
+                    response_serializer=batchd_dot_v1_dot_loader__pb2.SessionEvent.SerializeToString,
+            ),
+            'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLeases,
+                    request_deserializer=batchd_dot_v1_dot_loader__pb2.ReleaseLeasesRequest.FromString,
+                    response_serializer=batchd_dot_v1_dot_loader__pb2.ReleaseLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +214,60 @@ class BatchLoader:
             '/batchd.v1.BatchLoader/StreamBatches',
             batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.SerializeToString,
             batchd_dot_v1_dot_loader__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/batchd.v1.BatchLoader/OpenSession',
+            batchd_dot_v1_dot_loader__pb2.OpenSessionRequest.SerializeToString,
+            batchd_dot_v1_dot_loader__pb2.SessionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchd.v1.BatchLoader/ReleaseLeases',
+            batchd_dot_v1_dot_loader__pb2.ReleaseLeasesRequest.SerializeToString,
+            batchd_dot_v1_dot_loader__pb2.ReleaseLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,
