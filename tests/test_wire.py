@@ -1,0 +1,283 @@
+"""batchd.wire against the generated protobuf code: same bytes in, same fields out.
+
+Strategies are derived from the ``Batch``/``Tensor`` descriptors, so every field that both the
+proto and the dataclasses ``WireBatch``/``WireTensor`` have is exercised (fields added to both
+later are covered without editing this file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from google.protobuf.descriptor import FieldDescriptor as FD
+from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from batchd import wire
+from batchd.v1 import loader_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
+NONEMPTY_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
+U64 = st.integers(0, (1 << 64) - 1)
+I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+SMALL_DIMS = st.lists(st.integers(-3, 1 << 40) | st.sampled_from([0, -1, 1, 28]), max_size=5)
+DTYPES = ["uint8", "int8", "int16", "uint16", "int32", "int64", "float16", "float32", "float64", "bool"]
+
+
+def common_fields(dc, message) -> list[str]:
+    """Field names that the dataclass ``dc`` and the protobuf message class both have."""
+    names = {f.name for f in message.DESCRIPTOR.fields}
+    return [f.name for f in dataclasses.fields(dc) if f.name in names]
+
+
+BATCH_FIELDS = common_fields(wire.WireBatch, pb.Batch)
+TENSOR_FIELDS = common_fields(wire.WireTensor, pb.Tensor)
+
+
+def test_the_core_fields_are_shared():
+    assert {"batch_index", "epoch", "num_batches", "tensors"} <= set(BATCH_FIELDS)
+    assert {"name", "dtype", "shape", "data"} <= set(TENSOR_FIELDS)
+
+
+def scalar_strategy(fd):
+    if fd.type in (FD.TYPE_UINT64, FD.TYPE_FIXED64):
+        return U64
+    if fd.type in (FD.TYPE_UINT32, FD.TYPE_FIXED32):
+        return st.integers(0, (1 << 32) - 1)
+    if fd.type in (FD.TYPE_INT64, FD.TYPE_SINT64, FD.TYPE_SFIXED64):
+        return I64
+    if fd.type in (FD.TYPE_INT32, FD.TYPE_SINT32, FD.TYPE_SFIXED32):
+        return st.integers(-(1 << 31), (1 << 31) - 1)
+    if fd.type == FD.TYPE_ENUM:
+        return st.sampled_from(sorted(fd.enum_type.values_by_number))
+    if fd.type == FD.TYPE_STRING:
+        return TEXT
+    if fd.type == FD.TYPE_BYTES:
+        return st.binary(max_size=48)
+    if fd.type == FD.TYPE_BOOL:
+        return st.booleans()
+    raise NotImplementedError(f"no strategy for field {fd.full_name}")
+
+
+@st.composite
+def tensor_dicts(draw, nonempty_strings: bool = False):
+    out = {}
+    for name in TENSOR_FIELDS:
+        fd = pb.Tensor.DESCRIPTOR.fields_by_name[name]
+        if name == "shape":
+            out[name] = draw(SMALL_DIMS | st.lists(I64, max_size=4))
+        elif name == "dtype":
+            out[name] = draw(st.sampled_from(DTYPES) | (NONEMPTY_TEXT if nonempty_strings else TEXT))
+        elif fd.type == FD.TYPE_STRING and nonempty_strings:
+            out[name] = draw(NONEMPTY_TEXT)
+        elif fd.is_repeated:
+            out[name] = draw(st.lists(scalar_strategy(fd), max_size=3))
+        else:
+            out[name] = draw(scalar_strategy(fd))
+    return out
+
+
+@st.composite
+def batch_dicts(draw, nonempty_strings: bool = False):
+    out = {}
+    for name in BATCH_FIELDS:
+        fd = pb.Batch.DESCRIPTOR.fields_by_name[name]
+        if name == "tensors":
+            out[name] = draw(st.lists(tensor_dicts(nonempty_strings), max_size=4))
+        else:
+            # zero often, so that omitted fields are exercised
+            out[name] = draw(st.just(fd.default_value) | scalar_strategy(fd))
+    return out
+
+
+def to_proto(d: dict) -> pb.Batch:
+    return pb.Batch(**{k: v for k, v in d.items() if k != "tensors"}, tensors=[pb.Tensor(**t) for t in d["tensors"]])
+
+
+def to_wire_args(d: dict):
+    """(positional args, keyword args) of ``encode_batch`` for the batch dict ``d``."""
+    tensors = [wire.WireTensor(**t) for t in d["tensors"]]
+    core = (d["batch_index"], d["epoch"], d["num_batches"], tensors)
+    extra = {k: v for k, v in d.items() if k not in ("batch_index", "epoch", "num_batches", "tensors")}
+    return core, extra
+
+
+def assert_same(w: wire.WireBatch, m: pb.Batch) -> None:
+    for name in BATCH_FIELDS:
+        if name != "tensors":
+            assert getattr(w, name) == getattr(m, name), name
+    assert len(w.tensors) == len(m.tensors)
+    for wt, mt in zip(w.tensors, m.tensors):
+        for name in TENSOR_FIELDS:
+            got, want = getattr(wt, name), getattr(mt, name)
+            if name == "shape":
+                assert tuple(got) == tuple(want)
+            elif name == "data":
+                assert bytes(got) == bytes(want)
+            else:
+                assert got == want, name
+
+
+# --- encode -----------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(batch_dicts())
+def test_encode_parses_with_protobuf(d):
+    args, extra = to_wire_args(d)
+    data = wire.encode_batch(*args, **extra)
+    assert isinstance(data, bytes)
+    m = pb.Batch.FromString(data)
+    assert m == to_proto(d)
+    assert_same(wire.decode_batch(data), m)
+
+
+@SETTINGS
+@given(
+    U64 | st.just(0), U64 | st.just(0), U64 | st.just(0),
+    st.lists(st.tuples(NONEMPTY_TEXT, st.sampled_from(DTYPES), SMALL_DIMS, st.binary(max_size=48)), max_size=4),
+)
+def test_encode_is_byte_identical_to_protobuf(batch_index, epoch, num_batches, tensors):
+    # for the fields of every inline batch, protobuf writes them in number order and omits
+    # zero/empty ones; so does encode_batch (for tensors with a name and a dtype, as real ones have)
+    got = wire.encode_batch(batch_index, epoch, num_batches, [wire.WireTensor(*t) for t in tensors])
+    want = pb.Batch(
+        batch_index=batch_index, epoch=epoch, num_batches=num_batches,
+        tensors=[pb.Tensor(name=n, dtype=dt, shape=s, data=b) for n, dt, s, b in tensors],
+    ).SerializeToString(deterministic=True)
+    assert got == want
+
+
+@SETTINGS
+@given(
+    st.sampled_from(DTYPES),
+    st.lists(st.integers(0, 5), min_size=0, max_size=4),
+    st.integers(0, 2**32 - 1),
+)
+def test_encode_numpy_buffers(dtype, shape, seed):
+    rng = np.random.default_rng(seed)
+    arr = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    arr = arr.view(dtype).reshape(shape)
+    t = wire.WireTensor("image", arr.dtype.name, arr.shape, memoryview(arr))
+    data = wire.encode_batch(3, 1, 9, [t])
+    m = pb.Batch.FromString(data)
+    assert (m.batch_index, m.epoch, m.num_batches) == (3, 1, 9)
+    (mt,) = m.tensors
+    assert (mt.name, mt.dtype, tuple(mt.shape)) == ("image", arr.dtype.name, tuple(shape))
+    assert mt.data == arr.tobytes()
+    (wt,) = wire.decode_batch(data).tensors
+    back = np.frombuffer(wt.data, dtype=wt.dtype).reshape(wt.shape)
+    np.testing.assert_array_equal(back, arr)
+
+
+# --- decode -----------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(batch_dicts())
+def test_decode_parses_protobuf_output(d):
+    m = to_proto(d)
+    w = wire.decode_batch(m.SerializeToString())
+    assert_same(w, m)
+
+
+def test_decode_special_cases():
+    m = pb.Batch(
+        num_batches=40,  # batch_index and epoch are 0: omitted
+        tensors=[
+            pb.Tensor(name="empty", dtype="float32", shape=[0, 3]),  # no data field on the wire
+            pb.Tensor(name="neg", dtype="int64", shape=[-1, -(1 << 63), (1 << 63) - 1], data=b"\x00" * 8),
+            pb.Tensor(),  # everything default
+        ],
+    )
+    data = m.SerializeToString()
+    w = wire.decode_batch(data)
+    assert (w.batch_index, w.epoch, w.num_batches) == (0, 0, 40)
+    assert [t.name for t in w.tensors] == ["empty", "neg", ""]
+    assert w.tensors[0].shape == (0, 3) and bytes(w.tensors[0].data) == b""
+    assert w.tensors[1].shape == (-1, -(1 << 63), (1 << 63) - 1)
+    assert bytes(w.tensors[1].data) == b"\x00" * 8
+    assert w.tensors[2].shape == () and w.tensors[2].dtype == ""
+    assert isinstance(w.tensors[1].data, memoryview)  # a view of the message, not a copy
+    assert wire.decode_batch(b"") == wire.decode_batch(pb.Batch().SerializeToString())
+    assert wire.decode_batch(b"").tensors == ()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+@st.composite
+def unknown_fields(draw) -> bytes:
+    """Encoded fields with numbers the schema does not use, of every wire type but groups."""
+    out = b""
+    for _ in range(draw(st.integers(1, 4))):
+        number = draw(st.integers(100, (1 << 29) - 1))
+        wt = draw(st.sampled_from([0, 1, 2, 5]))
+        out += _varint(number << 3 | wt)
+        if wt == 0:
+            out += _varint(draw(U64))
+        elif wt == 1:
+            out += draw(st.binary(min_size=8, max_size=8))
+        elif wt == 2:
+            payload = draw(st.binary(max_size=20))
+            out += _varint(len(payload)) + payload
+        else:
+            out += draw(st.binary(min_size=4, max_size=4))
+    return out
+
+
+@SETTINGS
+@given(batch_dicts(), unknown_fields(), unknown_fields(), st.data())
+def test_decode_skips_unknown_fields(d, before, after, data):
+    m = to_proto(d)
+    # unknown fields inside each tensor, and around the known fields of the batch
+    head = pb.Batch(**{k: v for k, v in d.items() if k != "tensors"}).SerializeToString()
+    body = b""
+    for t in m.tensors:
+        inner = data.draw(unknown_fields()) + t.SerializeToString() + data.draw(unknown_fields())
+        body += _varint(4 << 3 | 2) + _varint(len(inner)) + inner
+    raw = before + head + body + after
+    parsed = pb.Batch.FromString(raw)
+    assert parsed == m  # the bytes are valid protobuf with the same known fields
+    assert_same(wire.decode_batch(raw), m)
+
+
+@SETTINGS
+@given(batch_dicts())
+def test_truncated_input_raises_value_error(d):
+    full = to_proto(d).SerializeToString()
+    assume(full)
+    for cut in range(len(full)):
+        part = full[:cut]
+        try:
+            m = pb.Batch.FromString(part)
+        except DecodeError:
+            with pytest.raises(ValueError):
+                wire.decode_batch(part)
+        else:  # a cut between two fields is a valid, shorter message
+            assert_same(wire.decode_batch(part), m)
+
+
+def test_truncated_in_the_middle_of_data():
+    m = pb.Batch(batch_index=1, tensors=[pb.Tensor(name="image", dtype="uint8", shape=[2, 2], data=b"abcd")])
+    full = m.SerializeToString()
+    for cut in (len(full) - 1, len(full) - 3):
+        with pytest.raises(ValueError, match="truncated"):
+            wire.decode_batch(full[:cut])
+    with pytest.raises(ValueError):
+        wire.decode_batch(b"\x08\x80")  # field 1, a varint that never ends
+    with pytest.raises(ValueError):
+        wire.decode_batch(b"\x08" + b"\xff" * 11)  # a varint longer than 64 bits
