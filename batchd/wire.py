@@ -78,7 +78,9 @@ def encode_batch(
     for t in tensors:
         name, dtype = t.name.encode(), t.dtype.encode()
         shape = b"".join(_varint(d) for d in t.shape)
-        data = memoryview(t.data).cast("B") if not isinstance(t.data, bytes) else t.data
+        data = t.data if isinstance(t.data, bytes) else memoryview(t.data)
+        if not isinstance(data, bytes):  # cast refuses views with a 0 in their shape: send those as b""
+            data = data.cast("B") if data.nbytes else b""
         head = _len_field(1, len(name)) + name + _len_field(2, len(dtype)) + dtype
         if shape:
             head += _len_field(3, len(shape)) + shape

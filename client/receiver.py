@@ -121,3 +121,8 @@ class Receiver(threading.Thread):
         self.stopping.set()
         self.call.cancel()
         self.join(2.0)
+        while True:  # drop batches received ahead, so their memory (or leased slots) go back now
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break

@@ -176,7 +176,7 @@ class Loader:
             streams = list(self.streams.values())
         for s in streams:
             s.close()
-        self.pool.close()
         self.leases.close_all()
+        self.pool.close()
         self.slots.close()
         self.owner.close()

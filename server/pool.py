@@ -128,9 +128,11 @@ class WorkerPool:
         self.wake()
 
     def wake(self) -> None:
+        if self._closing:
+            return
         try:
             os.write(self._wake_w, b"x")
-        except BlockingIOError:  # the pipe is full: a wake-up is already pending
+        except (BlockingIOError, OSError):  # full: a wake-up is already pending; closed: shutting down
             pass
 
     @property

@@ -251,6 +251,8 @@ def test_decode_skips_unknown_fields(d, before, after, data):
         body += _varint(4 << 3 | 2) + _varint(len(inner)) + inner
     raw = before + head + body + after
     parsed = pb.Batch.FromString(raw)
+    assert parsed != m or not (before or after), "no unknown fields were added"
+    parsed.DiscardUnknownFields()
     assert parsed == m  # the bytes are valid protobuf with the same known fields
     assert_same(wire.decode_batch(raw), m)
 
