@@ -64,6 +64,7 @@ class SharedMemorySession:
         )
         self._lock = threading.Lock()
         self._outstanding: set[int] = set()
+        self._pending: set = set()  # ReleaseLeases calls in flight
         self._closing = False
         self._mapped: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
 
@@ -123,11 +124,19 @@ class SharedMemorySession:
             self._outstanding.discard(lease)
             finished = self._closing and not self._outstanding
         try:
-            self._release.future(pb.ReleaseLeasesRequest(session=self.session, leases=[lease]))
+            future = self._release.future(pb.ReleaseLeasesRequest(session=self.session, leases=[lease]), timeout=30)
         except Exception:  # the channel is gone: the server returns the slot when the session ends
-            pass
+            future = None
+        if future is not None:  # grpc cancels a call whose future is garbage-collected: hold it until done
+            with self._lock:
+                self._pending.add(future)
+            future.add_done_callback(self._forget)
         if finished:
             self._call.cancel()
+
+    def _forget(self, future) -> None:
+        with self._lock:
+            self._pending.discard(future)
 
     @property
     def outstanding(self) -> int:

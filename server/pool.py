@@ -105,6 +105,7 @@ class WorkerPool:
         self.restarts = 0
         self.busy_seconds = 0.0
         self._workers: dict[int, _WorkerHandle] = {}
+        self._thread: threading.Thread | None = None  # started once every worker is ready
         for worker_id in range(num_workers):
             self._workers[worker_id] = self._start_worker(worker_id)
         self._await_ready(start_timeout)
@@ -144,8 +145,12 @@ class WorkerPool:
         if self._closing:
             return
         self._closing = True
-        self.wake()
-        self._thread.join(timeout)
+        try:  # wake the loop now (wake() is a no-op once closing), or it notices only after _POLL_S
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout)
         for w in self._workers.values():
             try:
                 w.conn.send(Shutdown())
@@ -189,7 +194,10 @@ class WorkerPool:
                 raise RuntimeError(f"{len(pending)} of {self.num_workers} workers did not start within {timeout:.0f} s")
             for conn in wait(list(pending) + [w.process.sentinel for w in pending.values()], remaining):
                 if isinstance(conn, Connection):
-                    msg = conn.recv()
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        continue  # it died while starting: its sentinel says how
                     if isinstance(msg, Ready):
                         pending.pop(conn).ready = True
                 else:

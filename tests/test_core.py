@@ -305,6 +305,7 @@ def test_preset_is_applied(fmnist_server, fmnist_test_ref):
     assert 3000 < flipped < 7000, f"{flipped} of 10000 flipped with p=0.5"
 
 
+@pytest.mark.filterwarnings("ignore:Transform NoSuchTransform has no 'p' parameter")
 def test_invalid_pipeline_is_a_value_error(fmnist_server):
     with loader(fmnist_server, batch_size=8, transform=A.HorizontalFlip(p=1.0)) as ld:
         ld._pipeline.albumentations_json = '{"transform": {"__class_fullname__": "NoSuchTransform"}}'
@@ -312,6 +313,7 @@ def test_invalid_pipeline_is_a_value_error(fmnist_server):
             next(iter(ld))
 
 
+@pytest.mark.timeout(30)  # connect_timeout=2: far less than this, whatever the machine's load
 def test_no_server_is_a_connection_error():
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(ConnectionError, match=re.escape(address)):

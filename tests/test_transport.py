@@ -62,7 +62,8 @@ def test_slots_go_back_when_tensors_are_freed(fmnist_server):
     held = [next(iter(loader))]  # abandons the iteration after one batch
     session = loader._shm.session
     # the batch we hold, plus any the server sent ahead before the stream was cancelled (those
-    # come back when the session ends)
+    # come back when the session ends); count once the cancelled stream has ended on the server
+    assert _wait_for(lambda: not fmnist_server.loader.streams)
     before = leases.held(session)
     assert before >= 1
     held.clear()

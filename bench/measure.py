@@ -1,0 +1,142 @@
+"""Timing helpers: medians, steady-state stream rates, per-process CPU time from /proc."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = 4096
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Iterable[float]) -> float:
+    """(max - min) / median: how much the repeats disagree."""
+    xs = list(xs)
+    if len(xs) < 2:
+        return 0.0
+    m = statistics.median(xs)
+    return (max(xs) - min(xs)) / m if m else float("nan")
+
+
+def pin_threads() -> None:
+    """One OpenCV thread and one torch thread in this process, as in batchd's workers."""
+    import cv2
+    import torch
+
+    cv2.setNumThreads(1)
+    torch.set_num_threads(1)
+
+
+def consume(batch) -> None:
+    """What a trainer does at least: read the batch (one byte per page of every tensor).
+
+    Shared-memory tensors are mapped lazily, so without this their page faults would not be
+    counted at all; a GPU copy would read every byte.
+    """
+    tensors = batch.values() if isinstance(batch, dict) else batch
+    for t in tensors:
+        flat = t.reshape(-1)
+        step = max(1, PAGE // t.element_size())
+        flat[::step].sum()
+
+
+def batch_images(batch) -> int:
+    image = batch["image"] if isinstance(batch, dict) else batch[0]
+    return int(image.shape[0])
+
+
+@dataclass
+class StreamTiming:
+    seconds: float
+    images: int
+    batches: int
+
+    @property
+    def rate(self) -> float:
+        return self.images / self.seconds
+
+
+def time_stream(batches: Iterable, warmup: int, timed: int, *,
+                on_start: Callable[[], None] | None = None,
+                on_end: Callable[[], None] | None = None) -> StreamTiming:
+    """Consume ``warmup`` batches untimed, then time ``timed`` more (each ``consume``-d).
+
+    The clock starts when the last warm-up batch has been consumed, so with ``warmup`` and
+    ``timed`` multiples of the worker count the window covers whole rounds of the workers.
+    """
+    it = iter(batches)
+    for _ in range(warmup):
+        b = next(it)
+        consume(b)
+        del b
+    if on_start:
+        on_start()
+    t0 = time.perf_counter()
+    images = 0
+    for _ in range(timed):
+        b = next(it)
+        consume(b)
+        images += batch_images(b)
+        del b
+    t1 = time.perf_counter()
+    if on_end:
+        on_end()
+    return StreamTiming(t1 - t0, images, timed)
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def self_cpu_seconds() -> float:
+    return time.process_time()
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """Memory fields of /proc/PID/status in bytes (VmRSS, VmHWM, RssAnon, RssFile, RssShmem)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """/proc/PID/smaps_rollup in bytes (Rss, Pss, Pss_Anon, Pss_File, Pss_Shmem, ...)."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[0].endswith(":") and parts[2] == "kB":
+                out[parts[0][:-1]] = int(parts[1]) * 1024
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def maps_file(pid: int, needle: str) -> bool:
+    """Whether process ``pid`` has a file whose path contains ``needle`` mapped."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(needle in line for line in f)
+    except OSError:
+        return False

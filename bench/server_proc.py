@@ -1,0 +1,125 @@
+"""A ``batchd serve`` subprocess on 127.0.0.1:0 (or a unix socket) with a generated YAML config.
+
+    with ServerProcess(datasets={...}, pipelines={...}, workers=2, cache_dir=...) as srv:
+        RemoteDataLoader(srv.address, "photos", ...)
+
+The server logs ``listening on ADDRESS (...)`` when ready; we parse the bound address from it,
+and the worker pids from ``N workers ready (pids [...])``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+
+import yaml
+
+_LISTENING = re.compile(r"listening on (\S+)")
+_WORKERS = re.compile(r"workers ready \(pids \[([\d, ]*)\]\)")
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # no version check over the network
+    return env
+
+
+class ServerProcess:
+    def __init__(self, *, datasets: dict, pipelines: dict | None = None, workers: int, cache_dir,
+                 address: str = "127.0.0.1:0", extra: dict | None = None, start_timeout: float = 180.0):
+        self.config = {
+            "address": address,
+            "workers": workers,
+            "cache_dir": str(cache_dir),
+            "datasets": datasets,
+            "pipelines": pipelines or {},
+            **(extra or {}),
+        }
+        self.workers = workers
+        self.start_timeout = start_timeout
+        self.address: str | None = None
+        self.worker_pids: list[int] = []
+        self.log: deque[str] = deque(maxlen=400)
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self._ready = threading.Event()
+        self._tmp = tempfile.TemporaryDirectory(prefix="batchd-bench-")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> "ServerProcess":
+        cfg = os.path.join(self._tmp.name, "server.yaml")
+        with open(cfg, "w") as f:
+            yaml.safe_dump(self.config, f, sort_keys=False)
+        cmd = [sys.executable, "-m", "batchd.cli", "serve", "--config", cfg,
+               "--address", self.config["address"], "--workers", str(self.workers)]
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=child_env())
+        threading.Thread(target=self._read_log, name="bench-server-log", daemon=True).start()
+        deadline = time.monotonic() + self.start_timeout
+        while not self._ready.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                what = f"exited with {self.proc.returncode}" if self.proc.poll() is not None else "did not start in time"
+                self.stop()
+                raise RuntimeError(f"batchd server {what}; its log:\n" + "\n".join(self.log))
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def _read_log(self) -> None:
+        for line in self.proc.stderr:
+            line = line.rstrip("\n")
+            self.log.append(line)
+            m = _WORKERS.search(line)
+            if m:
+                self.worker_pids = [int(p) for p in m.group(1).replace(" ", "").split(",") if p]
+            m = _LISTENING.search(line)
+            if m and not self._ready.is_set():
+                self.address = m.group(1)
+                self._ready.set()
+
+    def descendants(self) -> list[int]:
+        """Every live process under the server (forkserver, workers, resource tracker)."""
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+        out, todo = [], [self.pid]
+        while todo:
+            for c in children.get(todo.pop(), []):
+                out.append(c)
+                todo.append(c)
+        return sorted(out)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self._tmp.cleanup()
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

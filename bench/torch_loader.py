@@ -1,0 +1,96 @@
+"""The PyTorch DataLoader baseline: the same decode and transform code in DataLoader workers.
+
+One ``DataLoader`` per worker count, ``persistent_workers=True``, reused across pipelines,
+batch sizes and repeats: every item is ``(pipeline_name, sample_index)``, and ``Plan`` (the
+batch sampler) is told before each ``iter()`` which batches to yield. Workers pin OpenCV to one
+thread as batchd's do, and start from ``forkserver`` (this process also runs gRPC clients,
+which must not be forked).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class PhotoDataset(Dataset):
+    """``dataset[(pipeline, index)] -> (image uint8 [H, W, 3], label)`` with batchd's decode code."""
+
+    def __init__(self, name: str, cfg, cache_dir, presets: dict[str, dict]):
+        self.name, self.cfg, self.cache_dir, self.presets = name, cfg, cache_dir, presets
+        self._ds = None
+        self._pipes: dict = {}
+        self._len = len(self._open(build=True))  # builds the index here; workers only map it
+        self._ds = None
+
+    def _open(self, build: bool = False):
+        if self._ds is None:
+            from batchd.server.datasets import open_dataset
+
+            self._ds = open_dataset(self.name, self.cfg, self.cache_dir, build=build)
+        return self._ds
+
+    def __getstate__(self):
+        return {**self.__dict__, "_ds": None, "_pipes": {}}
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, item):
+        pipe, index = item
+        ds = self._open()
+        image = ds.load_image(index)
+        if pipe:
+            compose = self._pipes.get(pipe)
+            if compose is None:
+                import albumentations as A
+
+                compose = self._pipes[pipe] = A.from_dict(self.presets[pipe])
+            image = compose(image=image)["image"]
+        return image, ds.label(index)
+
+
+class Plan:
+    """A batch sampler whose batches are set before each epoch (``set``)."""
+
+    def __init__(self):
+        self.batches: list[list[tuple[str, int]]] = []
+
+    def set(self, pipeline: str, num_samples: int, batch_size: int, num_batches: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        need = batch_size * num_batches
+        order = np.concatenate([rng.permutation(num_samples) for _ in range(-(-need // num_samples))])[:need]
+        self.batches = [[(pipeline, int(i)) for i in order[b * batch_size:(b + 1) * batch_size]]
+                        for b in range(num_batches)]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _init_worker(_worker_id: int) -> None:
+    import cv2
+
+    cv2.setNumThreads(1)  # torch already sets its own threads to 1 in DataLoader workers
+
+
+def make_loader(dataset: PhotoDataset, workers: int, prefetch_factor: int = 2) -> tuple[DataLoader, Plan]:
+    plan = Plan()
+    loader = DataLoader(
+        dataset, batch_sampler=plan, num_workers=workers, persistent_workers=True,
+        prefetch_factor=prefetch_factor, worker_init_fn=_init_worker, multiprocessing_context="forkserver",
+    )
+    return loader, plan
+
+
+def worker_pids(loader: DataLoader) -> list[int]:
+    it = getattr(loader, "_iterator", None)
+    return [w.pid for w in getattr(it, "_workers", [])]
+
+
+def as_dict(batch) -> dict[str, torch.Tensor]:
+    image, label = batch
+    return {"image": image, "label": label}
