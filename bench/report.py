@@ -1,0 +1,76 @@
+"""results.json (every table's raw numbers) -> results.md (markdown tables + PASS/FAIL targets).
+
+Each run replaces the tables it ran and keeps the others (``--only`` re-runs part of the
+suite); every table records when it ran and whether it was a --quick run.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Sequence
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def fx(x: float, digits: int = 2) -> str:
+    """A ratio as '1.23x'."""
+    return f"{x:.{digits}f}x"
+
+
+def load(out_dir: pathlib.Path) -> dict:
+    try:
+        return json.loads((out_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save(out_dir: pathlib.Path, results: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    tmp.replace(out_dir / "results.json")
+
+
+def target_line(t: dict) -> str:
+    verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
+    return f"- **{verdict}** {t['name']}: {t['detail']}"
+
+
+def render(results: dict, modules: Sequence, machine_md: str, wall: dict) -> str:
+    parts = ["# batchd benchmarks", "", machine_md, ""]
+    if wall:
+        parts += ["- wall time of this run: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()), ""]
+    parts += [
+        "Produced by `python bench/run_all.py` (`make bench`). Each number is the median of the "
+        "repeats stated under its table; the machine is shared and noisy, so compare numbers within a "
+        "table (measured in the same minutes, interleaved) rather than across runs.",
+        "",
+        "## Targets",
+        "",
+    ]
+    for m in modules:
+        if m.NAME in results:
+            parts += [target_line(t) for t in m.targets(results[m.NAME])]
+        else:
+            parts += [target_line({"passed": None, "name": m.TITLE, "detail": "not run"})]
+    parts.append("")
+    for m in modules:
+        r = results.get(m.NAME)
+        if r is None:
+            continue
+        stamp = f"_run {r['run_at']}{' (--quick: fewer images and repeats)' if r.get('quick') else ''}, {r['seconds']:.0f} s_"
+        parts += [f"## {m.TITLE}", "", stamp, "", m.render(r), ""]
+    return "\n".join(parts)
+
+
+def write(out_dir: pathlib.Path, text: str) -> pathlib.Path:
+    path = out_dir / "results.md"
+    tmp = out_dir / "results.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
