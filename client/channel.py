@@ -48,7 +48,7 @@ def translate(e: grpc.RpcError, address: str) -> Exception:
         return SampleError(detail.dataset, detail.indices[0], detail.paths[0] if detail.paths else "", detail.reason)
     if code == grpc.StatusCode.INTERNAL and detail.type == "WorkerError":
         return WorkerError(details)
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):  # CANCELLED here: by the server
         return ConnectionError(f"batchd server at {address} is unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(f"batchd server at {address} did not answer in time: {details}")

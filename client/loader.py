@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import weakref
 from typing import Any, Iterator
 
@@ -69,6 +70,9 @@ class RemoteDataLoader:
             i.e. same host and IPC namespace, else bytes in the gRPC messages), "shm" (shared
             memory or RuntimeError), or "inline" (always bytes in the messages).
         compression: None, or "lz4" to compress inline tensor bytes (for slow remote links).
+        reconnect_timeout: if the stream breaks (server restarted, connection lost), seconds to
+            keep reconnecting (gRPC's exponential backoff) before raising ConnectionError; the
+            stream resumes at the next batch, none missing or repeated. 0 disables.
 
     Memory: over shared memory, a batch's tensors are views of a server slot lent to this
     client; the slot goes back when the last tensor on it is freed. Inline, they are views of
@@ -83,6 +87,10 @@ class RemoteDataLoader:
 
     Epochs: each complete pass advances ``epoch`` by one (so shuffle differs per pass, as with
     DataLoader); ``set_epoch(e)`` picks the epoch explicitly, as with DistributedSampler.
+
+    Resume: ``state_dict()`` is a small dict (the settings and the position: epoch, next batch);
+    ``load_state_dict(state)`` on a new loader makes its next iteration start at exactly that
+    batch, computing nothing before it.
     """
 
     def __init__(
@@ -104,6 +112,7 @@ class RemoteDataLoader:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         transport: str = "auto",
         compression: str | None = None,
+        reconnect_timeout: float = 60.0,
     ):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -122,6 +131,7 @@ class RemoteDataLoader:
         if compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
         self.transport = transport
+        self.reconnect_timeout = reconnect_timeout
         self._compression = pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE
         self._connect_timeout = connect_timeout
         self._shm: SharedMemorySession | None = None
@@ -155,6 +165,8 @@ class RemoteDataLoader:
             response_deserializer=None,
         )
         self._receiver: Receiver | None = None
+        self._resume_batch = 0  # where the next iteration starts (load_state_dict)
+        self._position: tuple[int, int] | None = None  # (epoch, next batch) of the current iteration
         try:
             self.info: DatasetInfo = describe(self._channel, address, dataset, timeout=connect_timeout)
         except BaseException:
@@ -171,10 +183,13 @@ class RemoteDataLoader:
         """Use ``epoch`` for the next iteration (its shuffle order and augmentation seeds)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if epoch != self.epoch:
+            self._resume_batch, self._position = 0, None
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return self._iterate(self.epoch, 0)
+        start, self._resume_batch = self._resume_batch, 0
+        return self._iterate(self.epoch, start)
 
     def close(self) -> None:
         """Cancel any stream in progress and close the channel. Idempotent."""
@@ -222,38 +237,120 @@ class RemoteDataLoader:
             session=shm.session if shm is not None else "", compression=self._compression,
         )
 
-    def _convert(self, raw) -> Any:
+    def _convert(self, raw) -> tuple[int, Any]:
         batch = self._shm.tensors(raw) if raw.segment else to_tensors(raw)
         if self._transfer is not None:
-            return self._transfer.to_device(batch)
-        return batch
+            batch = self._transfer.to_device(batch)
+        return raw.batch_index, batch
 
-    def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
-        if not self._finalizer.alive:
-            raise RuntimeError("the loader is closed")
-        if self._receiver is not None:  # a previous iteration was abandoned: one stream at a time
-            self._receiver.stop()
+    def _open_stream(self, epoch: int, start_batch: int) -> Receiver:
         try:
             call = self._stream_batches(self._request(epoch, start_batch))
         except grpc.RpcError as e:
             raise translate(e, self.address) from None
         receiver = self._receiver = Receiver(call, self.address, self._convert)
         receiver.start()
+        return receiver
+
+    def _reconnect(self, epoch: int, next_batch: int, error: ConnectionError) -> Receiver:
+        """Wait for the server to come back (gRPC's own reconnect backoff) and resume at next_batch.
+
+        Raises ConnectionError after ``reconnect_timeout`` seconds.
+        """
+        deadline = time.monotonic() + self.reconnect_timeout
+        log.warning("lost the stream from %s at epoch %d, batch %d (%s); reconnecting for up to %g s",
+                    self.address, epoch, next_batch, error, self.reconnect_timeout)
+        self._shm, self._shm_tried = None, False  # a restarted server has new shared memory
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ConnectionError(
+                    f"lost the stream from {self.address} at epoch {epoch}, batch {next_batch}, and could not "
+                    f"resume within reconnect_timeout={self.reconnect_timeout:g} s: {error}"
+                ) from None
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=remaining)
+                receiver = self._open_stream(epoch, next_batch)
+                log.info("resumed the stream from %s at epoch %d, batch %d", self.address, epoch, next_batch)
+                return receiver
+            except grpc.FutureTimeoutError:
+                continue
+            except ConnectionError as e:
+                error = e
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
+        if not self._finalizer.alive:
+            raise RuntimeError("the loader is closed")
+        if self._receiver is not None:  # a previous iteration was abandoned: one stream at a time
+            self._receiver.stop()
+        receiver = self._open_stream(epoch, start_batch)
+        self._position = (epoch, start_batch)
         expected = start_batch
         try:
             while True:
-                item = receiver.get(self.timeout, f"dataset {self.dataset!r}, epoch {epoch}, batch {expected}")
+                try:
+                    item = receiver.get(self.timeout, f"dataset {self.dataset!r}, epoch {epoch}, batch {expected}")
+                except ConnectionError as e:
+                    receiver.stop()
+                    if self.reconnect_timeout <= 0:
+                        raise
+                    receiver = self._reconnect(epoch, expected, e)
+                    continue
                 if isinstance(item, _End):
                     break
+                batch_index, batch = item
+                if batch_index != expected:
+                    raise RuntimeError(f"the server sent batch {batch_index} where batch {expected} was due")
                 if self._transfer is not None:
-                    item = self._transfer.hand_over(*item)
+                    batch = self._transfer.hand_over(*batch)
                 expected += 1
-                yield item
+                self._position = (epoch, expected)
+                yield batch
             if expected != len(self):
                 raise RuntimeError(f"the server ended epoch {epoch} after {expected} of {len(self)} batches")
             if self.epoch == epoch:
                 self.epoch = epoch + 1
+            self._position = (self.epoch, 0)
         finally:
             receiver.stop()
             if self._receiver is receiver:
                 self._receiver = None
+
+    # --- exact resume ------------------------------------------------------------------------
+
+    def _identity(self) -> dict[str, Any]:
+        """What determines the batches, besides the position."""
+        return {
+            "dataset": self.dataset, "num_samples": self.info.num_samples, "batch_size": self.batch_size,
+            "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank,
+            "world_size": self.world_size,
+            "pipeline": "" if self._pipeline is None else self._pipeline.SerializeToString(deterministic=True).hex(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: a small JSON-serialisable dict.
+
+        ``{"epoch": e, "next_batch": k, ...}``: a loader given it with ``load_state_dict``
+        continues with batch k of epoch e, byte for byte what this one would have produced next.
+        """
+        epoch, next_batch = self._position if self._position is not None else (self.epoch, self._resume_batch)
+        return {"version": 1, **self._identity(), "epoch": epoch, "next_batch": next_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from ``state_dict``) at the next iteration.
+
+        Raises ValueError if the state was saved by a loader with other settings (dataset,
+        batch_size, shuffle, seed, drop_last, rank, world_size, transform) or is malformed.
+        """
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("not a RemoteDataLoader state_dict (version 1)")
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise ValueError(f"state_dict was saved with {key}={state.get(key)!r}, this loader has {key}={value!r}")
+        epoch, next_batch = state.get("epoch"), state.get("next_batch")
+        if not isinstance(epoch, int) or epoch < 0 or not isinstance(next_batch, int) or not 0 <= next_batch <= len(self):
+            raise ValueError(f"state_dict has an invalid position: epoch={epoch!r}, next_batch={next_batch!r}")
+        if next_batch == len(self):
+            epoch, next_batch = epoch + 1, 0
+        self.epoch, self._resume_batch, self._position = epoch, next_batch, None

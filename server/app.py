@@ -86,6 +86,7 @@ class Server:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
+        self.loader.draining = True
         self.grpc_server.stop(grace).wait()
         self.loader.close()
         log.info("stopped")

@@ -73,6 +73,7 @@ class Loader:
         self._lock = threading.Lock()
         self.streams: dict[int, Stream] = {}
         self._closed = False
+        self.draining = False  # set on shutdown: open streams end with UNAVAILABLE
 
     def __enter__(self) -> "Loader":
         return self

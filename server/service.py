@@ -90,6 +90,10 @@ class BatchLoaderService:
         lz4 = request.compression == pb.COMPRESSION_LZ4
         try:
             while True:
+                if self.loader.draining:
+                    reason = "ended: the server is shutting down"
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"the server is shutting down; reconnect to resume at batch {stream.next_index}")
                 try:
                     batch = stream.next(_POLL_S)
                 except (SampleError, ShapeMismatchError, WorkerError, ValueError, TypeError) as e:

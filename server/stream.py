@@ -163,6 +163,11 @@ class Stream:
                 self._cond.wait(remaining)
 
     @property
+    def next_index(self) -> int:
+        """The batch the client gets next."""
+        return self._next_yield
+
+    @property
     def finished(self) -> bool:
         return self._next_yield >= self.num_batches
 

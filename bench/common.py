@@ -1,0 +1,40 @@
+"""Shared set-up of the tables: the photo dataset config, opened datasets, loaders over a server."""
+
+from __future__ import annotations
+
+import batchd
+from batchd.server.config import ImageFolderConfig, ManifestConfig
+from batchd.server.datasets import open_dataset
+
+from bench import data
+
+
+def photos_config() -> ImageFolderConfig:
+    return ImageFolderConfig(kind="imagefolder", root=data.PHOTOS)
+
+
+def photos_x4_config() -> ManifestConfig:
+    return ManifestConfig(kind="manifest", path=data.ensure_repeated_manifest(4))
+
+
+def server_datasets(**cfgs) -> dict:
+    """name -> config as a YAML-ready dict."""
+    return {name: cfg.model_dump(mode="json", exclude_defaults=True) | {"kind": cfg.kind} for name, cfg in cfgs.items()}
+
+
+def open_local(name: str, cfg):
+    """The dataset opened in this process (own index cache), for the sequential loop."""
+    return open_dataset(name, cfg, data.LOCAL_CACHE, build=True)
+
+
+def remote(address: str, dataset: str, *, batch_size: int, pipeline: str, workers: int, transport: str,
+           seed: int = 0, compression: str | None = None) -> "batchd.RemoteDataLoader":
+    """A RemoteDataLoader as the tables use it: shuffled, drop_last, prefetch 2 x workers.
+
+    prefetch = 2 x workers matches DataLoader's default prefetch_factor=2 per worker (and keeps
+    every server worker busy: a stream never has more than ``prefetch`` batches in flight).
+    """
+    return batchd.RemoteDataLoader(
+        address, dataset, batch_size=batch_size, shuffle=True, seed=seed, drop_last=True, transform=pipeline,
+        prefetch=max(2, 2 * workers), transport=transport, compression=compression, timeout=300,
+    )
