@@ -144,20 +144,22 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("batch_index", "epoch", "num_batches", "tensors", "segment", "lease")
+    __slots__ = ("batch_index", "epoch", "num_batches", "tensors", "segment", "lease", "skipped_indices")
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_INDICES_FIELD_NUMBER: _ClassVar[int]
     batch_index: int
     epoch: int
     num_batches: int
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     segment: str
     lease: int
-    def __init__(self, batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., num_batches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., segment: _Optional[str] = ..., lease: _Optional[int] = ...) -> None: ...
+    skipped_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., num_batches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., segment: _Optional[str] = ..., lease: _Optional[int] = ..., skipped_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("type", "message", "dataset", "indices", "paths", "reason")
