@@ -38,6 +38,7 @@ class WireBatch:
     tensors: tuple[WireTensor, ...]
     segment: str = ""
     lease: int = 0
+    skipped: tuple[int, ...] = ()  # samples left out of this batch (on_error: skip)
 
 
 def _varint(n: int) -> bytes:
@@ -63,7 +64,8 @@ def _len_field(field: int, payload_len: int) -> bytes:
 
 
 def encode_batch(
-    batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor], *, segment: str = "", lease: int = 0
+    batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor], *, segment: str = "", lease: int = 0,
+    skipped: Sequence[int] = (),
 ) -> bytes:
     """The serialized ``Batch``; each tensor's data is copied once, into the result."""
     parts: list[bytes | memoryview] = []
@@ -75,6 +77,9 @@ def encode_batch(
         parts += [_len_field(5, len(seg)), seg]
     if lease:
         parts += [_key(6, _WT_VARINT), _varint(lease)]
+    if skipped:
+        packed = b"".join(_varint(i) for i in skipped)
+        parts += [_len_field(7, len(packed)), packed]
     for t in tensors:
         name, dtype = t.name.encode(), t.dtype.encode()
         shape = b"".join(_varint(d) for d in t.shape)
@@ -168,6 +173,7 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
     buf = memoryview(data)
     header = {1: 0, 2: 0, 3: 0, 6: 0}
     segment = ""
+    skipped: list[int] = []
     tensors: list[WireTensor] = []
     pos, end = 0, len(buf)
     try:
@@ -184,10 +190,20 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
                 n, pos = _read_varint(buf, pos)
                 segment = bytes(buf[pos : pos + n]).decode()
                 pos += n
+            elif wt == _WT_LEN and field == 7:
+                n, pos = _read_varint(buf, pos)
+                p, chunk = 0, buf[pos : pos + n]
+                while p < n:
+                    v, p = _read_varint(chunk, p)
+                    skipped.append(_signed(v))
+                pos += n
+            elif wt == _WT_VARINT and field == 7:
+                v, pos = _read_varint(buf, pos)
+                skipped.append(_signed(v))
             else:
                 pos = _skip(buf, pos, wt)
     except IndexError:
         raise ValueError("truncated Batch message") from None
     if pos != end:
         raise ValueError("truncated Batch message")
-    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6])
+    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6], tuple(skipped))

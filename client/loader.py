@@ -47,7 +47,8 @@ class RemoteDataLoader:
 
     Each batch is a dict of tensors: ``image`` [B, H, W, C] (uint8 unless the pipeline changes
     the dtype, e.g. Normalize gives float32), ``label`` int64 [B], ``index`` int64 [B] (dataset
-    sample indices). Batch ``b`` of an epoch is a pure function of (dataset, transform,
+    sample indices), and ``skipped`` int64 [K] when the server left out K unreadable samples
+    (dataset ``on_error: skip``; such a batch has B - K samples). Batch ``b`` of an epoch is a pure function of (dataset, transform,
     batch_size, shuffle, seed, epoch, b, rank, world_size): iterating twice, on another server,
     or with another number of server workers gives the same bytes.
 
@@ -239,6 +240,8 @@ class RemoteDataLoader:
 
     def _convert(self, raw) -> tuple[int, Any]:
         batch = self._shm.tensors(raw) if raw.segment else to_tensors(raw)
+        if raw.skipped:
+            batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
         if self._transfer is not None:
             batch = self._transfer.to_device(batch)
         return raw.batch_index, batch

@@ -32,7 +32,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class FashionMnistConfig(_Strict):
+class _DatasetBase(_Strict):
+    """What every dataset kind accepts.
+
+    on_error: "raise" (default) fails the stream at a sample that cannot be read or decoded,
+        naming dataset, index and file; "skip" leaves it out of its batch (the batch lists it
+        in ``skipped``) and logs it.
+    max_skipped_fraction: with "skip", the stream fails once more than this fraction of the
+        epoch's samples (of this shard) were skipped.
+    max_pixels: decoded images larger than this (width x height) are bad samples.
+    """
+
+    on_error: Literal["raise", "skip"] = "raise"
+    max_skipped_fraction: float = Field(default=0.01, ge=0.0, le=1.0)
+    max_pixels: int = Field(default=1 << 28, ge=1)
+
+
+class FashionMnistConfig(_DatasetBase):
     """The four IDX ``.gz`` files of Fashion-MNIST (or MNIST) in ``root``."""
 
     kind: Literal["fashion-mnist"]
@@ -40,7 +56,7 @@ class FashionMnistConfig(_Strict):
     split: Literal["train", "test"] = "train"
 
 
-class ImageFolderConfig(_Strict):
+class ImageFolderConfig(_DatasetBase):
     """One subfolder of ``root`` per class; classes are the sorted folder names."""
 
     kind: Literal["imagefolder"]
@@ -48,7 +64,7 @@ class ImageFolderConfig(_Strict):
     extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
-class ManifestConfig(_Strict):
+class ManifestConfig(_DatasetBase):
     """A CSV or Parquet table with columns ``path`` and ``label``; paths relative to its folder."""
 
     kind: Literal["manifest"]

@@ -92,6 +92,8 @@ class WorkerPool:
         self.worker_timeout_s = worker_timeout_s
         self.max_task_retries = max_task_retries
         self._dataset_configs = dataset_configs
+        self._skip = {name: getattr(c, "on_error", "raise") == "skip" for name, c in dataset_configs.items()}
+        self._max_skipped_fraction = {name: getattr(c, "max_skipped_fraction", 0.0) for name, c in dataset_configs.items()}
         self._cache_dir = cache_dir
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["numpy", "cv2", "albumentations", "batchd.server.worker"])
@@ -201,7 +203,9 @@ class WorkerPool:
                     if isinstance(msg, Ready):
                         pending.pop(conn).ready = True
                 else:
-                    dead = next(w for w in pending.values() if w.process.sentinel == conn)
+                    dead = next((w for w in pending.values() if w.process.sentinel == conn), None)
+                    if dead is None:  # it had already said Ready
+                        dead = next(w for w in self._workers.values() if w.process.sentinel == conn)
                     self.close(1.0)
                     raise RuntimeError(f"worker {dead.worker_id} {describe_exit(dead.process.exitcode)} while starting")
         log.info("%d workers ready (pids %s)", self.num_workers, self.worker_pids)
@@ -241,16 +245,26 @@ class WorkerPool:
                 ready = wait([*handles, *sentinels, self._wake_r], _POLL_S)
             except OSError:
                 continue
-            for obj in ready:
-                if obj == self._wake_r:
-                    os.read(self._wake_r, 4096)
-                elif obj in handles:
-                    self._receive(handles[obj])
-            for obj in ready:
-                if obj in sentinels and not self._closing:
-                    self._on_death(sentinels[obj])
-            self._expire()
-            self._dispatch()
+            try:
+                self._round(ready, handles, sentinels)
+            except Exception as e:  # a scheduler bug or an OS error must not leave streams hanging
+                log.exception("scheduler round failed; failing the open streams")
+                with self._lock:
+                    streams = list(self._streams)
+                for stream in streams:
+                    stream.fail(WorkerError(f"the server's scheduler failed: {type(e).__name__}: {e}"))
+
+    def _round(self, ready, handles, sentinels) -> None:
+        for obj in ready:
+            if obj == self._wake_r:
+                os.read(self._wake_r, 4096)
+            elif obj in handles:
+                self._receive(handles[obj])
+        for obj in ready:
+            if obj in sentinels and not self._closing:
+                self._on_death(sentinels[obj])
+        self._expire()
+        self._dispatch()
 
     def _receive(self, w: _WorkerHandle) -> None:
         try:
@@ -271,10 +285,26 @@ class WorkerPool:
         if isinstance(msg, BatchDone):
             slot = self.slots.adopt(job.slot, msg.slot_name) if msg.grown else job.slot
             job.stream.slot_hint = max(t.offset + t.nbytes for t in msg.tensors)
-            job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, msg.timings))
+            job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, msg.timings, tuple(i for i, _, _ in msg.skipped)))
+            if msg.skipped:
+                self._count_skipped(job, msg.skipped)
         elif isinstance(msg, TaskFailed):
             self.slots.release(job.slot)
             job.stream.fail(_reraisable(msg), job.batch_index)
+
+    def _count_skipped(self, job: _InFlight, skipped) -> None:
+        stream, req = job.stream, job.stream.request
+        for index, path, reason in skipped:
+            log.warning("stream %d: skipped dataset %r sample %d (%s): %s", stream.id, req.dataset, index, path, reason)
+        stream.samples_skipped += len(skipped)
+        allowed = self._max_skipped_fraction.get(req.dataset, 0.0) * len(stream.indices)
+        if stream.samples_skipped > allowed:
+            index, path, reason = skipped[-1]
+            stream.fail(SampleError(
+                req.dataset, index, path,
+                f"{reason}; too many bad samples: {stream.samples_skipped} of {len(stream.indices)} in this epoch "
+                f"skipped, more than max_skipped_fraction={allowed / max(1, len(stream.indices)):g}",
+            ), job.batch_index + 1)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -325,6 +355,7 @@ class WorkerPool:
                 seed=batch_seed(seed=req.seed, epoch=req.epoch, batch_index=b, rank=req.rank, world_size=req.world_size),
                 slot_name=slot.name,
                 slot_capacity=slot.capacity,
+                skip_bad_samples=self._skip.get(req.dataset, False),
             )
             self._in_flight[task.task_id] = _InFlight(stream, b, slot, w.worker_id, time.monotonic())
             w.tasks.add(task.task_id)

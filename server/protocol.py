@@ -42,6 +42,7 @@ class Task:
     task_id: unique per server. dataset: config name. pipeline_key/pipeline_json: the
     albumentations pipeline ("" = none), cached per worker by key. indices: int64 [B].
     slot_name/slot_capacity: the shared-memory slot to write, bytes.
+    skip_bad_samples: leave out samples that raise SampleError instead of failing.
     """
 
     task_id: int
@@ -52,6 +53,7 @@ class Task:
     seed: int
     slot_name: str
     slot_capacity: int
+    skip_bad_samples: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,8 @@ class Ready:
 class BatchDone:
     """The batch is in ``slot_name`` (a new, larger segment when ``grown``), laid out as ``tensors``.
 
-    timings: seconds spent per stage ("read", "decode", "pipeline", "stack").
+    timings: seconds spent per stage ("load" = read + decode, "pipeline", "copy").
+    skipped: (index, file, reason) of samples left out under on_error: skip.
     """
 
     task_id: int
@@ -80,6 +83,7 @@ class BatchDone:
     grown: bool
     tensors: tuple[TensorLayout, ...]
     timings: dict[str, float] = field(default_factory=dict)
+    skipped: tuple[tuple[int, str, str], ...] = ()
     kind: Kind = Kind.BATCH_DONE
 
 

@@ -139,7 +139,8 @@ def _encode(batch, epoch: int, num_batches: int, lease: int | None, lz4: bool) -
     """The serialized Batch: slot place and lease when lent, else the bytes (LZ4-framed if asked)."""
     if lease is not None:
         tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset) for t in batch.tensors]
-        return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors, segment=batch.slot.name, lease=lease)
+        return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors, segment=batch.slot.name, lease=lease,
+                                 skipped=batch.skipped)
     buf = batch.slot.buf
     tensors = []
     for t in batch.tensors:
@@ -148,7 +149,7 @@ def _encode(batch, epoch: int, num_batches: int, lease: int | None, lz4: bool) -
             tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, lz4_frame.compress(data), compression=pb.COMPRESSION_LZ4))
         else:
             tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, data))
-    return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors)
+    return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors, skipped=batch.skipped)
 
 
 def _abort_with_detail(context: grpc.ServicerContext, dataset: str, e: BaseException) -> None:

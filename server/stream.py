@@ -49,6 +49,7 @@ class ReadyBatch:
     slot: Segment
     tensors: tuple[TensorLayout, ...]
     timings: dict[str, float] = field(default_factory=dict)
+    skipped: tuple[int, ...] = ()
 
 
 class Stream:
@@ -75,6 +76,7 @@ class Stream:
         self.started = time.monotonic()
         self.batches_sent = 0
         self.samples_sent = 0
+        self.samples_skipped = 0
 
     # --- pool thread -------------------------------------------------------------------------
 

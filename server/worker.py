@@ -14,12 +14,13 @@ import pickle
 import signal
 import time
 import traceback
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from batchd.errors import ShapeMismatchError
+from batchd.errors import SampleError, ShapeMismatchError
 from batchd.server import pipeline as pipelines
 from batchd.server.datasets import Dataset, open_dataset
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed, TensorLayout
@@ -103,14 +104,22 @@ class _Worker:
         if compose is not None:
             compose.set_random_seed(task.seed)
         t_load = t_pipe = t_copy = 0.0
-        batch_size = len(task.indices)
-        labels = np.empty(batch_size, np.int64)
+        capacity = len(task.indices)
+        labels = np.empty(capacity, np.int64)
+        kept = np.empty(capacity, np.int64)
+        skipped: list[tuple[int, str, str]] = []
         images = first_shape = first_index = None
         seg = grown = layout = None
-        for i, index in enumerate(task.indices.tolist()):
+        n = 0  # samples in the batch so far
+        for index in task.indices.tolist():
             t0 = time.perf_counter()
-            image = ds.load_image(index)
-            labels[i] = ds.label(index)
+            try:
+                image = ds.load_image(index)
+            except SampleError as e:
+                if not task.skip_bad_samples:
+                    raise
+                skipped.append((index, e.path, e.reason))
+                continue
             t1 = time.perf_counter()
             if compose is not None:
                 try:
@@ -122,7 +131,7 @@ class _Worker:
             t2 = time.perf_counter()
             if images is None:
                 first_shape, first_index = image.shape, index
-                layout = batch_layout(batch_size, image.shape, image.dtype)
+                layout = batch_layout(capacity, image.shape, image.dtype)
                 seg, grown = self._slot(task, layout_nbytes(layout))
                 images = view(seg.buf, layout[0])
             elif image.shape != first_shape or image.dtype != images.dtype:
@@ -132,15 +141,24 @@ class _Worker:
                     f"{images.dtype}{list(first_shape)}; images of a batch must have one shape "
                     "(add a Resize or crop to the pipeline)"
                 )
-            images[i] = image
+            images[n] = image
+            labels[n] = ds.label(index)
+            kept[n] = index
+            n += 1
             t_load += t1 - t0
             t_pipe += t2 - t1
             t_copy += time.perf_counter() - t2
-        view(seg.buf, layout[1])[:] = labels
-        view(seg.buf, layout[2])[:] = task.indices
+        if layout is None:  # every sample was skipped: an empty batch
+            spec = ds.sample_spec
+            layout = batch_layout(capacity, tuple(max(d, 0) for d in spec.image_shape), np.dtype(spec.image_dtype))
+            seg, grown = self._slot(task, layout_nbytes(layout))
         del images
+        if n < capacity:  # the image region's prefix holds the n kept images, C order
+            layout = tuple(replace(t, shape=(n, *t.shape[1:])) for t in layout)
+        view(seg.buf, layout[1])[:] = labels[:n]
+        view(seg.buf, layout[2])[:] = kept[:n]
         timings = {"load": t_load, "pipeline": t_pipe, "copy": t_copy}
-        return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings)
+        return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings, tuple(skipped))
 
     def _slot(self, task: Task, nbytes: int) -> tuple[Segment, bool]:
         """The task's slot if the batch fits, else a new segment of exactly nbytes (the server adopts it)."""

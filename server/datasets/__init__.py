@@ -15,14 +15,15 @@ from .base import Dataset, SampleSpec
 __all__ = ["Dataset", "SampleSpec", "open_dataset"]
 
 
-def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS) -> Dataset:
+def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int | None = None) -> Dataset:
     """Open dataset ``name`` described by ``cfg`` (a FashionMnistConfig, ImageFolderConfig or
     ManifestConfig), keeping its index in ``cache_dir``.
 
     build=True (the server): build the index, or refresh it if its source changed (an
     imagefolder is rescanned every time). build=False (workers): map the index the server
     built; raises ``IndexMissingError`` (a FileNotFoundError) if there is none.
-    ``max_pixels``: images with more pixels fail to load with SampleError (file kinds only).
+    ``max_pixels``: images with more pixels fail to load with SampleError (file kinds only);
+    default: ``cfg.max_pixels``.
 
     Raises ValueError for an unknown ``cfg.kind``, and whatever the kind's constructor raises
     (FileNotFoundError / ValueError naming the file and what is wrong).
@@ -36,4 +37,6 @@ def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pi
         from .manifest import Manifest as cls
     else:
         raise ValueError(f"dataset {name!r}: unknown kind {kind!r} (expected fashion-mnist, imagefolder or manifest)")
+    if max_pixels is None:
+        max_pixels = getattr(cfg, "max_pixels", DEFAULT_MAX_PIXELS)
     return cls(name, cfg, pathlib.Path(cache_dir), build=build, max_pixels=max_pixels)
