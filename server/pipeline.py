@@ -56,3 +56,21 @@ def build(pipeline_json: str) -> A.Compose | None:
     if not isinstance(transform, A.Compose):
         transform = A.Compose([transform])
     return transform
+
+
+def decode_min_size(compose: A.Compose | None) -> tuple[int, int] | None:
+    """(height, width) an image may be decoded down to, if the pipeline starts by resizing.
+
+    ``Resize(h, w)`` -> (h, w); ``SmallestMaxSize(s)`` -> (s, s). Anything else (crops first,
+    ``LongestMaxSize``, no pipeline) -> None: decode at full size.
+    """
+    if compose is None or not compose.transforms:
+        return None
+    first = compose.transforms[0]
+    if getattr(first, "p", 1.0) < 1.0:
+        return None
+    if isinstance(first, A.Resize):
+        return int(first.height), int(first.width)
+    if isinstance(first, A.SmallestMaxSize) and isinstance(first.max_size, int):
+        return int(first.max_size), int(first.max_size)
+    return None

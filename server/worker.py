@@ -53,8 +53,10 @@ def view(buf: memoryview, t: TensorLayout) -> np.ndarray:
 
 
 class _Worker:
-    def __init__(self, worker_id: int, dataset_configs: dict[str, Any], cache_dir, new_segment_prefix: str):
+    def __init__(self, worker_id: int, dataset_configs: dict[str, Any], cache_dir, new_segment_prefix: str,
+                 reduced_decode: bool = True):
         self.worker_id = worker_id
+        self.reduced_decode = reduced_decode
         self.dataset_configs = dataset_configs
         self.cache_dir = cache_dir
         self.new_segment_prefix = new_segment_prefix
@@ -69,12 +71,14 @@ class _Worker:
             ds = self.datasets[name] = open_dataset(name, self.dataset_configs[name], self.cache_dir, build=False)
         return ds
 
-    def pipeline(self, key: str, text: str):
+    def pipeline(self, key: str, text: str) -> tuple[Any, tuple[int, int] | None]:
+        """(Compose or None, the size images may be decoded down to) for a pipeline, cached."""
         if not key:
-            return None
+            return None, None
         p = self.pipelines.get(key)
         if p is None:
-            p = self.pipelines[key] = pipelines.build(text)
+            compose = pipelines.build(text)
+            p = self.pipelines[key] = (compose, pipelines.decode_min_size(compose) if self.reduced_decode else None)
             if len(self.pipelines) > _CACHED_PIPELINES:
                 self.pipelines.popitem(last=False)
         else:
@@ -100,7 +104,7 @@ class _Worker:
 
     def run(self, task: Task) -> BatchDone:
         ds = self.dataset(task.dataset)
-        compose = self.pipeline(task.pipeline_key, task.pipeline_json)
+        compose, min_size = self.pipeline(task.pipeline_key, task.pipeline_json)
         if compose is not None:
             compose.set_random_seed(task.seed)
         t_load = t_pipe = t_copy = 0.0
@@ -114,7 +118,7 @@ class _Worker:
         for index in task.indices.tolist():
             t0 = time.perf_counter()
             try:
-                image = ds.load_image(index)
+                image = ds.load_image(index, min_size)
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise

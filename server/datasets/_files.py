@@ -130,11 +130,29 @@ def _jpeg_truncated(buf: np.ndarray) -> bool:
     return sos < 0 or data.find(b"\xff\xd9", sos) < 0
 
 
-def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+_REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2))
+
+
+def _decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[int, int] | None) -> int:
+    """IMREAD_COLOR, or the largest JPEG DCT-domain reduction (1/2, 1/4, 1/8) whose output is
+    still at least ``min_size`` (height, width): libjpeg then skips most of the work."""
+    if min_size is None or size is None or buf[:2].tobytes() != b"\xff\xd8":
+        return cv2.IMREAD_COLOR
+    w, h = size
+    for factor, flag in _REDUCED:
+        if -(-h // factor) >= min_size[0] and -(-w // factor) >= min_size[1]:  # libjpeg rounds up
+            return flag
+    return cv2.IMREAD_COLOR
+
+
+def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
     """Read and decode an image file: uint8 [H, W, 3], RGB.
 
     Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
     alpha is dropped, 16-bit images are scaled to 8 bits, and EXIF orientation is applied.
+    With ``min_size`` (height, width), a JPEG at least twice that size in both dimensions is
+    decoded reduced by 2, 4 or 8 (the pipeline downsizes it anyway; measured here: a
+    1000x750 JPEG decodes about 2x faster at 1/2).
 
     Raises ImageReadError whose reason is one of: ``cannot read file: [Errno N] ...`` (missing,
     unreadable, a folder), ``empty file (0 bytes)``, ``truncated JPEG: ...``, ``not a
@@ -153,7 +171,7 @@ def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
         # OpenCV >= 5 rejects these; 4.x returns the decoded part with grey below it.
         raise ImageReadError(f"truncated JPEG: no end-of-image marker after the last scan ({buf.size} bytes)")
     try:
-        bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR)
+        bgr = cv2.imdecode(buf, _decode_flag(buf, size, min_size))
     except cv2.error:
         bgr = None
     if bgr is None:
@@ -216,10 +234,13 @@ class FileDataset(Dataset):
         """The file of sample ``index``."""
         return pathlib.Path(self.root, self._paths[self._check(index)])
 
-    def load_image(self, index: int) -> np.ndarray:
-        """uint8 [H, W, 3] RGB. Raises IndexError out of range; SampleError (see read_rgb's reasons)."""
+    def load_image(self, index: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
+        """uint8 [H, W, 3] RGB. Raises IndexError out of range; SampleError (see read_rgb's reasons).
+
+        ``min_size``: see ``read_rgb`` (reduced JPEG decoding).
+        """
         index = self._check(index)
         try:
-            return read_rgb(os.path.join(self.root, self._paths[index]), self.max_pixels)
+            return read_rgb(os.path.join(self.root, self._paths[index]), self.max_pixels, min_size)
         except ImageReadError as e:
             raise self.sample_error(index, e.reason) from None

@@ -54,8 +54,11 @@ class Dataset(abc.ABC):
         """The label of sample ``index`` (0 <= index < len), without reading the image."""
 
     @abc.abstractmethod
-    def load_image(self, index: int) -> np.ndarray:
+    def load_image(self, index: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
         """Read and decode sample ``index``: uint8 [H, W, C] (RGB for colour images).
+
+        ``min_size`` (height, width): the pipeline resizes to this first, so a kind may decode
+        at reduced resolution as long as the image stays at least this large (or ignore it).
 
         Raises SampleError (naming dataset, index and file) if it cannot be read or decoded.
         """

@@ -158,7 +158,7 @@ class FashionMnist(Dataset):
     def label(self, index: int) -> int:
         return int(self._labels[self._check(index)])
 
-    def load_image(self, index: int) -> np.ndarray:
+    def load_image(self, index: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
         return self._images[self._check(index)].copy()
 
     def source(self, index: int) -> str:
