@@ -98,6 +98,7 @@ bench-deps:
 	$(call apt_provide,mate-backgrounds,$(MATE_PHOTOS),the photo benchmark (bench/make_photos.py))
 
 bench: install bench-deps
+	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -e '.[bench]'
 	$(PY) bench/run_all.py $(ARGS)
 
 clean:

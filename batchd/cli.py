@@ -1,4 +1,4 @@
-"""The ``batchd`` command: ``serve`` a loader, check a server's ``health``."""
+"""The ``batchd`` command: ``serve`` a loader, check a server's ``health``, show its ``status``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def _serve(args: argparse.Namespace) -> int:
     from batchd.server.config import ConfigError, load_config
 
     try:
-        config = load_config(args.config, address=args.address, workers=args.workers)
+        config = load_config(args.config, address=args.address, workers=args.workers, metrics_port=args.metrics_port)
     except ConfigError as e:
         print(f"batchd: {e}", file=sys.stderr)
         return 2
@@ -39,6 +39,40 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from batchd._status_table import format_status
+    from batchd.client.stats import get_stats, stats_dict
+    from batchd.errors import BatchdError
+
+    if args.watch is not None and args.watch <= 0:
+        print("batchd status: --watch needs a positive number of seconds", file=sys.stderr)
+        return 2
+    tty = sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                reply = get_stats(args.address, timeout=args.timeout)
+            except (ConnectionError, TimeoutError, BatchdError) as e:
+                print(f"batchd status: {e}", file=sys.stderr, flush=True)
+                if not args.watch:
+                    return 1
+                reply = None  # keep watching: the server may come back
+            if reply is not None and args.json:
+                print(json.dumps(stats_dict(reply), indent=None if args.watch else 2), flush=True)
+            elif reply is not None:
+                if args.watch and tty:
+                    sys.stdout.write("\x1b[H\x1b[2J")  # clear the screen, as watch(1) does
+                print(format_status(reply, args.address) + ("\n" if args.watch and not tty else ""), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchd", description="batchd: a data-loading service for training.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -48,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="YAML config file")
     serve.add_argument("--address", help="HOST:PORT or unix:PATH (overrides the config)")
     serve.add_argument("--workers", type=int, help="worker processes (overrides the config)")
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics on http://HOST:PORT/metrics, HOST as in the address "
+                            "(overrides the config's metrics_port)")
     serve.set_defaults(func=_serve)
 
     health = sub.add_parser("health", help="exit 0 if the server at ADDRESS reports SERVING (gRPC health)")
@@ -55,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     health.add_argument("--service", default="", help="service name to check ('' = the whole server)")
     health.set_defaults(func=_health)
+
+    status = sub.add_parser("status", help="show a server's open streams, workers and totals (the Stats RPC)")
+    status.add_argument("address", help="HOST:PORT or unix:PATH")
+    status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    status.add_argument("--json", action="store_true", help="print the StatsResponse as JSON (one line per refresh with --watch)")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    status.set_defaults(func=_status)
     return parser
 
 

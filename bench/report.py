@@ -55,7 +55,10 @@ def render(results: dict, modules: Sequence, machine_md: str, wall: dict) -> str
     ]
     for m in modules:
         if m.NAME in results:
-            parts += [target_line(t) for t in m.targets(results[m.NAME])]
+            try:
+                parts += [target_line(t) for t in m.targets(results[m.NAME])]
+            except (KeyError, TypeError, ValueError):
+                parts += [target_line({"passed": None, "name": m.TITLE, "detail": "stored results are stale"})]
         else:
             parts += [target_line({"passed": None, "name": m.TITLE, "detail": "not run"})]
     parts.append("")
@@ -63,8 +66,14 @@ def render(results: dict, modules: Sequence, machine_md: str, wall: dict) -> str
         r = results.get(m.NAME)
         if r is None:
             continue
-        stamp = f"_run {r['run_at']}{' (--quick: fewer images and repeats)' if r.get('quick') else ''}, {r['seconds']:.0f} s_"
-        parts += [f"## {m.TITLE}", "", stamp, "", m.render(r), ""]
+        stamp = f"_run {r['run_at']}{' (--quick: fewer images and repeats)' if r.get('quick') else ''}, {r['seconds']:.0f} s"
+        if "foreign_cpu" in r:
+            stamp += f"; other processes on the machine used at least {r['foreign_cpu']:.0%} of its CPU meanwhile"
+        try:
+            body = m.render(r)
+        except (KeyError, TypeError, ValueError) as e:  # results.json from an older version of the table
+            body = f"(cannot render these stored results: {type(e).__name__}: {e}; run this table again)"
+        parts += [f"## {m.TITLE}", "", stamp + "_", "", body, ""]
     return "\n".join(parts)
 
 

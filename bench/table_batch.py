@@ -23,8 +23,8 @@ PIPELINE = "L3"
 
 
 def run(s, log=print) -> dict:
-    sizes = s.pick((10, 50, 100, 300, 500, 1000), (10, 100, 500))
-    target = s.pick(2000, 400)        # images timed per measurement (at least)
+    sizes = s.pick((10, 50, 100, 300, 500, 1000), (10, 300))
+    target = s.pick(2000, 300)        # images timed per measurement (at least)
     seq_target = s.pick(960, 200)
     w, p = WORKERS, PIPELINE
     cfg = common.photos_x4_config()

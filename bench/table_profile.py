@@ -17,6 +17,7 @@ C. Decode smartly: ``cv2.IMREAD_REDUCED_COLOR_2`` (libjpeg's scaled IDCT, half s
 from __future__ import annotations
 
 import math
+import pathlib
 import time
 
 import cv2
@@ -33,42 +34,48 @@ TITLE = "Table 5: profile of a batch (L3, batch 64) and reduced JPEG decoding"
 BS = 64
 PIPELINE = "L3"
 WORKERS = 2
+MATE = pathlib.Path("/usr/share/backgrounds/mate/nature")  # make_photos.py's sources
 STAGES = ("read", "decode", "read_rgb checks", "pipeline", "copy")
 
 
-def _stages(ds, compose, indices) -> dict[str, float]:
-    """Mean seconds per image of each stage over ``indices``."""
+def _stages(ds, compose, indices) -> tuple[dict[str, float], dict[str, float]]:
+    """Mean (wall, CPU) seconds per image of each stage over ``indices``."""
     from batchd.server.datasets._files import read_rgb
 
-    acc = dict.fromkeys(STAGES, 0.0)
+    wall = dict.fromkeys(STAGES, 0.0)
+    cpu = dict.fromkeys(STAGES, 0.0)
+    clock, tclock = time.perf_counter, time.thread_time
     batch = None
     for j, index in enumerate(indices):
         path = str(ds.path(int(index)))
         if j % BS == 0:
             compose.set_random_seed(j)
-        t0 = time.perf_counter()
+        t = [(clock(), tclock())]
         buf = np.fromfile(path, dtype=np.uint8)
-        t1 = time.perf_counter()
+        t.append((clock(), tclock()))
         image = cv2.cvtColor(cv2.imdecode(buf, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
-        t2 = time.perf_counter()
+        t.append((clock(), tclock()))
         image = read_rgb(path)  # the whole of batchd's read + decode, for the checks it adds
-        t3 = time.perf_counter()
+        t.append((clock(), tclock()))
         out = compose(image=image)["image"]
-        t4 = time.perf_counter()
+        t.append((clock(), tclock()))
         if batch is None:
             batch = np.empty((BS, *out.shape), out.dtype)
         batch[j % BS] = out
-        t5 = time.perf_counter()
-        acc["read"] += t1 - t0
-        acc["decode"] += t2 - t1
-        acc["read_rgb checks"] += max(0.0, (t3 - t2) - (t1 - t0) - (t2 - t1))
-        acc["pipeline"] += t4 - t3
-        acc["copy"] += t5 - t4
-    return {k: v / len(indices) for k, v in acc.items()}
+        t.append((clock(), tclock()))
+        for acc, c in ((wall, 0), (cpu, 1)):
+            read, decode, whole = t[1][c] - t[0][c], t[2][c] - t[1][c], t[3][c] - t[2][c]
+            acc["read"] += read
+            acc["decode"] += decode
+            acc["read_rgb checks"] += whole - read - decode
+            acc["pipeline"] += t[4][c] - t[3][c]
+            acc["copy"] += t[5][c] - t[4][c]
+    n = len(indices)
+    return {k: v / n for k, v in wall.items()}, {k: v / n for k, v in cpu.items()}
 
 
 def _transport(s, ds_cfg, presets, compute_per_batch: float) -> dict:
-    timed = s.pick(24, 6)
+    timed = s.pick(24, 4)
     warmup = WORKERS
     methods = ("dataloader", "batchd_inline", "batchd_inline_lz4", "batchd_shm")
     torch_ds = PhotoDataset("photos", ds_cfg, data.LOCAL_CACHE, presets)
@@ -126,11 +133,7 @@ def _transport(s, ds_cfg, presets, compute_per_batch: float) -> dict:
 
 def _larger_jpegs(n: int) -> list[np.ndarray]:
     """``n`` JPEGs of 1024 x 768 (q90), cut from the source photos, as encoded bytes."""
-    sources = sorted(p for p in (data.PHOTOS.parent.parent / "x").parent.glob("__none__"))  # placeholder
-    del sources
-    import pathlib
-
-    src = sorted(pathlib.Path("/usr/share/backgrounds/mate/nature").glob("*.jpg"))
+    src = sorted(MATE.glob("*.jpg"))
     out = []
     rng = np.random.default_rng(0)
     for i in range(n):
@@ -141,12 +144,13 @@ def _larger_jpegs(n: int) -> list[np.ndarray]:
         ch, cw = min(h, int(w * 0.75)), min(w, int(h / 0.75))
         y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
         img = cv2.resize(photo[y:y + ch, x:x + cw], (1024, 768), interpolation=cv2.INTER_AREA)
-        out.append(cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 90])[1])
+        out.append(cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 90])[1].reshape(-1))
     return out
 
 
 def _decode_experiment(bufs: list[np.ndarray], repeats: int) -> dict:
     import albumentations as A
+    from batchd.server.datasets._files import image_size
 
     resize = A.Resize(256, 256)
 
@@ -168,12 +172,7 @@ def _decode_experiment(bufs: list[np.ndarray], repeats: int) -> dict:
         d = full(b).astype(np.float64) - reduced(b).astype(np.float64)
         mse = float(np.mean(d * d))
         psnr.append(99.0 if mse == 0 else 10 * math.log10(255**2 / mse))
-    shapes = [cv2.imdecode(b, cv2.IMREAD_REDUCED_GRAYSCALE_8).shape for b in bufs[:0]]  # (unused)
-    del shapes
-    sizes = []
-    for b in bufs:
-        hdr = cv2.imdecode(b, cv2.IMREAD_REDUCED_GRAYSCALE_8)  # cheap: just for the size
-        sizes.append((hdr.shape[1] * 8, hdr.shape[0] * 8))
+    sizes = [image_size(b) or (0, 0) for b in bufs]  # (width, height) from the JPEG header
     eligible = sum(1 for w, h in sizes if w >= 512 and h >= 512)
     return {"full": median(times["full"]), "reduced": median(times["reduced"]), "psnr_db": median(psnr),
             "images": len(bufs), "eligible": eligible,
@@ -185,34 +184,44 @@ def run(s, log=print) -> dict:
     ds = common.open_local("photos", cfg)
     compose = pipelines.build(PIPELINE)
     presets = pipelines.presets([PIPELINE])
-    n = s.pick(640, 128)
+    n = s.pick(640, 96)
     rng = np.random.default_rng(0)
     stage_runs = []
     _stages(ds, compose, rng.permutation(len(ds))[:BS])  # warm the page cache and the pipeline
     for _ in range(s.repeats):
         stage_runs.append(_stages(ds, compose, rng.permutation(len(ds))[:n]))
-    per_image = {k: median(r[k] for r in stage_runs) for k in STAGES}
+    per_image = {k: median(r[0][k] for r in stage_runs) for k in STAGES}
+    per_image_cpu = {k: median(r[1][k] for r in stage_runs) for k in STAGES}
     compute_per_batch = sum(per_image.values()) * BS
-    log(f"  table5: in-process compute {compute_per_batch * 1e3:.1f} ms per batch of {BS}")
+    compute_cpu_per_batch = sum(per_image_cpu.values()) * BS
+    log(f"  table5: in-process compute {compute_per_batch * 1e3:.1f} ms per batch of {BS} "
+        f"({compute_cpu_per_batch * 1e3:.1f} ms CPU)")
     transport = _transport(s, cfg, presets, compute_per_batch)
     log("  table5: transport done")
     files = [str(ds.path(int(i))) for i in rng.permutation(len(ds))[:s.pick(400, 80)]]
     photo_bufs = [np.fromfile(f, dtype=np.uint8) for f in files]
     decode = {"photos": _decode_experiment(photo_bufs, s.repeats),
               "1024x768": _decode_experiment(_larger_jpegs(s.pick(48, 12)), s.repeats)}
-    return {"per_image": per_image, "images": n, "compute_per_batch": compute_per_batch, "transport": transport,
+    return {"per_image": per_image, "per_image_cpu": per_image_cpu, "images": n,
+            "compute_per_batch": compute_per_batch, "compute_cpu_per_batch": compute_cpu_per_batch,
+            "transport": transport,
             "decode": decode, "repeats": s.repeats}
 
 
 def render(r: dict) -> str:
-    pi = r["per_image"]
-    tot = sum(pi.values())
-    rows = [[k, f"{v * 1e6:.0f}", f"{v * BS * 1e3:.2f}", f"{v / tot:.0%}"] for k, v in pi.items()]
-    rows.append(["**total compute**", f"**{tot * 1e6:.0f}**", f"**{tot * BS * 1e3:.1f}**", "100%"])
+    pi, pc = r["per_image"], r["per_image_cpu"]
+    tot, tot_cpu = sum(pi.values()), sum(pc.values())
+    rows = [[k, f"{max(0.0, v) * 1e6:.0f}", f"{max(0.0, pc[k]) * 1e6:.0f}", f"{max(0.0, v) * BS * 1e3:.2f}",
+             f"{max(0.0, pc[k]) * BS * 1e3:.2f}", f"{max(0.0, pc[k]) / tot_cpu:.0%}"] for k, v in pi.items()]
+    rows.append(["**total compute**", f"**{tot * 1e6:.0f}**", f"**{tot_cpu * 1e6:.0f}**", f"**{tot * BS * 1e3:.1f}**",
+                 f"**{tot_cpu * BS * 1e3:.1f}**", "100%"])
     out = ["**A. Compute per image and per batch (in-process, 1 thread, batchd's code)**", "",
-           md_table(["stage", "us / image", "ms / batch of 64", "share"], rows), "",
-           f"Mean over {r['images']} images, median of {r['repeats']} repeats. `read_rgb checks` = read_rgb's time "
-           "minus read and decode (its size and truncated-JPEG checks).", ""]
+           md_table(["stage", "wall us / image", "CPU us / image", "wall ms / batch of 64", "CPU ms / batch of 64",
+                     "share (CPU)"], rows), "",
+           f"Mean over {r['images']} images, median of {r['repeats']} repeats. decode = cv2.imdecode + BGR->RGB; "
+           "`read_rgb checks` = read_rgb's time minus read and decode (its header-size and truncated-JPEG checks; "
+           "shown as 0 when the difference is below the noise). "
+           "Wall above CPU means this process waited for a core (other processes on the shared machine).", ""]
     t = r["transport"]
     names = {"dataloader": "PyTorch DataLoader", "batchd_inline": "batchd TCP (inline)",
              "batchd_inline_lz4": "batchd TCP + lz4", "batchd_shm": "batchd shm"}
@@ -221,16 +230,17 @@ def render(r: dict) -> str:
         overhead = v["server_cpu"] + v["client_cpu"]
         rows.append([names[m], f"{v['wall'] * 1e3:.1f}", f"{v['transport_wall_estimate'] * 1e3:+.1f}",
                      f"{v['workers_cpu'] * 1e3:.1f}",
-                     f"{(v['workers_cpu'] - r['compute_per_batch']) * 1e3:+.1f}",
+                     f"{(v['workers_cpu'] - r['compute_cpu_per_batch']) * 1e3:+.1f}",
                      f"{v['server_cpu'] * 1e3:.1f}" if m != "dataloader" else "-",
                      f"{v['client_cpu'] * 1e3:.1f}", f"{overhead * 1e3:.1f}"])
     out += ["**B. Transport at 2 workers (ms per batch of 64)**", "",
             md_table(["method", "client wall / batch", "wall - compute/2 (transport estimate)", "workers CPU",
-                      "workers CPU - in-process compute", "server main CPU", "client CPU",
+                      "workers CPU - in-process compute CPU", "server main CPU", "client CPU",
                       "server + client CPU (transport + overhead)"], rows), "",
             f"{t['timed']} batches timed after a warm-up of {WORKERS}, median of {r['repeats']} repeats. Compute per "
-            f"batch (A) = {r['compute_per_batch'] * 1e3:.1f} ms, so 2 perfectly busy workers deliver a batch every "
-            f"{r['compute_per_batch'] / 2 * 1e3:.1f} ms. The client CPU includes reading one byte per page of every "
+            f"batch (A) = {r['compute_per_batch'] * 1e3:.1f} ms wall ({r['compute_cpu_per_batch'] * 1e3:.1f} ms CPU), so 2 perfectly busy "
+            f"workers deliver a batch every {r['compute_per_batch'] / 2 * 1e3:.1f} ms. CPU times are per process from "
+            "/proc/PID/task/*/schedstat (ns), over the timed window. The client CPU includes reading one byte per page of every "
             "batch (what a trainer would at least do) and, for the DataLoader, unpickling and mapping its "
             "shared-memory tensors; the DataLoader has no server process (its workers send batches straight to "
             "the client). On this 2-core machine the wall-clock estimate mixes transport with CPU contention, so "

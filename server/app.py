@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from batchd.server.config import ServerConfig
 from batchd.server.loader import Loader
+from batchd.server.metrics import MetricsServer, metrics_host
 from batchd.server.service import SERVICE, BatchLoaderService, add_to_server
 
 log = logging.getLogger("batchd.server")
@@ -31,6 +32,9 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 class Server:
     """Loader + gRPC server on ``config.address``. ``address`` is the bound one (port 0 resolved).
+
+    With ``config.metrics_port`` set, ``start()`` also serves Prometheus metrics;
+    ``metrics_address`` is then its bound ``HOST:PORT`` (else None).
 
     Raises RuntimeError if the address cannot be bound, and what ``Loader`` raises.
     Use ``start()``, then ``stop()`` (or ``with``).
@@ -53,6 +57,8 @@ class Server:
             self.loader.close()
             raise
         self._stopped = threading.Event()
+        self.metrics: MetricsServer | None = None
+        self.metrics_address: str | None = None
 
     def _bind(self, address: str) -> str:
         try:
@@ -67,6 +73,14 @@ class Server:
         return f"{host}:{port}"
 
     def start(self) -> "Server":
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics = MetricsServer(self.loader, metrics_host(self.address), self.config.metrics_port)
+            except BaseException:
+                self.stop(grace=0)
+                raise
+            self.metrics_address = self.metrics.address
+            log.info("serving Prometheus metrics on http://%s/metrics", self.metrics_address)
         self.grpc_server.start()
         for service in ("", SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -88,6 +102,8 @@ class Server:
         self.health.enter_graceful_shutdown()
         self.loader.draining = True
         self.grpc_server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.close()
         self.loader.close()
         log.info("stopped")
 

@@ -94,6 +94,8 @@ class ServerConfig(_Strict):
     max_slots: shared-memory batch slots; at most this many batches exist at once (bounds memory).
     max_leases_per_session: slots a same-host client may hold at once over the shared-memory
         transport (on top of max_slots); further batches are sent inline. 0 disables the transport.
+    metrics_port: serve Prometheus metrics over HTTP on this port (``/metrics``; 0 picks a free
+        one), on the host of ``address`` (127.0.0.1 for a unix: address). None: no endpoint.
     """
 
     address: str = "127.0.0.1:50051"
@@ -112,6 +114,7 @@ class ServerConfig(_Strict):
     grpc_threads: int = Field(default=64, ge=2)
     max_slots: int = Field(default=64, ge=2)
     max_leases_per_session: int = Field(default=8, ge=0)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
     @field_validator("address")
     @classmethod

@@ -72,6 +72,18 @@ class LeaseTable:
             return len(self._sessions.get(session, ()))
 
     @property
+    def held_total(self) -> int:
+        """Slots lent out, over all sessions."""
+        with self._lock:
+            return sum(len(held) for held in self._sessions.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the slots lent out."""
+        with self._lock:
+            return sum(slot.capacity for held in self._sessions.values() for slot in held.values())
+
+    @property
     def sessions(self) -> int:
         with self._lock:
             return len(self._sessions)

@@ -6,8 +6,10 @@ server holds. The gRPC servicer (``service.py``) is a thin adapter over it.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from batchd.errors import DatasetNotFoundError
@@ -18,6 +20,7 @@ from batchd.server.config import ServerConfig
 from batchd.server.datasets import Dataset, open_dataset
 from batchd.server.leases import LeaseTable
 from batchd.server.pool import WorkerPool
+from batchd.server.stats import SENT, stream_outcome
 from batchd.server.stream import Stream, StreamRequest
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,8 @@ class StreamArgs:
     world_size: int = 1
     start_batch: int = 0
     prefetch: int = 0
+    peer: str = ""  # who asked (for logs and stats)
+    transport: str = "inline"  # "shm" or "inline" (for logs and stats)
 
 
 class Loader:
@@ -50,6 +55,7 @@ class Loader:
 
     def __init__(self, config: ServerConfig):
         self.config = config
+        self.started = time.monotonic()
         shm.remove_stale()
         self.datasets: dict[str, Dataset] = {}
         for name, dcfg in config.datasets.items():
@@ -72,6 +78,8 @@ class Loader:
         )
         self._lock = threading.Lock()
         self.streams: dict[int, Stream] = {}
+        # streams_started, and how closed streams ended + what they sent (server/stats.py); under _lock
+        self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
         self.draining = False  # set on shutdown: open streams end with UNAVAILABLE
 
@@ -137,15 +145,18 @@ class Loader:
             prefetch=prefetch,
         )
         stream = Stream(request, indices, n, self._release_slot)
+        stream.peer, stream.transport = args.peer, args.transport
         with self._lock:
             if self._closed:
                 raise RuntimeError("the loader is shutting down")
             self.streams[stream.id] = stream
+            self.counters["streams_started"] += 1
         self.pool.add_stream(stream)
         log.info(
             "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
-            "batches %d..%d prefetch=%d", stream.id, args.dataset, name, args.batch_size, args.shuffle, args.seed,
-            args.epoch, args.rank, world_size, args.start_batch, n, prefetch,
+            "batches %d..%d prefetch=%d transport=%s client=%s", stream.id, args.dataset, name, args.batch_size,
+            args.shuffle, args.seed, args.epoch, args.rank, world_size, args.start_batch, n, prefetch, args.transport,
+            args.peer or "-",
         )
         return stream
 
@@ -161,8 +172,18 @@ class Loader:
     def close_stream(self, stream: Stream, reason: str = "finished") -> None:
         self.pool.remove_stream(stream)
         with self._lock:
-            self.streams.pop(stream.id, None)
-        log.info("stream %d %s after %d batches", stream.id, reason, stream.batches_sent)
+            if self.streams.pop(stream.id, None) is not None:
+                self.counters[stream_outcome(stream)] += 1
+                for key in SENT:
+                    self.counters[key] += getattr(stream, key)
+        if reason == "finished" and not stream.finished:
+            reason = "ended early (the client stopped reading)"
+        elapsed = time.monotonic() - stream.started
+        log.info(
+            "stream %d %s after %d of %d batches (%d samples, %.1f MB sent, %.0f images/s, %d samples skipped, %.1f s)",
+            stream.id, reason, stream.batches_sent, stream.num_batches - stream.request.start_batch, stream.samples_sent,
+            stream.bytes_sent / 1e6, stream.samples_sent / elapsed if elapsed > 0 else 0.0, stream.samples_skipped, elapsed,
+        )
 
     @property
     def closed(self) -> bool:

@@ -30,6 +30,7 @@ from batchd.errors import SampleError, ShapeMismatchError, WorkerError
 from batchd.sampler import batch_seed
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
 from batchd.server.shm import Segment, SlotPool
+from batchd.server.stats import RateMeter
 from batchd.server.stream import ReadyBatch, Stream
 from batchd.server.worker import worker_main
 
@@ -106,6 +107,8 @@ class WorkerPool:
         self._closing = False
         self.restarts = 0
         self.busy_seconds = 0.0
+        self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
+        self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
         self._workers: dict[int, _WorkerHandle] = {}
         self._thread: threading.Thread | None = None  # started once every worker is ready
         for worker_id in range(num_workers):
@@ -137,6 +140,18 @@ class WorkerPool:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):  # full: a wake-up is already pending; closed: shutting down
             pass
+
+    def load(self) -> dict[str, int]:
+        """For stats, from any thread: workers ready, workers with a batch assigned, batches out.
+
+        Never polls the processes (``is_alive`` here would race the scheduler's own reaping).
+        """
+        workers = list(self._workers.values())
+        return {
+            "ready": sum(1 for w in workers if w.ready),
+            "busy": sum(1 for w in workers if w.tasks),
+            "tasks_in_flight": len(self._in_flight),
+        }
 
     @property
     def worker_pids(self) -> list[int]:
@@ -283,6 +298,9 @@ class WorkerPool:
             return
         self.busy_seconds += time.monotonic() - job.started
         if isinstance(msg, BatchDone):
+            work = sum(msg.timings.values())
+            self.work_seconds += work
+            self.work_meter.add(work)
             slot = self.slots.adopt(job.slot, msg.slot_name) if msg.grown else job.slot
             job.stream.slot_hint = max(t.offset + t.nbytes for t in msg.tensors)
             job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, msg.timings, tuple(i for i, _, _ in msg.skipped)))

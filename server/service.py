@@ -8,7 +8,9 @@ of ``_POLL_S`` and stops as soon as ``context.is_active()`` turns false (client 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 import traceback
 
@@ -17,6 +19,7 @@ import lz4.frame as lz4_frame
 
 from batchd import wire
 from batchd.errors import DatasetNotFoundError, SampleError, ShapeMismatchError, WorkerError
+from batchd.server import stats
 from batchd.server.loader import Loader, StreamArgs
 from batchd.v1 import loader_pb2 as pb
 
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 SERVICE = "batchd.v1.BatchLoader"
 ERROR_DETAIL_KEY = "batchd-error-bin"
 _POLL_S = 0.25
+_BEHIND_S = 2.0  # a client waiting this long for one batch: its stream is falling behind (logged)
+_BEHIND_LOG_EVERY_S = 60.0
 
 
 def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
@@ -43,7 +48,7 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
     )
 
 
-def stream_args(request: pb.StreamBatchesRequest) -> StreamArgs:
+def stream_args(request: pb.StreamBatchesRequest, peer: str = "") -> StreamArgs:
     which = request.pipeline.WhichOneof("source") if request.HasField("pipeline") else None
     return StreamArgs(
         dataset=request.dataset,
@@ -58,6 +63,8 @@ def stream_args(request: pb.StreamBatchesRequest) -> StreamArgs:
         world_size=request.world_size,
         start_batch=request.start_batch,
         prefetch=request.prefetch,
+        peer=peer,
+        transport="shm" if request.transport == pb.TRANSPORT_SHARED_MEMORY and request.session else "inline",
     )
 
 
@@ -78,7 +85,7 @@ class BatchLoaderService:
 
     def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
         try:
-            stream = self.loader.open_stream(stream_args(request))
+            stream = self.loader.open_stream(stream_args(request, context.peer()))
         except DatasetNotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except ValueError as e:
@@ -88,12 +95,15 @@ class BatchLoaderService:
         reason = "finished"
         shared = request.transport == pb.TRANSPORT_SHARED_MEMORY and bool(request.session)
         lz4 = request.compression == pb.COMPRESSION_LZ4
+        lag = _LagLog(stream, self.loader)
         try:
             while True:
                 if self.loader.draining:
                     reason = "ended: the server is shutting down"
                     context.abort(grpc.StatusCode.UNAVAILABLE,
                                   f"the server is shutting down; reconnect to resume at batch {stream.next_index}")
+                if stream.waiting_since is None:
+                    stream.waiting_since = time.monotonic()
                 try:
                     batch = stream.next(_POLL_S)
                 except (SampleError, ShapeMismatchError, WorkerError, ValueError, TypeError) as e:
@@ -106,12 +116,17 @@ class BatchLoaderService:
                     if not context.is_active():
                         reason = "cancelled by the client"
                         return
+                    lag.waiting()
                     continue
+                lag.got_batch(batch.batch_index)
                 lease = self.loader.leases.lend(request.session, batch.slot) if shared else None
                 try:
                     data = _encode(batch, request.epoch, stream.num_batches, lease, lz4)
                 finally:
                     stream.release(batch, lent=lease is not None)
+                    if lease is not None:
+                        self.loader.pool.wake()  # a prefetch place is free (a lent slot does not wake it on release)
+                stream.bytes_sent += len(data)
                 yield data
         finally:
             self.loader.close_stream(stream, reason)
@@ -124,7 +139,8 @@ class BatchLoaderService:
         log.info("shared-memory session %s opened by %s", request.session[:8], context.peer())
         try:
             yield pb.SessionEvent(probe_segment=owner.probe_name, probe_token=owner.probe_token)
-            while context.is_active() and not self.loader.closed:
+            # ends with the shutdown's drain too: an idle session must not hold stop() for its grace period
+            while context.is_active() and not self.loader.closed and not self.loader.draining:
                 time.sleep(_POLL_S)
         finally:
             returned = leases.close(request.session)
@@ -133,6 +149,63 @@ class BatchLoaderService:
     def ReleaseLeases(self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext):
         self.loader.leases.release(request.session, request.leases)
         return pb.ReleaseLeasesResponse()
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        return stats_to_proto(stats.snapshot(self.loader))
+
+
+def stats_to_proto(s: stats.ServerStats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        uptime_seconds=s.uptime_seconds,
+        version=s.version,
+        streams=[pb.StreamStats(**dataclasses.asdict(st)) for st in s.streams],
+        pool=pb.PoolStats(**dataclasses.asdict(s.pool)),
+        totals=pb.StatsTotals(**dataclasses.asdict(s.totals)),
+    )
+
+
+class _LagLog:
+    """Logs when a stream falls behind: the RPC waited over ``_BEHIND_S`` for its next batch.
+
+    At most one warning per ``_BEHIND_LOG_EVERY_S`` per stream (counting the slow waits in
+    between), and one line when the warned-about batch arrives.
+    """
+
+    def __init__(self, stream, loader: Loader):
+        self.stream, self.loader = stream, loader
+        self.flagged = False  # this wait is already counted as slow
+        self.logged = False  # ... and was logged
+        self.slow = 0  # slow waits not logged yet
+        self.last_log = -math.inf
+
+    def waiting(self) -> None:
+        s = self.stream
+        now = time.monotonic()
+        waited = now - (s.waiting_since or now)
+        if self.flagged or waited < _BEHIND_S:
+            return
+        self.flagged = True
+        self.slow += 1
+        if now - self.last_log < _BEHIND_LOG_EVERY_S:
+            return
+        in_flight, ready = s.backlog()
+        load = self.loader.pool.load()
+        earlier = f"; {self.slow - 1} more waits over {_BEHIND_S:g} s since the last warning" if self.slow > 1 else ""
+        log.warning(
+            "stream %d (dataset %s, pipeline %s) is falling behind: its client has waited %.1f s for batch %d "
+            "(%d of its batches being built; workers: %d of %d busy, %d batches queued; %d open streams)%s",
+            s.id, s.request.dataset, s.request.pipeline_name, waited, s.next_index, in_flight, load["busy"],
+            self.loader.pool.num_workers, load["tasks_in_flight"], len(self.loader.streams), earlier,
+        )
+        self.slow, self.logged, self.last_log = 0, True, now
+
+    def got_batch(self, batch_index: int) -> None:
+        s = self.stream
+        if self.logged:
+            log.info("stream %d caught up: batch %d came after %.1f s", s.id, batch_index,
+                     time.monotonic() - (s.waiting_since or time.monotonic()))
+        s.waiting_since = None
+        self.flagged = self.logged = False
 
 
 def _encode(batch, epoch: int, num_batches: int, lease: int | None, lz4: bool) -> bytes:
@@ -196,6 +269,11 @@ def add_to_server(service: BatchLoaderService, server: grpc.Server) -> None:
             service.ReleaseLeases,
             request_deserializer=pb.ReleaseLeasesRequest.FromString,
             response_serializer=pb.ReleaseLeasesResponse.SerializeToString,
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats,
+            request_deserializer=pb.StatsRequest.FromString,
+            response_serializer=pb.StatsResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

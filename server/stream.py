@@ -18,6 +18,7 @@ import numpy as np
 
 from batchd.server.protocol import TensorLayout
 from batchd.server.shm import Segment
+from batchd.server.stats import RateMeter
 
 _ids = itertools.count(1)
 
@@ -77,6 +78,13 @@ class Stream:
         self.batches_sent = 0
         self.samples_sent = 0
         self.samples_skipped = 0
+        # --- for stats (server/stats.py); set by the servicer, which knows the call ---------
+        self.bytes_sent = 0  # gRPC message bytes yielded
+        self.peer = ""  # the client, as grpc's context.peer() names it
+        self.transport = "inline"  # "shm" when batches are lent over a shared-memory session
+        self.shared = False  # computed once for several identical streams
+        self.waiting_since: float | None = None  # monotonic time the RPC began waiting for a batch
+        self.meter = RateMeter()  # samples sent per second, moving
 
     # --- pool thread -------------------------------------------------------------------------
 
@@ -180,6 +188,12 @@ class Stream:
         with self._cond:
             self.batches_sent += 1
             self.samples_sent += batch.tensors[0].shape[0]
+        self.meter.add(batch.tensors[0].shape[0])
+
+    def backlog(self) -> tuple[int, int]:
+        """(batches being built, batches built and waiting in the reorder buffer)."""
+        with self._cond:
+            return len(self._in_flight), len(self._ready)
 
     def close(self) -> None:
         """Stop: batches waiting are released now, those in flight when they arrive."""

@@ -64,6 +64,7 @@ class _Worker:
         self.pipelines: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.segments: collections.OrderedDict[str, Segment] = collections.OrderedDict()
         self.grown = 0
+        self._unadopted: Segment | None = None  # a segment this task created, until BatchDone names it
 
     def dataset(self, name: str) -> Dataset:
         ds = self.datasets.get(name)
@@ -103,6 +104,19 @@ class _Worker:
             pass
 
     def run(self, task: Task) -> BatchDone:
+        self._unadopted = None
+        try:
+            return self._run(task)
+        except BaseException:
+            # a segment grown for a batch that failed is adopted by no one: remove it, or it
+            # stays in /dev/shm (even after the server stops) with every failed task
+            seg, self._unadopted = self._unadopted, None
+            if seg is not None:
+                self._forget(seg.name)
+                seg.unlink()
+            raise
+
+    def _run(self, task: Task) -> BatchDone:
         ds = self.dataset(task.dataset)
         compose, min_size = self.pipeline(task.pipeline_key, task.pipeline_json)
         if compose is not None:
@@ -173,6 +187,7 @@ class _Worker:
         self.grown += 1
         seg = Segment.create(f"{self.new_segment_prefix}w{self.worker_id}-{os.getpid()}-{self.grown}", nbytes)
         self.segments[seg.name] = seg
+        self._unadopted = seg
         return seg, True
 
 

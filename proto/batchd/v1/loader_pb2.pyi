@@ -176,3 +176,117 @@ class ErrorDetail(_message.Message):
     paths: _containers.RepeatedScalarFieldContainer[str]
     reason: str
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., dataset: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., paths: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamStats(_message.Message):
+    __slots__ = ("id", "peer", "dataset", "pipeline", "batch_size", "epoch", "rank", "world_size", "transport", "shared", "num_batches", "next_batch", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "batches_in_flight", "batches_ready", "prefetch", "age_seconds", "images_per_second", "waiting_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_READY_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    peer: str
+    dataset: str
+    pipeline: str
+    batch_size: int
+    epoch: int
+    rank: int
+    world_size: int
+    transport: str
+    shared: bool
+    num_batches: int
+    next_batch: int
+    batches_sent: int
+    samples_sent: int
+    bytes_sent: int
+    samples_skipped: int
+    batches_in_flight: int
+    batches_ready: int
+    prefetch: int
+    age_seconds: float
+    images_per_second: float
+    waiting_seconds: float
+    def __init__(self, id: _Optional[int] = ..., peer: _Optional[str] = ..., dataset: _Optional[str] = ..., pipeline: _Optional[str] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[str] = ..., shared: _Optional[bool] = ..., num_batches: _Optional[int] = ..., next_batch: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., batches_in_flight: _Optional[int] = ..., batches_ready: _Optional[int] = ..., prefetch: _Optional[int] = ..., age_seconds: _Optional[float] = ..., images_per_second: _Optional[float] = ..., waiting_seconds: _Optional[float] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    TASKS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    ready: int
+    busy: int
+    restarts: int
+    busy_seconds: float
+    utilization: float
+    tasks_in_flight: int
+    slots_in_use: int
+    max_slots: int
+    shm_bytes: int
+    leases_held: int
+    sessions: int
+    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class StatsTotals(_message.Message):
+    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped")
+    STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    streams_started: int
+    streams_finished: int
+    streams_failed: int
+    streams_cancelled: int
+    batches_sent: int
+    samples_sent: int
+    bytes_sent: int
+    samples_skipped: int
+    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("uptime_seconds", "version", "streams", "pool", "totals")
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    uptime_seconds: float
+    version: str
+    streams: _containers.RepeatedCompositeFieldContainer[StreamStats]
+    pool: PoolStats
+    totals: StatsTotals
+    def __init__(self, uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., streams: _Optional[_Iterable[_Union[StreamStats, _Mapping]]] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., totals: _Optional[_Union[StatsTotals, _Mapping]] = ...) -> None: ...

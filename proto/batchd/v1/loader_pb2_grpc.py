@@ -59,6 +59,11 @@ class BatchLoaderStub:
                 request_serializer=batchd_dot_v1_dot_loader__pb2.ReleaseLeasesRequest.SerializeToString,
                 response_deserializer=batchd_dot_v1_dot_loader__pb2.ReleaseLeasesResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/batchd.v1.BatchLoader/Stats',
+                request_serializer=batchd_dot_v1_dot_loader__pb2.StatsRequest.SerializeToString,
+                response_deserializer=batchd_dot_v1_dot_loader__pb2.StatsResponse.FromString,
+                _registered_method=True)
 
 
 class BatchLoaderServicer:
@@ -104,6 +109,14 @@ class BatchLoaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Live figures: open streams, workers, shared memory, totals since the server started
+        (what `batchd status` shows and the Prometheus endpoint exports).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BatchLoaderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +144,11 @@ def add_BatchLoaderServicer_to_server(servicer, server):
                     servicer.ReleaseLeases,
                     request_deserializer=batchd_dot_v1_dot_loader__pb2.ReleaseLeasesRequest.FromString,
                     response_serializer=batchd_dot_v1_dot_loader__pb2.ReleaseLeasesResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=batchd_dot_v1_dot_loader__pb2.StatsRequest.FromString,
+                    response_serializer=batchd_dot_v1_dot_loader__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +286,33 @@ class BatchLoader:
             '/batchd.v1.BatchLoader/ReleaseLeases',
             batchd_dot_v1_dot_loader__pb2.ReleaseLeasesRequest.SerializeToString,
             batchd_dot_v1_dot_loader__pb2.ReleaseLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchd.v1.BatchLoader/Stats',
+            batchd_dot_v1_dot_loader__pb2.StatsRequest.SerializeToString,
+            batchd_dot_v1_dot_loader__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,64 @@
+"""bench/results/throughput.png: Table 1's images/s per pipeline and worker count, Table 2's speedups."""
+
+from __future__ import annotations
+
+import pathlib
+
+METHOD_STYLE = {  # label, colour
+    "sequential": ("sequential", "#9e9e9e"),
+    "dataloader": ("PyTorch DataLoader", "#ee8a3c"),
+    "batchd_tcp": ("batchd TCP (inline)", "#5b9bd5"),
+    "batchd_shm": ("batchd shm", "#1f4e9c"),
+}
+
+
+def draw(results: dict, path: pathlib.Path) -> pathlib.Path | None:
+    t1, t2 = results.get("table1"), results.get("table2")
+    if not t1 and not t2:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    workers = sorted({row["workers"] for row in t1["rows"]}) if t1 else []
+    panels = len(workers) + (1 if t2 else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.2), squeeze=False)
+    axes = axes[0]
+    top = max((max(row["median"].values()) for row in t1["rows"]), default=1) * 1.12 if t1 else 1
+    for ax, w in zip(axes, workers):
+        rows = [row for row in t1["rows"] if row["workers"] == w]
+        x = np.arange(len(rows))
+        width = 0.2
+        for i, (m, (label, colour)) in enumerate(METHOD_STYLE.items()):
+            ax.bar(x + (i - 1.5) * width, [row["median"][m] for row in rows], width, label=label, color=colour)
+        ax.set_xticks(x, [row["pipeline"] for row in rows])
+        ax.set_ylim(0, top)
+        ax.set_title(f"Table 1: {w} worker{'s' if w > 1 else ''}, batch 64")
+        ax.set_ylabel("images / s")
+        ax.grid(axis="y", alpha=0.3)
+    if t1:
+        axes[0].legend(loc="upper right", fontsize=8)
+    if t2:
+        ax = axes[-1]
+        sizes = [row["batch_size"] for row in t2["rows"]]
+        for m in ("dataloader", "batchd_shm"):
+            label, colour = METHOD_STYLE[m]
+            ax.plot(sizes, [row["median"][m] / row["median"]["sequential"] for row in t2["rows"]], "o-",
+                    label=label, color=colour)
+        ax.axhline(1.0, color="#9e9e9e", lw=1, ls="--", label="sequential")
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup over sequential")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"Table 2: {t2['workers']} workers, {t2['pipeline']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,96 @@
+"""Run batchd's benchmark suite: tables to stdout as they complete, then bench/results/.
+
+    python bench/run_all.py                  # everything (about 15 minutes on a 2-core machine)
+    python bench/run_all.py --quick          # a smoke run: fewer images and repeats (under 2 minutes)
+    python bench/run_all.py --only table1,table3
+
+Tables: table1 (workers x pipeline), table2 (batch size), table3 (overlap with training),
+table4 (memory with a 10M-row manifest; alias: scale), table5 (per-batch profile and reduced
+JPEG decoding; alias: profile). Results: ``results.json`` (raw numbers; a run replaces the tables
+it ran and keeps the others), ``results.md`` (tables and PASS/FAIL targets) and ``throughput.png``
+in ``--out`` (default bench/results; for --quick, /tmp/batchd-bench-quick, so that a smoke run never
+overwrites the real results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+from bench import (chart, data, machine, measure, report, table_batch, table_overlap, table_profile,  # noqa: E402
+                   table_scale, table_workers)
+from bench.noise import NoiseMeter  # noqa: E402
+from bench.settings import Settings  # noqa: E402
+
+MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile)
+ALIASES = {"workers": "table1", "batch": "table2", "overlap": "table3", "scale": "table4", "profile": "table5"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--quick", action="store_true", help="fewer images and 1 repeat: a smoke run")
+    p.add_argument("--only", default="", help="comma-separated tables: " + ", ".join(m.NAME for m in MODULES))
+    p.add_argument("--repeats", type=int, help="repeats per measurement (default: 3; --quick: 1)")
+    p.add_argument("--out", type=pathlib.Path, help="results folder (default: bench/results; --quick: /tmp/batchd-bench-quick)")
+    args = p.parse_args(argv)
+    names = {m.NAME for m in MODULES}
+    wanted = [ALIASES.get(x.strip(), x.strip()) for x in args.only.split(",") if x.strip()]
+    unknown = [x for x in wanted if x not in names]
+    if unknown:
+        p.error(f"unknown table(s) {unknown}; choose from {sorted(names)} (aliases {sorted(ALIASES)})")
+    args.tables = [m for m in MODULES if not wanted or m.NAME in wanted]
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = args.out or (pathlib.Path("/tmp/batchd-bench-quick") if args.quick else ROOT / "bench" / "results")
+    settings = Settings(quick=args.quick, repeats=args.repeats or (1 if args.quick else 3), out_dir=out)
+    measure.pin_threads()
+    start = time.perf_counter()
+    info = machine.info()
+    print(machine.render(info), flush=True)
+    data.ensure_photos()
+    results = report.load(out)
+    wall = {}
+    noise = NoiseMeter()
+    noise.start()
+    for m in args.tables:
+        print(f"\n== {m.TITLE} ==", flush=True)
+        t0, n0 = time.perf_counter(), noise.seconds()
+        r = m.run(settings, log=lambda msg: print(msg, flush=True))
+        seconds = time.perf_counter() - t0
+        r.update(run_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), quick=settings.quick,
+                 seconds=seconds, foreign_cpu=(noise.seconds() - n0) / (seconds * (os.cpu_count() or 1)))
+        results[m.NAME] = r
+        wall[m.NAME] = r["seconds"]
+        print(m.render(r), flush=True)
+        print(f"({seconds:.0f} s; other processes on the machine used at least {r['foreign_cpu']:.0%} of its CPU "
+              "meanwhile)", flush=True)
+        for t in m.targets(r):
+            print(report.target_line(t), flush=True)
+        report.save(out, results)
+        report.write(out, report.render(results, MODULES, machine.render(info), wall))
+        chart.draw(results, out / "throughput.png")
+    noise.stop()
+    wall["total"] = time.perf_counter() - start
+    path = report.write(out, report.render(results, MODULES, machine.render(info), wall))
+    png = chart.draw(results, out / "throughput.png")
+    print(f"\nwrote {path}" + (f" and {png}" if png else "") + f" in {wall['total']:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
