@@ -36,6 +36,18 @@ def save(out_dir: pathlib.Path, results: dict) -> None:
     tmp.replace(out_dir / "results.json")
 
 
+def noise_note(r: dict) -> str:
+    """How loaded the shared machine was while the table ran."""
+    out = f"{r['seconds']:.0f} s"
+    if "foreign_cpu" in r:
+        out += f"; other processes used at least {r['foreign_cpu']:.0%} of the machine's CPU during the table"
+    g = r.get("guard")
+    if g and g["measurements"]:
+        out += (f"; during the {g['measurements']} measurements: median {g['foreign_median']:.0%}, max "
+                f"{g['foreign_max']:.0%} ({g['retried']} re-measured, {g['guard_s']:.0f} s spent waiting/retrying)")
+    return out
+
+
 def target_line(t: dict) -> str:
     verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
     return f"- **{verdict}** {t['name']}: {t['detail']}"
@@ -66,9 +78,7 @@ def render(results: dict, modules: Sequence, machine_md: str, wall: dict) -> str
         r = results.get(m.NAME)
         if r is None:
             continue
-        stamp = f"_run {r['run_at']}{' (--quick: fewer images and repeats)' if r.get('quick') else ''}, {r['seconds']:.0f} s"
-        if "foreign_cpu" in r:
-            stamp += f"; other processes on the machine used at least {r['foreign_cpu']:.0%} of its CPU meanwhile"
+        stamp = f"_run {r['run_at']}{' (--quick: fewer images and repeats)' if r.get('quick') else ''}: {noise_note(r)}"
         try:
             body = m.render(r)
         except (KeyError, TypeError, ValueError) as e:  # results.json from an older version of the table

@@ -28,7 +28,7 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from bench import (chart, data, machine, measure, report, table_batch, table_overlap, table_profile,  # noqa: E402
                    table_scale, table_workers)
-from bench.noise import NoiseMeter  # noqa: E402
+from bench import noise  # noqa: E402
 from bench.settings import Settings  # noqa: E402
 
 MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile)
@@ -65,26 +65,27 @@ def main(argv=None) -> int:
     data.ensure_photos()
     results = report.load(out)
     wall = {}
-    noise = NoiseMeter()
-    noise.start()
+    meter = noise.NoiseMeter()
+    meter.start()
+    noise.configure(budget_s=2.0 if settings.quick else 45.0)
     for m in args.tables:
         print(f"\n== {m.TITLE} ==", flush=True)
-        t0, n0 = time.perf_counter(), noise.seconds()
+        t0, n0 = time.perf_counter(), meter.seconds()
         r = m.run(settings, log=lambda msg: print(msg, flush=True))
         seconds = time.perf_counter() - t0
         r.update(run_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), quick=settings.quick,
-                 seconds=seconds, foreign_cpu=(noise.seconds() - n0) / (seconds * (os.cpu_count() or 1)))
+                 seconds=seconds, foreign_cpu=(meter.seconds() - n0) / (seconds * (os.cpu_count() or 1)),
+                 guard=noise.GUARD.take())
         results[m.NAME] = r
         wall[m.NAME] = r["seconds"]
         print(m.render(r), flush=True)
-        print(f"({seconds:.0f} s; other processes on the machine used at least {r['foreign_cpu']:.0%} of its CPU "
-              "meanwhile)", flush=True)
+        print(f"({report.noise_note(r)})", flush=True)
         for t in m.targets(r):
             print(report.target_line(t), flush=True)
         report.save(out, results)
         report.write(out, report.render(results, MODULES, machine.render(info), wall))
         chart.draw(results, out / "throughput.png")
-    noise.stop()
+    meter.stop()
     wall["total"] = time.perf_counter() - start
     path = report.write(out, report.render(results, MODULES, machine.render(info), wall))
     png = chart.draw(results, out / "throughput.png")

@@ -1,8 +1,10 @@
 """The sequential baseline: read, decode, transform and stack batches in this one process.
 
 The same code as a batchd worker (``batchd.server.worker._Worker.run``): ``Dataset.load_image``
-(``read_rgb``: ``np.fromfile`` + ``cv2.imdecode`` + BGR->RGB), the label, the pipeline seeded
-once per batch, and a copy into a preallocated [B, H, W, C] array; then torch tensors.
+(``read_rgb``: ``np.fromfile`` + ``cv2.imdecode`` + BGR->RGB, reduced JPEG decoding where the
+pipeline starts by resizing to at most half the size, as the worker asks for), the label, the
+pipeline seeded once per batch, and a copy into a preallocated [B, H, W, C] array; then torch
+tensors.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ import time
 import numpy as np
 import torch
 
+from bench.common import decode_min_size, load_image
 
-def build_batch(ds, compose, indices, seed: int = 0) -> dict[str, torch.Tensor]:
+
+def build_batch(ds, compose, indices, seed: int = 0, min_size=None) -> dict[str, torch.Tensor]:
     if compose is not None:
         compose.set_random_seed(seed)
     labels = np.empty(len(indices), np.int64)
     images = None
     for i, index in enumerate(indices):
-        image = ds.load_image(int(index))
+        image = load_image(ds, int(index), min_size)
         labels[i] = ds.label(int(index))
         if compose is not None:
             image = compose(image=image)["image"]
@@ -35,8 +39,9 @@ def batches(ds, compose, batch_size: int, num_batches: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     need = batch_size * num_batches
     order = np.concatenate([rng.permutation(len(ds)) for _ in range(-(-need // len(ds)))])[:need]
+    min_size = decode_min_size(compose)
     for b in range(num_batches):
-        yield build_batch(ds, compose, order[b * batch_size:(b + 1) * batch_size], seed + b)
+        yield build_batch(ds, compose, order[b * batch_size:(b + 1) * batch_size], seed + b, min_size)
 
 
 def batch_seconds(ds, compose, batch_size: int, num_batches: int, seed: int = 0) -> list[float]:

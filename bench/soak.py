@@ -260,7 +260,7 @@ def run(minutes: float, n_clients: int, seed: int) -> int:
 
     rng = random.Random(seed)
     duration = minutes * 60
-    warmup = min(30.0, max(10.0, duration / 5))
+    warmup = min(60.0, max(20.0, duration / 4))  # the slot pool grows to its working set first
     tmp = tempfile.TemporaryDirectory(prefix="batchd-soak-")
     logdir = pathlib.Path(tmp.name)
     datasets = {"fmnist-test": {"kind": "fashion-mnist", "root": str(FMNIST_ROOT), "split": "test"}}

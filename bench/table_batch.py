@@ -11,6 +11,7 @@ import math
 
 from bench import common, data, pipelines, sequential
 from bench.measure import median, spread, time_stream
+from bench.noise import measure
 from bench.report import fx, md_table
 from bench.server_proc import ServerProcess
 from bench.torch_loader import PhotoDataset, make_loader
@@ -24,7 +25,7 @@ PIPELINE = "L3"
 
 def run(s, log=print) -> dict:
     sizes = s.pick((10, 50, 100, 300, 500, 1000), (10, 300))
-    target = s.pick(2000, 300)        # images timed per measurement (at least)
+    target = s.pick(1600, 300)        # images timed per measurement (at least)
     seq_target = s.pick(960, 200)
     w, p = WORKERS, PIPELINE
     cfg = common.photos_x4_config()
@@ -56,16 +57,8 @@ def run(s, log=print) -> dict:
                 timed, warmup = plan_of[bs]["timed_batches"], w
                 for m in METHODS[k:] + METHODS[:k]:
                     seed = 1000 * rep + bi
-                    if m == "sequential":
-                        n = plan_of[bs]["seq_images"] // bs
-                        r = time_stream(sequential.batches(ds, compose, bs, n, seed), 0, n)
-                    elif m == "dataloader":
-                        plan.set(p, len(torch_ds), bs, warmup + timed, seed)
-                        r = time_stream(dl, warmup, timed)
-                    else:
-                        with common.remote(srv.address, "photos_x4", batch_size=bs, pipeline=p, workers=w,
-                                           transport="shm", seed=seed) as rl:
-                            r = time_stream(rl, warmup, timed)
+                    r = measure(lambda: _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed,
+                                             plan_of[bs]["seq_images"] // bs))
                     rates.setdefault(f"{bs}|{m}", []).append(r.rate)
             log(f"  table2: repeat {rep + 1}/{s.repeats} done")
     finally:
@@ -78,6 +71,17 @@ def run(s, log=print) -> dict:
                      "median": {m: median(v) for m, v in cell.items()},
                      "spread": {m: spread(v) for m, v in cell.items()}})
     return {"rows": rows, "workers": w, "pipeline": p, "repeats": s.repeats}
+
+
+def _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed, seq_batches):
+    if m == "sequential":
+        return time_stream(sequential.batches(ds, compose, bs, seq_batches, seed), 0, seq_batches)
+    if m == "dataloader":
+        plan.set(p, len(torch_ds), bs, warmup + timed, seed)
+        return time_stream(dl, warmup, timed)
+    with common.remote(srv.address, "photos_x4", batch_size=bs, pipeline=p, workers=w, transport="shm",
+                       seed=seed) as rl:
+        return time_stream(rl, warmup, timed)
 
 
 def render(r: dict) -> str:
@@ -94,7 +98,7 @@ def render(r: dict) -> str:
     return md_table(head, rows) + (
         f"\n\n{r['workers']} workers, pipeline {r['pipeline']}, dataset photos_x4 (12,000 rows: the photos four "
         f"times). After a warm-up of {r['workers']} batches, whole rounds of the workers are timed (at least "
-        f"2,000 images, and 4 batches at batch 1000); sequential: the in-process loop over about 960 images "
+        f"1,600 images, and 4 batches at batch 1000); sequential: the in-process loop over about 960 images "
         f"(at least one batch). Median of {r['repeats']} interleaved repeats (largest spread of any cell: "
         f"{worst:.0%})."
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from bench import common, data, pipelines, sequential
 from bench.measure import median
+from bench.noise import measure
 from bench.report import md_table
 from bench.server_proc import ServerProcess
 from bench.trainer import BusyStep, SleepStep, train_loop
@@ -59,14 +60,7 @@ def run(s, log=print) -> dict:
                 for variant, method, w in cases[k:] + cases[:k]:
                     step = sleep_steps[x] if variant == "sleep" else busy_steps[x]
                     seed = 100 * rep + xi
-                    if method == "sequential":
-                        batches = sequential.batches(ds, compose, BS, warmup + steps, seed)
-                        r = train_loop(batches, step, warmup, steps)
-                    else:
-                        # prefetch 2 x workers, as in Tables 1 and 2
-                        with common.remote(servers[w].address, "photos", batch_size=BS, pipeline=PIPELINE,
-                                           workers=w, transport="shm", seed=seed) as rl:
-                            r = train_loop(rl, step, warmup, steps)
+                    r = measure(lambda: _one(method, ds, compose, servers.get(w), w, step, seed, warmup, steps))
                     results.setdefault(f"{variant}|{x}|{method}|{w}", []).append(r)
             log(f"  table3: repeat {rep + 1}/{s.repeats} done")
     finally:
@@ -88,6 +82,15 @@ def run(s, log=print) -> dict:
                          "ratio": per_step / max(t1m, t2), "wait_fraction": wait / per_step})
     return {"rows": rows, "t1_calibrated": t1, "t1": t1_measured, "steps": steps, "warmup": warmup,
             "repeats": s.repeats}
+
+
+def _one(method, ds, compose, srv, w, step, seed, warmup, steps):
+    if method == "sequential":
+        return train_loop(sequential.batches(ds, compose, BS, warmup + steps, seed), step, warmup, steps)
+    # prefetch 2 x workers, as in Tables 1 and 2
+    with common.remote(srv.address, "photos", batch_size=BS, pipeline=PIPELINE, workers=w, transport="shm",
+                       seed=seed) as rl:
+        return train_loop(rl, step, warmup, steps)
 
 
 def _method(row) -> str:

@@ -6,7 +6,8 @@ A. Per image, in this process, with batchd's code: read (``np.fromfile``), decod
 B. Transport, at 2 workers: wall time per batch at the client, and CPU time per batch of each
    process over the same window (from /proc): the workers (sum), the batchd server's main
    process (gRPC, scheduler, encoding) and this client process (receiving, unpacking, reading the
-   pages), for batchd inline (TCP), inline + lz4, shared memory, and the PyTorch DataLoader. The
+   pages), for batchd inline (TCP), inline + lz4, inline over a unix socket, shared memory, and
+   the PyTorch DataLoader. The
    wall-clock transport estimate is client time per batch minus compute per batch / workers; the
    CPU columns are the direct measure (on a 2-core machine every CPU-ms spent moving bytes is
    taken from the workers).
@@ -17,6 +18,7 @@ C. Decode smartly: ``cv2.IMREAD_REDUCED_COLOR_2`` (libjpeg's scaled IDCT, half s
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import time
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from bench import common, data, pipelines
 from bench.measure import cpu_seconds, median, time_stream
+from bench.noise import measure
 from bench.report import fx, md_table
 from bench.server_proc import ServerProcess
 from bench.torch_loader import PhotoDataset, make_loader, worker_pids
@@ -77,58 +80,66 @@ def _stages(ds, compose, indices) -> tuple[dict[str, float], dict[str, float]]:
 def _transport(s, ds_cfg, presets, compute_per_batch: float) -> dict:
     timed = s.pick(24, 4)
     warmup = WORKERS
-    methods = ("dataloader", "batchd_inline", "batchd_inline_lz4", "batchd_shm")
+    methods = ("dataloader", "batchd_inline", "batchd_inline_lz4", "batchd_inline_unix", "batchd_shm")
     torch_ds = PhotoDataset("photos", ds_cfg, data.LOCAL_CACHE, presets)
     srv = ServerProcess(datasets=common.server_datasets(photos=ds_cfg), pipelines=presets, workers=WORKERS,
                         cache_dir=data.CACHE).start()
+    sock = f"/tmp/batchd-bench-{os.getpid()}.sock"
+    usrv = ServerProcess(datasets=common.server_datasets(photos=ds_cfg), pipelines=presets, workers=WORKERS,
+                         cache_dir=data.CACHE, address=f"unix:{sock}").start()
     dl, plan = make_loader(torch_ds, WORKERS)
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     try:
         plan.set(PIPELINE, len(torch_ds), BS, WORKERS, seed=0)
         for _ in dl:
             pass
-        with common.remote(srv.address, "photos", batch_size=BS, pipeline=PIPELINE, workers=WORKERS,
-                           transport="shm") as rl:
-            time_stream(rl, 0, WORKERS)
+        for server in (srv, usrv):
+            with common.remote(server.address, "photos", batch_size=BS, pipeline=PIPELINE, workers=WORKERS,
+                               transport="shm") as rl:
+                time_stream(rl, 0, WORKERS)
         for rep in range(s.repeats):
             k = rep % len(methods)
             for m in methods[k:] + methods[:k]:
-                seed = 50 + rep
-                snap = {}
-
-                def cpu(pids, server_pid):
-                    return (sum(cpu_seconds(p) for p in pids), cpu_seconds(server_pid) if server_pid else 0.0,
-                            time.process_time())
-
-                if m == "dataloader":
-                    plan.set(PIPELINE, len(torch_ds), BS, warmup + timed, seed)
-                    it = iter(dl)
-                    pids, server_pid = worker_pids(dl), None
-                    source = it
-                else:
-                    transport = "shm" if m == "batchd_shm" else "inline"
-                    rl = common.remote(srv.address, "photos", batch_size=BS, pipeline=PIPELINE, workers=WORKERS,
-                                       transport=transport, seed=seed,
-                                       compression="lz4" if m.endswith("lz4") else None)
-                    pids, server_pid = srv.worker_pids, srv.pid
-                    source = rl
-                r = time_stream(source, warmup, timed,
-                                on_start=lambda: snap.__setitem__("a", cpu(pids, server_pid)),
-                                on_end=lambda: snap.__setitem__("b", cpu(pids, server_pid)))
-                if m != "dataloader":
-                    rl.close()
-                (wa, sa, ca), (wb, sb, cb) = snap["a"], snap["b"]
-                runs[m].append({"wall": r.seconds / timed, "workers_cpu": (wb - wa) / timed,
-                                "server_cpu": (sb - sa) / timed, "client_cpu": (cb - ca) / timed})
+                server = usrv if m.endswith("unix") else srv
+                runs[m].append(measure(lambda: _transport_one(m, dl, plan, torch_ds, server, 50 + rep, warmup, timed)))
     finally:
         del dl
         srv.stop()
+        usrv.stop()
     out = {}
     for m, rs in runs.items():
         med = {k: median(r[k] for r in rs) for k in rs[0]}
         med["transport_wall_estimate"] = med["wall"] - compute_per_batch / WORKERS
         out[m] = med
     return {"methods": out, "timed": timed}
+
+
+def _transport_one(m, dl, plan, torch_ds, srv, seed, warmup, timed) -> dict:
+    """One timed stream of ``m``: wall and per-process CPU seconds per batch."""
+    snap = {}
+    if m == "dataloader":
+        plan.set(PIPELINE, len(torch_ds), BS, warmup + timed, seed)
+        source = iter(dl)
+        pids, server_pid = worker_pids(dl), None
+    else:
+        source = common.remote(srv.address, "photos", batch_size=BS, pipeline=PIPELINE, workers=WORKERS,
+                               transport="shm" if m == "batchd_shm" else "inline", seed=seed,
+                               compression="lz4" if m.endswith("lz4") else None)
+        pids, server_pid = srv.worker_pids, srv.pid
+
+    def cpu():
+        return (sum(cpu_seconds(p) for p in pids), cpu_seconds(server_pid) if server_pid else 0.0,
+                time.process_time())
+
+    try:
+        r = time_stream(source, warmup, timed, on_start=lambda: snap.__setitem__("a", cpu()),
+                        on_end=lambda: snap.__setitem__("b", cpu()))
+    finally:
+        if m != "dataloader":
+            source.close()
+    (wa, sa, ca), (wb, sb, cb) = snap["a"], snap["b"]
+    return {"wall": r.seconds / timed, "workers_cpu": (wb - wa) / timed, "server_cpu": (sb - sa) / timed,
+            "client_cpu": (cb - ca) / timed}
 
 
 def _larger_jpegs(n: int) -> list[np.ndarray]:
@@ -224,7 +235,8 @@ def render(r: dict) -> str:
            "Wall above CPU means this process waited for a core (other processes on the shared machine).", ""]
     t = r["transport"]
     names = {"dataloader": "PyTorch DataLoader", "batchd_inline": "batchd TCP (inline)",
-             "batchd_inline_lz4": "batchd TCP + lz4", "batchd_shm": "batchd shm"}
+             "batchd_inline_lz4": "batchd TCP + lz4", "batchd_inline_unix": "batchd inline over a unix socket",
+             "batchd_shm": "batchd shm"}
     rows = []
     for m, v in t["methods"].items():
         overhead = v["server_cpu"] + v["client_cpu"]

@@ -14,6 +14,7 @@ import time
 
 from bench import common, data, pipelines, sequential
 from bench.measure import median, spread, time_stream
+from bench.noise import measure
 from bench.report import fx, md_table
 from bench.server_proc import ServerProcess
 from bench.torch_loader import PhotoDataset, make_loader
@@ -63,17 +64,8 @@ def run(s, log=print) -> dict:
                     order = METHODS[k:] + METHODS[:k]
                     for m in order:
                         seed = 1000 * rep + pi
-                        if m == "sequential":
-                            r = time_stream(sequential.batches(ds, composes[p], bs, seq_batches + 1, seed), 1,
-                                            seq_batches)
-                        elif m == "dataloader":
-                            plan.set(p, len(torch_ds), bs, warmup + timed, seed)
-                            r = time_stream(dl, warmup, timed)
-                        else:
-                            transport = "inline" if m == "batchd_tcp" else "shm"
-                            with common.remote(srv.address, "photos", batch_size=bs, pipeline=p, workers=w,
-                                               transport=transport, seed=seed) as rl:
-                                r = time_stream(rl, warmup, timed)
+                        r = measure(lambda: _one(m, ds, composes[p], torch_ds, dl, plan, srv, w, p, bs, seed,
+                                                 warmup, timed, seq_batches))
                         rates.setdefault(key(w, p, m), []).append(r.rate)
                 log(f"  table1: workers={w} repeat {rep + 1}/{s.repeats} done")
         finally:
@@ -88,6 +80,18 @@ def run(s, log=print) -> dict:
                          "spread": {m: spread(v) for m, v in cell.items()}})
     return {"rows": rows, "batch_size": bs, "timed_images": timed * bs, "seq_images": seq_batches * bs,
             "repeats": s.repeats, "startup_s": startup}
+
+
+def _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed, seq_batches):
+    if m == "sequential":
+        return time_stream(sequential.batches(ds, compose, bs, seq_batches + 1, seed), 1, seq_batches)
+    if m == "dataloader":
+        plan.set(p, len(torch_ds), bs, warmup + timed, seed)
+        return time_stream(dl, warmup, timed)
+    transport = "inline" if m == "batchd_tcp" else "shm"
+    with common.remote(srv.address, "photos", batch_size=bs, pipeline=p, workers=w, transport=transport,
+                       seed=seed) as rl:
+        return time_stream(rl, warmup, timed)
 
 
 def render(r: dict) -> str:
@@ -113,10 +117,10 @@ def render(r: dict) -> str:
     return md_table(head, rows) + "\n" + notes
 
 
-def _cell(r: dict, workers: int, pipeline: str):
+def _cell(r: dict, workers: int, pipeline: str, stat: str = "median"):
     for row in r["rows"]:
         if row["workers"] == workers and row["pipeline"] == pipeline:
-            return row["median"]
+            return row["median"] if stat == "median" else {m: max(v) for m, v in row["rates"].items()}
     return None
 
 
@@ -124,16 +128,20 @@ def targets(r: dict) -> list[dict]:
     c = _cell(r, 2, "L3")
     if c is None:
         return [{"name": "Table 1 targets", "passed": None, "detail": "no L3 / 2-worker cell in this run"}]
+    b = _cell(r, 2, "L3", "best")  # other processes only ever slow a run down: the best run is the least disturbed
     shm_dl = c["batchd_shm"] / c["dataloader"]
     tcp_shm = c["batchd_tcp"] / c["batchd_shm"]
+    best = f"; best of {r['repeats']} runs each: {{:.2f}}x"
     tcp_all = [row["median"]["batchd_tcp"] / row["median"]["batchd_shm"] for row in r["rows"]]
     return [
         {"name": "batchd shm >= 1.0x DataLoader images/s (L3, batch 64, 2 workers; aim 1.2x)",
          "passed": shm_dl >= 1.0,
          "detail": f"{shm_dl:.2f}x ({c['batchd_shm']:.0f} vs {c['dataloader']:.0f} img/s)"
-                   + ("" if shm_dl >= 1.2 else "; below the 1.2x aim")},
+                   + ("" if shm_dl >= 1.2 else "; below the 1.2x aim")
+                   + best.format(b["batchd_shm"] / b["dataloader"])},
         {"name": "batchd TCP >= 0.9x the shm path (L3, batch 64, 2 workers)",
          "passed": tcp_shm >= 0.9,
-         "detail": f"{tcp_shm:.2f}x ({c['batchd_tcp']:.0f} vs {c['batchd_shm']:.0f} img/s); "
-                   f"over all cells of Table 1: {min(tcp_all):.2f}x..{max(tcp_all):.2f}x"},
+         "detail": f"{tcp_shm:.2f}x ({c['batchd_tcp']:.0f} vs {c['batchd_shm']:.0f} img/s)"
+                   + best.format(b["batchd_tcp"] / b["batchd_shm"])
+                   + f"; over all cells of Table 1 (medians): {min(tcp_all):.2f}x..{max(tcp_all):.2f}x"},
     ]

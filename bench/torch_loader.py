@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class PhotoDataset(Dataset):
-    """``dataset[(pipeline, index)] -> (image uint8 [H, W, 3], label)`` with batchd's decode code."""
+    """``dataset[(pipeline, index)] -> (image uint8 [H, W, 3], label)`` with batchd's decode code
+    (including its reduced JPEG decoding, as a batchd worker asks for it)."""
 
     def __init__(self, name: str, cfg, cache_dir, presets: dict[str, dict]):
         self.name, self.cfg, self.cache_dir, self.presets = name, cfg, cache_dir, presets
@@ -40,15 +41,21 @@ class PhotoDataset(Dataset):
         return self._len
 
     def __getitem__(self, item):
+        from bench.common import decode_min_size, load_image
+
         pipe, index = item
         ds = self._open()
-        image = ds.load_image(index)
+        compose = min_size = None
         if pipe:
-            compose = self._pipes.get(pipe)
-            if compose is None:
+            entry = self._pipes.get(pipe)
+            if entry is None:
                 import albumentations as A
 
-                compose = self._pipes[pipe] = A.from_dict(self.presets[pipe])
+                compose = A.from_dict(self.presets[pipe])
+                entry = self._pipes[pipe] = (compose, decode_min_size(compose))
+            compose, min_size = entry
+        image = load_image(ds, index, min_size)
+        if compose is not None:
             image = compose(image=image)["image"]
         return image, ds.label(index)
 

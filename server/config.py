@@ -94,6 +94,10 @@ class ServerConfig(_Strict):
     max_slots: shared-memory batch slots; at most this many batches exist at once (bounds memory).
     max_leases_per_session: slots a same-host client may hold at once over the shared-memory
         transport (on top of max_slots); further batches are sent inline. 0 disables the transport.
+    share_window: streams whose requests agree on everything that fixes the bytes (dataset,
+        pipeline, batch_size, shuffle, seed, epoch, drop_last, rank, world_size) share one
+        computation while they are within this many batches of each other; a reader further
+        behind gets its batches recomputed. 0 disables sharing.
     metrics_port: serve Prometheus metrics over HTTP on this port (``/metrics``; 0 picks a free
         one), on the host of ``address`` (127.0.0.1 for a unix: address). None: no endpoint.
     """
@@ -114,6 +118,7 @@ class ServerConfig(_Strict):
     grpc_threads: int = Field(default=64, ge=2)
     max_slots: int = Field(default=64, ge=2)
     max_leases_per_session: int = Field(default=8, ge=0)
+    share_window: int = Field(default=16, ge=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
     @field_validator("address")

@@ -21,7 +21,7 @@ from batchd.server.datasets import Dataset, open_dataset
 from batchd.server.leases import LeaseTable
 from batchd.server.pool import WorkerPool
 from batchd.server.stats import SENT, stream_outcome
-from batchd.server.stream import Stream, StreamRequest
+from batchd.server.stream import Computation, Stream, StreamRequest
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,9 @@ class Loader:
             config.workers, dict(config.datasets), config.cache_dir, self.slots,
             worker_timeout_s=config.worker_timeout_s, max_task_retries=config.max_task_retries,
         )
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # streams, counters, _computations; moving a stream between computations
         self.streams: dict[int, Stream] = {}
+        self._computations: dict[tuple, list[Computation]] = {}  # request key -> running computations
         # streams_started, and how closed streams ended + what they sent (server/stats.py); under _lock
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
@@ -134,31 +135,82 @@ class Loader:
         n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last)
         if args.start_batch > n:
             raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")
-        indices = shard_indices(
-            len(ds), shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
-            rank=args.rank, world_size=world_size, drop_last=args.drop_last,
-        )
         request = StreamRequest(
             dataset=args.dataset, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text, pipeline_name=name,
             batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
             drop_last=args.drop_last, rank=args.rank, world_size=world_size, start_batch=args.start_batch,
             prefetch=prefetch,
         )
-        stream = Stream(request, indices, n, self._release_slot)
+        stream = Stream(request, n)
         stream.peer, stream.transport = args.peer, args.transport
         with self._lock:
             if self._closed:
                 raise RuntimeError("the loader is shutting down")
+            joined = self._join(stream)
             self.streams[stream.id] = stream
             self.counters["streams_started"] += 1
-        self.pool.add_stream(stream)
+        if joined is None:
+            indices = shard_indices(
+                len(ds), shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
+                rank=args.rank, world_size=world_size, drop_last=args.drop_last,
+            )
+            self._start_computation(stream, request, indices, n)
         log.info(
             "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
-            "batches %d..%d prefetch=%d transport=%s client=%s", stream.id, args.dataset, name, args.batch_size,
+            "batches %d..%d prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
             args.shuffle, args.seed, args.epoch, args.rank, world_size, args.start_batch, n, prefetch, args.transport,
             args.peer or "-",
+            f"joins computation {joined.id}, shared with {joined.readers - 1} other streams" if joined is not None
+            else f"computation {stream.computation.id}",
         )
         return stream
+
+    def _join(self, stream: Stream) -> Computation | None:
+        """Attach ``stream`` to a running computation of its key that can serve it (under _lock)."""
+        if self.config.share_window <= 0:
+            return None
+        for computation in self._computations.get(stream.request.key, ()):
+            if computation.attach(stream):
+                return computation
+        return None
+
+    def _start_computation(self, stream: Stream, request: StreamRequest, indices, n: int) -> Computation:
+        computation = Computation(request, indices, n, release_slot=self._release_slot,
+                                  window=self.config.share_window, start=stream.position)
+        computation.on_fall_behind = self._fell_behind
+        computation.attach(stream, first=True)
+        with self._lock:
+            self._computations.setdefault(request.key, []).append(computation)
+        self.pool.add_computation(computation)
+        return computation
+
+    def _fell_behind(self, stream: Stream) -> None:
+        """``stream`` is more than share_window batches behind the others: give it its own computation.
+
+        Under _lock, so that a stream being closed is never moved (its new computation would
+        have a reader that nobody detaches).
+        """
+        with self._lock:
+            if stream.closed or self._closed:
+                return
+            old = stream.computation
+            new = self._start_computation(stream, old.request, old.indices, old.num_batches)
+            ended = old.detach(stream)
+        log.info(
+            "stream %d fell more than %d batches behind the other readers of computation %d; its batches from %d on "
+            "are recomputed (computation %d)", stream.id, old.window, old.id, stream.position, new.id,
+        )
+        if ended:
+            self._end_computation(old)
+
+    def _end_computation(self, computation: Computation) -> None:
+        self.pool.remove_computation(computation)
+        with self._lock:
+            siblings = self._computations.get(computation.request.key, [])
+            if computation in siblings:
+                siblings.remove(computation)
+            if not siblings:
+                self._computations.pop(computation.request.key, None)
 
     def _release_slot(self, slot) -> None:
         self.slots.release(slot)
@@ -170,7 +222,12 @@ class Loader:
             pool.wake()
 
     def close_stream(self, stream: Stream, reason: str = "finished") -> None:
-        self.pool.remove_stream(stream)
+        with self._lock:
+            stream.closed = True
+            computation = stream.computation
+            ended = computation is not None and computation.detach(stream)
+        if ended:
+            self._end_computation(computation)
         with self._lock:
             if self.streams.pop(stream.id, None) is not None:
                 self.counters[stream_outcome(stream)] += 1
@@ -195,9 +252,9 @@ class Loader:
             if self._closed:
                 return
             self._closed = True
-            streams = list(self.streams.values())
-        for s in streams:
-            s.close()
+            computations = [c for group in self._computations.values() for c in group]
+        for c in computations:
+            c.close()
         self.leases.close_all()
         self.pool.close()
         self.slots.close()

@@ -31,7 +31,7 @@ from batchd.sampler import batch_seed
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
 from batchd.server.shm import Segment, SlotPool
 from batchd.server.stats import RateMeter
-from batchd.server.stream import ReadyBatch, Stream
+from batchd.server.stream import Computation, ReadyBatch
 from batchd.server.worker import worker_main
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ _JOIN_S = 5.0
 
 @dataclass(slots=True)
 class _InFlight:
-    stream: Stream
+    stream: Computation  # the computation the batch is for
     batch_index: int
     slot: Segment
     worker_id: int
@@ -99,13 +99,14 @@ class WorkerPool:
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["numpy", "cv2", "albumentations", "batchd.server.worker"])
         self._lock = threading.Lock()  # guards _streams
-        self._streams: collections.deque[Stream] = collections.deque()
+        self._streams: collections.deque[Computation] = collections.deque()
         self._in_flight: dict[int, _InFlight] = {}
         self._task_ids = iter(range(1, 1 << 62))
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closing = False
         self.restarts = 0
+        self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
         self.busy_seconds = 0.0
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
         self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
@@ -119,12 +120,12 @@ class WorkerPool:
 
     # --- public ------------------------------------------------------------------------------
 
-    def add_stream(self, stream: Stream) -> None:
+    def add_computation(self, stream: Computation) -> None:
         with self._lock:
             self._streams.append(stream)
         self.wake()
 
-    def remove_stream(self, stream: Stream) -> None:
+    def remove_computation(self, stream: Computation) -> None:
         stream.close()
         with self._lock:
             try:
@@ -298,6 +299,7 @@ class WorkerPool:
             return
         self.busy_seconds += time.monotonic() - job.started
         if isinstance(msg, BatchDone):
+            self.batches_built += 1
             work = sum(msg.timings.values())
             self.work_seconds += work
             self.work_meter.add(work)
@@ -313,7 +315,7 @@ class WorkerPool:
     def _count_skipped(self, job: _InFlight, skipped) -> None:
         stream, req = job.stream, job.stream.request
         for index, path, reason in skipped:
-            log.warning("stream %d: skipped dataset %r sample %d (%s): %s", stream.id, req.dataset, index, path, reason)
+            log.warning("computation %d: skipped dataset %r sample %d (%s): %s", stream.id, req.dataset, index, path, reason)
         stream.samples_skipped += len(skipped)
         allowed = self._max_skipped_fraction.get(req.dataset, 0.0) * len(stream.indices)
         if stream.samples_skipped > allowed:
@@ -360,6 +362,8 @@ class WorkerPool:
             else:
                 return
             slot = self.slots.acquire(stream.slot_hint)
+            if slot is None and sum(c.evict_history() for c in streams):
+                slot = self.slots.acquire(stream.slot_hint)  # batches kept for late joiners made room
             if slot is None:
                 return  # every slot is held; a release wakes us
             b = stream.take_task()

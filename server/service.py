@@ -21,6 +21,7 @@ from batchd import wire
 from batchd.errors import DatasetNotFoundError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server import stats
 from batchd.server.loader import Loader, StreamArgs
+from batchd.server.stream import ReadyBatch
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -119,17 +120,41 @@ class BatchLoaderService:
                     lag.waiting()
                     continue
                 lag.got_batch(batch.batch_index)
-                lease = self.loader.leases.lend(request.session, batch.slot) if shared else None
-                try:
-                    data = _encode(batch, request.epoch, stream.num_batches, lease, lz4)
-                finally:
-                    stream.release(batch, lent=lease is not None)
-                    if lease is not None:
-                        self.loader.pool.wake()  # a prefetch place is free (a lent slot does not wake it on release)
+                data = self._send(stream, batch, request, shared, lz4)
                 stream.bytes_sent += len(data)
                 yield data
         finally:
             self.loader.close_stream(stream, reason)
+
+    def _send(self, stream, batch, request: pb.StreamBatchesRequest, shared: bool, lz4: bool) -> bytes:
+        """Serialize ``batch`` for the client, and give its slot back (or lend it).
+
+        Shared memory: the batch's own slot is lent when no other stream still reads it;
+        otherwise a copy in a free slot is lent; with no free slot or lease, the bytes go inline.
+        """
+        loader = self.loader
+        claimed = shared and stream.claim(batch)
+        lent_slot, lease = None, None
+        try:
+            if claimed:
+                lent_slot = batch.slot
+            elif shared:
+                lent_slot = loader.slots.acquire(max(t.offset + t.nbytes for t in batch.tensors))
+                if lent_slot is not None:
+                    end = max(t.offset + t.nbytes for t in batch.tensors)
+                    lent_slot.buf[:end] = batch.slot.buf[:end]
+            if lent_slot is not None:
+                lease = loader.leases.lend(request.session, lent_slot)
+                if lease is None and lent_slot is not batch.slot:
+                    loader.slots.release(lent_slot)
+            source = batch if lease is None or lent_slot is batch.slot else ReadyBatch(
+                batch.batch_index, lent_slot, batch.tensors, batch.timings, batch.skipped)
+            return _encode(source, request.epoch, stream.num_batches, lease, lz4)
+        finally:
+            if claimed and lease is None:
+                loader.slots.release(batch.slot)  # claimed but sent inline: it is ours to free
+            stream.release(batch, claimed=claimed)
+            loader.pool.wake()  # a prefetch place is free
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
         if not request.session:

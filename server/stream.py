@@ -1,18 +1,37 @@
-"""One client's stream of batches: what to build next, and the ordered reorder buffer.
+"""Streams and the computations behind them: what to build next, and the ordered reorder buffer.
 
-Workers finish batches in any order; ``Stream.next`` hands them out strictly by batch index.
-At most ``prefetch`` batches are in flight or waiting in the buffer, so a slow reader holds at
-most ``prefetch`` slots. The pool thread calls ``take_task``/``done``/``retry``/``fail``; the
-RPC thread calls ``next``/``release``/``close``. All state is under one condition variable.
+A ``Computation`` builds the batches of one (dataset, pipeline, batch_size, shuffle, seed,
+epoch, drop_last, rank, world_size): those fields fix every batch's bytes, so streams (clients)
+that agree on them can share one computation. A ``Stream`` is one client's cursor into a
+computation. Workers finish batches in any order; ``Stream.next`` hands them out strictly by
+batch index.
+
+Bounds, with ``front``/``back`` the positions of the fastest/slowest reader:
+
+* batch ``b`` is built only if ``b < front + prefetch`` (prefetch: the largest of the readers'),
+  so a lone reader has at most ``prefetch`` batches in flight or buffered;
+* built batches are kept until every reader has passed them, and then up to ``window`` more
+  as history, so a stream that starts a little later (another experiment launched a few
+  seconds after the first) joins and reads them instead of recomputing; history goes first
+  when the slot pool runs short (``evict_history``). At most ``2 * window + prefetch`` slots;
+* a reader more than ``window`` batches behind the fastest is moved to a computation of its
+  own, starting at its position: it gets the same bytes (recomputed), and nobody waits for it
+  (Ray Data's streaming_split makes every consumer wait for the slowest, ray#41973).
+
+The pool thread calls ``wants_work``/``take_task``/``done``/``retry``/``fail`` on computations;
+RPC threads call ``next``/``release``/``close`` on streams. A computation's state is under its
+condition variable.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -20,7 +39,10 @@ from batchd.server.protocol import TensorLayout
 from batchd.server.shm import Segment
 from batchd.server.stats import RateMeter
 
-_ids = itertools.count(1)
+log = logging.getLogger(__name__)
+
+_stream_ids = itertools.count(1)
+_computation_ids = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +63,16 @@ class StreamRequest:
     start_batch: int
     prefetch: int
 
+    @property
+    def key(self) -> tuple:
+        """What determines the batches' bytes: streams with equal keys can share a computation."""
+        return (self.dataset, self.pipeline_key, self.batch_size, self.shuffle, self.seed, self.epoch,
+                self.drop_last, self.rank, self.world_size)
+
 
 @dataclass(slots=True)
 class ReadyBatch:
-    """A finished batch waiting in its slot. ``release`` must be called once it is sent."""
+    """A finished batch waiting in its slot. ``Stream.release`` must be called once it is sent."""
 
     batch_index: int
     slot: Segment
@@ -53,63 +81,128 @@ class ReadyBatch:
     skipped: tuple[int, ...] = ()
 
 
-class Stream:
-    """State of one StreamBatches call. ``indices`` is this shard's sample order, int64 [N]."""
+class _Moved(Exception):
+    """The reader was moved to another computation while it waited."""
 
-    def __init__(self, request: StreamRequest, indices: np.ndarray, num_batches: int, release_slot):
-        self.id = next(_ids)
+
+class Computation:
+    """The batches of one request key, built once for every stream reading it.
+
+    indices: this shard's sample order, int64 [N]. window: how far (batches) readers may
+    drift apart before the slowest is moved to a computation of its own.
+    """
+
+    def __init__(self, request: StreamRequest, indices: np.ndarray, num_batches: int, *,
+                 release_slot: Callable[[Segment], None], window: int, start: int):
+        self.id = next(_computation_ids)
         self.request = request
         self.indices = indices
         self.num_batches = num_batches
-        self.prefetch = request.prefetch
+        self.window = window
         self._release_slot = release_slot
         self._cond = threading.Condition()
-        self._next_submit = request.start_batch
-        self._next_yield = request.start_batch
+        self._readers: dict[int, Stream] = {}
+        self._next_submit = start
+        self._history_start = start  # every batch in [_history_start, _next_submit) is built or being built
         self._retry: collections.deque[int] = collections.deque()
         self._in_flight: set[int] = set()
         self._ready: dict[int, ReadyBatch] = {}
+        self._users: collections.Counter[int] = collections.Counter()  # readers encoding batch b now
         self.attempts: collections.Counter[int] = collections.Counter()
         self.error: BaseException | None = None  # set on the first failure: nothing new is submitted
         self._failed: dict[int, BaseException] = {}  # batch index -> why it could not be built
         self.closed = False
         self.slot_hint = 0  # bytes of the last batch: the slot size to ask for next
-        self.started = time.monotonic()
-        self.batches_sent = 0
-        self.samples_sent = 0
         self.samples_skipped = 0
-        # --- for stats (server/stats.py); set by the servicer, which knows the call ---------
-        self.bytes_sent = 0  # gRPC message bytes yielded
-        self.peer = ""  # the client, as grpc's context.peer() names it
-        self.transport = "inline"  # "shm" when batches are lent over a shared-memory session
-        self.shared = False  # computed once for several identical streams
-        self.waiting_since: float | None = None  # monotonic time the RPC began waiting for a batch
-        self.meter = RateMeter()  # samples sent per second, moving
+        self.on_fall_behind: Callable[[Stream], None] = lambda stream: None
+
+    # --- readers -----------------------------------------------------------------------------
+
+    def attach(self, stream: Stream, *, first: bool = False) -> bool:
+        """Add a reader at ``stream.position``; False if this computation cannot serve it from there
+        (its batches before that are gone, or it is too far ahead to share)."""
+        with self._cond:
+            if self.closed or self.error is not None:
+                return False
+            if not first and not self._history_start <= stream.position <= self._next_submit:
+                return False
+            self._readers[stream.id] = stream
+            stream.computation = self
+            self._cond.notify_all()
+            return True
+
+    def detach(self, stream: Stream) -> bool:
+        """Remove a reader; its batches go back once nobody needs them. True if no reader is left."""
+        with self._cond:
+            self._readers.pop(stream.id, None)
+            empty = not self._readers
+            if empty:
+                self.closed = True
+            self._sweep()
+            self._cond.notify_all()
+            return empty
+
+    @property
+    def readers(self) -> int:
+        with self._cond:
+            return len(self._readers)
+
+    def _back(self) -> int:
+        return min((r.position for r in self._readers.values()), default=self._next_submit)
+
+    def _front(self) -> int:
+        return max((r.position for r in self._readers.values()), default=self._next_submit)
+
+    def _sweep(self, keep: int | None = None) -> int:
+        """Release built batches that every reader has passed (and none is still sending), oldest
+        first, keeping the last ``keep`` (default: window) as history. Returns how many."""
+        if not self._readers:  # nobody will read anything: release all that is not being sent
+            idle = [b for b in self._ready if not self._users[b]]
+            for b in idle:
+                self._release_slot(self._ready.pop(b).slot)
+            return len(idle)
+        limit = min(self._back(), self._front() - (self.window if keep is None else keep))
+        released = 0
+        while self._history_start < limit:
+            b = self._history_start
+            if self._users[b]:
+                break
+            batch = self._ready.pop(b, None)
+            if batch is not None:
+                self._release_slot(batch.slot)
+                released += 1
+            self._users.pop(b, None)
+            self._history_start = b + 1
+        return released
+
+    def evict_history(self) -> int:
+        """Release every passed batch kept as history (the slot pool is short). Returns how many."""
+        with self._cond:
+            return self._sweep(keep=0)
 
     # --- pool thread -------------------------------------------------------------------------
 
     def wants_work(self) -> bool:
         with self._cond:
-            if self.closed:
+            if self.closed or not self._readers:
                 return False
             limit = min(self._failed) if self._failed else self.num_batches  # nothing past a failure
-            while self._retry and self._retry[0] >= limit:
-                self._retry.popleft()
-            if not self._retry and self._next_submit >= limit:
-                return False
-            return len(self._in_flight) + len(self._ready) < self.prefetch
+            back = self._back()
+            self._retry = collections.deque(b for b in self._retry if back <= b < limit)
+            if self._retry:
+                return True
+            prefetch = max(r.prefetch for r in self._readers.values())
+            return self._next_submit < min(limit, self._front() + prefetch)
 
     def take_task(self) -> int:
         """The batch index to build next (a retried one first). Call only if wants_work()."""
         with self._cond:
-            b = self._retry.popleft() if self._retry else self._take_next()
+            if self._retry:
+                b = self._retry.popleft()
+            else:
+                b, self._next_submit = self._next_submit, self._next_submit + 1
             self._in_flight.add(b)
             return b
-
-    def _take_next(self) -> int:
-        b = self._next_submit
-        self._next_submit += 1
-        return b
 
     def batch_indices(self, b: int) -> np.ndarray:
         bs = self.request.batch_size
@@ -118,8 +211,8 @@ class Stream:
     def done(self, batch: ReadyBatch) -> None:
         with self._cond:
             self._in_flight.discard(batch.batch_index)
-            if self.closed:
-                self._release_slot(batch.slot)
+            if self.closed or batch.batch_index < self._history_start:
+                self._release_slot(batch.slot)  # nobody needs it (anymore)
                 return
             self._ready[batch.batch_index] = batch
             self._cond.notify_all()
@@ -134,13 +227,13 @@ class Stream:
             return self.attempts[b]
 
     def fail(self, error: BaseException, batch_index: int | None = None) -> None:
-        """Batch ``batch_index`` (or, if None, the whole stream) failed with ``error``.
+        """Batch ``batch_index`` (or, if None, everything from the slowest reader on) failed.
 
         Batches before a failed one are still delivered; the error is raised in its place.
         """
         with self._cond:
             if batch_index is None:
-                self._failed.setdefault(self._next_yield, error)
+                self._failed.setdefault(self._back(), error)
             else:
                 self._in_flight.discard(batch_index)
                 self._failed.setdefault(batch_index, error)
@@ -148,55 +241,66 @@ class Stream:
                 self.error = error
             self._cond.notify_all()
 
-    # --- RPC thread --------------------------------------------------------------------------
+    def backlog(self, position: int = 0) -> tuple[int, int]:
+        """(batches being built, batches built and waiting at or after ``position``); history
+        kept for late joiners does not count."""
+        with self._cond:
+            return len(self._in_flight), sum(1 for b in self._ready if b >= position)
 
-    def next(self, timeout: float) -> ReadyBatch | None:
-        """The next batch in order, or None if none came within ``timeout`` seconds or the stream is over.
+    # --- RPC threads -------------------------------------------------------------------------
 
-        Raises the stream's error (a worker's exception, re-raised with its traceback) once
-        the batches before it have been taken.
-        """
+    def get(self, stream: Stream, timeout: float) -> ReadyBatch | None:
+        """The reader's next batch (see Stream.next). Raises _Moved if it was moved away."""
         deadline = time.monotonic() + timeout
+        laggards: list[Stream] = []
         with self._cond:
             while True:
-                batch = self._ready.pop(self._next_yield, None)
+                if stream.id not in self._readers:
+                    raise _Moved
+                b = stream.position
+                batch = self._ready.get(b)
                 if batch is not None:
-                    self._next_yield += 1
-                    return batch
-                if self.error is not None and min(self._failed) <= self._next_yield:
+                    self._users[b] += 1
+                    stream.position = b + 1
+                    laggards = [r for r in self._readers.values() if r.position < stream.position - self.window]
+                    self._sweep()
+                    break
+                if self._failed and min(self._failed) <= b:
                     raise self._failed[min(self._failed)]
-                if self.finished or self.closed:
+                if b >= self.num_batches or self.closed:
                     return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self._cond.wait(remaining)
+        for laggard in laggards:
+            self.on_fall_behind(laggard)
+        return batch
 
-    @property
-    def next_index(self) -> int:
-        """The batch the client gets next."""
-        return self._next_yield
-
-    @property
-    def finished(self) -> bool:
-        return self._next_yield >= self.num_batches
-
-    def release(self, batch: ReadyBatch, *, lent: bool = False) -> None:
-        """The batch was sent: its slot can be reused (unless it was lent to the client)."""
-        if not lent:
-            self._release_slot(batch.slot)
+    def claim(self, stream: Stream, batch: ReadyBatch) -> bool:
+        """Take ``batch``'s slot out of this computation if nobody will read it from here again (it
+        can then be lent to the client without a copy): no other reader needs it, and it is the
+        oldest batch kept and past the history window (with share_window 0: always).
+        False: the caller lends a copy, or sends it inline."""
         with self._cond:
-            self.batches_sent += 1
-            self.samples_sent += batch.tensors[0].shape[0]
-        self.meter.add(batch.tensors[0].shape[0])
+            b = batch.batch_index
+            others = min((r.position for r in self._readers.values() if r is not stream), default=float("inf"))
+            if (b < others and self._users[b] == 1 and self._ready.get(b) is batch
+                    and b == self._history_start and b < self._front() - self.window):
+                del self._ready[b]
+                self._users.pop(b)
+                self._history_start = b + 1
+                return True
+            return False
 
-    def backlog(self) -> tuple[int, int]:
-        """(batches being built, batches built and waiting in the reorder buffer)."""
+    def put_back(self, batch: ReadyBatch) -> None:
+        """A reader finished sending ``batch`` (not claimed)."""
         with self._cond:
-            return len(self._in_flight), len(self._ready)
+            self._users[batch.batch_index] -= 1
+            self._sweep()
 
     def close(self) -> None:
-        """Stop: batches waiting are released now, those in flight when they arrive."""
+        """Stop: built batches are released now, those in flight when they arrive."""
         with self._cond:
             self.closed = True
             ready, self._ready = self._ready, {}
@@ -204,3 +308,93 @@ class Stream:
             self._cond.notify_all()
         for batch in ready.values():
             self._release_slot(batch.slot)
+
+
+class Stream:
+    """One StreamBatches call: a client's position in a (possibly shared) computation."""
+
+    def __init__(self, request: StreamRequest, num_batches: int):
+        self.id = next(_stream_ids)
+        self.request = request
+        self.num_batches = num_batches
+        self.prefetch = request.prefetch
+        self.position = request.start_batch  # the batch this client gets next
+        self.computation: Computation | None = None
+        self.closed = False  # set by Loader.close_stream; a closed stream is never moved
+        self._from: Computation | None = None  # the computation of the batch being sent
+        self.started = time.monotonic()
+        self.batches_sent = 0
+        self.samples_sent = 0
+        # --- for stats (server/stats.py); set by the servicer, which knows the call ---------
+        self.bytes_sent = 0  # gRPC message bytes yielded
+        self.peer = ""  # the client, as grpc's context.peer() names it
+        self.transport = "inline"  # "shm" when batches are lent over a shared-memory session
+        self.was_shared = False  # read batches that another stream also read
+        self.waiting_since: float | None = None  # monotonic time the RPC began waiting for a batch
+        self.meter = RateMeter()  # samples sent per second, moving
+        self._lock = threading.Lock()
+
+    @property
+    def shared(self) -> bool:
+        """Reading a computation together with other streams right now."""
+        c = self.computation
+        return c is not None and c.readers > 1
+
+    @property
+    def error(self) -> BaseException | None:
+        c = self.computation
+        return None if c is None else c.error
+
+    @property
+    def samples_skipped(self) -> int:
+        c = self.computation
+        return 0 if c is None else c.samples_skipped
+
+    @property
+    def indices(self) -> np.ndarray:
+        return self.computation.indices
+
+    def next(self, timeout: float) -> ReadyBatch | None:
+        """The next batch in order, or None if none came within ``timeout`` seconds or the stream is over.
+
+        Raises the computation's error (a worker's exception, re-raised with its traceback) once
+        the batches before it have been taken.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            computation = self.computation
+            try:
+                batch = computation.get(self, max(0.0, deadline - time.monotonic()))
+            except _Moved:
+                continue
+            if batch is not None:
+                self._from = computation  # where release() must return it
+                if computation.readers > 1:
+                    self.was_shared = True
+            return batch
+
+    @property
+    def next_index(self) -> int:
+        return self.position
+
+    @property
+    def finished(self) -> bool:
+        return self.position >= self.num_batches
+
+    def claim(self, batch: ReadyBatch) -> bool:
+        """Whether this stream may lend ``batch``'s own slot to its client (no other reader needs it)."""
+        return self._from.claim(self, batch)
+
+    def release(self, batch: ReadyBatch, *, claimed: bool = False) -> None:
+        """The batch was sent. Unless it was claimed (lent), its slot goes back once no reader needs it."""
+        if not claimed:
+            self._from.put_back(batch)
+        n = batch.tensors[0].shape[0]
+        with self._lock:
+            self.batches_sent += 1
+            self.samples_sent += n
+        self.meter.add(n)
+
+    def backlog(self) -> tuple[int, int]:
+        """(batches being built, batches built and waiting) in this stream's computation."""
+        return self.computation.backlog(self.position) if self.computation is not None else (0, 0)

@@ -1,0 +1,134 @@
+"""One loader, many experiments: identical streams share one computation; different ones share workers."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+import batchd
+
+pytestmark = pytest.mark.timeout(180)
+
+N_TEST, BATCH = 10_000, 200
+NUM_BATCHES = N_TEST // BATCH
+
+
+def digest(batch) -> str:
+    h = hashlib.sha256()
+    for key in ("image", "label", "index"):
+        h.update(batch[key].numpy().tobytes())
+    return h.hexdigest()
+
+
+def open_loader(server, **kw):
+    kw = {"batch_size": BATCH, "shuffle": True, "seed": 11, "transform": "flip", "timeout": 60, **kw}
+    return batchd.RemoteDataLoader(server.address, "fmnist-test", **kw)
+
+
+def read_all(ld, out: list, delay_each=None) -> None:
+    for b in ld:
+        out.append((digest(b), b["index"].numpy().copy()))
+        if delay_each is not None:
+            delay_each()
+
+
+def check_epoch(got) -> None:
+    indices = np.concatenate([i for _, i in got])
+    assert len(got) == NUM_BATCHES
+    assert np.array_equal(np.sort(indices), np.arange(N_TEST))
+
+
+@pytest.fixture
+def server(make_server, fmnist_root, request):
+    import albumentations as A
+
+    return make_server(
+        workers=2,
+        share_window=getattr(request, "param", 8),
+        max_slots=128,
+        datasets={"fmnist-test": {"kind": "fashion-mnist", "root": str(fmnist_root), "split": "test"}},
+        pipelines={"flip": A.to_dict(A.Compose([A.HorizontalFlip(p=0.5), A.RandomBrightnessContrast(p=0.5)]))},
+    )
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_identical_streams_are_computed_once(server, transport):
+    a_out, b_out = [], []
+    with open_loader(server, transport=transport) as a, open_loader(server, transport=transport) as b:
+        it_a, it_b = iter(a), iter(b)
+        for x, y in itertools.zip_longest(it_a, it_b):  # two experiments in lockstep
+            a_out.append((digest(x), x["index"].numpy().copy()))
+            b_out.append((digest(y), y["index"].numpy().copy()))
+    check_epoch(a_out)
+    assert [d for d, _ in a_out] == [d for d, _ in b_out]
+    built = server.loader.pool.batches_built
+    assert built <= NUM_BATCHES + 8, f"{built} batches built for two identical streams of {NUM_BATCHES}"
+
+
+# gRPC sends ahead of what a client has read (shared-memory messages are small), so the first
+# stream's server-side position is well past the 4 batches it read: a wide window.
+@pytest.mark.parametrize("server", [NUM_BATCHES], indirect=True)
+def test_late_joiner_gets_identical_bytes_and_shares(server, caplog):
+    caplog.set_level(logging.INFO, logger="batchd.server.loader")
+    first = []
+    with open_loader(server) as a:
+        it_a = iter(a)
+        first += [(digest(next(it_a)), None) for _ in range(4)]  # a is 4 batches in
+        with open_loader(server) as b:
+            late = []
+            read_all(b, late)
+        first += [(digest(x), None) for x in it_a]
+    check_epoch(late)
+    assert [d for d, _ in first] == [d for d, _ in late]
+    assert any("joins computation" in r.message for r in caplog.records)
+    assert server.loader.pool.batches_built <= NUM_BATCHES + 8
+
+
+def test_reader_falling_out_of_the_window_gets_every_batch_recomputed(server, caplog):
+    caplog.set_level(logging.INFO, logger="batchd.server.loader")
+    fast, slow = [], []
+    with open_loader(server, prefetch=2) as a, open_loader(server, prefetch=2) as b:
+        it_b = iter(b)
+        slow.append((digest(next(it_b)), None))  # b takes batch 0, then stalls
+        read_all(a, fast)  # a runs the whole epoch meanwhile: b falls more than 8 batches behind
+        slow += [(digest(x), x["index"].numpy().copy()) for x in it_b]
+    check_epoch(fast)
+    check_epoch([(None, i) for _, i in slow[1:]] + [(None, fast[0][1])])
+    assert len(slow) == NUM_BATCHES
+    assert [d for d, _ in slow] == [d for d, _ in fast]
+    assert any("fell more than 8 batches behind" in r.message for r in caplog.records)
+
+
+def test_different_streams_share_the_workers_fairly(server):
+    """A new experiment gets batches at once although another one is mid-epoch."""
+    with open_loader(server, seed=1, prefetch=4) as long_run, open_loader(server, seed=2, batch_size=50) as newcomer:
+        it_long = iter(long_run)
+        next(it_long)
+        long_stream = next(s for s in server.loader.streams.values() if s.request.seed == 1)
+        got = [next(iter(newcomer)) for _ in range(1)]
+        # the long run was admitted first and keeps its prefetch full, yet the newcomer was served
+        assert got and long_stream.position < NUM_BATCHES
+        rest = list(it_long)
+    assert 1 + len(rest) == NUM_BATCHES
+
+
+def test_a_client_leaving_a_shared_computation_does_not_disturb_the_other(server):
+    a_out = []
+    with open_loader(server) as a:
+        b = open_loader(server)
+        it_a, it_b = iter(a), iter(b)
+        for _ in range(3):
+            a_out.append((digest(next(it_a)), None))
+            next(it_b)
+        shared = [s.shared for s in server.loader.streams.values()]
+        assert shared == [True, True]
+        b.close()  # one experiment stops mid-epoch
+        a_out += [(digest(x), x["index"].numpy().copy()) for x in it_a]
+    assert len(a_out) == NUM_BATCHES
+    with open_loader(server) as ref:
+        assert [digest(x) for x in ref] == [d for d, _ in a_out]
