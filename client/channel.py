@@ -48,8 +48,17 @@ def translate(e: grpc.RpcError, address: str) -> Exception:
         return SampleError(detail.dataset, detail.indices[0], detail.paths[0] if detail.paths else "", detail.reason)
     if code == grpc.StatusCode.INTERNAL and detail.type == "WorkerError":
         return WorkerError(details)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):  # CANCELLED here: by the server
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or _transport_failure(code, details, detail):
         return ConnectionError(f"batchd server at {address} is unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(f"batchd server at {address} did not answer in time: {details}")
     return BatchdError(f"{code.name} from {address}: {details}")
+
+
+_TRANSPORT_FAILURES = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY")
+
+
+def _transport_failure(code: grpc.StatusCode, details: str, detail: pb.ErrorDetail) -> bool:
+    """The connection broke (the server went away mid-call), as gRPC reports it without UNAVAILABLE."""
+    return (code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and not detail.type
+            and any(marker in details for marker in _TRANSPORT_FAILURES))

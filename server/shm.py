@@ -124,11 +124,18 @@ class Owner:
         probe.close()
 
     def close(self) -> None:
-        for name in (self.probe_name, f"{self.prefix}lock"):
-            try:
-                os.unlink(SHM_DIR / name)
-            except FileNotFoundError:
-                pass
+        """Unlink every segment under this prefix (slots, the probe, segments a worker grew and
+        died before reporting), the lock file last."""
+        for path in SHM_DIR.glob(f"{self.prefix}*"):
+            if path.name != f"{self.prefix}lock":
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+        try:
+            os.unlink(SHM_DIR / f"{self.prefix}lock")
+        except FileNotFoundError:
+            pass
         os.close(self._lock_fd)
 
 
