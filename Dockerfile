@@ -38,9 +38,11 @@ FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 RUN useradd --system --user-group --uid 10001 --create-home --home-dir /home/batchd \
         --shell /usr/sbin/nologin batchd \
-    && mkdir -p /etc/batchd
+    && mkdir -p /etc/batchd /run/batchd && chown batchd:batchd /run/batchd
 COPY --from=build /opt/venv /opt/venv
 # Dataset indexes are cached under ~/.cache/batchd, i.e. /home/batchd/.cache/batchd.
+# /run/batchd: the unix socket of a sidecar (docker-compose.yml shares it through a named volume,
+# which Docker first fills from this directory, so it belongs to the batchd user).
 USER batchd
 WORKDIR /home/batchd
 EXPOSE 50051

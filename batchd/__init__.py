@@ -13,17 +13,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchd.errors import BatchdError, DatasetNotFoundError, SampleError, ShapeMismatchError, WorkerError
+from batchd.errors import (
+    AuthenticationError,
+    BatchdError,
+    DatasetNotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SampleError,
+    ShapeMismatchError,
+    WorkerError,
+)
 
 if TYPE_CHECKING:
     from batchd.client.datasets import DatasetInfo, list_datasets
     from batchd.client.loader import RemoteDataLoader
 
 __all__ = [
+    "AuthenticationError",
     "BatchdError",
     "DatasetInfo",
     "DatasetNotFoundError",
+    "PermissionDeniedError",
     "RemoteDataLoader",
+    "ResourceExhaustedError",
     "SampleError",
     "ShapeMismatchError",
     "WorkerError",

@@ -12,7 +12,9 @@ def _serve(args: argparse.Namespace) -> int:
     from batchd.server.config import ConfigError, load_config
 
     try:
-        config = load_config(args.config, address=args.address, workers=args.workers, metrics_port=args.metrics_port)
+        addresses = args.address or [None]  # --address given n times: listen on all n (replacing the config's)
+        config = load_config(args.config, address=addresses[0], also_listen=tuple(addresses[1:]) if args.address else None,
+                             workers=args.workers, metrics_port=args.metrics_port)
     except ConfigError as e:
         print(f"batchd: {e}", file=sys.stderr)
         return 2
@@ -23,11 +25,37 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def _tls(args: argparse.Namespace):
+    from batchd.client.channel import tls_settings
+
+    return tls_settings(None, args.tls_ca, args.tls_cert, args.tls_key)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """--token-file's first line, else $BATCHD_TOKEN (never a command-line argument: ps would show it)."""
+    from batchd.client.channel import resolve_token
+
+    if args.token_file is None:
+        return resolve_token(None)
+    try:
+        with open(args.token_file) as f:
+            return resolve_token(f.readline())
+    except OSError as e:
+        raise ValueError(f"cannot read --token-file {args.token_file}: {e.strerror}") from None
+
+
 def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    from batchd.client.channel import make_channel
+
+    try:
+        channel = make_channel(args.address, tls=_tls(args))  # health needs no token
+    except ValueError as e:
+        print(f"batchd health: {e}", file=sys.stderr)
+        return 2
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -50,11 +78,16 @@ def _status(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         print("batchd status: --watch needs a positive number of seconds", file=sys.stderr)
         return 2
+    try:
+        security = {"tls": _tls(args), "token": _token(args)}
+    except ValueError as e:
+        print(f"batchd status: {e}", file=sys.stderr)
+        return 2
     tty = sys.stdout.isatty()
     try:
         while True:
             try:
-                reply = get_stats(args.address, timeout=args.timeout)
+                reply = get_stats(args.address, timeout=args.timeout, **security)
             except (ConnectionError, TimeoutError, BatchdError) as e:
                 print(f"batchd status: {e}", file=sys.stderr, flush=True)
                 if not args.watch:
@@ -80,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run a loader server")
     serve.add_argument("--config", required=True, help="YAML config file")
-    serve.add_argument("--address", help="HOST:PORT or unix:PATH (overrides the config)")
+    serve.add_argument("--address", action="append",
+                       help="HOST:PORT or unix:PATH (overrides the config); give it again to listen on several, "
+                            "e.g. a unix socket and a TCP port for health probes")
     serve.add_argument("--workers", type=int, help="worker processes (overrides the config)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics on http://HOST:PORT/metrics, HOST as in the address "
@@ -91,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("address", help="HOST:PORT or unix:PATH")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     health.add_argument("--service", default="", help="service name to check ('' = the whole server)")
+    _add_tls_arguments(health, token=False)
     health.set_defaults(func=_health)
 
     status = sub.add_parser("status", help="show a server's open streams, workers and totals (the Stats RPC)")
@@ -98,8 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     status.add_argument("--json", action="store_true", help="print the StatsResponse as JSON (one line per refresh with --watch)")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    _add_tls_arguments(status, token=True)
     status.set_defaults(func=_status)
     return parser
+
+
+def _add_tls_arguments(parser: argparse.ArgumentParser, *, token: bool) -> None:
+    parser.add_argument("--tls-ca", metavar="PEM", help="TLS: the CA certificate that signed the server's certificate")
+    parser.add_argument("--tls-cert", metavar="PEM", help="TLS: a client certificate (servers that require one)")
+    parser.add_argument("--tls-key", metavar="PEM", help="TLS: the client certificate's private key")
+    if token:
+        parser.add_argument("--token-file", metavar="FILE",
+                            help="file holding the bearer token (default: the BATCHD_TOKEN environment variable)")
 
 
 def main(argv: list[str] | None = None) -> int:

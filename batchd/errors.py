@@ -35,3 +35,18 @@ class WorkerError(BatchdError, RuntimeError):
 
     The message carries the worker's traceback.
     """
+
+
+class ResourceExhaustedError(BatchdError, RuntimeError):
+    """The server refused work over one of its limits (gRPC RESOURCE_EXHAUSTED): too many open
+    streams, a batch larger than its ``max_batch_bytes``, a message over the size limit."""
+
+
+class AuthenticationError(BatchdError, PermissionError):
+    """The server wants a valid token (gRPC UNAUTHENTICATED): none was sent, or it is not one
+    the server knows. Pass ``token=`` (or set ``BATCHD_TOKEN``)."""
+
+
+class PermissionDeniedError(BatchdError, PermissionError):
+    """The token is valid but may not read this dataset (gRPC PERMISSION_DENIED). The message is
+    the same whether or not the dataset exists."""

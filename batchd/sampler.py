@@ -52,13 +52,10 @@ def shard_indices(
     if num_samples < 1:
         raise ValueError("the dataset has no samples")
     order = epoch_order(num_samples, shuffle=shuffle, seed=seed, epoch=epoch)
-    total = shard_size(num_samples, world_size, drop_last) * world_size
-    if total > num_samples:  # pad by wrapping, as DistributedSampler does
-        reps = -(-total // num_samples)
-        order = np.tile(order, reps)[:total]
-    else:
-        order = order[:total]
-    return np.ascontiguousarray(order[rank::world_size])
+    # positions rank, rank + world_size, ... of the order padded by wrapping (as DistributedSampler
+    # pads) or cut: computed directly, so memory is O(num_samples + shard), whatever world_size is
+    positions = rank + world_size * np.arange(shard_size(num_samples, world_size, drop_last), dtype=np.int64)
+    return order[positions % num_samples]
 
 
 def batch_seed(*, seed: int, epoch: int, batch_index: int, rank: int, world_size: int) -> int:

@@ -58,10 +58,44 @@ class StreamTiming:
     seconds: float
     images: int
     batches: int
+    cpu: float = float("nan")  # CPU seconds of this process and every process under it, same window
 
     @property
     def rate(self) -> float:
         return self.images / self.seconds
+
+    @property
+    def cpu_per_image(self) -> float:
+        return self.cpu / self.images
+
+
+def tree_cpu_seconds(root: int | None = None) -> float:
+    """CPU seconds so far of process ``root`` (default: this one) and all its descendants
+    (workers, servers, their workers), from /proc/PID/stat."""
+    root = os.getpid() if root is None else root
+    parent, cpu = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry)
+        parent[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    total = 0.0
+    for pid, c in cpu.items():
+        p = pid
+        for _ in range(64):
+            if p == root:
+                total += c
+                break
+            if p <= 1:
+                break
+            p = parent.get(p, 0)
+    return total
 
 
 def time_stream(batches: Iterable, warmup: int, timed: int, *,
@@ -79,6 +113,7 @@ def time_stream(batches: Iterable, warmup: int, timed: int, *,
         del b
     if on_start:
         on_start()
+    c0 = tree_cpu_seconds()
     t0 = time.perf_counter()
     images = 0
     for _ in range(timed):
@@ -87,9 +122,10 @@ def time_stream(batches: Iterable, warmup: int, timed: int, *,
         images += batch_images(b)
         del b
     t1 = time.perf_counter()
+    c1 = tree_cpu_seconds()
     if on_end:
         on_end()
-    return StreamTiming(t1 - t0, images, timed)
+    return StreamTiming(t1 - t0, images, timed, c1 - c0)
 
 
 def cpu_seconds(pid: int) -> float:

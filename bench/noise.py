@@ -12,6 +12,7 @@ time budget per run, so a machine that never quietens costs a bounded amount of 
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -102,6 +103,7 @@ class Guard:
     def __call__(self, fn):
         best = None
         for attempt in range(self.retries + 1):
+            gc.collect()  # run_all turns automatic collection off: collect between measurements
             self._wait_quiet()
             t0 = time.perf_counter()
             w = Window().start()

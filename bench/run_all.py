@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
+import gc
 import os
 import pathlib
 import sys
@@ -59,6 +61,13 @@ def main(argv=None) -> int:
     out = args.out or (pathlib.Path("/tmp/batchd-bench-quick") if args.quick else ROOT / "bench" / "results")
     settings = Settings(quick=args.quick, repeats=args.repeats or (1 if args.quick else 3), out_dir=out)
     measure.pin_threads()
+    # Garbage collection runs only between measurements (bench/noise.py), as timeit does. This also
+    # keeps batchd's shared-memory lease finalizers from running inside GC at an arbitrary point:
+    # client/shm.py's finalizer calls gRPC and takes locks, and run from a collection triggered
+    # inside gRPC's own call creation it deadlocks the process (a client bug, reported with the suite).
+    gc.disable()
+    # a hang anywhere prints every thread's stack and ends the run (servers die with us)
+    faulthandler.dump_traceback_later(300 if settings.quick else 1800, exit=True)
     start = time.perf_counter()
     info = machine.info()
     print(machine.render(info), flush=True)
@@ -67,7 +76,7 @@ def main(argv=None) -> int:
     wall = {}
     meter = noise.NoiseMeter()
     meter.start()
-    noise.configure(budget_s=2.0 if settings.quick else 45.0)
+    noise.configure(budget_s=2.0 if settings.quick else 30.0)
     for m in args.tables:
         print(f"\n== {m.TITLE} ==", flush=True)
         t0, n0 = time.perf_counter(), meter.seconds()
@@ -76,6 +85,7 @@ def main(argv=None) -> int:
         r.update(run_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), quick=settings.quick,
                  seconds=seconds, foreign_cpu=(meter.seconds() - n0) / (seconds * (os.cpu_count() or 1)),
                  guard=noise.GUARD.take())
+        gc.collect()
         results[m.NAME] = r
         wall[m.NAME] = r["seconds"]
         print(m.render(r), flush=True)

@@ -21,6 +21,10 @@ from collections import deque
 
 import yaml
 
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 _LISTENING = re.compile(r"listening on (\S+)")
 _WORKERS = re.compile(r"workers ready \(pids \[([\d, ]*)\]\)")
 
@@ -60,8 +64,10 @@ class ServerProcess:
         cfg = os.path.join(self._tmp.name, "server.yaml")
         with open(cfg, "w") as f:
             yaml.safe_dump(self.config, f, sort_keys=False)
-        cmd = [sys.executable, "-m", "batchd.cli", "serve", "--config", cfg,
-               "--address", self.config["address"], "--workers", str(self.workers)]
+        serve = [sys.executable, "-m", "batchd.cli", "serve", "--config", cfg,
+                 "--address", self.config["address"], "--workers", str(self.workers)]
+        # the server gets SIGTERM if this process dies (even by SIGKILL): no orphaned servers
+        cmd = [sys.executable, "-c", _DIE_WITH_PARENT, *serve]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=child_env())

@@ -2,34 +2,197 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
 import grpc
 
-from batchd.errors import BatchdError, DatasetNotFoundError, SampleError, ShapeMismatchError, WorkerError
+from batchd.errors import (
+    AuthenticationError,
+    BatchdError,
+    DatasetNotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SampleError,
+    ShapeMismatchError,
+    WorkerError,
+)
 from batchd.v1 import loader_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 ERROR_DETAIL_KEY = "batchd-error-bin"
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+TOKEN_ENV = "BATCHD_TOKEN"  # the token used when none is passed
+
+
+@dataclass(frozen=True)
+class TLS:
+    """How a client speaks TLS to a server.
+
+    ca: PEM file of the CA certificate(s) that signed the server's certificate (None: the
+        system's trusted roots). cert, key: PEM files of a client certificate and its key, for
+        servers that verify clients (mutual TLS); give both or neither. server_name: the name
+        to check the server's certificate against, when it differs from the address's host.
+    """
+
+    ca: str | os.PathLike[str] | None = None
+    cert: str | os.PathLike[str] | None = None
+    key: str | os.PathLike[str] | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs both tls_cert and tls_key")
+
+
+def tls_settings(tls: Any = None, tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None) -> TLS | None:
+    """One ``TLS`` (or None: plaintext) from a client's arguments.
+
+    ``tls``: None, False, True (TLS with the system's roots), a ``TLS``, or a dict of its
+    fields; ``tls_ca`` / ``tls_cert`` / ``tls_key``: shortcuts that turn TLS on. Raises ValueError.
+    """
+    if isinstance(tls, dict):
+        tls = TLS(**tls)
+    elif tls is True:
+        tls = TLS()
+    elif tls is False:
+        tls = None
+    elif tls is not None and not isinstance(tls, TLS):
+        raise ValueError(f"tls must be None, a bool, a batchd.client.channel.TLS or a dict, not {type(tls).__name__}")
+    if tls_ca is None and tls_cert is None and tls_key is None:
+        return tls
+    base = tls or TLS()
+    return TLS(ca=tls_ca if tls_ca is not None else base.ca, cert=tls_cert if tls_cert is not None else base.cert,
+               key=tls_key if tls_key is not None else base.key, server_name=base.server_name)
+
+
+def credentials(tls: TLS | None) -> grpc.ChannelCredentials | None:
+    """The channel credentials for ``tls`` (None: plaintext). Every client path builds them here.
+
+    Raises ValueError naming a file that cannot be read.
+    """
+    if tls is None:
+        return None
+
+    def read(what: str, path) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return pathlib.Path(path).expanduser().read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read("tls_ca", tls.ca),
+        private_key=read("tls_key", tls.key),
+        certificate_chain=read("tls_cert", tls.cert),
+    )
+
+
+def resolve_token(token: str | None) -> str | None:
+    """``token``, else the ``BATCHD_TOKEN`` environment variable, else None. Raises ValueError if malformed."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    if token is not None:
+        token = token.strip()
+        if not token or not token.isprintable() or any(c.isspace() for c in token):
+            raise ValueError("token must be a non-empty string without spaces")
+    return token
+
+
+class _Token(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+             grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call on the channel."""
+
+    def __init__(self, token: str):
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._entry],
+                            details.credentials, getattr(details, "wait_for_ready", None),
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: Any
+    compression: Any
+
+
+def _loopback(address: str) -> bool:
+    if address.startswith("unix:"):
+        return True
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_warned_clear_token: set[str] = set()
+
+
+def make_channel(address: str, *, tls: TLS | None = None, token: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """A channel to ``address`` (not waited for): TLS per ``tls``, ``token`` on every call."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.enable_retries", 1),
+    ]
+    creds = credentials(tls)
+    if creds is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        channel = grpc.secure_channel(address, creds, options=options)
+    if token is not None:
+        if creds is None and not _loopback(address) and address not in _warned_clear_token:
+            _warned_clear_token.add(address)
+            log.warning("sending a token to %s without TLS: it crosses the network in clear text (pass tls_ca=...)",
+                        address)
+        channel = grpc.intercept_channel(channel, _Token(token))
+    return channel
 
 
 def open_channel(address: str, *, connect_timeout: float = 10.0,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """A ready channel to ``address`` (``HOST:PORT`` or ``unix:PATH``).
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tls: TLS | None = None, token: str | None = None) -> grpc.Channel:
+    """A ready channel to ``address`` (``HOST:PORT`` or ``unix:PATH``); see ``make_channel``.
 
-    Raises ConnectionError if no server answers within ``connect_timeout`` seconds.
+    Raises ConnectionError if no server answers within ``connect_timeout`` seconds (a TLS
+    handshake that fails, e.g. plaintext against a TLS server, looks the same), ValueError if a
+    TLS file cannot be read.
     """
-    channel = grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.enable_retries", 1),
-        ],
-    )
+    channel = make_channel(address, tls=tls, token=token, max_message_bytes=max_message_bytes)
     try:
         grpc.channel_ready_future(channel).result(timeout=connect_timeout)
     except grpc.FutureTimeoutError:
         channel.close()
-        raise ConnectionError(f"no batchd server answered at {address} within {connect_timeout:g} s") from None
+        hint = "; is it a TLS server (tls_ca=...)?" if tls is None else "; check the TLS settings (tls_ca, tls_cert, tls_key)"
+        raise ConnectionError(f"no batchd server answered at {address} within {connect_timeout:g} s{hint}") from None
     return channel
 
 
@@ -50,6 +213,12 @@ def translate(e: grpc.RpcError, address: str) -> Exception:
         return WorkerError(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or _transport_failure(code, details, detail):
         return ConnectionError(f"batchd server at {address} is unavailable: {details}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(f"{address}: {details}")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDeniedError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhaustedError(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(f"batchd server at {address} did not answer in time: {details}")
     return BatchdError(f"{code.name} from {address}: {details}")

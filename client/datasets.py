@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from batchd.client.channel import open_channel, translate
+from batchd.client.channel import open_channel, resolve_token, tls_settings, translate
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 
@@ -41,12 +41,16 @@ def describe(channel: grpc.Channel, address: str, name: str, timeout: float) -> 
         raise translate(e, address) from None
 
 
-def list_datasets(address: str, *, timeout: float = 10.0) -> list[DatasetInfo]:
-    """The datasets served at ``address``, sorted by name.
+def list_datasets(address: str, *, timeout: float = 10.0, tls=None, tls_ca=None, tls_cert=None, tls_key=None,
+                  token: str | None = None) -> list[DatasetInfo]:
+    """The datasets served at ``address`` (those the token may read), sorted by name.
 
-    Raises ConnectionError if no server answers within ``timeout`` seconds.
+    tls, tls_ca, tls_cert, tls_key, token: as for RemoteDataLoader.
+    Raises ConnectionError if no server answers within ``timeout`` seconds, AuthenticationError
+    without a valid token (for a server with auth).
     """
-    channel = open_channel(address, connect_timeout=timeout)
+    channel = open_channel(address, connect_timeout=timeout, tls=tls_settings(tls, tls_ca, tls_cert, tls_key),
+                           token=resolve_token(token))
     try:
         reply = loader_pb2_grpc.BatchLoaderStub(channel).ListDatasets(pb.ListDatasetsRequest(), timeout=timeout)
     except grpc.RpcError as e:
@@ -56,9 +60,12 @@ def list_datasets(address: str, *, timeout: float = 10.0) -> list[DatasetInfo]:
     return [DatasetInfo.from_proto(d) for d in reply.datasets]
 
 
-def describe_dataset(address: str, name: str, *, timeout: float = 10.0) -> DatasetInfo:
-    """One dataset at ``address``. Raises DatasetNotFoundError or ConnectionError."""
-    channel = open_channel(address, connect_timeout=timeout)
+def describe_dataset(address: str, name: str, *, timeout: float = 10.0, tls=None, tls_ca=None, tls_cert=None,
+                     tls_key=None, token: str | None = None) -> DatasetInfo:
+    """One dataset at ``address``. Raises DatasetNotFoundError, ConnectionError, or (with auth)
+    AuthenticationError / PermissionDeniedError. TLS and token arguments as for RemoteDataLoader."""
+    channel = open_channel(address, connect_timeout=timeout, tls=tls_settings(tls, tls_ca, tls_cert, tls_key),
+                           token=resolve_token(token))
     try:
         return describe(channel, address, name, timeout)
     finally:

@@ -11,8 +11,10 @@ from typing import Any, Iterator
 import grpc
 import torch
 
-from batchd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel, translate
+from batchd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel, resolve_token, tls_settings, translate
+from batchd.client.addresses import single_address
 from batchd.client.datasets import DatasetInfo, describe
+from batchd.client.distributed import rank_and_world_size
 from batchd.client.receiver import Receiver, _End, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
 from batchd.sampler import num_batches
@@ -53,7 +55,11 @@ class RemoteDataLoader:
     or with another number of server workers gives the same bytes.
 
     Args:
-        address: ``HOST:PORT`` or ``unix:PATH`` of the server.
+        address: ``HOST:PORT`` or ``unix:PATH`` of the server; or several servers feeding this
+            loader together: a list of addresses, or a DNS name with several addresses
+            (``dns:///NAME:PORT``, or ``NAME:PORT`` resolving to several A records, e.g. a
+            Kubernetes headless Service). Batches are then split among the servers that are up
+            and merged in order, with the same bytes (``batchd.client.multi``).
         dataset: a dataset name from the server's config.
         batch_size: samples per batch (>= 1).
         shuffle: permute the samples each epoch (a pure function of seed and epoch).
@@ -61,7 +67,9 @@ class RemoteDataLoader:
         drop_last: drop the final partial batch (and do not pad shards), as in DataLoader.
         transform: None (images as decoded), a preset name from the server config, or an
             albumentations transform/Compose (sent in albumentations' serialized form).
-        rank, world_size: this process's shard, as in DistributedSampler.
+        rank, world_size: this process's shard, as in DistributedSampler. None (default): from
+            torch.distributed (an initialised process group, else the RANK and WORLD_SIZE
+            environment variables torchrun sets), else 0 and 1.
         device: None/"cpu" for CPU tensors, or a CUDA device: batches are copied through reused
             pinned buffers on a side stream, overlapping the copy with compute.
         prefetch: batches the server computes ahead of the one being read (>= 1).
@@ -74,6 +82,17 @@ class RemoteDataLoader:
         reconnect_timeout: if the stream breaks (server restarted, connection lost), seconds to
             keep reconnecting (gRPC's exponential backoff) before raising ConnectionError; the
             stream resumes at the next batch, none missing or repeated. 0 disables.
+        failover_timeout: with several servers, seconds a broken server's stream may take to
+            resume before its batches go to the other servers (at most reconnect_timeout).
+        probe_interval: with several servers, seconds between probes of servers that are down
+            (or new addresses of a DNS name); one that answers gets work from the next batch.
+        tls, tls_ca, tls_cert, tls_key: TLS to the server: ``tls_ca`` is the PEM file of the CA
+            that signed the server's certificate, ``tls_cert`` + ``tls_key`` a client certificate
+            (mutual TLS); or ``tls=True`` (system roots) / a ``batchd.client.channel.TLS`` / a dict
+            of its fields. None of them: plaintext.
+        token: the bearer token for a server with ``auth`` (default: the ``BATCHD_TOKEN``
+            environment variable). A missing or wrong one raises AuthenticationError; a dataset
+            the token may not read, PermissionDeniedError (both PermissionErrors).
 
     Memory: over shared memory, a batch's tensors are views of a server slot lent to this
     client; the slot goes back when the last tensor on it is freed. Inline, they are views of
@@ -84,7 +103,8 @@ class RemoteDataLoader:
     answers, DatasetNotFoundError if the server has no such dataset. Iteration raises
     ValueError (bad preset or pipeline, with the server's explanation), SampleError (a sample
     could not be read; names dataset, index and file), ShapeMismatchError, WorkerError,
-    ConnectionError (server gone) or TimeoutError.
+    ResourceExhaustedError (a server limit: open streams, batch bytes), ConnectionError (server
+    gone) or TimeoutError. With auth: AuthenticationError / PermissionDeniedError.
 
     Epochs: each complete pass advances ``epoch`` by one (so shuffle differs per pass, as with
     DataLoader); ``set_epoch(e)`` picks the epoch explicitly, as with DistributedSampler.
@@ -93,6 +113,20 @@ class RemoteDataLoader:
     ``load_state_dict(state)`` on a new loader makes its next iteration start at exactly that
     batch, computing nothing before it.
     """
+
+    def __new__(cls, address: Any = None, *args: Any, **kwargs: Any):
+        """Several servers (a list, or a DNS name with several addresses): a MultiServerLoader."""
+        if cls is RemoteDataLoader and address is not None:  # (None: copy/pickle machinery)
+            from batchd.client.addresses import server_addresses
+
+            addresses = server_addresses(address)
+            if len(addresses) > 1:
+                from batchd.client.multi import MultiServerLoader
+
+                obj = super().__new__(MultiServerLoader)
+                obj._resolved = addresses
+                return obj
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -104,8 +138,8 @@ class RemoteDataLoader:
         seed: int = 0,
         drop_last: bool = False,
         transform: Any = None,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         device: str | torch.device | None = None,
         prefetch: int = 2,
         timeout: float = 120.0,
@@ -114,7 +148,17 @@ class RemoteDataLoader:
         transport: str = "auto",
         compression: str | None = None,
         reconnect_timeout: float = 60.0,
+        failover_timeout: float = 5.0,
+        probe_interval: float = 5.0,
+        tls: Any = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        token: str | None = None,
     ):
+        address = single_address(address)  # several servers: MultiServerLoader (see __new__)
+        rank, world_size = rank_and_world_size(rank, world_size)
+        self.failover_timeout, self.probe_interval = failover_timeout, probe_interval
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not isinstance(world_size, int) or world_size < 1:
@@ -157,7 +201,8 @@ class RemoteDataLoader:
             self._transfer = CudaTransfer(self.device)
         elif self.device.type != "cpu":
             raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}")
-        self._channel = open_channel(address, connect_timeout=connect_timeout, max_message_bytes=max_message_bytes)
+        self._channel = open_channel(address, connect_timeout=connect_timeout, max_message_bytes=max_message_bytes,
+                                     tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token))
         self._finalizer = weakref.finalize(self, self._channel.close)
         # StreamBatches is parsed by batchd.wire (tensors as views of the message, no copies)
         self._stream_batches = self._channel.unary_stream(
@@ -228,7 +273,7 @@ class RemoteDataLoader:
                 log.warning("shared memory with %s is unavailable (%s); batches travel in gRPC messages", self.address, e)
         return self._shm
 
-    def _request(self, epoch: int, start_batch: int) -> pb.StreamBatchesRequest:
+    def _request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> pb.StreamBatchesRequest:
         shm = self._shared_memory()
         return pb.StreamBatchesRequest(
             dataset=self.dataset, pipeline=self._pipeline, batch_size=self.batch_size, shuffle=self.shuffle,
@@ -236,6 +281,7 @@ class RemoteDataLoader:
             start_batch=start_batch, prefetch=self.prefetch,
             transport=pb.TRANSPORT_SHARED_MEMORY if shm is not None else pb.TRANSPORT_INLINE,
             session=shm.session if shm is not None else "", compression=self._compression,
+            batch_stride=stride if stride > 1 else 0, batch_offset=offset,
         )
 
     def _convert(self, raw) -> tuple[int, Any]:
@@ -246,9 +292,10 @@ class RemoteDataLoader:
             batch = self._transfer.to_device(batch)
         return raw.batch_index, batch
 
-    def _open_stream(self, epoch: int, start_batch: int) -> Receiver:
+    def _open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
+        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults)."""
         try:
-            call = self._stream_batches(self._request(epoch, start_batch))
+            call = self._stream_batches(self._request(epoch, start_batch, stride, offset))
         except grpc.RpcError as e:
             raise translate(e, self.address) from None
         receiver = self._receiver = Receiver(call, self.address, self._convert)

@@ -40,10 +40,17 @@ class SharedMemoryUnavailable(RuntimeError):
     """This process cannot read the server's shared memory (another host or IPC namespace)."""
 
 
+def _segment_path(name: str) -> pathlib.Path:
+    """The file of a segment the server named: a plain name in SHM_DIR, never a path elsewhere."""
+    if not name or "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
+        raise SharedMemoryUnavailable(f"the server named an invalid shared-memory segment {name[:80]!r}")
+    return SHM_DIR / name
+
+
 def _map(name: str) -> mmap.mmap:
     # Read-write: the slot is the caller's while the lease is held, and DataLoader batches may be
     # modified in place. The server writes to it again only after the lease is released.
-    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    fd = os.open(_segment_path(name), os.O_RDWR)
     try:
         return mmap.mmap(fd, 0)
     finally:
@@ -80,7 +87,7 @@ class SharedMemorySession:
         try:
             event = _first(call, timeout)
             try:
-                with open(SHM_DIR / event.probe_segment, "rb") as f:
+                with open(_segment_path(event.probe_segment), "rb") as f:
                     seen = f.read(len(event.probe_token))
             except OSError as e:
                 raise SharedMemoryUnavailable(f"cannot read the server's probe segment: {e}") from None

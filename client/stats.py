@@ -5,18 +5,23 @@ from __future__ import annotations
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from batchd.client.channel import open_channel, translate
+from batchd.client.channel import open_channel, resolve_token, tls_settings, translate
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 
 
-def get_stats(address: str, *, timeout: float = 5.0) -> pb.StatsResponse:
+def get_stats(address: str, *, timeout: float = 5.0, tls=None, tls_ca=None, tls_cert=None, tls_key=None,
+              token: str | None = None) -> pb.StatsResponse:
     """The server's open streams, workers, shared memory and totals (see ``StatsResponse``).
 
+    tls, tls_ca, tls_cert, tls_key, token: as for RemoteDataLoader (a token limited to some
+    datasets sees only their streams).
     Raises ConnectionError if no server answers within ``timeout`` seconds, TimeoutError if it
-    answers too slowly, BatchdError for other failures (e.g. a server without the Stats RPC).
+    answers too slowly, BatchdError for other failures (e.g. a server without the Stats RPC;
+    AuthenticationError without a valid token).
     """
-    channel = open_channel(address, connect_timeout=timeout)
+    channel = open_channel(address, connect_timeout=timeout, tls=tls_settings(tls, tls_ca, tls_cert, tls_key),
+                           token=resolve_token(token))
     try:
         return loader_pb2_grpc.BatchLoaderStub(channel).Stats(pb.StatsRequest(), timeout=timeout)
     except grpc.RpcError as e:

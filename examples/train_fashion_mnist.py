@@ -113,9 +113,10 @@ def train(args: argparse.Namespace, address: str) -> float:
     torch.manual_seed(args.seed)
     train_loader = batchd.RemoteDataLoader(
         address, "fmnist-train", batch_size=args.batch_size, shuffle=True, seed=args.seed,
-        transform=args.transform or None, device=device, prefetch=4,
+        transform=args.transform or None, device=device, prefetch=4, transport=args.transport,
     )
-    test_loader = batchd.RemoteDataLoader(address, "fmnist-test", batch_size=1000, device=device)
+    test_loader = batchd.RemoteDataLoader(address, "fmnist-test", batch_size=1000, device=device,
+                                          transport=args.transport)
     model = SmallCNN().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader))
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transform", default="train", help="preset pipeline name ('' for none)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "inline"],
+                        help="shared memory with a same-host server (auto: when it works), or bytes in the messages")
     parser.add_argument("--min-accuracy", type=float, default=0.0, help="exit 1 if the test accuracy is lower")
     args = parser.parse_args(argv)
     if args.address:

@@ -7,6 +7,8 @@ Start order matters: the ``Loader`` starts the worker processes (and their forks
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
 import signal
 import threading
 from concurrent import futures
@@ -17,17 +19,38 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from batchd.server.config import ServerConfig
 from batchd.server.loader import Loader
 from batchd.server.metrics import MetricsServer, metrics_host
+from batchd.server.security import AuthInterceptor, is_loopback
 from batchd.server.service import SERVICE, BatchLoaderService, add_to_server
 
 log = logging.getLogger("batchd.server")
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def grpc_options(max_message_bytes: int, max_request_bytes: int | None = None) -> list[tuple[str, int]]:
+    """Send up to ``max_message_bytes`` (batches); receive up to ``max_request_bytes`` (requests are small)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from ``config.tls`` (None: plaintext). Raises RuntimeError naming an unreadable file."""
+    tls = config.tls
+    if tls is None:
+        return None
+
+    def read(field: str, path) -> bytes:
+        try:
+            return pathlib.Path(path).read_bytes()
+        except OSError as e:
+            raise RuntimeError(f"tls.{field}: cannot read {path}: {e.strerror}") from None
+
+    return grpc.ssl_server_credentials(
+        [(read("key", tls.key), read("cert", tls.cert))],
+        root_certificates=read("client_ca", tls.client_ca) if tls.client_ca is not None else None,
+        require_client_auth=tls.require_client_cert,
+    )
 
 
 class Server:
@@ -44,15 +67,19 @@ class Server:
         self.config = config
         self.loader = Loader(config)
         try:
+            service = BatchLoaderService(self.loader)
             self.grpc_server = grpc.server(
                 futures.ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="batchd-rpc"),
-                options=grpc_options(config.max_message_bytes),
+                options=grpc_options(config.max_message_bytes, config.max_request_bytes),
                 maximum_concurrent_rpcs=config.grpc_threads,
+                interceptors=[AuthInterceptor(service.auth)] if service.auth is not None else None,
             )
-            add_to_server(BatchLoaderService(self.loader), self.grpc_server)
+            add_to_server(service, self.grpc_server)
             self.health = health.HealthServicer(experimental_non_blocking=True)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
             self.address = self._bind(config.address)
+            # every address it listens on, bound (config also_listen: e.g. TCP for probes beside a unix socket)
+            self.addresses = [self.address, *(self._bind(a) for a in config.also_listen)]
         except BaseException:
             self.loader.close()
             raise
@@ -61,11 +88,28 @@ class Server:
         self.metrics_address: str | None = None
 
     def _bind(self, address: str) -> str:
+        unix = address.startswith("unix:")
+        # TLS on TCP listeners; a unix socket is protected by its file mode (tokens still apply)
+        credentials = None if unix else server_credentials(self.config)
+        if unix:  # the socket file: parent made if missing (0700), created 0600 and chmod'ed to unix_socket_mode
+            path = pathlib.Path(address[len("unix:"):].removeprefix("//"))
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            umask = os.umask(0o177)
         try:
-            port = self.grpc_server.add_insecure_port(address)
+            if credentials is not None:
+                port = self.grpc_server.add_secure_port(address, credentials)
+            else:
+                port = self.grpc_server.add_insecure_port(address)
         except RuntimeError as e:
             raise RuntimeError(f"cannot listen on {address}: {e}") from None
-        if address.startswith("unix:"):
+        finally:
+            if unix:
+                os.umask(umask)
+        if unix:
+            try:
+                os.chmod(path, self.config.unix_socket_mode)
+            except OSError as e:
+                raise RuntimeError(f"cannot set the mode of {path}: {e.strerror}") from None
             return address
         if port == 0:
             raise RuntimeError(f"cannot listen on {address} (in use, or not an address of this host)")
@@ -84,9 +128,27 @@ class Server:
         self.grpc_server.start()
         for service in ("", SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("listening on %s (%d workers, datasets: %s)", self.address, self.config.workers,
-                 ", ".join(sorted(self.loader.datasets)) or "none")
+        log.info("listening on %s (%d workers, datasets: %s)%s", self.address, self.config.workers,
+                 ", ".join(sorted(self.loader.datasets)) or "none",
+                 "; also on " + ", ".join(self.addresses[1:]) if len(self.addresses) > 1 else "")
+        self._log_security()
         return self
+
+    def _log_security(self) -> None:
+        cfg = self.config
+        tls = "off" if cfg.tls is None else ("mutual TLS" if cfg.tls.require_client_cert else "TLS")
+        auth = "off" if cfg.auth is None else "tokens " + ", ".join(t.name for t in cfg.auth.tokens)
+        log.info("security: tls %s, auth %s, max_streams %d", tls, auth, cfg.max_streams)
+        for address in getattr(self, "addresses", [self.address]):
+            if is_loopback(address):
+                continue
+            if cfg.auth is None and not (cfg.tls is not None and cfg.tls.require_client_cert):
+                log.warning("listening on %s without authentication: anyone who can reach this port can read every "
+                            "dataset; add an auth section (and tls) to the config, or listen on 127.0.0.1 or unix:",
+                            address)
+            elif cfg.auth is not None and cfg.tls is None:
+                log.warning("listening on %s with tokens but without TLS: tokens cross the network in clear text; "
+                            "add a tls section to the config", address)
 
     def __enter__(self) -> "Server":
         return self.start()

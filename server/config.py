@@ -23,7 +23,16 @@ import pathlib
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MiB = 1 << 20
 
@@ -77,10 +86,116 @@ DatasetConfig = Annotated[
 ]
 
 
+class TlsConfig(_Strict):
+    """TLS for the gRPC port (PEM files, read when the server starts).
+
+    cert, key: the server's certificate (chain) and private key.
+    client_ca: CA certificates that client certificates must chain to; with it, clients may
+        present a certificate (verified if they do).
+    require_client_cert: refuse clients without a valid certificate (mutual TLS); needs client_ca.
+    """
+
+    cert: pathlib.Path
+    key: pathlib.Path
+    client_ca: pathlib.Path | None = None
+    require_client_cert: bool = False
+
+    @field_validator("cert", "key", "client_ca")
+    @classmethod
+    def _readable(cls, v: pathlib.Path | None) -> pathlib.Path | None:
+        if v is not None and not os.access(v, os.R_OK):
+            raise ValueError(f"cannot read {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_client_ca(self) -> "TlsConfig":
+        if self.require_client_cert and self.client_ca is None:
+            raise ValueError("require_client_cert needs client_ca (the CA that signs client certificates)")
+        return self
+
+
+MIN_TOKEN_CHARS = 16
+
+
+class TokenConfig(_Strict):
+    """One bearer token and the datasets it may read.
+
+    name: shown in logs and errors (the token itself never is).
+    token: the secret itself, or token_env: the environment variable holding it (one of the two).
+    datasets: dataset names this token may read, or ["*"] for all.
+    """
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")
+    token: SecretStr | None = None
+    token_env: str | None = Field(default=None, min_length=1)
+    datasets: tuple[str, ...] = Field(min_length=1)
+    _secret: str = PrivateAttr(default="")
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "TokenConfig":
+        if (self.token is None) == (self.token_env is None):
+            raise ValueError(f"token {self.name!r}: give exactly one of token or token_env")
+        if self.token is not None:
+            secret = self.token.get_secret_value()
+        else:
+            secret = os.environ.get(self.token_env, "")
+            if not secret:
+                raise ValueError(f"token {self.name!r}: environment variable {self.token_env} is not set or empty")
+        secret = secret.strip()
+        if len(secret) < MIN_TOKEN_CHARS or any(c.isspace() for c in secret) or not secret.isprintable():
+            raise ValueError(f"token {self.name!r}: a token must be at least {MIN_TOKEN_CHARS} printable characters "
+                             "without spaces (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+        self._secret = secret
+        return self
+
+    @property
+    def secret(self) -> str:
+        """The token's value (never log it)."""
+        return self._secret
+
+    @property
+    def all_datasets(self) -> bool:
+        return "*" in self.datasets
+
+
+class AuthConfig(_Strict):
+    """Bearer-token authentication: clients send ``authorization: Bearer <token>`` metadata."""
+
+    tokens: tuple[TokenConfig, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "AuthConfig":
+        names = [t.name for t in self.tokens]
+        if len(set(names)) != len(names):
+            raise ValueError(f"token names must be unique: {names}")
+        if len({t.secret for t in self.tokens}) != len(self.tokens):
+            raise ValueError("two tokens have the same value; give each client its own")
+        return self
+
+
+class PipelineLimits(_Strict):
+    """Bounds on albumentations pipelines that clients send (presets in this file are trusted).
+
+    max_json_bytes: the pipeline's JSON text. max_transforms: transforms in it, compositions
+    included. max_depth: nesting of compositions (a Compose of transforms is 1).
+    max_side, max_pixels: output height/width, and height x width, of resizes, crops and pads.
+    max_kernel: blur kernels and sigmas, CLAHE tiles.
+    """
+
+    max_json_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_transforms: int = Field(default=64, ge=1)
+    max_depth: int = Field(default=4, ge=1, le=16)
+    max_side: int = Field(default=4096, ge=1)
+    max_pixels: int = Field(default=4096 * 4096, ge=1)
+    max_kernel: int = Field(default=255, ge=3)
+
+
 class ServerConfig(_Strict):
     """Everything ``batchd serve`` needs.
 
-    address: ``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``.
+    address: ``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``; or a list of them: the
+        server listens on all (e.g. a unix socket for its sidecar trainer and a TCP port for
+        Kubernetes gRPC probes). The first is ``address``, the others ``also_listen``.
     workers: worker processes decoding and augmenting, each building whole batches.
     datasets: name -> dataset; clients name datasets, never paths.
     pipelines: preset name -> albumentations pipeline (``A.to_dict`` form, or a file path).
@@ -100,9 +215,19 @@ class ServerConfig(_Strict):
         behind gets its batches recomputed. 0 disables sharing.
     metrics_port: serve Prometheus metrics over HTTP on this port (``/metrics``; 0 picks a free
         one), on the host of ``address`` (127.0.0.1 for a unix: address). None: no endpoint.
+    tls: serve TLS on TCP addresses (and, with ``client_ca``, verify client certificates); None:
+        plaintext. A unix: socket stays plaintext, protected by its file mode.
+    auth: bearer tokens and the datasets each may read; None: no authentication (every client
+        may read every dataset; a warning is logged when listening beyond loopback).
+    unix_socket_mode: permissions of a ``unix:`` socket file (no bits for others allowed).
+    max_streams: open StreamBatches calls at once; more are refused (RESOURCE_EXHAUSTED).
+    max_batch_bytes: a batch larger than this (all its tensors) fails its stream (RESOURCE_EXHAUSTED).
+    max_request_bytes: gRPC receive limit for requests (they are small; batches are only sent).
+    pipeline_limits: what a client-sent albumentations pipeline may contain (see allowlist.py).
     """
 
     address: str = "127.0.0.1:50051"
+    also_listen: tuple[str, ...] = ()
     workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=512)
     datasets: dict[str, DatasetConfig] = Field(default_factory=dict)
     pipelines: dict[str, Any] = Field(default_factory=dict)
@@ -120,6 +245,35 @@ class ServerConfig(_Strict):
     max_leases_per_session: int = Field(default=8, ge=0)
     share_window: int = Field(default=16, ge=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    tls: TlsConfig | None = None
+    auth: AuthConfig | None = None
+    unix_socket_mode: int = Field(default=0o600, ge=0, le=0o770)
+    max_streams: int = Field(default=32, ge=1)
+    max_batch_bytes: int = Field(default=1 << 30, ge=MiB)
+    max_request_bytes: int = Field(default=MiB, ge=64 * 1024)
+    pipeline_limits: PipelineLimits = Field(default_factory=PipelineLimits)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _address_list(cls, data: Any) -> Any:
+        """``address: [A, B, ...]`` -> address A, also_listen (B, ...)."""
+        if isinstance(data, dict) and isinstance(data.get("address"), (list, tuple)):
+            addresses = list(data["address"])
+            if not addresses:
+                raise ValueError("address: give at least one HOST:PORT or unix:PATH")
+            if data.get("also_listen"):
+                raise ValueError("give either a list of addresses or also_listen, not both")
+            data = {**data, "address": addresses[0], "also_listen": tuple(addresses[1:])}
+        return data
+
+    @field_validator("also_listen")
+    @classmethod
+    def _check_also_listen(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for a in v:
+            cls._check_address(a)
+        if len(set(v)) != len(v):
+            raise ValueError(f"an address is listed twice: {list(v)}")
+        return v
 
     @field_validator("address")
     @classmethod
@@ -131,6 +285,18 @@ class ServerConfig(_Strict):
         host, sep, port = v.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError(f"address {v!r} is neither HOST:PORT nor unix:PATH")
+        return v
+
+    @field_validator("unix_socket_mode", mode="before")
+    @classmethod
+    def _parse_mode(cls, v: Any) -> Any:
+        if isinstance(v, str):  # "0660" / "0o660" (YAML 1.1 already reads a bare 0660 as octal)
+            try:
+                v = int(v, 8)
+            except ValueError:
+                raise ValueError(f"expected an octal mode such as 0o600 or 0o660, got {v!r}") from None
+        if isinstance(v, int) and v & 0o007:
+            raise ValueError(f"mode {v:#o} gives others access to the socket; use 0o600 or 0o660")
         return v
 
     @field_validator("datasets")
@@ -165,6 +331,14 @@ class ServerConfig(_Strict):
     def _check_prefetch(self) -> "ServerConfig":
         if self.default_prefetch > self.max_prefetch:
             raise ValueError(f"default_prefetch ({self.default_prefetch}) exceeds max_prefetch ({self.max_prefetch})")
+        if self.auth is not None:
+            for t in self.auth.tokens:
+                unknown = sorted(set(t.datasets) - set(self.datasets) - {"*"})
+                if unknown:
+                    raise ValueError(f"auth token {t.name!r} names datasets this server does not have: {unknown}")
+        if self.pipeline_limits.max_json_bytes > self.max_request_bytes:
+            raise ValueError(f"pipeline_limits.max_json_bytes ({self.pipeline_limits.max_json_bytes}) exceeds "
+                             f"max_request_bytes ({self.max_request_bytes})")
         return self
 
     def pipeline_json(self, name: str) -> str:

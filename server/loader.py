@@ -12,8 +12,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from batchd.errors import DatasetNotFoundError
+from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
 from batchd.sampler import num_batches, shard_indices
+from batchd.server import allowlist
 from batchd.server import pipeline as pipelines
 from batchd.server import shm
 from batchd.server.config import ServerConfig
@@ -43,6 +44,8 @@ class StreamArgs:
     start_batch: int = 0
     prefetch: int = 0
     peer: str = ""  # who asked (for logs and stats)
+    batch_stride: int = 0  # 0 or 1: every batch; else b with (b - start_batch) % batch_stride == batch_offset
+    batch_offset: int = 0
     transport: str = "inline"  # "shm" or "inline" (for logs and stats)
 
 
@@ -75,6 +78,7 @@ class Loader:
         self.pool = WorkerPool(
             config.workers, dict(config.datasets), config.cache_dir, self.slots,
             worker_timeout_s=config.worker_timeout_s, max_task_retries=config.max_task_retries,
+            max_batch_bytes=config.max_batch_bytes,
         )
         self._lock = threading.RLock()  # streams, counters, _computations; moving a stream between computations
         self.streams: dict[int, Stream] = {}
@@ -107,10 +111,13 @@ class Loader:
             return args.preset, self._presets[args.preset]
         if not args.albumentations_json:
             return "none", ""
-        text = pipelines.canonical_json(args.albumentations_json)
+        # a client's pipeline is checked against the allowlist before albumentations sees it
+        text = pipelines.canonical_json(allowlist.check_text(args.albumentations_json, self.config.pipeline_limits))
         key = pipelines.pipeline_key(text)
         if key not in self._checked:
             pipelines.build(text)
+            if len(self._checked) >= 4096:  # bounded: clients may send any number of distinct pipelines
+                self._checked.clear()
             self._checked[key] = None
         return "custom:" + key[:8], text
 
@@ -135,17 +142,24 @@ class Loader:
         n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last)
         if args.start_batch > n:
             raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")
+        stride = args.batch_stride or 1
+        if not 0 <= args.batch_offset < stride:
+            raise ValueError(f"batch_offset must be in [0, batch_stride={stride}), got {args.batch_offset}")
         request = StreamRequest(
             dataset=args.dataset, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text, pipeline_name=name,
             batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
             drop_last=args.drop_last, rank=args.rank, world_size=world_size, start_batch=args.start_batch,
-            prefetch=prefetch,
+            prefetch=prefetch, stride=stride, offset=args.batch_offset,
         )
         stream = Stream(request, n)
         stream.peer, stream.transport = args.peer, args.transport
         with self._lock:
             if self._closed:
                 raise RuntimeError("the loader is shutting down")
+            if len(self.streams) >= cfg.max_streams:
+                raise ResourceExhaustedError(
+                    f"the server already has {len(self.streams)} open streams, its limit (max_streams); "
+                    "try again when one ends")
             joined = self._join(stream)
             self.streams[stream.id] = stream
             self.counters["streams_started"] += 1
@@ -157,8 +171,9 @@ class Loader:
             self._start_computation(stream, request, indices, n)
         log.info(
             "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
-            "batches %d..%d prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
-            args.shuffle, args.seed, args.epoch, args.rank, world_size, args.start_batch, n, prefetch, args.transport,
+            "batches %d..%d%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
+            args.shuffle, args.seed, args.epoch, args.rank, world_size, stream.position, n,
+            f" (stride {stride})" if stride > 1 else "", prefetch, args.transport,
             args.peer or "-",
             f"joins computation {joined.id}, shared with {joined.readers - 1} other streams" if joined is not None
             else f"computation {stream.computation.id}",
@@ -238,7 +253,7 @@ class Loader:
         elapsed = time.monotonic() - stream.started
         log.info(
             "stream %d %s after %d of %d batches (%d samples, %.1f MB sent, %.0f images/s, %d samples skipped, %.1f s)",
-            stream.id, reason, stream.batches_sent, stream.num_batches - stream.request.start_batch, stream.samples_sent,
+            stream.id, reason, stream.batches_sent, stream.batches_due, stream.samples_sent,
             stream.bytes_sent / 1e6, stream.samples_sent / elapsed if elapsed > 0 else 0.0, stream.samples_skipped, elapsed,
         )
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from batchd.errors import SampleError, ShapeMismatchError, WorkerError
+from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.sampler import batch_seed
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
 from batchd.server.shm import Segment, SlotPool
@@ -87,7 +87,9 @@ class WorkerPool:
         worker_timeout_s: float = 300.0,
         max_task_retries: int = 3,
         start_timeout: float = 60.0,
+        max_batch_bytes: int = 0,
     ):
+        self.max_batch_bytes = max_batch_bytes
         self.num_workers = num_workers
         self.slots = slots
         self.worker_timeout_s = worker_timeout_s
@@ -378,6 +380,7 @@ class WorkerPool:
                 slot_name=slot.name,
                 slot_capacity=slot.capacity,
                 skip_bad_samples=self._skip.get(req.dataset, False),
+                max_batch_bytes=self.max_batch_bytes,
             )
             self._in_flight[task.task_id] = _InFlight(stream, b, slot, w.worker_id, time.monotonic())
             w.tasks.add(task.task_id)
@@ -393,8 +396,8 @@ class WorkerPool:
 def _reraisable(msg: TaskFailed) -> BaseException:
     """The worker's exception, with its traceback in the message where the type allows."""
     err = msg.error
-    if isinstance(err, (SampleError, ShapeMismatchError)):
-        return err  # data errors: the message already names dataset, sample and file
+    if isinstance(err, (SampleError, ShapeMismatchError, ResourceExhaustedError)):
+        return err  # data errors and limits: the message already says what and where
     if err is not None and isinstance(err, ValueError):
         err.add_note(f"Worker traceback:\n{msg.traceback}")
         return err

@@ -43,6 +43,7 @@ class Task:
     albumentations pipeline ("" = none), cached per worker by key. indices: int64 [B].
     slot_name/slot_capacity: the shared-memory slot to write, bytes.
     skip_bad_samples: leave out samples that raise SampleError instead of failing.
+    max_batch_bytes: fail with ResourceExhaustedError before writing a batch larger than this (0: no limit).
     """
 
     task_id: int
@@ -54,6 +55,7 @@ class Task:
     slot_name: str
     slot_capacity: int
     skip_bad_samples: bool = False
+    max_batch_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

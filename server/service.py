@@ -13,14 +13,16 @@ import logging
 import math
 import time
 import traceback
+import uuid
 
 import grpc
 import lz4.frame as lz4_frame
 
 from batchd import wire
-from batchd.errors import DatasetNotFoundError, SampleError, ShapeMismatchError, WorkerError
+from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server import stats
 from batchd.server.loader import Loader, StreamArgs
+from batchd.server.security import OPEN, Authenticator, Redactor, Scope
 from batchd.server.stream import ReadyBatch
 from batchd.v1 import loader_pb2 as pb
 
@@ -63,6 +65,8 @@ def stream_args(request: pb.StreamBatchesRequest, peer: str = "") -> StreamArgs:
         rank=request.rank,
         world_size=request.world_size,
         start_batch=request.start_batch,
+        batch_stride=request.batch_stride,
+        batch_offset=request.batch_offset,
         prefetch=request.prefetch,
         peer=peer,
         transport="shm" if request.transport == pb.TRANSPORT_SHARED_MEMORY and request.session else "inline",
@@ -74,25 +78,46 @@ class BatchLoaderService:
 
     def __init__(self, loader: Loader):
         self.loader = loader
+        # with auth: the interceptor (app.py) refuses calls without a valid token; here, each
+        # call's token limits the datasets it may see. Messages to clients go through redact.
+        self.auth = Authenticator(loader.config.auth) if loader.config.auth is not None else None
+        self.redact = Redactor(loader.config)
+
+    def _scope(self, context: grpc.ServicerContext) -> Scope:
+        return OPEN if self.auth is None else self.auth.scope(context)
+
+    def _check_dataset(self, context: grpc.ServicerContext, name: str) -> None:
+        """PERMISSION_DENIED unless the caller's token may read ``name`` (same message if it does not exist)."""
+        scope = self._scope(context)
+        if not scope.allows(name):
+            log.info("refused dataset %r to token %r (%s)", name[:100], scope.name, context.peer())
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, scope.denied(name))
 
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: grpc.ServicerContext) -> pb.ListDatasetsResponse:
-        return pb.ListDatasetsResponse(datasets=[dataset_info(self.loader, n) for n in sorted(self.loader.datasets)])
+        scope = self._scope(context)
+        names = [n for n in sorted(self.loader.datasets) if scope.allows(n)]
+        return pb.ListDatasetsResponse(datasets=[dataset_info(self.loader, n) for n in names])
 
     def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: grpc.ServicerContext) -> pb.DatasetInfo:
+        self._check_dataset(context, request.name)
         try:
             return dataset_info(self.loader, request.name)
         except DatasetNotFoundError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e)))
 
     def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
+        self._check_dataset(context, request.dataset)
         try:
             stream = self.loader.open_stream(stream_args(request, context.peer()))
         except DatasetNotFoundError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e)))
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
+        except ResourceExhaustedError as e:
+            log.warning("refused a stream from %s: %s", context.peer(), e)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RuntimeError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.redact(str(e)))
         reason = "finished"
         shared = request.transport == pb.TRANSPORT_SHARED_MEMORY and bool(request.session)
         lz4 = request.compression == pb.COMPRESSION_LZ4
@@ -107,9 +132,9 @@ class BatchLoaderService:
                     stream.waiting_since = time.monotonic()
                 try:
                     batch = stream.next(_POLL_S)
-                except (SampleError, ShapeMismatchError, WorkerError, ValueError, TypeError) as e:
+                except (SampleError, ShapeMismatchError, WorkerError, ResourceExhaustedError, ValueError, TypeError) as e:
                     reason = f"failed: {type(e).__name__}"
-                    _abort_with_detail(context, stream.request.dataset, e)
+                    _abort_with_detail(context, stream.request.dataset, e, self.redact)
                     return
                 if batch is None:
                     if stream.finished:
@@ -176,7 +201,13 @@ class BatchLoaderService:
         return pb.ReleaseLeasesResponse()
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
-        return stats_to_proto(stats.snapshot(self.loader))
+        reply = stats_to_proto(stats.snapshot(self.loader))
+        scope = self._scope(context)
+        if scope.datasets is not None:  # a token limited to some datasets sees only their streams
+            kept = [s for s in reply.streams if scope.allows(s.dataset)]
+            del reply.streams[:]
+            reply.streams.extend(kept)
+        return reply
 
 
 def stats_to_proto(s: stats.ServerStats) -> pb.StatsResponse:
@@ -250,53 +281,93 @@ def _encode(batch, epoch: int, num_batches: int, lease: int | None, lz4: bool) -
     return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors, skipped=batch.skipped)
 
 
-def _abort_with_detail(context: grpc.ServicerContext, dataset: str, e: BaseException) -> None:
-    detail = pb.ErrorDetail(type=type(e).__name__, message=str(e), dataset=dataset)
+def _abort_with_detail(context: grpc.ServicerContext, dataset: str, e: BaseException, redact=None) -> None:
+    detail = pb.ErrorDetail(type=type(e).__name__, dataset=dataset)
     if isinstance(e, SampleError):
         detail.indices.append(e.index)
-        detail.paths.append(e.path)
-        detail.reason = e.reason
+        detail.paths.append(redact(e.path) if redact is not None else e.path)
+        detail.reason = redact(e.reason) if redact is not None else e.reason
     code = grpc.StatusCode.INTERNAL if isinstance(e, WorkerError) else (
-        grpc.StatusCode.DATA_LOSS if isinstance(e, SampleError) else grpc.StatusCode.INVALID_ARGUMENT
+        grpc.StatusCode.DATA_LOSS if isinstance(e, SampleError) else
+        grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError) else grpc.StatusCode.INVALID_ARGUMENT
     )
     log.error("stream on dataset %r failed: %s", dataset, "".join(traceback.format_exception(e)).rstrip())
-    context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
     message = str(e).split("\n\nWorker traceback:")[0]  # the traceback stays in the server log
     if getattr(e, "__notes__", None) and not isinstance(e, WorkerError):
         message += "\n" + "\n".join(n for n in e.__notes__ if not n.startswith("Worker traceback"))
+    if redact is not None:  # no server paths or tracebacks for the client; the log above has them
+        message = redact(message)
+    detail.message = message
+    context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
     context.abort(code, message)
 
 
+def _internal_error(context: grpc.ServicerContext, method: str, e: Exception) -> None:
+    """Log an unexpected exception with a request id; the client gets only the id."""
+    request_id = uuid.uuid4().hex[:12]
+    log.error("request %s: %s from %s failed: %s", request_id, method, context.peer(),
+              "".join(traceback.format_exception(e)).rstrip())
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error (see the server log, request id {request_id})")
+
+
+def _guarded(method: str, handler, streaming: bool):
+    """``handler`` with a catch-all: an exception that is not an abort becomes INTERNAL + a log entry.
+
+    An abort (``context.abort``) raises too; it has set the status (``context.code()``) and passes.
+    """
+    if streaming:
+        def guarded_stream(request, context):
+            try:
+                yield from handler(request, context)
+            except Exception as e:
+                if context.code() is not None:
+                    raise
+                _internal_error(context, method, e)
+        return guarded_stream
+
+    def guarded(request, context):
+        try:
+            return handler(request, context)
+        except Exception as e:
+            if context.code() is not None:
+                raise
+            _internal_error(context, method, e)
+    return guarded
+
+
 def add_to_server(service: BatchLoaderService, server: grpc.Server) -> None:
-    """Register ``service``; StreamBatches responses are pre-serialized bytes."""
+    """Register ``service``; StreamBatches responses are pre-serialized bytes.
+
+    Every handler is wrapped by ``_guarded``: no traceback or internal detail reaches a client.
+    """
     handlers = {
         "ListDatasets": grpc.unary_unary_rpc_method_handler(
-            service.ListDatasets,
+            _guarded("ListDatasets", service.ListDatasets, streaming=False),
             request_deserializer=pb.ListDatasetsRequest.FromString,
             response_serializer=pb.ListDatasetsResponse.SerializeToString,
         ),
         "DescribeDataset": grpc.unary_unary_rpc_method_handler(
-            service.DescribeDataset,
+            _guarded("DescribeDataset", service.DescribeDataset, streaming=False),
             request_deserializer=pb.DescribeDatasetRequest.FromString,
             response_serializer=pb.DatasetInfo.SerializeToString,
         ),
         "StreamBatches": grpc.unary_stream_rpc_method_handler(
-            service.StreamBatches,
+            _guarded("StreamBatches", service.StreamBatches, streaming=True),
             request_deserializer=pb.StreamBatchesRequest.FromString,
             response_serializer=bytes,
         ),
         "OpenSession": grpc.unary_stream_rpc_method_handler(
-            service.OpenSession,
+            _guarded("OpenSession", service.OpenSession, streaming=True),
             request_deserializer=pb.OpenSessionRequest.FromString,
             response_serializer=pb.SessionEvent.SerializeToString,
         ),
         "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
-            service.ReleaseLeases,
+            _guarded("ReleaseLeases", service.ReleaseLeases, streaming=False),
             request_deserializer=pb.ReleaseLeasesRequest.FromString,
             response_serializer=pb.ReleaseLeasesResponse.SerializeToString,
         ),
         "Stats": grpc.unary_unary_rpc_method_handler(
-            service.Stats,
+            _guarded("Stats", service.Stats, streaming=False),
             request_deserializer=pb.StatsRequest.FromString,
             response_serializer=pb.StatsResponse.SerializeToString,
         ),

@@ -21,6 +21,12 @@ Bounds, with ``front``/``back`` the positions of the fastest/slowest reader:
 The pool thread calls ``wants_work``/``take_task``/``done``/``retry``/``fail`` on computations;
 RPC threads call ``next``/``release``/``close`` on streams. A computation's state is under its
 condition variable.
+
+Strided streams (a client spreading an epoch over ``stride`` servers) read the batches
+``first, first + stride, ...`` only. Positions are still batch indices and advance by ``stride``;
+``prefetch`` and ``window`` count this stream's batches (so they span ``stride`` times as many
+indices). The residue ``first % stride`` is part of the sharing key: only streams reading the
+same batches share a computation.
 """
 
 from __future__ import annotations
@@ -62,12 +68,19 @@ class StreamRequest:
     world_size: int
     start_batch: int
     prefetch: int
+    stride: int = 1  # send batches first_batch, first_batch + stride, ... (see loader.proto, batch_stride)
+    offset: int = 0
+
+    @property
+    def first_batch(self) -> int:
+        return self.start_batch + self.offset
 
     @property
     def key(self) -> tuple:
-        """What determines the batches' bytes: streams with equal keys can share a computation."""
+        """What determines the batches' bytes (and, for a strided stream, which batches): streams with
+        equal keys can share a computation."""
         return (self.dataset, self.pipeline_key, self.batch_size, self.shuffle, self.seed, self.epoch,
-                self.drop_last, self.rank, self.world_size)
+                self.drop_last, self.rank, self.world_size, self.stride, self.first_batch % self.stride)
 
 
 @dataclass(slots=True)
@@ -99,6 +112,7 @@ class Computation:
         self.indices = indices
         self.num_batches = num_batches
         self.window = window
+        self.stride = request.stride  # positions step by this; window and prefetch count steps
         self._release_slot = release_slot
         self._cond = threading.Condition()
         self._readers: dict[int, Stream] = {}
@@ -161,7 +175,7 @@ class Computation:
             for b in idle:
                 self._release_slot(self._ready.pop(b).slot)
             return len(idle)
-        limit = min(self._back(), self._front() - (self.window if keep is None else keep))
+        limit = min(self._back(), self._front() - (self.window if keep is None else keep) * self.stride)
         released = 0
         while self._history_start < limit:
             b = self._history_start
@@ -172,7 +186,7 @@ class Computation:
                 self._release_slot(batch.slot)
                 released += 1
             self._users.pop(b, None)
-            self._history_start = b + 1
+            self._history_start = b + self.stride
         return released
 
     def evict_history(self) -> int:
@@ -192,7 +206,7 @@ class Computation:
             if self._retry:
                 return True
             prefetch = max(r.prefetch for r in self._readers.values())
-            return self._next_submit < min(limit, self._front() + prefetch)
+            return self._next_submit < min(limit, self._front() + prefetch * self.stride)
 
     def take_task(self) -> int:
         """The batch index to build next (a retried one first). Call only if wants_work()."""
@@ -200,7 +214,7 @@ class Computation:
             if self._retry:
                 b = self._retry.popleft()
             else:
-                b, self._next_submit = self._next_submit, self._next_submit + 1
+                b, self._next_submit = self._next_submit, self._next_submit + self.stride
             self._in_flight.add(b)
             return b
 
@@ -261,8 +275,9 @@ class Computation:
                 batch = self._ready.get(b)
                 if batch is not None:
                     self._users[b] += 1
-                    stream.position = b + 1
-                    laggards = [r for r in self._readers.values() if r.position < stream.position - self.window]
+                    stream.position = b + self.stride
+                    laggards = [r for r in self._readers.values()
+                                if r.position < stream.position - self.window * self.stride]
                     self._sweep()
                     break
                 if self._failed and min(self._failed) <= b:
@@ -286,10 +301,10 @@ class Computation:
             b = batch.batch_index
             others = min((r.position for r in self._readers.values() if r is not stream), default=float("inf"))
             if (b < others and self._users[b] == 1 and self._ready.get(b) is batch
-                    and b == self._history_start and b < self._front() - self.window):
+                    and b == self._history_start and b < self._front() - self.window * self.stride):
                 del self._ready[b]
                 self._users.pop(b)
-                self._history_start = b + 1
+                self._history_start = b + self.stride
                 return True
             return False
 
@@ -318,7 +333,7 @@ class Stream:
         self.request = request
         self.num_batches = num_batches
         self.prefetch = request.prefetch
-        self.position = request.start_batch  # the batch this client gets next
+        self.position = request.first_batch  # the batch this client gets next (steps by request.stride)
         self.computation: Computation | None = None
         self.closed = False  # set by Loader.close_stream; a closed stream is never moved
         self._from: Computation | None = None  # the computation of the batch being sent
@@ -380,6 +395,12 @@ class Stream:
     @property
     def finished(self) -> bool:
         return self.position >= self.num_batches
+
+    @property
+    def batches_due(self) -> int:
+        """Batches this stream sends in all (every stride-th from its first one)."""
+        first, stride = self.request.first_batch, self.request.stride
+        return max(0, -(-(self.num_batches - first) // stride))
 
     def claim(self, batch: ReadyBatch) -> bool:
         """Whether this stream may lend ``batch``'s own slot to its client (no other reader needs it)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from batchd.errors import SampleError, ShapeMismatchError
+from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError
 from batchd.server import pipeline as pipelines
 from batchd.server.datasets import Dataset, open_dataset
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed, TensorLayout
@@ -150,6 +150,7 @@ class _Worker:
             if images is None:
                 first_shape, first_index = image.shape, index
                 layout = batch_layout(capacity, image.shape, image.dtype)
+                _check_batch_bytes(task, ds.name, layout, index)
                 seg, grown = self._slot(task, layout_nbytes(layout))
                 images = view(seg.buf, layout[0])
             elif image.shape != first_shape or image.dtype != images.dtype:
@@ -189,6 +190,18 @@ class _Worker:
         self.segments[seg.name] = seg
         self._unadopted = seg
         return seg, True
+
+
+def _check_batch_bytes(task: Task, dataset: str, layout: tuple[TensorLayout, ...], index: int) -> None:
+    """Raise ResourceExhaustedError before allocating a batch over the server's max_batch_bytes."""
+    nbytes = layout_nbytes(layout)
+    if task.max_batch_bytes and nbytes > task.max_batch_bytes:
+        image = layout[0]
+        raise ResourceExhaustedError(
+            f"dataset {dataset!r}: a batch of {image.shape[0]} images of {image.dtype}{list(image.shape[1:])} "
+            f"(as sample {index} comes out of the pipeline) is {nbytes} bytes, over the server's limit of "
+            f"{task.max_batch_bytes} (max_batch_bytes); use a smaller batch_size or output size"
+        )
 
 
 def _as_hwc_array(image: Any, dataset: str, index: int) -> np.ndarray:

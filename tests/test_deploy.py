@@ -1,4 +1,4 @@
-"""The deployment files: docker-compose.yml, the Dockerfiles, the example config, Makefile, .ci/run.
+"""The deployment files: docker-compose.yml (+ .tcp.yml), the Dockerfiles, the example config, Makefile, .ci/run.
 
 No container engine runs where these tests run, so the compose file is checked against the
 Compose specification's JSON schema and against the repository (files it mounts and builds,
@@ -36,6 +36,8 @@ import yaml
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
+COMPOSE_TCP_FILE = REPO / "docker-compose.tcp.yml"  # the same over TCP, without shared memory
+COMPOSE_FILES = [COMPOSE_FILE, COMPOSE_TCP_FILE]
 COMPOSE_SCHEMA = REPO / "tests" / "compose-spec.json"
 DOCKERFILE = REPO / "Dockerfile"
 TRAINER_DOCKERFILE = REPO / "examples" / "Dockerfile.trainer"
@@ -52,8 +54,8 @@ IMAGE_ENTRYPOINT = ["batchd"]
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def load_compose() -> dict:
-    return yaml.safe_load(COMPOSE_FILE.read_text())
+def load_compose(path: pathlib.Path = COMPOSE_FILE) -> dict:
+    return yaml.safe_load(path.read_text())
 
 
 def batchd_exe() -> str:
@@ -127,7 +129,23 @@ def dockerfile_healthcheck_cmd(instructions) -> list[str]:
 def batchd_invocations() -> dict[str, list[str]]:
     """Every command line of the deployment files that runs `batchd`, by where it comes from."""
     found: dict[str, list[str]] = {}
-    for name, svc in load_compose()["services"].items():
+    for path in COMPOSE_FILES:
+        found.update(_compose_invocations(path))
+    instructions = dockerfile_instructions(DOCKERFILE)
+    found["Dockerfile HEALTHCHECK"] = dockerfile_healthcheck_cmd(instructions)
+    stage = final_stage(instructions)
+    entry = [exec_form(a) for i, a in stage if i == "ENTRYPOINT"][-1]
+    cmd = [exec_form(a) for i, a in stage if i == "CMD"][-1]
+    found["Dockerfile ENTRYPOINT+CMD"] = entry + cmd
+    return found
+
+
+def _compose_invocations(path: pathlib.Path) -> dict[str, list[str]]:
+    """`batchd` command lines of one compose file: "compose SERVICE.command" (docker-compose.yml)
+    or "FILE SERVICE.command" (the others), and the same for healthchecks."""
+    found: dict[str, list[str]] = {}
+    tag = "compose" if path == COMPOSE_FILE else path.name
+    for name, svc in load_compose(path)["services"].items():
         if "command" in svc:
             cmd = argv(svc["command"])
             entry = argv(svc["entrypoint"]) if "entrypoint" in svc else None
@@ -135,20 +153,14 @@ def batchd_invocations() -> dict[str, list[str]]:
                 entry = IMAGE_ENTRYPOINT
             full = (entry or []) + cmd
             if full[0] == "batchd":
-                found[f"compose {name}.command"] = full
+                found[f"{tag} {name}.command"] = full
         test = svc.get("healthcheck", {}).get("test")
         if test is not None:
             t = argv(test)
             if t[0] in ("CMD", "CMD-SHELL"):
                 t = t[1:] if t[0] == "CMD" else shlex.split(" ".join(t[1:]))
             if t and t[0] == "batchd":
-                found[f"compose {name}.healthcheck"] = t
-    instructions = dockerfile_instructions(DOCKERFILE)
-    found["Dockerfile HEALTHCHECK"] = dockerfile_healthcheck_cmd(instructions)
-    stage = final_stage(instructions)
-    entry = [exec_form(a) for i, a in stage if i == "ENTRYPOINT"][-1]
-    cmd = [exec_form(a) for i, a in stage if i == "CMD"][-1]
-    found["Dockerfile ENTRYPOINT+CMD"] = entry + cmd
+                found[f"{tag} {name}.healthcheck"] = t
     return found
 
 
@@ -172,14 +184,15 @@ def free_port() -> int:
 
 
 @pytest.mark.timeout(60)
-def test_compose_file_validates_against_the_compose_spec():
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_file_validates_against_the_compose_spec(path):
     jsonschema = pytest.importorskip("jsonschema")
     schema = json.loads(COMPOSE_SCHEMA.read_text())
     validator_cls = jsonschema.validators.validator_for(schema)
     validator_cls.check_schema(schema)
     validator = validator_cls(schema)
 
-    compose = load_compose()
+    compose = load_compose(path)
     errors = sorted(validator.iter_errors(compose), key=lambda e: list(map(str, e.absolute_path)))
     assert not errors, "\n".join(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
 
@@ -194,7 +207,8 @@ def test_compose_file_validates_against_the_compose_spec():
 
 @pytest.mark.timeout(60)
 def test_compose_services_are_wired_together():
-    services = load_compose()["services"]
+    compose = load_compose()
+    services = compose["services"]
     assert set(services) >= {"batchd", "trainer"}
     server, trainer = services["batchd"], services["trainer"]
 
@@ -208,20 +222,43 @@ def test_compose_services_are_wired_together():
     assert trainer["depends_on"]["batchd"]["condition"] == "service_healthy"
     assert "healthcheck" in server
 
-    # The server listens on all interfaces inside its container, on the port the trainer dials.
+    # A unix socket in a named volume that both mount at the same path: the server listens on it,
+    # the healthcheck probes it, the trainer dials it (and asks for shared memory).
     cmd = argv(server["command"])
     address = cmd[cmd.index("--address") + 1]
-    assert address == "0.0.0.0:50051"
+    assert address.startswith("unix:"), address
+    folder = str(pathlib.PurePosixPath(address[len("unix:"):]).parent)
+    volume = next(v.split(":")[0] for v in server["volumes"] if v.split(":")[1] == folder)
+    assert volume in compose["volumes"], f"{volume} should be a named volume"
+    assert f"{volume}:{folder}" in trainer["volumes"], "the trainer must mount the socket's volume at the same path"
     tcmd = argv(trainer["command"])
-    assert tcmd[tcmd.index("--address") + 1] == "batchd:50051"
+    assert tcmd[tcmd.index("--address") + 1] == address
+    assert tcmd[tcmd.index("--transport") + 1] == "shm"
     health = argv(server["healthcheck"]["test"])
-    assert health[health.index("health") + 1].endswith(":50051")
+    assert health[health.index("health") + 1] == address
 
 
 @pytest.mark.timeout(60)
-def test_compose_files_exist_in_the_repository():
+def test_compose_tcp_variant_uses_tcp_without_shared_memory():
+    services = load_compose(COMPOSE_TCP_FILE)["services"]
+    server, trainer = services["batchd"], services["trainer"]
+    assert "ipc" not in server and "ipc" not in trainer, "the TCP variant shares no IPC namespace"
+    assert server.get("shm_size"), "the workers still hand batches over in /dev/shm slots"
+    assert trainer["depends_on"]["batchd"]["condition"] == "service_healthy"
+    cmd = argv(server["command"])
+    assert cmd[cmd.index("--address") + 1] == "0.0.0.0:50051"
+    tcmd = argv(trainer["command"])
+    assert tcmd[tcmd.index("--address") + 1] == "batchd:50051"
+    assert tcmd[tcmd.index("--transport") + 1] == "inline"
+    health = argv(server["healthcheck"]["test"])
+    assert health[health.index("health") + 1] == "127.0.0.1:50051"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_files_exist_in_the_repository(path):
     """Build contexts, Dockerfiles, bind-mounted repo files and scripts that the services run."""
-    compose = load_compose()
+    compose = load_compose(path)
     for name, svc in compose["services"].items():
         build = svc.get("build")
         if build is not None:
@@ -247,10 +284,11 @@ def test_compose_files_exist_in_the_repository():
 
 
 @pytest.mark.timeout(60)
-def test_compose_server_sees_the_config_and_the_datasets_it_names():
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_server_sees_the_config_and_the_datasets_it_names(path):
     from batchd.server.config import load_config
 
-    server = load_compose()["services"]["batchd"]
+    server = load_compose(path)["services"]["batchd"]
     mounts = {}
     for vol in server["volumes"]:
         source, target, *mode = vol.split(":")
@@ -275,7 +313,8 @@ def test_compose_server_sees_the_config_and_the_datasets_it_names():
 @pytest.mark.timeout(60)
 def test_deployment_files_call_batchd_subcommands_and_options_that_exist():
     calls = batchd_invocations()
-    assert {"compose batchd.command", "compose batchd.healthcheck", "Dockerfile HEALTHCHECK"} <= set(calls)
+    assert {"compose batchd.command", "compose batchd.healthcheck", "Dockerfile HEALTHCHECK",
+            "docker-compose.tcp.yml batchd.command", "docker-compose.tcp.yml batchd.healthcheck"} <= set(calls)
     top = run_batchd("--help")
     assert top.returncode == 0, top.stderr
     help_of: dict[str, str] = {}
@@ -349,6 +388,45 @@ def test_serve_example_config_reports_healthy_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(90)
+def test_compose_sidecar_command_serves_its_socket_with_shared_memory(tmp_path):
+    """docker-compose.yml's batchd command and healthcheck, run here: its volumes become folders
+    (the named socket volume a temporary one), then the trainer's address and transport are read from."""
+    missing = [f for f in FMNIST_FILES if not (FMNIST_DIR / f).is_file()]
+    if missing:
+        pytest.skip(f"Fashion-MNIST is not in {FMNIST_DIR} (apt-get install dataset-fashion-mnist)")
+    import batchd
+    from deployed import Mapping, running
+
+    compose = load_compose()
+    server, trainer = compose["services"]["batchd"], compose["services"]["trainer"]
+    paths = {}
+    for vol in server["volumes"]:
+        source, target = vol.split(":")[:2]
+        if source.startswith("."):
+            paths[target] = str(REPO / source)
+        elif source.startswith("/"):
+            paths[target] = source
+        else:  # a named volume
+            (tmp_path / source).mkdir()
+            paths[target] = str(tmp_path / source)
+    mapping = Mapping(paths)
+    calls = _compose_invocations(COMPOSE_FILE)
+    serve = [mapping.arg(a) for a in calls["compose batchd.command"]]
+    serve[0] = batchd_exe()
+    with running(serve, cwd=REPO, env={"XDG_CACHE_HOME": str(tmp_path / "cache")}) as (proc, log):
+        health = [mapping.arg(a) for a in calls["compose batchd.healthcheck"]]
+        res = run_batchd(*health[1:])
+        assert res.returncode == 0 and "SERVING" in res.stdout, res.stdout + res.stderr
+        tcmd = argv(trainer["command"])
+        address = mapping.arg(tcmd[tcmd.index("--address") + 1])
+        with batchd.RemoteDataLoader(address, "fmnist-test", batch_size=1000, transform="train",
+                                     transport=tcmd[tcmd.index("--transport") + 1]) as ld:
+            assert sum(len(b["label"]) for b in ld) == 10_000
+        proc.terminate()
+        assert proc.wait(20) == 0, "".join(log)
 
 
 # ---- Dockerfiles ----------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ class BatchLoaderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamBatches(self, request, context):
-        """The batches of one epoch of one shard, in batch order, from `start_batch` on.
+        """The batches of one epoch of one shard, in batch order, from `start_batch` on (every
+        `batch_stride`-th one when a client spreads the epoch over several servers).
         Errors: NOT_FOUND (dataset), INVALID_ARGUMENT (request fields, pipeline),
         DATA_LOSS (a sample could not be read or decoded; trailing metadata
         `batchd-error-bin` holds an ErrorDetail), INTERNAL (a worker failed).

@@ -1,0 +1,110 @@
+"""Run a command of a deployment file (compose service, Kubernetes container) on this machine.
+
+No container engine runs here, so the container's paths are mapped onto the host first: each
+``(container_prefix, host_prefix)`` pair of ``paths`` rewrites arguments (and the config file
+the command reads) that start with the container path, and ``0.0.0.0:PORT`` becomes
+``127.0.0.1:<free port>``. Everything else of the command line runs as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import queue
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mapping:
+    """Container paths -> host paths, and the container's TCP ports -> free loopback ports."""
+
+    def __init__(self, paths: dict[str, str]):
+        # longest prefix first, so /run/batchd/x wins over /run
+        self.paths = dict(sorted(paths.items(), key=lambda kv: -len(kv[0])))
+        self.ports: dict[str, int] = {}
+
+    def path(self, value: str) -> str:
+        for inside, outside in self.paths.items():
+            if value == inside or value.startswith(inside.rstrip("/") + "/"):
+                return outside + value[len(inside):]
+        return value
+
+    def port(self, container_port: int | str) -> int:
+        return self.ports.setdefault(str(container_port), free_port())
+
+    def arg(self, value: str) -> str:
+        """One command-line argument: an address (unix:PATH, 0.0.0.0:PORT, 127.0.0.1:PORT) or a path."""
+        if value.startswith("unix:"):
+            return "unix:" + self.path(value[len("unix:"):])
+        m = re.fullmatch(r"(0\.0\.0\.0|127\.0\.0\.1|localhost):(\d+)", value)
+        if m:
+            return f"127.0.0.1:{self.port(m.group(2))}"
+        return self.path(value)
+
+    def text(self, text: str) -> str:
+        """A config file's text with container paths replaced (whole path-like tokens only)."""
+        for inside, outside in self.paths.items():
+            text = re.sub(rf"(?<![\w/]){re.escape(inside)}(?=[/\s,}}\]]|$)", outside, text, flags=re.M)
+        return text
+
+
+@contextlib.contextmanager
+def running(argv: list[str], *, cwd: pathlib.Path, env: dict | None = None, timeout: float = 60.0):
+    """Start ``argv`` (a ``batchd serve`` command); yields (process, log lines) once it logs
+    ``listening on``; SIGTERMs it on exit if it is still running."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    lines: queue.Queue[str | None] = queue.Queue()
+    log: list[str] = []
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+
+    def collect():
+        while True:
+            try:
+                line = lines.get_nowait()
+            except queue.Empty:
+                return
+            if line is not None:
+                log.append(line)
+
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no 'listening on' line within {timeout:g} s:\n" + "".join(log))
+            if line is None:
+                pytest.fail(f"{argv[:2]} exited ({proc.wait()}) before listening:\n" + "".join(log))
+            log.append(line)
+            if "listening on" in line:
+                break
+        yield proc, log
+        collect()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
