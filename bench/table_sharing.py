@@ -1,0 +1,160 @@
+"""Table 7: one loader, several experiments (photo dataset, L3, batch 64, 2 workers).
+
+    python bench/table_sharing.py [--quick] [--repeats N]
+
+Clients are separate processes (``python bench/table_sharing.py --client ...``): each imports
+torch, connects, reads one batch, then waits for a "go" line on stdin, so that the clients of
+a scenario start together and import time is never timed. Each reads the rest of one epoch
+and prints its images/s. Server CPU seconds (server + forkserver + workers, utime + stime) are
+read over the same window. Scenarios:
+
+* solo: one client alone (the reference);
+* identical: two clients with the same request: one computation feeds both;
+* different: two clients with different pipelines (L3 and L2): the workers are shared round robin;
+* fast + slow: two identical clients, one sleeping 0.25 s per batch: it falls out of the
+  sharing window and gets its batches recomputed; the fast one must not wait for it.
+
+Targets (issue "One loader, many experiments"): identical: each >= 0.9x solo images/s and server
+CPU <= 1.15x solo; different: each >= 0.4x solo and faster <= 1.5x slower; fast + slow: the fast
+one >= 0.9x solo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+from bench import common, data, pipelines  # noqa: E402
+from bench.measure import median, tree_cpu_seconds  # noqa: E402
+from bench.report import md_table  # noqa: E402
+from bench.server_proc import ServerProcess  # noqa: E402
+
+NAME = "table7"
+TITLE = "Table 7: one loader, several experiments (L3, batch 64, 2 workers, clients in separate processes)"
+BATCH = 64
+WORKERS = 2
+
+
+def client_main(args: argparse.Namespace) -> int:
+    import batchd
+
+    loader = batchd.RemoteDataLoader(args.address, "photos", batch_size=BATCH, shuffle=True, seed=args.seed,
+                                     drop_last=True, transform=args.pipeline, prefetch=2 * WORKERS, timeout=300)
+    it = iter(loader)
+    next(it)  # connected, stream open, first batch here
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter()
+    images = 0
+    for batch in it:
+        images += batch["image"].shape[0]
+        del batch
+        if args.sleep:
+            time.sleep(args.sleep)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"images": images, "seconds": seconds, "rate": images / seconds}), flush=True)
+    loader.close()
+    return 0
+
+
+def _clients(address: str, specs: list[dict], server_pid: int) -> tuple[list[dict], float]:
+    """Run one client process per spec together; returns their results and the server's CPU seconds."""
+    procs = []
+    for spec in specs:
+        cmd = [sys.executable, __file__, "--client", "--address", address, "--pipeline", spec["pipeline"],
+               "--seed", str(spec["seed"]), "--sleep", str(spec.get("sleep", 0.0))]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+    for p in procs:
+        line = p.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"client did not start: {line!r} (exit {p.poll()})")
+    cpu0 = tree_cpu_seconds(server_pid)
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results, tree_cpu_seconds(server_pid) - cpu0
+
+
+def run(repeats: int = 3, quick: bool = False) -> dict:
+    data.ensure_photos()
+    presets = pipelines.presets(("L2", "L3"))
+    scenarios = {
+        "solo": [{"pipeline": "L3"}],
+        "identical": [{"pipeline": "L3"}, {"pipeline": "L3"}],
+        "different": [{"pipeline": "L3"}, {"pipeline": "L2"}],
+        "fast + slow": [{"pipeline": "L3"}, {"pipeline": "L3", "sleep": 0.25}],
+    }
+    out: dict = {name: {"rates": [[] for _ in specs], "cpu": []} for name, specs in scenarios.items()}
+    with ServerProcess(datasets=common.server_datasets(photos=common.photos_config()), pipelines=presets,
+                       workers=WORKERS, cache_dir=data.CACHE, extra={"share_window": 16}) as server:
+        for r in range(1 if quick else repeats):
+            for name, specs in scenarios.items():  # interleaved: every scenario once per repeat
+                seed = 1000 * r + hash(name) % 1000
+                results, cpu = _clients(server.address, [dict(s, seed=seed) for s in specs], server.pid)
+                for i, res in enumerate(results):
+                    out[name]["rates"][i].append(res["rate"])
+                out[name]["cpu"].append(cpu)
+    return {name: {"rates": [median(x) for x in v["rates"]], "cpu": median(v["cpu"])} for name, v in out.items()}
+
+
+def targets(res: dict) -> list[dict]:
+    solo, solo_cpu = res["solo"]["rates"][0], res["solo"]["cpu"]
+    ident, diff, fs = res["identical"], res["different"], res["fast + slow"]
+    rows = [
+        ("identical: each >= 0.9x solo images/s", min(ident["rates"]) / solo, 0.9),
+        ("identical: server CPU <= 1.15x solo", solo_cpu / max(ident["cpu"], 1e-9), 1 / 1.15),
+        ("different: each >= 0.4x solo images/s", min(diff["rates"]) / solo, 0.4),
+        ("different: faster <= 1.5x slower", min(diff["rates"]) / max(diff["rates"]), 1 / 1.5),
+        ("fast + slow: fast >= 0.9x solo images/s", fs["rates"][0] / solo, 0.9),
+    ]
+    return [{"name": n, "value": v, "pass": v >= limit} for n, v, limit in rows]
+
+
+def render(res: dict) -> str:
+    solo, solo_cpu = res["solo"]["rates"][0], res["solo"]["cpu"]
+    rows = []
+    for name, v in res.items():
+        rates = v["rates"]
+        rows.append([name, " / ".join(f"{x:.0f}" for x in rates), " / ".join(f"{x / solo:.2f}x" for x in rates),
+                     f"{v['cpu']:.1f}", f"{v['cpu'] / solo_cpu:.2f}x"])
+    table = md_table(["scenario", "images/s per client", "vs solo", "server CPU s (one epoch each)", "vs solo"], rows)
+    lines = [f"- **{'PASS' if t['pass'] else 'FAIL'}** {t['name']}: {t['value']:.2f}" for t in targets(res)]
+    return "\n".join([f"## {TITLE}", "", table, "",
+                      "Medians over interleaved repeats. CPU ratios for 'identical' compare two epochs delivered "
+                      "against one; the 'vs solo' ratio of the slow client is its own choice (it sleeps).", "",
+                      *lines])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--address", help=argparse.SUPPRESS)
+    p.add_argument("--pipeline", default="L3", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--sleep", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client:
+        return client_main(args)
+    print(render(run(args.repeats, args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
