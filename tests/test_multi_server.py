@@ -8,6 +8,7 @@ subprocesses (tests/test_faults.py's helpers) where one is SIGKILLed or restarte
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import signal
 import socket
 import time
@@ -24,6 +25,7 @@ from batchd.client.multi import MultiServerLoader
 from batchd.client.receiver import _End
 from batchd.sampler import shard_indices
 from batchd.server.loader import StreamArgs
+from conftest import running_server
 from test_faults import (digest, fmnist_test_config, free_port, server_procs, wait_until,  # noqa: F401
                          write_server_config)
 
@@ -50,13 +52,16 @@ def exactly_once(indices) -> bool:
     return bool((np.bincount(np.concatenate(indices), minlength=N_TEST) == 1).all())
 
 
-@pytest.fixture
-def servers(make_server, fmnist_root):
-    """Three in-process servers of 1 worker each over fmnist-test."""
-    return [make_server(workers=1, datasets=fmnist_test_config(fmnist_root)) for _ in range(3)]
+@pytest.fixture(scope="module")
+def servers(fmnist_root, tmp_path_factory):
+    """Three in-process servers of 1 worker each over fmnist-test (for tests that stop none)."""
+    cache = tmp_path_factory.mktemp("multi-cache")
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(running_server(workers=1, cache_dir=cache, datasets=fmnist_test_config(fmnist_root)))
+               for _ in range(3)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def reference(servers):
     """Every batch of epochs 0 and 1 from the first server alone."""
     with batchd.RemoteDataLoader(servers[0].address, "fmnist-test", **KW) as ld:
@@ -151,13 +156,14 @@ def test_state_dict_moves_between_one_and_several_servers(servers, reference):
         assert read(multi)[0] == reference[1]
 
 
-def test_all_servers_gone_is_a_connection_error(servers):
+def test_all_servers_gone_is_a_connection_error(make_server, fmnist_root):
+    servers = [make_server(workers=1, datasets=fmnist_test_config(fmnist_root)) for _ in range(2)]
     kw = {**KW, "connect_timeout": 1}
-    with batchd.RemoteDataLoader([s.address for s in servers[:2]], "fmnist-test", reconnect_timeout=2,
+    with batchd.RemoteDataLoader([s.address for s in servers], "fmnist-test", reconnect_timeout=2,
                                  failover_timeout=1, probe_interval=0.5, **kw) as ld:
         it = iter(ld)
         next(it)
-        for s in servers[:2]:
+        for s in servers:
             s.stop(grace=0)
         start = time.monotonic()
         with pytest.raises(ConnectionError, match="lost every batchd server"):
