@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from bench import common, data, noise, pipelines  # noqa: E402
-from bench.measure import median, spread, time_stream  # noqa: E402
+from bench.measure import median, spread, time_stream, tree_cpu_seconds  # noqa: E402
 from bench.noise import measure  # noqa: E402
 from bench.report import md_table  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
@@ -35,31 +35,6 @@ NAME = "table6"
 TITLE = "Table 6: scale-out, one loader over 1-3 servers (1 worker each, L1, batch 64)"
 PIPELINE = "L1"
 BATCH = 64
-_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` and every live process under it, from /proc/PID/stat."""
-    stats: dict[int, tuple[int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TCK)
-    children: dict[int, list[int]] = {}
-    for p, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(p)
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            total += stats[p][1]
-        todo.extend(children.get(p, ()))
-    return total
 
 
 def _one(servers: list[ServerProcess], warmup: int, timed: int, seed: int) -> dict:
