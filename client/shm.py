@@ -17,6 +17,7 @@ import collections
 import logging
 import mmap
 import os
+import queue
 import pathlib
 import tempfile
 import threading
@@ -71,7 +72,9 @@ class SharedMemorySession:
         )
         self._lock = threading.Lock()
         self._outstanding: set[int] = set()
-        self._pending: set = set()  # ReleaseLeases calls in flight
+        self._freed: queue.SimpleQueue[int] = queue.SimpleQueue()  # leases whose tensors were freed
+        self._releaser = threading.Thread(target=self._release_loop, name="batchd-shm-release", daemon=True)
+        self._releaser.start()
         self._closing = False
         self._mapped: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
 
@@ -127,23 +130,40 @@ class SharedMemorySession:
         return mm
 
     def _released(self, lease: int) -> None:
-        with self._lock:
-            self._outstanding.discard(lease)
-            finished = self._closing and not self._outstanding
-        try:
-            future = self._release.future(pb.ReleaseLeasesRequest(session=self.session, leases=[lease]), timeout=30)
-        except Exception:  # the channel is gone: the server returns the slot when the session ends
-            future = None
-        if future is not None:  # grpc cancels a call whose future is garbage-collected: hold it until done
-            with self._lock:
-                self._pending.add(future)
-            future.add_done_callback(self._forget)
-        if finished:
-            self._call.cancel()
+        """weakref.finalize callback: runs wherever the garbage collector frees a batch, possibly
+        inside a gRPC call or while this thread holds a lock, so it only queues the lease
+        (SimpleQueue.put is reentrant); the releaser thread tells the server."""
+        self._freed.put(lease)
 
-    def _forget(self, future) -> None:
-        with self._lock:
-            self._pending.discard(future)
+    def _release_loop(self) -> None:
+        """Send ReleaseLeases for freed batches, a call for all that are waiting; end the session
+        once it is closing and nothing is outstanding."""
+        while True:
+            try:
+                leases = [self._freed.get(timeout=0.5)]
+            except queue.Empty:
+                with self._lock:
+                    if self._closing and not self._outstanding:
+                        break
+                continue
+            while True:
+                try:
+                    leases.append(self._freed.get_nowait())
+                except queue.Empty:
+                    break
+            with self._lock:
+                self._outstanding.difference_update(leases)
+                finished = self._closing and not self._outstanding
+            try:
+                self._release(pb.ReleaseLeasesRequest(session=self.session, leases=leases), timeout=10)
+            except (grpc.RpcError, ValueError):  # server or channel gone: the slots go back with the session
+                pass
+            if finished:
+                break
+        try:
+            self._call.cancel()
+        except ValueError:  # the channel is closed already: so is the call
+            pass
 
     @property
     def outstanding(self) -> int:
@@ -151,12 +171,10 @@ class SharedMemorySession:
             return len(self._outstanding)
 
     def close(self) -> None:
-        """End the session now, or once the last outstanding lease is released."""
+        """End the session now, or once the last outstanding lease is released (the releaser
+        thread cancels the session call then)."""
         with self._lock:
             self._closing = True
-            done = not self._outstanding
-        if done:
-            self._call.cancel()
 
 
 def _first(call, timeout: float) -> pb.SessionEvent:
