@@ -112,6 +112,25 @@ class ServerProcess:
                 todo.append(c)
         return sorted(out)
 
+    def wait_idle(self, timeout: float = 15.0, quiet_s: float = 0.1) -> float:
+        """Wait until the workers have finished the batches of streams that ended (a cancelled
+        stream's in-flight batches are still built): until they use under 5% of a core over
+        ``quiet_s``. Returns the seconds waited."""
+        from bench.measure import cpu_seconds
+
+        t0 = time.perf_counter()
+        pids = list(self.worker_pids)
+        while time.perf_counter() - t0 < timeout:
+            try:
+                c0 = sum(cpu_seconds(p) for p in pids)
+                time.sleep(quiet_s)
+                c1 = sum(cpu_seconds(p) for p in pids)
+            except OSError:
+                break
+            if c1 - c0 < 0.05 * quiet_s:
+                break
+        return time.perf_counter() - t0
+
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             self._tmp.cleanup()

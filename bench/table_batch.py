@@ -82,9 +82,12 @@ def _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed,
     if m == "dataloader":
         plan.set(p, len(torch_ds), bs, warmup + timed, seed)
         return time_stream(dl, warmup, timed)
-    with common.remote(srv.address, "photos_x4", batch_size=bs, pipeline=p, workers=w, transport="shm",
-                       seed=seed) as rl:
-        return time_stream(rl, warmup, timed)
+    try:
+        with common.remote(srv.address, "photos_x4", batch_size=bs, pipeline=p, workers=w, transport="shm",
+                           seed=seed) as rl:
+            return time_stream(rl, warmup, timed)
+    finally:
+        srv.wait_idle()  # the batches in flight when we stopped reading must not overlap the next measurement
 
 
 def render(r: dict) -> str:

@@ -29,7 +29,7 @@ PIPELINE = "L3"
 
 def run(s, log=print) -> dict:
     ratios = (0.5, 1.0, 2.0)
-    steps = s.pick(20, 4)
+    steps = s.pick(20, 3)
     warmup = 2
     cfg = common.photos_config()
     ds = common.open_local("photos", cfg)
@@ -88,9 +88,12 @@ def _one(method, ds, compose, srv, w, step, seed, warmup, steps):
     if method == "sequential":
         return train_loop(sequential.batches(ds, compose, BS, warmup + steps, seed), step, warmup, steps)
     # prefetch 2 x workers, as in Tables 1 and 2
-    with common.remote(srv.address, "photos", batch_size=BS, pipeline=PIPELINE, workers=w, transport="shm",
-                       seed=seed) as rl:
-        return train_loop(rl, step, warmup, steps)
+    try:
+        with common.remote(srv.address, "photos", batch_size=BS, pipeline=PIPELINE, workers=w, transport="shm",
+                           seed=seed) as rl:
+            return train_loop(rl, step, warmup, steps)
+    finally:
+        srv.wait_idle()  # the batches in flight when we stopped reading must not overlap the next measurement
 
 
 def _method(row) -> str:

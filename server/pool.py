@@ -347,21 +347,16 @@ class WorkerPool:
                 w.process.kill()
 
     def _dispatch(self) -> None:
-        with self._lock:
+        with self._lock:  # least recently served first
             streams = [s for s in self._streams if not s.closed]
         free = [w for w in self._workers.values() if w.process.is_alive()]
-        turn = 0
         while streams and free:
             w = min(free, key=lambda w: len(w.tasks))
             if len(w.tasks) >= _DEPTH:
                 return
-            # round robin: the first stream (from the rotating start) that wants work
-            for _ in range(len(streams)):
-                stream = streams[turn % len(streams)]
-                turn += 1
-                if stream.wants_work():
-                    break
-            else:
+            # round robin: the least recently served computation that wants work gets the worker
+            stream = next((s for s in streams if s.wants_work()), None)
+            if stream is None:
                 return
             slot = self.slots.acquire(stream.slot_hint)
             if slot is None and sum(c.evict_history() for c in streams):
@@ -388,9 +383,12 @@ class WorkerPool:
                 w.conn.send(task)
             except (OSError, ValueError):
                 free.remove(w)  # dead; _on_death will rebuild the task
-        with self._lock:  # rotate so the next round starts with another stream
-            if self._streams:
-                self._streams.rotate(-1)
+            streams.remove(stream)
+            streams.append(stream)
+            with self._lock:  # served: to the back of the queue
+                if stream in self._streams:
+                    self._streams.remove(stream)
+                    self._streams.append(stream)
 
 
 def _reraisable(msg: TaskFailed) -> BaseException:
