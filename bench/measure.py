@@ -69,11 +69,9 @@ class StreamTiming:
         return self.cpu / self.images
 
 
-def tree_cpu_seconds(root: int | None = None) -> float:
-    """CPU seconds so far of process ``root`` (default: this one) and all its descendants
-    (workers, servers, their workers), from /proc/PID/stat."""
-    root = os.getpid() if root is None else root
-    parent, cpu = {}, {}
+def scan_processes() -> dict[int, tuple[int, float]]:
+    """pid -> (ppid, CPU seconds so far: utime + stime from /proc/PID/stat) of every process."""
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -82,9 +80,17 @@ def tree_cpu_seconds(root: int | None = None) -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        pid = int(entry)
-        parent[pid] = int(fields[1])
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        out[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLK_TCK)
+    return out
+
+
+def tree_cpu_seconds(root: int | None = None) -> float:
+    """CPU seconds so far of process ``root`` (default: this one) and all its descendants
+    (workers, servers, their workers), from /proc/PID/stat."""
+    root = os.getpid() if root is None else root
+    procs = scan_processes()
+    parent = {pid: ppid for pid, (ppid, _) in procs.items()}
+    cpu = {pid: c for pid, (_, c) in procs.items()}
     total = 0.0
     for pid, c in cpu.items():
         p = pid

@@ -17,23 +17,13 @@ import os
 import threading
 import time
 
+from bench.measure import scan_processes
+
 _TCK = os.sysconf("SC_CLK_TCK")
 _NCPU = os.cpu_count() or 1
 
 
-def _scan() -> dict[int, tuple[int, float]]:
-    """pid -> (ppid, CPU seconds) of every process."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TCK)
-    return out
+_scan = scan_processes  # pid -> (ppid, CPU seconds)
 
 
 def _ours(pid: int, procs, me: int) -> bool:
