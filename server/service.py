@@ -164,9 +164,9 @@ class BatchLoaderService:
             if claimed:
                 lent_slot = batch.slot
             elif shared:
-                lent_slot = loader.slots.acquire(max(t.offset + t.nbytes for t in batch.tensors))
+                end = max(t.offset + t.nbytes for t in batch.tensors)
+                lent_slot = loader.slots.acquire(end)
                 if lent_slot is not None:
-                    end = max(t.offset + t.nbytes for t in batch.tensors)
                     lent_slot.buf[:end] = batch.slot.buf[:end]
             if lent_slot is not None:
                 lease = loader.leases.lend(request.session, lent_slot)

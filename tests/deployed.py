@@ -14,18 +14,12 @@ import pathlib
 import queue
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
 
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port
 
 
 class Mapping:

@@ -14,17 +14,15 @@ import os
 import pathlib
 import re
 import signal
-import socket
-import time
 
 import albumentations as A
-import cv2
 import numpy as np
 import pytest
 import torch
 
 import batchd
 from batchd.sampler import shard_indices
+from helpers import free_port, wait_until, write_png
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,28 +70,8 @@ def batch_digests(ld) -> list[str]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_png(path: pathlib.Path, rgb: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    assert cv2.imwrite(str(path), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
-
-
 def rand_rgb(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     return rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
-
-
-def wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 RANDOM_AUG = A.Compose([

@@ -23,7 +23,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -33,6 +32,7 @@ import time
 import numpy as np
 import pytest
 import yaml
+from helpers import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -172,12 +172,6 @@ def _builds_server_image(svc: dict) -> bool:
         build = {"context": build}
     context = (REPO / build.get("context", ".")).resolve()
     return context == REPO and build.get("dockerfile", "Dockerfile") == "Dockerfile"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- docker-compose.yml -------------------------------------------------------------------------

@@ -10,7 +10,6 @@ generous bounds the reliability issue states; everything else polls with a deadl
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -18,7 +17,6 @@ import pathlib
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +31,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import batchd
+from helpers import digest, free_port, wait_until, write_png
 from batchd.sampler import shard_indices
 from batchd.server import shm as server_shm
 
@@ -49,38 +48,6 @@ def loader(server_or_address, dataset="fmnist-test", **kwargs) -> "batchd.Remote
     kwargs.setdefault("connect_timeout", 10)
     kwargs.setdefault("timeout", 60)
     return batchd.RemoteDataLoader(address, dataset, **kwargs)
-
-
-def digest(batch) -> str:
-    """SHA-256 over image, label and index bytes, shapes and dtypes (and skipped, if any)."""
-    h = hashlib.sha256()
-    for name in ("image", "label", "index", "skipped"):
-        if name not in batch:
-            continue
-        t = batch[name]
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_png(path: pathlib.Path, rgb: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    assert cv2.imwrite(str(path), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
 
 
 def fmnist_test_config(fmnist_root) -> dict:
@@ -720,7 +687,8 @@ import batchd
 slow = A.Compose([A.Resize(512, 512), A.MedianBlur(blur_limit=(15, 15), p=1.0), A.Resize(28, 28)])  # the stream lasts
 ld = batchd.RemoteDataLoader(sys.argv[1], "fmnist-test", batch_size=50, transport="shm", prefetch=4,
                              transform=slow, connect_timeout=30)
-batch = next(iter(ld))
+it = iter(ld)  # kept: a dropped generator would cancel the stream at once
+batch = next(it)
 print(ld._shm.session, flush=True)
 if sys.argv[2] == "exit":
     os._exit(0)

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-import threading
 
 import numpy as np
 import pytest
 
 import batchd
+from helpers import digest
 
 pytestmark = pytest.mark.timeout(180)
 
 N_TEST, BATCH = 10_000, 200
 NUM_BATCHES = N_TEST // BATCH
-
-
-def digest(batch) -> str:
-    h = hashlib.sha256()
-    for key in ("image", "label", "index"):
-        h.update(batch[key].numpy().tobytes())
-    return h.hexdigest()
 
 
 def open_loader(server, **kw):

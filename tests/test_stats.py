@@ -9,7 +9,6 @@ import pathlib
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from batchd.client.stats import get_stats, stats_dict
 from batchd.server import service as service_mod
 from batchd.server.loader import StreamArgs
 from batchd.server.stats import RateMeter, snapshot
+from helpers import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,12 +54,6 @@ def scrape(metrics_address: str) -> dict[tuple[str, tuple], float]:
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text) for s in family.samples
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 
 import pytest
 import torch
 
 import batchd
 from batchd.client import shm as client_shm
+from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def _batches(address, transport, **kw):
@@ -63,16 +54,16 @@ def test_slots_go_back_when_tensors_are_freed(fmnist_server):
     session = loader._shm.session
     # the batch we hold, plus any the server sent ahead before the stream was cancelled (those
     # come back when the session ends); count once the cancelled stream has ended on the server
-    assert _wait_for(lambda: not fmnist_server.loader.streams)
+    assert wait_until(lambda: not fmnist_server.loader.streams)
     before = leases.held(session)
     assert before >= 1
     held.clear()
     gc.collect()
-    assert _wait_for(lambda: leases.held(session) <= before - 1), "the lease was not released after the batch was freed"
+    assert wait_until(lambda: leases.held(session) <= before - 1), "the lease was not released after the batch was freed"
     # the loader keeps working after its first iteration was abandoned
     assert sum(b["image"].shape[0] for b in loader) == 10_000
     loader.close()
-    assert _wait_for(lambda: leases.sessions == 0 or session not in leases._sessions)
+    assert wait_until(lambda: leases.sessions == 0 or session not in leases._sessions)
 
 
 def test_close_waits_for_batches_still_held(fmnist_server):
@@ -88,7 +79,7 @@ def test_close_waits_for_batches_still_held(fmnist_server):
     assert session in leases._sessions and leases.held(session) >= 1
     del batch
     gc.collect()
-    assert _wait_for(lambda: session not in leases._sessions), "the session did not end after the last batch was freed"
+    assert wait_until(lambda: session not in leases._sessions), "the session did not end after the last batch was freed"
 
 
 def test_falls_back_to_inline_when_shared_memory_is_not_shared(fmnist_server, tmp_path, monkeypatch, caplog):
