@@ -36,12 +36,28 @@ class SessionEvent(_message.Message):
     def __init__(self, probe_segment: _Optional[str] = ..., probe_token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseLeasesRequest(_message.Message):
-    __slots__ = ("session", "leases")
+    __slots__ = ("session", "leases", "abandoned_stream", "received_leases", "progress")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_STREAM_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     session: str
     leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session: _Optional[str] = ..., leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    abandoned_stream: str
+    received_leases: _containers.RepeatedScalarFieldContainer[int]
+    progress: _containers.RepeatedCompositeFieldContainer[StreamProgress]
+    def __init__(self, session: _Optional[str] = ..., leases: _Optional[_Iterable[int]] = ..., abandoned_stream: _Optional[str] = ..., received_leases: _Optional[_Iterable[int]] = ..., progress: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ...) -> None: ...
+
+class StreamProgress(_message.Message):
+    __slots__ = ("stream_tag", "batches_taken", "samples_taken")
+    STREAM_TAG_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    stream_tag: str
+    batches_taken: int
+    samples_taken: int
+    def __init__(self, stream_tag: _Optional[str] = ..., batches_taken: _Optional[int] = ..., samples_taken: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeasesResponse(_message.Message):
     __slots__ = ()
@@ -74,18 +90,31 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "kind", "num_samples", "class_names", "sample")
+    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build")
+    class BuildEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BUILD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BUILD_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     num_samples: int
     class_names: _containers.RepeatedScalarFieldContainer[str]
     sample: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    fingerprint: str
+    build_fingerprint: str
+    build: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("preset", "albumentations_json")
@@ -96,7 +125,7 @@ class Pipeline(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., albumentations_json: _Optional[str] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset")
+    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +142,7 @@ class StreamBatchesRequest(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_STRIDE_FIELD_NUMBER: _ClassVar[int]
     BATCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TAG_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     pipeline: Pipeline
     batch_size: int
@@ -129,7 +159,8 @@ class StreamBatchesRequest(_message.Message):
     compression: Compression
     batch_stride: int
     batch_offset: int
-    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ...) -> None: ...
+    stream_tag: str
+    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "offset", "compression")
@@ -186,7 +217,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StreamStats(_message.Message):
-    __slots__ = ("id", "peer", "dataset", "pipeline", "batch_size", "epoch", "rank", "world_size", "transport", "shared", "num_batches", "next_batch", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "batches_in_flight", "batches_ready", "prefetch", "age_seconds", "images_per_second", "waiting_seconds")
+    __slots__ = ("id", "peer", "dataset", "pipeline", "batch_size", "epoch", "rank", "world_size", "transport", "shared", "num_batches", "next_batch", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "batches_in_flight", "batches_ready", "prefetch", "age_seconds", "images_per_second", "waiting_seconds", "batches_taken", "samples_taken", "bytes_copied", "images_per_second_sent")
     ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +240,10 @@ class StreamStats(_message.Message):
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_PER_SECOND_SENT_FIELD_NUMBER: _ClassVar[int]
     id: int
     peer: str
     dataset: str
@@ -231,7 +266,11 @@ class StreamStats(_message.Message):
     age_seconds: float
     images_per_second: float
     waiting_seconds: float
-    def __init__(self, id: _Optional[int] = ..., peer: _Optional[str] = ..., dataset: _Optional[str] = ..., pipeline: _Optional[str] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[str] = ..., shared: _Optional[bool] = ..., num_batches: _Optional[int] = ..., next_batch: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., batches_in_flight: _Optional[int] = ..., batches_ready: _Optional[int] = ..., prefetch: _Optional[int] = ..., age_seconds: _Optional[float] = ..., images_per_second: _Optional[float] = ..., waiting_seconds: _Optional[float] = ...) -> None: ...
+    batches_taken: int
+    samples_taken: int
+    bytes_copied: int
+    images_per_second_sent: float
+    def __init__(self, id: _Optional[int] = ..., peer: _Optional[str] = ..., dataset: _Optional[str] = ..., pipeline: _Optional[str] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[str] = ..., shared: _Optional[bool] = ..., num_batches: _Optional[int] = ..., next_batch: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., batches_in_flight: _Optional[int] = ..., batches_ready: _Optional[int] = ..., prefetch: _Optional[int] = ..., age_seconds: _Optional[float] = ..., images_per_second: _Optional[float] = ..., waiting_seconds: _Optional[float] = ..., batches_taken: _Optional[int] = ..., samples_taken: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., images_per_second_sent: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions")
@@ -262,7 +301,7 @@ class PoolStats(_message.Message):
     def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class StatsTotals(_message.Message):
-    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped")
+    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline")
     STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +310,8 @@ class StatsTotals(_message.Message):
     SAMPLES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_SHM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_INLINE_FIELD_NUMBER: _ClassVar[int]
     streams_started: int
     streams_finished: int
     streams_failed: int
@@ -279,7 +320,9 @@ class StatsTotals(_message.Message):
     samples_sent: int
     bytes_sent: int
     samples_skipped: int
-    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ...) -> None: ...
+    bytes_copied_shm: int
+    bytes_copied_inline: int
+    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("uptime_seconds", "version", "streams", "pool", "totals")
