@@ -65,15 +65,45 @@ class FashionMnistConfig(_DatasetBase):
     split: Literal["train", "test"] = "train"
 
 
-class ImageFolderConfig(_DatasetBase):
-    """One subfolder of ``root`` per class; classes are the sorted folder names."""
+class _ImageFilesBase(_DatasetBase):
+    """What dataset kinds of encoded image files accept, besides _DatasetBase's fields.
+
+    reduced_decode: decode a JPEG at 1/2, 1/4 or 1/8 size (in libjpeg, much faster) when the
+        pipeline starts by resizing it to at most that size anyway; off: always full size. The
+        pixels differ slightly, so it is part of the build fingerprint (DescribeDataset).
+    """
+
+    reduced_decode: bool = True
+
+
+class ImageFolderConfig(_ImageFilesBase):
+    """One subfolder of ``root`` per class, listed exactly as ``torchvision.datasets.ImageFolder``.
+
+    Classes are the sorted folder names; a class's images are those found by
+    ``sorted(os.walk(class_folder, followlinks=True))`` then sorted file names, in that order.
+    extensions: file name endings that are images, any case (default: torchvision's
+        IMG_EXTENSIONS .jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp).
+    allow_empty: keep a class folder without images as a class with no samples; false (the
+        default, as in torchvision): such a folder is an error naming it.
+    """
 
     kind: Literal["imagefolder"]
     root: pathlib.Path
-    extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+    extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+    allow_empty: bool = False
+
+    @field_validator("extensions")
+    @classmethod
+    def _check_extensions(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("give at least one extension, e.g. ['.jpg', '.png']")
+        for e in v:
+            if len(e) < 2 or not e.startswith("."):
+                raise ValueError(f"extension {e!r} must start with '.' and name a suffix, e.g. '.jpg'")
+        return tuple(e.lower() for e in v)
 
 
-class ManifestConfig(_DatasetBase):
+class ManifestConfig(_ImageFilesBase):
     """A CSV or Parquet table with columns ``path`` and ``label``; paths relative to its folder."""
 
     kind: Literal["manifest"]

@@ -20,7 +20,7 @@ import lz4.frame as lz4_frame
 
 from batchd import wire
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
-from batchd.server import stats
+from batchd.server import build, stats
 from batchd.server.loader import Loader, StreamArgs
 from batchd.server.security import OPEN, Authenticator, Redactor, Scope
 from batchd.server.stream import ReadyBatch
@@ -36,8 +36,10 @@ _BEHIND_LOG_EVERY_S = 60.0
 
 
 def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
+    """DescribeDataset's answer: size, classes, sample spec, and the dataset and build fingerprints."""
     ds = loader.dataset(name)
     spec = ds.sample_spec
+    parts = build.build_parts(ds.decode_settings)
     return pb.DatasetInfo(
         name=name,
         kind=ds.kind,
@@ -48,6 +50,9 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
             pb.TensorSpec(name="label", dtype="int64", shape=[]),
             pb.TensorSpec(name="index", dtype="int64", shape=[]),
         ],
+        fingerprint=ds.fingerprint,
+        build_fingerprint=build.build_fingerprint(parts),
+        build=parts,
     )
 
 

@@ -193,7 +193,6 @@ def make_folder(root: pathlib.Path) -> None:
     write_image(root / "cat" / "10.png", solid((1, 2, 3)))
     write_image(root / "cat" / "9.png", solid((1, 2, 3)))
     (root / "cat" / "notes.txt").write_text("not an image")
-    (root / "empty-class").mkdir()
     (root / "stray.png").write_bytes(b"")  # a file at the top level is not a class
 
 
@@ -205,7 +204,7 @@ def test_imagefolder_order_labels_classes_and_rgb(tmp_path):
     make_folder(tmp_path / "img")
     ds = open_dataset("photos", folder(tmp_path / "img"), tmp_path / "cache", build=True)
     assert (ds.name, ds.kind) == ("photos", "imagefolder")
-    assert ds.classes == ["cat", "dog", "empty-class"]
+    assert ds.classes == ["cat", "dog"]
     got = [(ds.source(i), ds.label(i)) for i in range(len(ds))]
     assert got == [
         ("cat/10.png", 0),
@@ -235,10 +234,11 @@ def test_imagefolder_pure_red_png_is_rgb(tmp_path):
 def test_imagefolder_extensions_and_index_refresh(tmp_path):
     make_folder(tmp_path / "img")
     cache = tmp_path / "cache"
-    ds = open_dataset("p", folder(tmp_path / "img", extensions=(".BMP",)), cache, build=True)
+    only_bmp = folder(tmp_path / "img", extensions=(".BMP",), allow_empty=True)  # dog: no .bmp
+    ds = open_dataset("p", only_bmp, cache, build=True)
     assert [ds.source(i) for i in range(len(ds))] == ["cat/z.bmp"]
-    worker = open_dataset("p", folder(tmp_path / "img", extensions=(".BMP",)), cache, build=False)
-    assert len(worker) == 1
+    worker = open_dataset("p", only_bmp, cache, build=False)
+    assert len(worker) == 1 and worker.classes == ["cat", "dog"]
 
     assert len(open_dataset("p", folder(tmp_path / "img"), cache, build=True)) == 6
     write_image(tmp_path / "img" / "cat" / "0.png", solid((0, 0, 0)))
@@ -258,8 +258,10 @@ def test_imagefolder_errors_when_opening(tmp_path):
     with pytest.raises(FileNotFoundError, match="no class folders"):
         open_dataset("p", folder(tmp_path / "flat"), tmp_path / "cache", build=True)
     (tmp_path / "noimg" / "a").mkdir(parents=True)
-    with pytest.raises(ValueError, match="no images"):
+    with pytest.raises(FileNotFoundError, match="no images .* class folder"):
         open_dataset("p", folder(tmp_path / "noimg"), tmp_path / "cache", build=True)
+    with pytest.raises(ValueError, match="no images"):  # allowed empty, but nothing to serve
+        open_dataset("p", folder(tmp_path / "noimg", allow_empty=True), tmp_path / "cache", build=True)
     with pytest.raises(IndexMissingError, match="'p'"):
         open_dataset("p", folder(tmp_path / "noimg"), tmp_path / "cache", build=False)
 

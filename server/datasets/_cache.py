@@ -33,7 +33,9 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"BATCHDX1"
-FORMAT_VERSION = 1
+# 2: meta["fingerprint"] in every index; imagefolder lists in torchvision's order. A file of
+# another version is never read (ArrayFile refuses it) and its name differs (cache_path).
+FORMAT_VERSION = 2
 SUFFIX = ".bidx"
 _ALIGN = 64
 _TRAILER = struct.Struct("<Q8s")

@@ -187,11 +187,13 @@ class FileDataset(Dataset):
 
     Subclasses build or find the index, then call ``_attach(index, root)``. Samples decode with
     ``read_rgb``: uint8 [H, W, 3] RGB, shapes varying (sample_spec ``(-1, -1, 3)``).
+    ``reduced_decode=False``: always decode JPEGs at full size (``min_size`` is ignored).
     """
 
-    def __init__(self, name: str, *, max_pixels: int = DEFAULT_MAX_PIXELS):
+    def __init__(self, name: str, *, max_pixels: int = DEFAULT_MAX_PIXELS, reduced_decode: bool = True):
         self.name = name
         self.max_pixels = int(max_pixels)
+        self.reduced_decode = bool(reduced_decode)
 
     def _attach(self, index, root: str) -> None:
         """Use ``index`` (an ``_cache.ArrayFile``) with paths relative to ``root``."""
@@ -223,6 +225,10 @@ class FileDataset(Dataset):
     def label(self, index: int) -> int:
         return int(self._labels[self._check(index)])
 
+    @property
+    def decode_settings(self) -> dict[str, str]:
+        return {"reduced_decode": "on" if self.reduced_decode else "off"}
+
     def source(self, index: int) -> str:
         """The path as stored in the index (relative to the root unless it was absolute)."""
         try:
@@ -237,9 +243,11 @@ class FileDataset(Dataset):
     def load_image(self, index: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
         """uint8 [H, W, 3] RGB. Raises IndexError out of range; SampleError (see read_rgb's reasons).
 
-        ``min_size``: see ``read_rgb`` (reduced JPEG decoding).
+        ``min_size``: see ``read_rgb`` (reduced JPEG decoding; ignored with reduced_decode off).
         """
         index = self._check(index)
+        if not self.reduced_decode:
+            min_size = None
         try:
             return read_rgb(os.path.join(self.root, self._paths[index]), self.max_pixels, min_size)
         except ImageReadError as e:

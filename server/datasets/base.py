@@ -67,5 +67,21 @@ class Dataset(abc.ABC):
         """Where sample ``index`` comes from, relative to the dataset root (for error messages)."""
         return f"#{index}"
 
+    @property
+    def fingerprint(self) -> str:
+        """What the samples are: 32 hex characters, computed with the index (see ``_fingerprint``).
+
+        Equal fingerprints: the same samples in the same order with the same labels. "" if the
+        kind computes none.
+        """
+        index = getattr(self, "_index", None)
+        return str(index.meta.get("fingerprint", "")) if index is not None else ""
+
+    @property
+    def decode_settings(self) -> dict[str, str]:
+        """Settings of this dataset that change decoded pixels (part of the server's build
+        fingerprint, see ``batchd.server.build``): name -> value as text. None by default."""
+        return {}
+
     def sample_error(self, index: int, reason: str) -> SampleError:
         return SampleError(dataset=self.name, index=index, path=self.source(index), reason=reason)

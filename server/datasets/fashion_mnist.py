@@ -3,7 +3,8 @@
 The server (``build=True``) decompresses the split's two files into one ``.bidx`` file in
 ``cache_dir`` (streamed, written atomically), keyed by both files' path, size and mtime, so a
 changed file is decompressed again. Every process then maps it read-only: N workers share one
-copy in the page cache instead of holding 47 MB each.
+copy in the page cache instead of holding 47 MB each. The dataset's ``fingerprint`` is a hash of
+the two ``.gz`` files' content, computed when they are decompressed and kept in the index.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS
+from ._fingerprint import content_fingerprint
 from .base import Dataset, SampleSpec
 
 CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
@@ -90,10 +92,11 @@ def _build(images_path: pathlib.Path, labels_path: pathlib.Path, out: pathlib.Pa
             if n and int(labels.max()) >= len(CLASSES):
                 bad = int(np.argmax(labels >= len(CLASSES)))
                 raise ValueError(f"{labels_path}: label {labels[bad]} at position {bad} is not in 0..{len(CLASSES) - 1}")
+            content = content_fingerprint("fashion-mnist", [images_path, labels_path])
             with ArrayFileWriter(out) as w:
                 w.add("labels", labels)
                 w.add_chunks("images", np.uint8, (n, rows, cols, 1), _chunks(fi, n * rows * cols, images_path))
-                w.meta.update(kind="fashion-mnist", sources=fingerprint)
+                w.meta.update(kind="fashion-mnist", sources=fingerprint, fingerprint=content)
 
 
 class FashionMnist(Dataset):

@@ -1,4 +1,4 @@
-"""A folder of images with one subfolder per class (torchvision's ImageFolder layout)."""
+"""A folder of images with one subfolder per class, listed exactly as torchvision's ImageFolder."""
 
 from __future__ import annotations
 
@@ -9,64 +9,115 @@ import numpy as np
 
 from ._cache import ArrayFileWriter, cache_path, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS, FileDataset, pack_strings
+from ._fingerprint import file_list_fingerprint
+
+# torchvision.datasets.folder.IMG_EXTENSIONS
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+ORDER = "torchvision"  # part of the index's cache key: an index listed in another order is never reused
 
 
-def _scan(root: str, extensions: tuple[str, ...]) -> tuple[list[str], list[str], list[int]]:
-    """(classes, relative paths, labels) of the images under ``root``; see ImageFolder."""
+def _walk(class_dir: str) -> list[tuple[str, list[str], list[str]]]:
+    """``sorted(os.walk(class_dir, followlinks=True))``, refusing symlink loops.
+
+    torchvision would follow a link to a folder's own ancestor until the path grows too long,
+    listing the same files over and over; here that is a ValueError naming the link.
+    """
+    seen: dict[str, tuple[int, int]] = {}
+    walked = []
+    for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            continue
+        key = (st.st_dev, st.st_ino)
+        parent = os.path.dirname(dirpath)
+        while parent in seen:
+            if seen[parent] == key:
+                raise ValueError(f"{dirpath}: a symlink loop (this folder is its own ancestor {parent}); "
+                                 "imagefolder follows symlinks, as torchvision does")
+            parent = os.path.dirname(parent)
+        seen[dirpath] = key
+        walked.append((dirpath, dirnames, filenames))
+    return sorted(walked)
+
+
+def scan(root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> tuple[list[str], list[str], list[int]]:
+    """(classes, paths relative to ``root``, labels) as torchvision's ``ImageFolder`` lists them.
+
+    Transcribes ``find_classes`` + ``make_dataset`` (torchvision/datasets/folder.py, 0.18+):
+    classes are the sorted names of ``root``'s subfolders (symlinks to folders and hidden folders
+    included); a class's samples are, for ``root, _, fnames in sorted(os.walk(class_dir,
+    followlinks=True))``, each ``fname in sorted(fnames)`` whose lower-cased name ends with one of
+    ``extensions`` (lower-case). So a folder's own files come before its subfolders', and
+    folders are ordered by their path as a string. Paths use ``/``.
+
+    Raises FileNotFoundError if ``root`` is not a folder, has no class folders, or (unless
+    ``allow_empty``) a class folder holds no image, naming the folder(s); ValueError if there
+    is no image at all, or a symlink loop.
+    """
     if not os.path.isdir(root):
         raise FileNotFoundError(f"{root}: imagefolder root is not a folder")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
         raise FileNotFoundError(f"{root}: no class folders (expected one subfolder per class)")
-    exts = {e.lower() for e in extensions}
+    exts = tuple(e.lower() for e in extensions)
     paths: list[str] = []
     labels: list[int] = []
+    empty = []
     for label, cls in enumerate(classes):
-        found = []
-        for dirpath, dirnames, filenames in os.walk(os.path.join(root, cls), followlinks=True):
-            dirnames.sort()
+        class_dir = os.path.join(root, cls)
+        n = len(paths)
+        for dirpath, _, fnames in _walk(class_dir):
             rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
-            for fn in filenames:
-                if os.path.splitext(fn)[1].lower() in exts:
-                    found.append(f"{rel_dir}/{fn}")
-        found.sort()
-        paths.extend(found)
-        labels.extend([label] * len(found))
+            paths.extend(f"{rel_dir}/{f}" for f in sorted(fnames) if f.lower().endswith(exts))
+        labels.extend([label] * (len(paths) - n))
+        if len(paths) == n:
+            empty.append(class_dir)
+    if empty and not allow_empty:
+        raise FileNotFoundError(
+            f"{root}: no images with extensions {', '.join(exts)} in the class folder(s) {', '.join(empty)} "
+            "(torchvision's ImageFolder refuses this too); add images, remove the folder(s), or set "
+            "allow_empty: true to keep them as classes without samples"
+        )
     if not paths:
-        raise ValueError(f"{root}: no images with extensions {sorted(exts)} in its class folders {classes}")
+        raise ValueError(f"{root}: no images with extensions {', '.join(exts)} in its class folders {classes}")
     return classes, paths, labels
 
 
 class ImageFolder(FileDataset):
-    """``root/<class>/**/<file>``: classes are the sorted subfolder names, label = class position.
+    """``root/<class>/**/<file>``, listed exactly as ``torchvision.datasets.ImageFolder`` lists it.
 
-    Samples are ordered by class, then by path relative to the root (compared as strings), and
-    include files in nested folders of a class folder whose lower-cased extension is in
-    ``cfg.extensions``. load_image(i): uint8 [H, W, 3] RGB; source(i): the path relative to the
-    root with forward slashes.
+    Classes are the sorted subfolder names, label = class position; samples as ``scan`` says
+    (torchvision's order and, by default, its extensions ``IMG_EXTENSIONS``, any case).
+    load_image(i): uint8 [H, W, 3] RGB; source(i): the path relative to the root with ``/``.
+    ``fingerprint``: see ``_fingerprint`` (paths, labels, sizes, mtimes).
 
     The index (packed paths + labels, see ``_files``) is rebuilt every time the server opens the
     dataset (``build=True``), since the folder may have changed; workers (``build=False``) map
     what the server wrote. The constructor raises FileNotFoundError if the root or its class
-    folders are missing, ValueError if there are no images, and ``_cache.IndexMissingError``
-    (``build=False``) if the server has not built the index. load_image raises SampleError.
+    folders are missing or a class folder has no image (unless ``cfg.allow_empty``), ValueError
+    if there are no images, and ``_cache.IndexMissingError`` (``build=False``) if the server has
+    not built the index. load_image raises SampleError.
     """
 
     kind = "imagefolder"
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
-        super().__init__(name, max_pixels=max_pixels)
+        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True))
         root = os.path.abspath(cfg.root)
         extensions = sorted({e.lower() for e in cfg.extensions})
-        out = cache_path(cache_dir, self.kind, root, {"root": root, "extensions": extensions})
+        allow_empty = bool(getattr(cfg, "allow_empty", False))
+        key = {"root": root, "extensions": extensions, "allow_empty": allow_empty, "order": ORDER}
+        out = cache_path(cache_dir, self.kind, root, key)
         if build:
-            classes, paths, labels = _scan(root, tuple(extensions))
+            classes, paths, labels = scan(root, tuple(extensions), allow_empty)
+            fingerprint = file_list_fingerprint(self.kind, root, classes, paths, labels)
             data, offsets = pack_strings(paths)
             del paths
             with ArrayFileWriter(out) as w:
                 w.add("path_bytes", data)
                 w.add("path_offsets", offsets)
                 w.add("labels", np.asarray(labels, dtype=np.int64))
-                w.meta.update(kind=self.kind, root=root, classes=classes)
+                w.meta.update(kind=self.kind, root=root, classes=classes, fingerprint=fingerprint)
             remove_stale(out)
         self._attach(open_cached(out, what=f"dataset {name!r} ({self.kind}, {root})"), root)

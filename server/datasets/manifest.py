@@ -10,6 +10,7 @@ import numpy as np
 
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS, FileDataset
+from ._fingerprint import content_fingerprint
 
 COLUMNS = ("path", "label")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -139,11 +140,12 @@ def _build_from_arrow(table_path: str, out: pathlib.Path, fingerprint) -> None:
     empty = np.flatnonzero(offsets[1:] == offsets[:-1])
     if len(empty):
         raise ValueError(f"{table_path}: row {int(empty[0])} (0-based, header not counted) has an empty path")
+    content = content_fingerprint(Manifest.kind, [table_path])
     with ArrayFileWriter(out) as w:
         w.add_chunks("path_bytes", np.uint8, (int(offsets[-1]),), pieces)
         w.add("path_offsets", offsets)
         w.add("labels", labels)
-        w.meta.update(kind=Manifest.kind, source=fingerprint, classes=classes)
+        w.meta.update(kind=Manifest.kind, source=fingerprint, classes=classes, fingerprint=content)
 
 
 class Manifest(FileDataset):
@@ -156,7 +158,8 @@ class Manifest(FileDataset):
 
     The server (``build=True``) reads the table once with pyarrow and writes the packed index
     (see ``_files``) to ``cache_dir``, keyed by the table's path, size and mtime; it reuses an
-    index already there. Workers (``build=False``) only map it. The constructor raises
+    index already there. Workers (``build=False``) only map it. ``fingerprint``: a hash of the
+    table file's content, computed with the index (the image files are not read). The constructor raises
     FileNotFoundError if the table is missing, ValueError (naming the file, and the column or
     row) for a missing ``path``/``label`` column, a null or empty value, a negative or
     non-integer, non-string label, or an empty table, and ``_cache.IndexMissingError``
@@ -166,7 +169,7 @@ class Manifest(FileDataset):
     kind = "manifest"
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
-        super().__init__(name, max_pixels=max_pixels)
+        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True))
         table_path = os.path.abspath(cfg.path)
         root = os.path.abspath(cfg.root) if cfg.root is not None else os.path.dirname(table_path)
         try:
