@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -17,6 +19,12 @@ class DatasetInfo:
 
     sample_shape: one decoded image [H, W, C] before any pipeline; -1 where it varies.
     classes: label ``l`` is ``classes[l]``.
+    fingerprint: what the samples are (imagefolder: its file list with sizes and mtimes;
+        manifest: the table's content; fashion-mnist: its files' content), 32 hex characters.
+    build_fingerprint: a hash of ``build``, what turns samples into pixels on that server:
+        part -> text (``opencv``, ``albumentations``, ``numpy``, ``batchd`` versions, codec
+        libraries, ``cv2_threads``, ``reduced_decode``). Equal fingerprints and builds: the same
+        bytes for the same request. "" / {} from a server that does not report them.
     """
 
     name: str
@@ -25,11 +33,39 @@ class DatasetInfo:
     classes: tuple[str, ...]
     sample_shape: tuple[int, ...]
     sample_dtype: str
+    fingerprint: str = ""
+    build_fingerprint: str = ""
+    build: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_proto(cls, m: pb.DatasetInfo) -> "DatasetInfo":
         image = next((t for t in m.sample if t.name == "image"), pb.TensorSpec(dtype="uint8"))
-        return cls(m.name, m.kind, m.num_samples, tuple(m.class_names), tuple(image.shape), image.dtype)
+        return cls(m.name, m.kind, m.num_samples, tuple(m.class_names), tuple(image.shape), image.dtype,
+                   m.fingerprint, m.build_fingerprint, dict(m.build))
+
+    def identity(self) -> dict[str, Any]:
+        """``{"fingerprint", "build_fingerprint", "build"}``: what ``mismatches`` compares (JSON-able)."""
+        return {"fingerprint": self.fingerprint, "build_fingerprint": self.build_fingerprint, "build": dict(self.build)}
+
+
+def mismatches(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """What differs between two ``DatasetInfo.identity()`` dicts, in words (empty: nothing known).
+
+    e.g. ``["dataset fingerprint 3f2a... vs 9c41...", "opencv 4.10.0 vs 5.0.0", "reduced_decode on
+    vs off"]``. A value missing or empty on either side (an older server or state_dict) is not
+    compared.
+    """
+    found = []
+    fa, fb = a.get("fingerprint") or "", b.get("fingerprint") or ""
+    if fa and fb and fa != fb:
+        found.append(f"dataset fingerprint {fa} vs {fb}")
+    ba, bb = a.get("build_fingerprint") or "", b.get("build_fingerprint") or ""
+    if ba and bb and ba != bb:
+        parts_a, parts_b = dict(a.get("build") or {}), dict(b.get("build") or {})
+        named = [f"{k} {parts_a.get(k, '(none)')} vs {parts_b.get(k, '(none)')}"
+                 for k in sorted(parts_a.keys() | parts_b.keys()) if parts_a.get(k) != parts_b.get(k)]
+        found.extend(named or [f"build fingerprint {ba} vs {bb}"])
+    return found
 
 
 def describe(channel: grpc.Channel, address: str, name: str, timeout: float) -> DatasetInfo:

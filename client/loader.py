@@ -13,7 +13,7 @@ import torch
 
 from batchd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel, resolve_token, tls_settings, translate
 from batchd.client.addresses import single_address
-from batchd.client.datasets import DatasetInfo, describe
+from batchd.client.datasets import DatasetInfo, describe, mismatches
 from batchd.client.distributed import rank_and_world_size
 from batchd.client.receiver import Receiver, _End, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
@@ -93,6 +93,10 @@ class RemoteDataLoader:
         token: the bearer token for a server with ``auth`` (default: the ``BATCHD_TOKEN``
             environment variable). A missing or wrong one raises AuthenticationError; a dataset
             the token may not read, PermissionDeniedError (both PermissionErrors).
+        strict: refuse to mix batches that cannot be byte-identical (as ``strict`` in
+            ``nn.Module.load_state_dict``): several servers whose dataset or build fingerprints
+            differ raise ValueError, and so does ``load_state_dict`` of a state saved against
+            other fingerprints. False: accept, with a warning (see ``DatasetInfo``).
 
     Memory: over shared memory, a batch's tensors are views of a server slot lent to this
     client; the slot goes back when the last tensor on it is freed. Inline, they are views of
@@ -155,6 +159,7 @@ class RemoteDataLoader:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         token: str | None = None,
+        strict: bool = True,
     ):
         address = single_address(address)  # several servers: MultiServerLoader (see __new__)
         rank, world_size = rank_and_world_size(rank, world_size)
@@ -176,6 +181,7 @@ class RemoteDataLoader:
         if compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
         self.transport = transport
+        self.strict = bool(strict)
         self.reconnect_timeout = reconnect_timeout
         self._compression = pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE
         self._connect_timeout = connect_timeout
@@ -383,21 +389,35 @@ class RemoteDataLoader:
 
         ``{"epoch": e, "next_batch": k, ...}``: a loader given it with ``load_state_dict``
         continues with batch k of epoch e, byte for byte what this one would have produced next.
+        Also holds the server's ``fingerprint``, ``build_fingerprint`` and ``build`` (DatasetInfo).
         """
         epoch, next_batch = self._position if self._position is not None else (self.epoch, self._resume_batch)
-        return {"version": 1, **self._identity(), "epoch": epoch, "next_batch": next_batch}
+        return {"version": 1, **self._identity(), **self.info.identity(), "epoch": epoch, "next_batch": next_batch}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool | None = None) -> None:
         """Continue from ``state`` (from ``state_dict``) at the next iteration.
 
+        strict: True refuses a state saved against another dataset fingerprint (the files
+        changed) or build (e.g. another OpenCV): the batches would not be the same bytes. False
+        accepts it with a warning. None (default): the loader's ``strict`` (True by default).
+
         Raises ValueError if the state was saved by a loader with other settings (dataset,
-        batch_size, shuffle, seed, drop_last, rank, world_size, transform) or is malformed.
+        batch_size, shuffle, seed, drop_last, rank, world_size, transform), is malformed, or
+        (strict) against other fingerprints, naming what differs ("dataset fingerprint A vs B",
+        "opencv 4.10.0 vs 5.0.0"; saved value first).
         """
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ValueError("not a RemoteDataLoader state_dict (version 1)")
         for key, value in self._identity().items():
             if state.get(key) != value:
                 raise ValueError(f"state_dict was saved with {key}={state.get(key)!r}, this loader has {key}={value!r}")
+        differ = mismatches(state, self.info.identity())
+        if differ:
+            what = (f"state_dict of dataset {self.dataset!r} was saved where the batches were other bytes than "
+                    f"{self.address} now serves: " + "; ".join(differ) + " (saved vs now)")
+            if (self.strict if strict is None else strict):
+                raise ValueError(what + "; load_state_dict(state, strict=False) resumes anyway")
+            log.warning("%s; resuming anyway (strict=False)", what)
         epoch, next_batch = state.get("epoch"), state.get("next_batch")
         if not isinstance(epoch, int) or epoch < 0 or not isinstance(next_batch, int) or not 0 <= next_batch <= len(self):
             raise ValueError(f"state_dict has an invalid position: epoch={epoch!r}, next_batch={next_batch!r}")

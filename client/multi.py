@@ -39,6 +39,7 @@ import grpc
 import torch
 
 from batchd.client.addresses import is_name, server_addresses
+from batchd.client.datasets import mismatches
 from batchd.client.loader import RemoteDataLoader
 from batchd.client.receiver import Receiver, _End
 
@@ -80,7 +81,9 @@ class MultiServerLoader(RemoteDataLoader):
     Built by ``RemoteDataLoader(address, ...)`` when ``address`` names several servers (a list,
     or a DNS name with several addresses; see ``batchd.client.addresses``); takes the same
     arguments. At least one server must answer at construction; the others are probed later.
-    Raises ValueError if the servers disagree on the dataset's size.
+    Raises ValueError if the servers disagree on the dataset's size, or (``strict``, the
+    default) on its dataset or build fingerprint, naming the servers and what differs; a server
+    that rejoins later with other fingerprints is left out. ``strict=False`` accepts them.
     """
 
     def __init__(self, address: Any, dataset: str, **kwargs: Any):
@@ -114,6 +117,8 @@ class MultiServerLoader(RemoteDataLoader):
                 sizes = {x.address: x.loader.info.num_samples for x in self._servers if x.up}
                 self.close()
                 raise ValueError(f"the servers disagree on the size of dataset {dataset!r}: {sizes}")
+        self.strict = first.strict
+        self._check_fingerprints([s for s in self._servers if s.up])
         self._prober = threading.Thread(target=_probe_loop, args=(weakref.ref(self), self._stop_probing),
                                         name="batchd-probe", daemon=True)
         self._prober.start()
@@ -128,6 +133,20 @@ class MultiServerLoader(RemoteDataLoader):
         """Per server: address, up, batches delivered from it, last error."""
         with self._lock:
             return [{"address": s.address, "up": s.up, "batches": s.batches, "error": s.error} for s in self._servers]
+
+    def _check_fingerprints(self, servers: list[_Server]) -> None:
+        """Servers whose dataset or build fingerprint differ from the first's: ValueError naming
+        them and what differs (strict), else a warning."""
+        first = servers[0]
+        differ = [f"{first.address} vs {s.address}: {'; '.join(d)}" for s in servers[1:]
+                  if (d := mismatches(first.loader.info.identity(), s.loader.info.identity()))]
+        if not differ:
+            return
+        msg = f"the servers would send different bytes for dataset {self.dataset!r}: " + " | ".join(differ)
+        if self.strict:
+            self.close()
+            raise ValueError(msg + "; strict=False accepts them")
+        log.warning("%s; mixing them anyway (strict=False)", msg)
 
     def _open_all(self, dataset: str) -> list[_Server]:
         def open_one(server: _Server) -> RemoteDataLoader:
@@ -174,6 +193,14 @@ class MultiServerLoader(RemoteDataLoader):
         if fresh.info.num_samples != self.info.num_samples:
             msg = (f"dataset {self.dataset!r} has {fresh.info.num_samples} samples there, "
                    f"{self.info.num_samples} on the others")
+            if server.error != msg:
+                log.warning("batchd server %s is left out: %s", server.address, msg)
+            server.error = msg
+            fresh.close()
+            return False
+        differ = mismatches(self.info.identity(), fresh.info.identity())
+        if differ and self.strict:
+            msg = f"dataset {self.dataset!r} differs there from the other servers: {'; '.join(differ)} (strict=False accepts it)"
             if server.error != msg:
                 log.warning("batchd server %s is left out: %s", server.address, msg)
             server.error = msg
