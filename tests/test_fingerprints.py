@@ -15,7 +15,7 @@ import pytest
 
 import batchd
 from batchd.client.datasets import describe_dataset, list_datasets
-from helpers import digest, write_png
+from helpers import digest, free_port, wait_until, write_png
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,3 +152,22 @@ def test_several_servers_with_different_datasets_are_refused_unless_not_strict(m
     with pytest.raises(ValueError, match=r"reduced_decode on vs off") as e:
         batchd.RemoteDataLoader([sa.address, off.address], "pics", **KW)
     assert off.address in str(e.value) and "dataset fingerprint" not in str(e.value)
+
+
+def test_a_server_that_comes_back_with_another_dataset_is_left_out(make_server, tmp_path):
+    a = photos(tmp_path / "a", seed=1)
+    twin, other = tmp_path / "twin", photos(tmp_path / "other", seed=3)
+    shutil.copytree(a, twin)
+    sa = folder_server(make_server, a)
+    port = free_port()
+    sb = make_server(workers=1, address=f"127.0.0.1:{port}",
+                     datasets={"pics": {"kind": "imagefolder", "root": str(twin)}})
+    with batchd.RemoteDataLoader([sa.address, sb.address], "pics", failover_timeout=0.5, reconnect_timeout=5,
+                                 probe_interval=0.2, **KW) as ld:
+        sb.stop(grace=0)
+        assert len(list(ld)) == 3  # sb's batches went to sa
+        make_server(workers=1, address=f"127.0.0.1:{port}",
+                    datasets={"pics": {"kind": "imagefolder", "root": str(other)}})
+        assert wait_until(lambda: "dataset fingerprint" in ld.server_stats()[1]["error"], 10.0), ld.server_stats()
+        assert not ld.server_stats()[1]["up"]
+        assert len(list(ld)) == 3
