@@ -1,21 +1,31 @@
-"""Albumentations pipelines: parsed from their own serialized form, cached by content, seeded per batch.
+"""Albumentations pipelines: parsed from their own serialized form, cached by content, one random stream per sample.
 
 A pipeline travels as canonical JSON (``json.dumps(A.to_dict(compose), sort_keys=True)``); its
 key is the SHA-256 of that text, so workers build each distinct pipeline once.
 
-Seeding: before building batch ``b`` the worker calls ``compose.set_random_seed(s)`` with
-``s = batchd.sampler.batch_seed(seed, epoch, batch_index=b, rank, world_size)`` and then applies
-the pipeline to the batch's samples in order. Measured cost on this project's 2-core machine:
-about 80 us per call, once per batch (under 0.1% of a 64-image L3 batch).
+Randomness: every sample gets its own stream, ``batchd.sampler.sample_stream(key, position)``
+with ``key = sample_key(seed, epoch)`` and ``position`` the sample's place in the epoch's global
+order (``global_positions``: ``rank + world_size * i``). The computation sends both with the task
+(``Task.random_key``, ``Task.positions``). A worker holds one ``SampleRandom``: its numpy
+Generator and a ``random.Random`` that draws from that same Generator are handed to the whole
+pipeline once (``Compose.set_random_state`` shares the two objects with every transform, nested
+composes included), and before each sample the Philox bit generator under them is re-keyed to the
+sample's stream. So the transforms of a pipeline draw in turn from one stream (never a copy each,
+which made albumentations' ``set_random_seed`` flip both ways or not at all), and a sample's
+augmentation depends on nothing but (seed, epoch, position). Cost: bench/table_seeding.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 from typing import Any
 
 import albumentations as A
+import numpy as np
+
+from batchd.sampler import sample_stream_state
 
 
 def canonical_json(spec: dict[str, Any] | str | None) -> str:
@@ -74,3 +84,75 @@ def decode_min_size(compose: A.Compose | None) -> tuple[int, int] | None:
     if isinstance(first, A.SmallestMaxSize) and isinstance(first.max_size, int):
         return int(first.max_size), int(first.max_size)
     return None
+
+
+class _GeneratorRandom(random.Random):
+    """A ``random.Random`` whose draws come from a numpy Generator (one stream for both APIs).
+
+    ``random()``, ``getrandbits()`` and ``gauss()`` draw from the generator; every other method
+    (``uniform``, ``randint``, ``choice``, ``sample``, ``shuffle``...) is built on those by
+    ``random.Random``. It keeps no state of its own (``gauss`` caches no second value), so
+    re-keying the generator fully determines what it returns. Seeding it is a no-op.
+    """
+
+    def __init__(self, generator: np.random.Generator):
+        self._generator = generator
+        self._raw = generator.bit_generator.random_raw
+        super().__init__()
+
+    def seed(self, a=None, version=2) -> None:  # random.Random.__init__ calls it; the generator is seeded elsewhere
+        pass
+
+    def random(self) -> float:
+        return self._generator.random()
+
+    def getrandbits(self, k: int) -> int:
+        if k < 0:
+            raise ValueError("number of bits must be non-negative")
+        value, bits = 0, 0
+        while bits < k:
+            value = (value << 64) | self._raw()
+            bits += 64
+        return value >> (bits - k)
+
+    def gauss(self, mu: float = 0.0, sigma: float = 1.0) -> float:
+        return mu + sigma * float(self._generator.standard_normal())
+
+    def getstate(self):
+        raise NotImplementedError("the state lives in the numpy Generator")
+
+    def setstate(self, state) -> None:
+        raise NotImplementedError("the state lives in the numpy Generator")
+
+
+class SampleRandom:
+    """One worker's random state for pipelines: re-keyed to each sample's own stream.
+
+    ``generator`` (numpy, over one Philox) and ``py_random`` (drawing from ``generator``) are
+    what every transform of a pipeline attached with ``attach`` draws from. ``start(key,
+    position)`` makes them ``batchd.sampler.sample_stream(key, position)``.
+    """
+
+    def __init__(self):
+        self._bit_generator = np.random.Philox(key=0)
+        self.generator = np.random.Generator(self._bit_generator)
+        self.py_random = _GeneratorRandom(self.generator)
+        self._state = sample_stream_state(np.zeros(2, np.uint64), 0)
+        self._counter = self._state["state"]["counter"]
+        self._key = self._state["state"]["key"]
+
+    def attach(self, compose: A.Compose) -> None:
+        """Make every transform of ``compose`` (nested ones too) draw from this object's stream."""
+        compose.set_random_state(self.generator, self.py_random)
+
+    def start(self, key: np.ndarray, position: int) -> None:
+        """Re-key to the stream of the sample at global ``position`` under ``key`` (uint64 [2]).
+
+        Raises ValueError if position is not in [0, 2**63).
+        """
+        if not 0 <= position < 1 << 63:
+            raise ValueError(f"sample position {position} is not in [0, 2**63)")
+        self._key[:] = key
+        self._counter[2] = position
+        self._state["buffer_pos"] = 4
+        self._bit_generator.state = self._state  # copies the values: the dict and arrays are reused

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
-from batchd.sampler import batch_seed
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
 from batchd.server.shm import Segment, SlotPool
 from batchd.server.stats import RateMeter
@@ -109,7 +108,6 @@ class WorkerPool:
         self._closing = False
         self.restarts = 0
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
-        self.busy_seconds = 0.0
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
         self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
         self._workers: dict[int, _WorkerHandle] = {}
@@ -299,7 +297,6 @@ class WorkerPool:
         w.tasks.discard(msg.task_id)
         if job is None:
             return
-        self.busy_seconds += time.monotonic() - job.started
         if isinstance(msg, BatchDone):
             self.batches_built += 1
             work = sum(msg.timings.values())
@@ -371,7 +368,8 @@ class WorkerPool:
                 pipeline_key=req.pipeline_key,
                 pipeline_json=req.pipeline_json,
                 indices=stream.batch_indices(b),
-                seed=batch_seed(seed=req.seed, epoch=req.epoch, batch_index=b, rank=req.rank, world_size=req.world_size),
+                random_key=stream.random_key(),
+                positions=stream.batch_positions(b),
                 slot_name=slot.name,
                 slot_capacity=slot.capacity,
                 skip_bad_samples=self._skip.get(req.dataset, False),

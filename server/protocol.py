@@ -9,16 +9,9 @@ a worker writes the batch into a shared-memory slot and sends only its layout.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import numpy as np
-
-
-class Kind(enum.IntEnum):
-    READY = 1
-    BATCH_DONE = 2
-    TASK_FAILED = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +30,13 @@ class TensorLayout:
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """Build one batch: load ``indices``, run the pipeline seeded with ``seed``, stack into a slot.
+    """Build one batch: load ``indices``, run the pipeline on each, stack into a slot.
 
     task_id: unique per server. dataset: config name. pipeline_key/pipeline_json: the
     albumentations pipeline ("" = none), cached per worker by key. indices: int64 [B].
+    random_key: uint64 [2], the epoch's key (``batchd.sampler.sample_key``). positions: int64 [B],
+    each sample's global position (``batchd.sampler.global_positions``): sample ``j`` is
+    augmented with the stream ``sample_stream(random_key, positions[j])``.
     slot_name/slot_capacity: the shared-memory slot to write, bytes.
     skip_bad_samples: leave out samples that raise SampleError instead of failing.
     max_batch_bytes: fail with ResourceExhaustedError before writing a batch larger than this (0: no limit).
@@ -51,7 +47,8 @@ class Task:
     pipeline_key: str
     pipeline_json: str
     indices: np.ndarray
-    seed: int
+    random_key: np.ndarray
+    positions: np.ndarray
     slot_name: str
     slot_capacity: int
     skip_bad_samples: bool = False
@@ -65,9 +62,10 @@ class Shutdown:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
+    """Worker ``worker_id`` (process ``pid``) has started and takes tasks."""
+
     worker_id: int
     pid: int
-    kind: Kind = Kind.READY
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +84,6 @@ class BatchDone:
     tensors: tuple[TensorLayout, ...]
     timings: dict[str, float] = field(default_factory=dict)
     skipped: tuple[tuple[int, str, str], ...] = ()
-    kind: Kind = Kind.BATCH_DONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,4 +96,3 @@ class TaskFailed:
     error_type: str
     message: str
     traceback: str
-    kind: Kind = Kind.TASK_FAILED

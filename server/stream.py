@@ -41,6 +41,7 @@ from typing import Callable
 
 import numpy as np
 
+from batchd.sampler import global_positions, sample_key
 from batchd.server.protocol import TensorLayout
 from batchd.server.shm import Segment
 from batchd.server.stats import RateMeter
@@ -221,6 +222,16 @@ class Computation:
     def batch_indices(self, b: int) -> np.ndarray:
         bs = self.request.batch_size
         return self.indices[b * bs : (b + 1) * bs]
+
+    def batch_positions(self, b: int) -> np.ndarray:
+        """Global positions (``batchd.sampler.global_positions``) of batch b's samples: int64 [B]."""
+        bs, req = self.request.batch_size, self.request
+        start = min(b * bs, len(self.indices))
+        return global_positions(start, min(start + bs, len(self.indices)), rank=req.rank, world_size=req.world_size)
+
+    def random_key(self) -> np.ndarray:
+        """The key of this epoch's per-sample augmentation streams (``batchd.sampler.sample_key``): uint64 [2]."""
+        return sample_key(seed=self.request.seed, epoch=self.request.epoch)
 
     def done(self, batch: ReadyBatch) -> None:
         with self._cond:

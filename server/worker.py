@@ -65,6 +65,7 @@ class _Worker:
         self.segments: collections.OrderedDict[str, Segment] = collections.OrderedDict()
         self.grown = 0
         self._unadopted: Segment | None = None  # a segment this task created, until BatchDone names it
+        self.random = pipelines.SampleRandom()
 
     def dataset(self, name: str) -> Dataset:
         ds = self.datasets.get(name)
@@ -120,7 +121,7 @@ class _Worker:
         ds = self.dataset(task.dataset)
         compose, min_size = self.pipeline(task.pipeline_key, task.pipeline_json)
         if compose is not None:
-            compose.set_random_seed(task.seed)
+            self.random.attach(compose)  # its transforms draw in turn from one stream, re-keyed per sample
         t_load = t_pipe = t_copy = 0.0
         capacity = len(task.indices)
         labels = np.empty(capacity, np.int64)
@@ -129,7 +130,7 @@ class _Worker:
         images = first_shape = first_index = None
         seg = grown = layout = None
         n = 0  # samples in the batch so far
-        for index in task.indices.tolist():
+        for index, position in zip(task.indices.tolist(), task.positions.tolist()):
             t0 = time.perf_counter()
             try:
                 image = ds.load_image(index, min_size)
@@ -140,6 +141,7 @@ class _Worker:
                 continue
             t1 = time.perf_counter()
             if compose is not None:
+                self.random.start(task.random_key, position)
                 try:
                     image = compose(image=image)["image"]
                 except Exception as e:
