@@ -91,20 +91,33 @@ class _GeneratorRandom(random.Random):
 
     ``random()``, ``getrandbits()`` and ``gauss()`` draw from the generator; every other method
     (``uniform``, ``randint``, ``choice``, ``sample``, ``shuffle``...) is built on those by
-    ``random.Random``. It keeps no state of its own (``gauss`` caches no second value), so
-    re-keying the generator fully determines what it returns. Seeding it is a no-op.
+    ``random.Random``. ``random()`` takes its doubles from blocks of ``_BLOCK`` drawn in one call
+    (a scalar numpy draw costs 0.47 us against 1.0 us for a block of 8 here, and Fashion-MNIST's
+    train preset makes 6.6 ``random()`` calls per sample); ``forget()`` drops the block, and
+    ``SampleRandom.start`` calls it, so re-keying the generator fully determines what this object
+    returns (``gauss`` caches no second value). Seeding it is a no-op.
     """
+
+    _BLOCK = 8
 
     def __init__(self, generator: np.random.Generator):
         self._generator = generator
         self._raw = generator.bit_generator.random_raw
+        self._block: list[float] = []
         super().__init__()
+
+    def forget(self) -> None:
+        """Drop the doubles drawn ahead, so the next ``random()`` draws from the generator's state."""
+        self._block = []
 
     def seed(self, a=None, version=2) -> None:  # random.Random.__init__ calls it; the generator is seeded elsewhere
         pass
 
     def random(self) -> float:
-        return self._generator.random()
+        if not self._block:
+            self._block = self._generator.random(self._BLOCK).tolist()
+            self._block.reverse()
+        return self._block.pop()
 
     def getrandbits(self, k: int) -> int:
         if k < 0:
@@ -156,3 +169,4 @@ class SampleRandom:
         self._counter[2] = position
         self._state["buffer_pos"] = 4
         self._bit_generator.state = self._state  # copies the values: the dict and arrays are reused
+        self.py_random.forget()
