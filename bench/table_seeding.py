@@ -117,45 +117,87 @@ def _datasets(n_photos: int, n_fmnist: int) -> list[tuple[str, object, A.Compose
     return out
 
 
+NAME = "table8"
+TITLE = "Table 8: what one random stream per sample costs (us per sample, in-process)"
+
+
+def measure_costs(n_photos: int, n_fmnist: int, runs: int) -> dict:
+    """Per dataset: medians over ``runs`` interleaved runs, microseconds per sample (see the module doc)."""
+    cv2.setNumThreads(1)  # as in batchd's workers
+    key = sample_key(seed=1234, epoch=0)
+    out = {}
+    for label, ds, compose, indices in _datasets(n_photos, n_fmnist):
+        min_size = pipelines.decode_min_size(compose)
+        positions = global_positions(0, len(indices), rank=0, world_size=1).tolist()
+        rnd = pipelines.SampleRandom()
+        _work(ds, compose, min_size, indices, positions, key, None)  # warm the page cache and the pipeline
+        samples: dict[str, list[float]] = {k: [] for k in ("work", "streams", "rekey", "pcg64", "philox")}
+        for _ in range(runs):
+            samples["work"].append(_work(ds, compose, min_size, indices, positions, key, None))
+            samples["streams"].append(_work(ds, compose, min_size, indices, positions, key, rnd))
+            samples["rekey"].append(_rekey(key, positions, rnd))
+            samples["pcg64"].append(_fresh_pcg64(1234, positions))
+            samples["philox"].append(_fresh_philox(key, positions))
+        out[label] = {"samples": len(indices), "runs": runs, **{k: median(v) * 1e6 for k, v in samples.items()}}
+    return out
+
+
+def run(s, log=print) -> dict:
+    """Table 8 for ``bench/run_all.py``: --quick measures fewer samples and runs."""
+    runs = 3 if s.quick else 9
+    return {"datasets": measure_costs(64 if s.quick else 192, 1024 if s.quick else 4096, runs)}
+
+
+def render(r: dict) -> str:
+    rows, alt_rows = [], []
+    for label, us in r["datasets"].items():
+        work = us["work"]
+        rows.append([label, us["samples"], f"{work:.1f}", f"{us['rekey']:.2f}", f"{us['streams']:.1f}",
+                     f"{us['streams'] - work:+.2f} ({(us['streams'] - work) / work:+.2%})",
+                     f"{us['rekey'] / work:.3%}"])
+        alt_rows.append([label, f"{us['rekey']:.2f} ({us['rekey'] / work:.2%})",
+                         f"{us['pcg64']:.2f} ({us['pcg64'] / work:.2%})",
+                         f"{us['philox']:.2f} ({us['philox'] / work:.2%})"])
+    runs = next(iter(r["datasets"].values()))["runs"] if r["datasets"] else 0
+    return "\n".join([
+        md_table(["dataset, pipeline", "samples per run", "work us/sample (decode + pipeline)", "re-key us/sample",
+                  "with streams us/sample", "with streams - work", "re-key / work"], rows),
+        "",
+        f"Medians of {runs} interleaved runs in one process, one OpenCV thread. 'with streams - work' also "
+        "holds the draws now served through the numpy Generator; on a busy machine it is within the runs' noise.",
+        "",
+        md_table(["dataset, pipeline", "re-key one Philox in place (batchd)",
+                  "new Generator(PCG64(SeedSequence)) + random.Random", "new Generator(Philox(counter, key))"], alt_rows),
+        "",
+        "us per sample (percent of the sample's work).",
+    ])
+
+
+LIMITS = {"photos, L3": 0.02, "Fashion-MNIST, train preset": 0.10}  # issue 10: at most 2% and 10% of throughput
+
+
+def targets(r: dict) -> list[dict]:
+    out = []
+    for label, limit in LIMITS.items():
+        us = r["datasets"].get(label)
+        if us is None:
+            continue
+        cost = (us["streams"] - us["work"]) / us["work"]
+        out.append({"name": f"per-sample streams cost at most {limit:.0%} of a sample's work ({label})",
+                    "passed": cost <= limit, "detail": f"{cost:+.2%} (re-key alone {us['rekey'] / us['work']:.2%})"})
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=7, help="interleaved runs per measurement (median)")
     p.add_argument("--photos", type=int, default=192, help="photos per run")
     p.add_argument("--fmnist", type=int, default=4096, help="Fashion-MNIST samples per run")
     args = p.parse_args(argv)
-    cv2.setNumThreads(1)  # as in batchd's workers
-
-    key = sample_key(seed=1234, epoch=0)
-    rows, alt_rows = [], []
-    for label, ds, compose, indices in _datasets(args.photos, args.fmnist):
-        min_size = pipelines.decode_min_size(compose)
-        positions = global_positions(0, len(indices), rank=0, world_size=1).tolist()
-        rnd = pipelines.SampleRandom()
-        _work(ds, compose, min_size, indices, positions, key, None)  # warm the page cache and the pipeline
-        runs: dict[str, list[float]] = {k: [] for k in ("work", "streams", "rekey", "pcg64", "philox")}
-        for _ in range(args.runs):
-            runs["work"].append(_work(ds, compose, min_size, indices, positions, key, None))
-            runs["streams"].append(_work(ds, compose, min_size, indices, positions, key, rnd))
-            runs["rekey"].append(_rekey(key, positions, rnd))
-            runs["pcg64"].append(_fresh_pcg64(1234, positions))
-            runs["philox"].append(_fresh_philox(key, positions))
-        us = {k: median(v) * 1e6 for k, v in runs.items()}
-        work = us["work"]
-        rows.append([label, len(indices), f"{work:.1f}", f"{us['rekey']:.2f}", f"{us['streams']:.1f}",
-                     f"{us['streams'] - work:+.2f} ({(us['streams'] - work) / work:+.2%})",
-                     f"{us['rekey'] / work:.3%}"])
-        alt_rows.append([label, f"{us['rekey']:.2f} ({us['rekey'] / work:.2%})",
-                         f"{us['pcg64']:.2f} ({us['pcg64'] / work:.2%})",
-                         f"{us['philox']:.2f} ({us['philox'] / work:.2%})"])
-    print(md_table(["dataset, pipeline", "samples per run", "work us/sample (decode + pipeline)",
-                    "re-key us/sample", "with streams us/sample", "with streams - work", "re-key / work"], rows))
-    print(f"\nMedians of {args.runs} interleaved runs in one process, one OpenCV thread. "
-          "'with streams - work' also holds the draws now served through the numpy Generator; "
-          "on a busy machine it is within the runs' noise.\n")
-    print(md_table(["dataset, pipeline", "re-key one Philox in place (batchd)",
-                    "new Generator(PCG64(SeedSequence)) + random.Random",
-                    "new Generator(Philox(counter, key))"], alt_rows))
-    print("\nus per sample (percent of the sample's work).")
+    r = {"datasets": measure_costs(args.photos, args.fmnist, args.runs)}
+    print(render(r))
+    for t in targets(r):
+        print(f"- {'PASS' if t['passed'] else 'FAIL'} {t['name']}: {t['detail']}")
 
 
 if __name__ == "__main__":
