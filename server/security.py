@@ -204,10 +204,23 @@ class Redactor:
                     add(pathlib.Path(p).parent)
         self.paths = sorted(paths, key=len, reverse=True)  # longest first: a root inside the cache dir
 
-    def __call__(self, message: str) -> str:
+    def __call__(self, message: str, keep: tuple[str, ...] = ()) -> str:
+        """``message`` without server paths or tracebacks; the texts in ``keep`` stay as they are.
+
+        keep: what the client itself sent (a dataset or preset name), echoed verbatim so that the
+        answer to a name that happens to be a server path reads like any other name's (redacting
+        it would tell the caller which paths the server has). Use it only for messages whose own
+        text holds no server path (NOT_FOUND for a name): a kept text inside a path shields it.
+        """
+        texts = {form for text in keep if text for form in (text, repr(text)[1:-1])}  # as sent, as quoted
+        kept = {f"\ue000{i}\ue001": text for i, text in enumerate(sorted(texts, key=len, reverse=True))}
+        for token, text in kept.items():
+            message = message.replace(text, token)
         for marker in ("\n\nWorker traceback:", "Worker traceback:", "Traceback (most recent call last)"):
             message = message.split(marker)[0]
         for p in self.paths:
             if p in message:
                 message = message.replace(p, "<server path>")
+        for token, text in kept.items():
+            message = message.replace(token, text)
         return message.rstrip()

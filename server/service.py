@@ -107,15 +107,15 @@ class BatchLoaderService:
         self._check_dataset(context, request.name)
         try:
             return dataset_info(self.loader, request.name)
-        except DatasetNotFoundError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e)))
+        except DatasetNotFoundError as e:  # the name echoed as sent: a path or not, the same answer
+            context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.name,)))
 
     def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
         self._check_dataset(context, request.dataset)
         try:
             stream = self.loader.open_stream(stream_args(request, context.peer()))
         except DatasetNotFoundError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e)))
+            context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.dataset,)))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
         except ResourceExhaustedError as e:
