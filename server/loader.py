@@ -10,7 +10,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+import dataclasses
 
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
 from batchd.sampler import num_batches, shard_indices
@@ -22,31 +22,10 @@ from batchd.server.datasets import Dataset, open_dataset
 from batchd.server.leases import LeaseTable
 from batchd.server.pool import WorkerPool
 from batchd.server.stats import SENT, stream_outcome
-from batchd.server.stream import Computation, Stream, StreamRequest
+from batchd.server.protocol import StreamRequest
+from batchd.server.stream import Computation, Stream
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamArgs:
-    """A StreamBatches request as the client sent it (0 = default where the proto says so)."""
-
-    dataset: str
-    preset: str = ""
-    albumentations_json: str = ""
-    batch_size: int = 1
-    shuffle: bool = False
-    seed: int = 0
-    epoch: int = 0
-    drop_last: bool = False
-    rank: int = 0
-    world_size: int = 1
-    start_batch: int = 0
-    prefetch: int = 0
-    peer: str = ""  # who asked (for logs and stats)
-    batch_stride: int = 0  # 0 or 1: every batch; else b with (b - start_batch) % batch_stride == batch_offset
-    batch_offset: int = 0
-    transport: str = "inline"  # "shm" or "inline" (for logs and stats)
 
 
 class Loader:
@@ -101,7 +80,7 @@ class Loader:
         except KeyError:
             raise DatasetNotFoundError(f"no dataset {name!r} on this server; it has {sorted(self.datasets)}") from None
 
-    def _pipeline(self, args: StreamArgs) -> tuple[str, str]:
+    def _pipeline(self, args: StreamRequest) -> tuple[str, str]:
         """(name for logs, canonical JSON) of the request's pipeline. Raises ValueError."""
         if args.preset and args.albumentations_json:
             raise ValueError("give either a preset name or an albumentations pipeline, not both")
@@ -121,10 +100,11 @@ class Loader:
             self._checked[key] = None
         return "custom:" + key[:8], text
 
-    def open_stream(self, args: StreamArgs) -> Stream:
-        """Validate ``args`` and start building its batches.
+    def open_stream(self, args: StreamRequest) -> Stream:
+        """Validate ``args`` (as decoded by ``StreamRequest.from_proto``) and start building its batches.
 
-        Raises DatasetNotFoundError for an unknown dataset, ValueError for any other bad field.
+        Raises DatasetNotFoundError for an unknown dataset, ValueError naming any other bad field,
+        ResourceExhaustedError past ``max_streams``, RuntimeError while shutting down.
         """
         cfg = self.config
         ds = self.dataset(args.dataset)
@@ -138,6 +118,9 @@ class Loader:
             raise ValueError(f"prefetch must be at most {cfg.max_prefetch}, got {prefetch}")
         if len(ds) == 0:
             raise ValueError(f"dataset {args.dataset!r} has no samples")
+        if args.transport not in ("shm", "inline") or args.compression not in ("none", "lz4"):
+            raise ValueError(f"transport must be 'shm' or 'inline' and compression 'none' or 'lz4', "
+                             f"got {args.transport!r}, {args.compression!r}")
         name, text = self._pipeline(args)
         n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last)
         if args.start_batch > n:
@@ -145,14 +128,11 @@ class Loader:
         stride = args.batch_stride or 1
         if not 0 <= args.batch_offset < stride:
             raise ValueError(f"batch_offset must be in [0, batch_stride={stride}), got {args.batch_offset}")
-        request = StreamRequest(
-            dataset=args.dataset, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text, pipeline_name=name,
-            batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
-            drop_last=args.drop_last, rank=args.rank, world_size=world_size, start_batch=args.start_batch,
-            prefetch=prefetch, stride=stride, offset=args.batch_offset,
+        request = dataclasses.replace(
+            args, world_size=world_size, prefetch=prefetch, batch_stride=stride,
+            pipeline_name=name, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text,
         )
         stream = Stream(request, n)
-        stream.peer, stream.transport = args.peer, args.transport
         with self._lock:
             if self._closed:
                 raise RuntimeError("the loader is shutting down")

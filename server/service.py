@@ -21,7 +21,8 @@ import lz4.frame as lz4_frame
 from batchd import wire
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server import build, stats
-from batchd.server.loader import Loader, StreamArgs
+from batchd.server.loader import Loader
+from batchd.server.protocol import StreamRequest
 from batchd.server.security import OPEN, Authenticator, Redactor, Scope
 from batchd.server.stream import ReadyBatch
 from batchd.v1 import loader_pb2 as pb
@@ -53,28 +54,6 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
         fingerprint=ds.fingerprint,
         build_fingerprint=build.build_fingerprint(parts),
         build=parts,
-    )
-
-
-def stream_args(request: pb.StreamBatchesRequest, peer: str = "") -> StreamArgs:
-    which = request.pipeline.WhichOneof("source") if request.HasField("pipeline") else None
-    return StreamArgs(
-        dataset=request.dataset,
-        preset=request.pipeline.preset if which == "preset" else "",
-        albumentations_json=request.pipeline.albumentations_json if which == "albumentations_json" else "",
-        batch_size=request.batch_size,
-        shuffle=request.shuffle,
-        seed=request.seed,
-        epoch=request.epoch,
-        drop_last=request.drop_last,
-        rank=request.rank,
-        world_size=request.world_size,
-        start_batch=request.start_batch,
-        batch_stride=request.batch_stride,
-        batch_offset=request.batch_offset,
-        prefetch=request.prefetch,
-        peer=peer,
-        transport="shm" if request.transport == pb.TRANSPORT_SHARED_MEMORY and request.session else "inline",
     )
 
 
@@ -113,7 +92,7 @@ class BatchLoaderService:
     def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
         self._check_dataset(context, request.dataset)
         try:
-            stream = self.loader.open_stream(stream_args(request, context.peer()))
+            stream = self.loader.open_stream(StreamRequest.from_proto(request, context.peer()))
         except DatasetNotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.dataset,)))
         except ValueError as e:
@@ -163,7 +142,7 @@ class BatchLoaderService:
         otherwise a copy in a free slot is lent; with no free slot or lease, the bytes go inline.
         """
         loader = self.loader
-        claimed = shared and stream.claim(batch)
+        claimed = False  # (lending the batch's own slot: server/transport.py, next)
         lent_slot, lease = None, None
         try:
             if claimed:
@@ -183,7 +162,7 @@ class BatchLoaderService:
         finally:
             if claimed and lease is None:
                 loader.slots.release(batch.slot)  # claimed but sent inline: it is ours to free
-            stream.release(batch, claimed=claimed)
+            stream.release(batch)
             loader.pool.wake()  # a prefetch place is free
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
@@ -315,13 +294,41 @@ def _internal_error(context: grpc.ServicerContext, method: str, e: Exception) ->
     context.abort(grpc.StatusCode.INTERNAL, f"internal error (see the server log, request id {request_id})")
 
 
+class _Undecodable:
+    """What the lenient deserializer returns for request bytes that do not parse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(message_type):
+    """``message_type.FromString`` that returns ``_Undecodable`` instead of raising: gRPC would log the
+    parse error at ERROR and answer INTERNAL; the handler answers INVALID_ARGUMENT instead."""
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as e:  # google.protobuf.message.DecodeError, RuntimeWarning-free variants
+            return _Undecodable(e)
+    return parse
+
+
+def _refuse_undecodable(method: str, request: _Undecodable, context: grpc.ServicerContext) -> None:
+    log.warning("%s from %s: undecodable request (%s)", method, context.peer(), request.error)
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid protobuf message")
+
+
 def _guarded(method: str, handler, streaming: bool):
-    """``handler`` with a catch-all: an exception that is not an abort becomes INTERNAL + a log entry.
+    """``handler`` with a catch-all: an exception that is not an abort becomes INTERNAL + a log entry;
+    an undecodable request becomes INVALID_ARGUMENT + a warning.
 
     An abort (``context.abort``) raises too; it has set the status (``context.code()``) and passes.
     """
     if streaming:
         def guarded_stream(request, context):
+            if isinstance(request, _Undecodable):
+                _refuse_undecodable(method, request, context)
             try:
                 yield from handler(request, context)
             except Exception as e:
@@ -331,6 +338,8 @@ def _guarded(method: str, handler, streaming: bool):
         return guarded_stream
 
     def guarded(request, context):
+        if isinstance(request, _Undecodable):
+            _refuse_undecodable(method, request, context)
         try:
             return handler(request, context)
         except Exception as e:
@@ -340,41 +349,25 @@ def _guarded(method: str, handler, streaming: bool):
     return guarded
 
 
+# method -> (request type, response serializer, streaming)
+_METHODS = {
+    "ListDatasets": (pb.ListDatasetsRequest, pb.ListDatasetsResponse.SerializeToString, False),
+    "DescribeDataset": (pb.DescribeDatasetRequest, pb.DatasetInfo.SerializeToString, False),
+    "StreamBatches": (pb.StreamBatchesRequest, bytes, True),  # batches come pre-serialized (batchd.wire)
+    "OpenSession": (pb.OpenSessionRequest, pb.SessionEvent.SerializeToString, True),
+    "ReleaseLeases": (pb.ReleaseLeasesRequest, pb.ReleaseLeasesResponse.SerializeToString, False),
+    "Stats": (pb.StatsRequest, pb.StatsResponse.SerializeToString, False),
+}
+
+
 def add_to_server(service: BatchLoaderService, server: grpc.Server) -> None:
     """Register ``service``; StreamBatches responses are pre-serialized bytes.
 
     Every handler is wrapped by ``_guarded``: no traceback or internal detail reaches a client.
     """
-    handlers = {
-        "ListDatasets": grpc.unary_unary_rpc_method_handler(
-            _guarded("ListDatasets", service.ListDatasets, streaming=False),
-            request_deserializer=pb.ListDatasetsRequest.FromString,
-            response_serializer=pb.ListDatasetsResponse.SerializeToString,
-        ),
-        "DescribeDataset": grpc.unary_unary_rpc_method_handler(
-            _guarded("DescribeDataset", service.DescribeDataset, streaming=False),
-            request_deserializer=pb.DescribeDatasetRequest.FromString,
-            response_serializer=pb.DatasetInfo.SerializeToString,
-        ),
-        "StreamBatches": grpc.unary_stream_rpc_method_handler(
-            _guarded("StreamBatches", service.StreamBatches, streaming=True),
-            request_deserializer=pb.StreamBatchesRequest.FromString,
-            response_serializer=bytes,
-        ),
-        "OpenSession": grpc.unary_stream_rpc_method_handler(
-            _guarded("OpenSession", service.OpenSession, streaming=True),
-            request_deserializer=pb.OpenSessionRequest.FromString,
-            response_serializer=pb.SessionEvent.SerializeToString,
-        ),
-        "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
-            _guarded("ReleaseLeases", service.ReleaseLeases, streaming=False),
-            request_deserializer=pb.ReleaseLeasesRequest.FromString,
-            response_serializer=pb.ReleaseLeasesResponse.SerializeToString,
-        ),
-        "Stats": grpc.unary_unary_rpc_method_handler(
-            _guarded("Stats", service.Stats, streaming=False),
-            request_deserializer=pb.StatsRequest.FromString,
-            response_serializer=pb.StatsResponse.SerializeToString,
-        ),
-    }
+    handlers = {}
+    for method, (request_type, serialize, streaming) in _METHODS.items():
+        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method] = make(_guarded(method, getattr(service, method), streaming=streaming),
+                                request_deserializer=_lenient(request_type), response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 
 from batchd.sampler import global_positions, sample_key
-from batchd.server.protocol import TensorLayout
+from batchd.server.protocol import StreamRequest, TensorLayout
 from batchd.server.shm import Segment
 from batchd.server.stats import RateMeter
 
@@ -50,38 +50,6 @@ log = logging.getLogger(__name__)
 
 _stream_ids = itertools.count(1)
 _computation_ids = itertools.count(1)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamRequest:
-    """A validated StreamBatches request (see loader.proto for the fields)."""
-
-    dataset: str
-    pipeline_key: str
-    pipeline_json: str
-    pipeline_name: str
-    batch_size: int
-    shuffle: bool
-    seed: int
-    epoch: int
-    drop_last: bool
-    rank: int
-    world_size: int
-    start_batch: int
-    prefetch: int
-    stride: int = 1  # send batches first_batch, first_batch + stride, ... (see loader.proto, batch_stride)
-    offset: int = 0
-
-    @property
-    def first_batch(self) -> int:
-        return self.start_batch + self.offset
-
-    @property
-    def key(self) -> tuple:
-        """What determines the batches' bytes (and, for a strided stream, which batches): streams with
-        equal keys can share a computation."""
-        return (self.dataset, self.pipeline_key, self.batch_size, self.shuffle, self.seed, self.epoch,
-                self.drop_last, self.rank, self.world_size, self.stride, self.first_batch % self.stride)
 
 
 @dataclass(slots=True)
@@ -303,24 +271,8 @@ class Computation:
             self.on_fall_behind(laggard)
         return batch
 
-    def claim(self, stream: Stream, batch: ReadyBatch) -> bool:
-        """Take ``batch``'s slot out of this computation if nobody will read it from here again (it
-        can then be lent to the client without a copy): no other reader needs it, and it is the
-        oldest batch kept and past the history window (with share_window 0: always).
-        False: the caller lends a copy, or sends it inline."""
-        with self._cond:
-            b = batch.batch_index
-            others = min((r.position for r in self._readers.values() if r is not stream), default=float("inf"))
-            if (b < others and self._users[b] == 1 and self._ready.get(b) is batch
-                    and b == self._history_start and b < self._front() - self.window * self.stride):
-                del self._ready[b]
-                self._users.pop(b)
-                self._history_start = b + self.stride
-                return True
-            return False
-
     def put_back(self, batch: ReadyBatch) -> None:
-        """A reader finished sending ``batch`` (not claimed)."""
+        """A reader finished sending ``batch`` (a lease, if it lent the slot, holds its own reference)."""
         with self._cond:
             self._users[batch.batch_index] -= 1
             self._sweep()
@@ -356,10 +308,10 @@ class Stream:
         self.started = time.monotonic()
         self.batches_sent = 0
         self.samples_sent = 0
-        # --- for stats (server/stats.py); set by the servicer, which knows the call ---------
+        # --- for stats (server/stats.py) -----------------------------------------------------
         self.bytes_sent = 0  # gRPC message bytes yielded
-        self.peer = ""  # the client, as grpc's context.peer() names it
-        self.transport = "inline"  # "shm" when batches are lent over a shared-memory session
+        self.peer = request.peer  # the client, as grpc's context.peer() names it
+        self.transport = request.transport  # "shm" when batches are lent over a shared-memory session
         self.was_shared = False  # read batches that another stream also read
         self.waiting_since: float | None = None  # monotonic time the RPC began waiting for a batch
         self.meter = RateMeter()  # samples sent per second, moving
@@ -418,14 +370,10 @@ class Stream:
         first, stride = self.request.first_batch, self.request.stride
         return max(0, -(-(self.num_batches - first) // stride))
 
-    def claim(self, batch: ReadyBatch) -> bool:
-        """Whether this stream may lend ``batch``'s own slot to its client (no other reader needs it)."""
-        return self._from.claim(self, batch)
-
-    def release(self, batch: ReadyBatch, *, claimed: bool = False) -> None:
-        """The batch was sent. Unless it was claimed (lent), its slot goes back once no reader needs it."""
-        if not claimed:
-            self._from.put_back(batch)
+    def release(self, batch: ReadyBatch) -> None:
+        """The batch was sent (copied into a message, or its slot lent under a lease that holds a
+        reference of its own): the computation drops it once no reader needs it."""
+        self._from.put_back(batch)
         n = batch.tensors[0].shape[0]
         with self._lock:
             self.batches_sent += 1

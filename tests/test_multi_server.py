@@ -24,7 +24,7 @@ from batchd.client.distributed import rank_and_world_size
 from batchd.client.multi import MultiServerLoader
 from batchd.client.receiver import _End
 from batchd.sampler import shard_indices
-from batchd.server.loader import StreamArgs
+from batchd.server.protocol import StreamRequest
 from conftest import running_server
 from test_faults import (digest, fmnist_test_config, free_port, server_procs, wait_until,  # noqa: F401
                          write_server_config)
@@ -89,11 +89,11 @@ def test_strided_stream_sends_every_stride_th_batch_from_start(fmnist_server):
 def test_strided_streams_share_only_with_the_same_batches(fmnist_server):
     loader = fmnist_server.loader
     base = dict(dataset="fmnist-test", batch_size=200, shuffle=True, seed=99)
-    a = loader.open_stream(StreamArgs(**base, batch_stride=3, batch_offset=1))
-    same = loader.open_stream(StreamArgs(**base, batch_stride=3, batch_offset=1))
-    shifted = loader.open_stream(StreamArgs(**base, start_batch=3, batch_stride=3, batch_offset=1))  # 4, 7, ...
-    other = loader.open_stream(StreamArgs(**base, batch_stride=3, batch_offset=2))
-    whole = loader.open_stream(StreamArgs(**base))
+    a = loader.open_stream(StreamRequest(**base, batch_stride=3, batch_offset=1))
+    same = loader.open_stream(StreamRequest(**base, batch_stride=3, batch_offset=1))
+    shifted = loader.open_stream(StreamRequest(**base, start_batch=3, batch_stride=3, batch_offset=1))  # 4, 7, ...
+    other = loader.open_stream(StreamRequest(**base, batch_stride=3, batch_offset=2))
+    whole = loader.open_stream(StreamRequest(**base))
     try:
         assert same.computation is a.computation
         # the same batches from 4 on: the same key (it joins once a's computation has reached 4)

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import batchd
 from batchd.client.stats import get_stats, stats_dict
 from batchd.server import service as service_mod
-from batchd.server.loader import StreamArgs
+from batchd.server.protocol import StreamRequest
 from batchd.server.stats import RateMeter, snapshot
 from helpers import free_port
 
@@ -85,7 +85,7 @@ def test_rate_meter_reads_a_steady_rate_and_decays():
 def test_snapshot_counts_exactly_what_a_stream_took(server):
     """Straight on the Loader (no gRPC buffering in between): exact counts."""
     loader = server.loader
-    stream = loader.open_stream(StreamArgs(dataset="fmnist-test", batch_size=BATCH, prefetch=3))
+    stream = loader.open_stream(StreamRequest(dataset="fmnist-test", batch_size=BATCH, prefetch=3))
     try:
         for _ in range(5):
             batch = wait_for(lambda: stream.next(0.1), what="a batch")
