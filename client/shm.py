@@ -3,8 +3,15 @@
 ``SharedMemorySession.open`` starts an OpenSession call and reads the probe segment the server
 names. If this process sees the same bytes in its own ``/dev/shm``, it shares the server's
 shared memory (same host, same IPC namespace) and batches can arrive as slot places instead of
-bytes. ``tensors`` then wraps a slot as tensors without copying; when the last tensor on it is
-freed, a finalizer sends ReleaseLeases and the server reuses the slot.
+bytes. ``tensors`` then maps the slot copy-on-write (``MAP_PRIVATE``) and wraps it as tensors
+without copying; when the last tensor on it is freed, a finalizer queues the lease for
+ReleaseLeases and the server reuses the slot.
+
+Copy-on-write: the tensors are writable, as DataLoader batches are, but a page the caller writes
+becomes this process's own copy; the server's slot, which other readers of a shared computation
+(and its history) may hold too, never changes. Each lease gets its own mapping, unmapped with
+its last tensor: a long-lived mapping would keep a written page private and show it again when
+the slot comes back with another batch.
 
 The session call stays open while any lease is outstanding, even after ``close``: the server
 returns every slot of a session whose call ended, and a tensor the caller still holds must
@@ -13,7 +20,6 @@ never see its slot reused.
 
 from __future__ import annotations
 
-import collections
 import logging
 import mmap
 import os
@@ -34,7 +40,6 @@ from batchd.v1 import loader_pb2 as pb
 log = logging.getLogger(__name__)
 
 SHM_DIR = pathlib.Path("/dev/shm") if os.path.isdir("/dev/shm") else pathlib.Path(tempfile.gettempdir())
-_MAPPED = 64  # segments kept mapped; a slot is reused for many batches
 
 
 class SharedMemoryUnavailable(RuntimeError):
@@ -48,12 +53,15 @@ def _segment_path(name: str) -> pathlib.Path:
     return SHM_DIR / name
 
 
-def _map(name: str) -> mmap.mmap:
-    # Read-write: the slot is the caller's while the lease is held, and DataLoader batches may be
-    # modified in place. The server writes to it again only after the lease is released.
-    fd = os.open(_segment_path(name), os.O_RDWR)
+def map_private(name: str, length: int) -> mmap.mmap:
+    """The first ``length`` bytes of segment ``name``, mapped copy-on-write (``MAP_PRIVATE``,
+    read-write): writes stay in this process, the segment's bytes never change.
+
+    Raises SharedMemoryUnavailable for an invalid name, OSError if the segment cannot be mapped.
+    """
+    fd = os.open(_segment_path(name), os.O_RDONLY)  # MAP_PRIVATE writes need no write access
     try:
-        return mmap.mmap(fd, 0)
+        return mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
 
@@ -76,7 +84,6 @@ class SharedMemorySession:
         self._releaser = threading.Thread(target=self._release_loop, name="batchd-shm-release", daemon=True)
         self._releaser.start()
         self._closing = False
-        self._mapped: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
 
     @classmethod
     def open(cls, channel: grpc.Channel, address: str, timeout: float) -> "SharedMemorySession":
@@ -102,10 +109,12 @@ class SharedMemorySession:
         return cls(channel, address, call, session)
 
     def tensors(self, batch: wire.WireBatch) -> dict[str, torch.Tensor]:
-        """CPU tensors on the batch's slot (no copy); its lease is released when they are all freed."""
-        mm = self._segment(batch.segment)
-        end = max(t.offset + int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize for t in batch.tensors)
-        base = np.frombuffer(mm, dtype=np.uint8, count=end)  # every tensor below is a view of this array
+        """Writable CPU tensors on a copy-on-write mapping of the batch's slot (no copy); its lease
+        is released when they are all freed."""
+        end = max((t.offset + int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+                   for t in batch.tensors), default=0)
+        # every tensor below is a view of this array (a zero-length mmap is not allowed)
+        base = np.frombuffer(map_private(batch.segment, end), dtype=np.uint8) if end else np.zeros(0, np.uint8)
         with self._lock:
             self._outstanding.add(batch.lease)
         weakref.finalize(base, self._released, batch.lease)
@@ -115,19 +124,6 @@ class SharedMemorySession:
             array = base[t.offset : t.offset + nbytes].view(t.dtype).reshape(t.shape)
             out[t.name] = torch.from_numpy(array)
         return out
-
-    def _segment(self, name: str) -> mmap.mmap:
-        with self._lock:
-            mm = self._mapped.get(name)
-            if mm is not None:
-                self._mapped.move_to_end(name)
-                return mm
-        mm = _map(name)
-        with self._lock:
-            self._mapped[name] = mm
-            while len(self._mapped) > _MAPPED:
-                self._mapped.popitem(last=False)  # unmapped once no tensor uses it
-        return mm
 
     def _released(self, lease: int) -> None:
         """weakref.finalize callback: runs wherever the garbage collector frees a batch, possibly
