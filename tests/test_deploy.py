@@ -200,6 +200,17 @@ def test_compose_file_validates_against_the_compose_spec(path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_file_suits_docker_compose_1_29_too(path):
+    """Debian's docker-compose 1.29 refuses top-level keys the Compose spec added later (``name``)."""
+    assert set(load_compose(path)) <= {"services", "volumes", "networks", "configs", "secrets"}, path.name
+    if shutil.which("docker-compose"):  # the real one, where installed (apt-get install docker-compose)
+        run = subprocess.run(["docker-compose", "-f", str(path), "config", "-q"], capture_output=True, text=True,
+                             cwd=REPO, timeout=50)
+        assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.timeout(60)
 def test_compose_services_are_wired_together():
     compose = load_compose()
     services = compose["services"]
