@@ -29,7 +29,9 @@ class Dataset(abc.ABC):
     """A map-style dataset of images with integer labels.
 
     Subclasses are cheap to open in every worker; all per-sample state lives in numpy arrays
-    (memory-mapped where large).
+    (memory-mapped where large). A kind whose samples live in storage implements ``read_bytes``
+    (I/O, thread-safe) and ``decode`` (CPU) and gets ``load_image`` as their composition; a kind
+    whose samples are in memory implements ``load_image`` alone.
     """
 
     name: str
@@ -53,15 +55,46 @@ class Dataset(abc.ABC):
     def label(self, index: int) -> int:
         """The label of sample ``index`` (0 <= index < len), without reading the image."""
 
-    @abc.abstractmethod
-    def load_image(self, index: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
-        """Read and decode sample ``index``: uint8 [H, W, C] (RGB for colour images).
+    def read_bytes(self, index: int) -> bytes:
+        """I/O only: the encoded bytes of sample ``index`` (a file's or an object's content).
+
+        Called from a worker's I/O threads, many at once (``reads_in_flight``, see
+        ``server/reader.py``), so it must be thread-safe and do no CPU-heavy work: decoding
+        belongs in ``decode``, which runs on the worker's own thread, one per core. Any
+        bytes-like object (``bytes``, ``memoryview``, uint8 ndarray) may be returned.
+
+        Raises IndexError out of range; SampleError (naming dataset, index and the path or URL
+        without credentials, see ``sample_error``) if it cannot be read. A kind that does not
+        override it (samples already in memory) is read with ``load_image`` instead.
+        """
+        raise NotImplementedError(f"dataset kind {self.kind!r} has no read_bytes; use load_image")
+
+    def decode(self, index: int, data, min_size: tuple[int, int] | None = None) -> np.ndarray:
+        """CPU only: turn ``data`` (what ``read_bytes(index)`` returned) into uint8 [H, W, C]
+        (RGB for colour images). ``index`` is for error messages and per-sample metadata.
 
         ``min_size`` (height, width): the pipeline resizes to this first, so a kind may decode
         at reduced resolution as long as the image stays at least this large (or ignore it).
 
-        Raises SampleError (naming dataset, index and file) if it cannot be read or decoded.
+        Raises SampleError (naming dataset, index and file) if it cannot be decoded.
         """
+        raise NotImplementedError(f"dataset kind {self.kind!r} has no decode; use load_image")
+
+    @property
+    def concurrent_reads(self) -> bool:
+        """True when this kind implements ``read_bytes`` (its samples come from storage): the
+        worker then reads samples on I/O threads ahead of decoding them. False for kinds whose
+        samples are in memory (``load_image`` only)."""
+        return type(self).read_bytes is not Dataset.read_bytes
+
+    def load_image(self, index: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
+        """Read and decode sample ``index``: uint8 [H, W, C] (RGB for colour images); by default
+        ``decode(index, read_bytes(index), min_size)``. Kinds without ``read_bytes`` override it.
+
+        Raises IndexError out of range; SampleError (naming dataset, index and file) if it
+        cannot be read or decoded.
+        """
+        return self.decode(index, self.read_bytes(index), min_size)
 
     def source(self, index: int) -> str:
         """Where sample ``index`` comes from, relative to the dataset root (for error messages)."""
