@@ -36,11 +36,15 @@ def _align(n: int) -> int:
 
 
 def batch_layout(batch_size: int, image_shape: tuple[int, ...], image_dtype: np.dtype) -> tuple[TensorLayout, ...]:
-    """image [B, *image_shape] at 0, then label int64 [B] and index int64 [B], 64-byte aligned."""
+    """A batch's tensors in its slot, each at a 64-byte aligned offset: image [B, *image_shape] at 0,
+    then label int64 [B], index int64 [B] (dataset sample indices) and position int64 [B] (each
+    sample's position in the epoch's global order before sharding, ``batchd.sampler.global_positions``:
+    what per-sample random streams are keyed by, e.g. for augmentations finished on the GPU)."""
     image = TensorLayout("image", np.dtype(image_dtype).name, (batch_size, *image_shape), 0)
     label = TensorLayout("label", "int64", (batch_size,), _align(image.nbytes))
     index = TensorLayout("index", "int64", (batch_size,), label.offset + _align(label.nbytes))
-    return image, label, index
+    position = TensorLayout("position", "int64", (batch_size,), index.offset + _align(index.nbytes))
+    return image, label, index, position
 
 
 def layout_nbytes(layout: tuple[TensorLayout, ...]) -> int:
@@ -126,6 +130,7 @@ class _Worker:
         capacity = len(task.indices)
         labels = np.empty(capacity, np.int64)
         kept = np.empty(capacity, np.int64)
+        kept_positions = np.empty(capacity, np.int64)  # aligned with kept: skipped samples leave both
         skipped: list[tuple[int, str, str]] = []
         images = first_shape = first_index = None
         seg = grown = layout = None
@@ -165,6 +170,7 @@ class _Worker:
             images[n] = image
             labels[n] = ds.label(index)
             kept[n] = index
+            kept_positions[n] = position
             n += 1
             t_load += t1 - t0
             t_pipe += t2 - t1
@@ -178,6 +184,7 @@ class _Worker:
             layout = tuple(replace(t, shape=(n, *t.shape[1:])) for t in layout)
         view(seg.buf, layout[1])[:] = labels[:n]
         view(seg.buf, layout[2])[:] = kept[:n]
+        view(seg.buf, layout[3])[:] = kept_positions[:n]
         timings = {"load": t_load, "pipeline": t_pipe, "copy": t_copy}
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings, tuple(skipped))
 
