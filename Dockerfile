@@ -7,24 +7,16 @@
 #     -v /usr/share/datasets/fashion-mnist:/usr/share/datasets/fashion-mnist:ro \
 #     batchd
 #
-# Build args:
-#   TORCH_SPEC      which torch to install (default torch==2.13.0)
-#   TORCH_PIP_ARGS  extra pip arguments for it (default: the CPU build from PyTorch's own index,
-#                   a few hundred MB instead of the multi-GB CUDA build that PyPI serves;
-#                   pass --build-arg TORCH_PIP_ARGS= for PyPI's default build)
+# No torch and no tqdm: the server never imports them (tests/test_imports.py); they belong to the
+# client extra (batchd[client]), which examples/Dockerfile.trainer installs.
 # docker-compose.yml runs this image together with the example trainer.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
-# ---- build: a virtual environment with torch and batchd (no test extras) -----------------------
+# ---- build: a virtual environment with batchd (no client or test extras) -------------------------
 FROM ${PYTHON_IMAGE} AS build
-ARG TORCH_SPEC="torch==2.13.0"
-ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
-# torch first, in a layer of its own: the largest download and the one that changes least.
-# batchd's own `torch>=2.1` is then already met by this build.
-RUN pip install ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY batchd/ batchd/

@@ -1,6 +1,6 @@
 # batchd: the single entry point for developers and CI.
 #
-#   make install   create .venv, install torch, then batchd (editable) with its test extras;
+#   make install   create .venv, install torch, then batchd (editable) with its client and test extras;
 #                  installs the Fashion-MNIST Debian package when it is missing (root + apt)
 #   make test      run the test suite            (PYTEST_ARGS='-k deploy -x' to pass options)
 #   make demo      train a small CNN on Fashion-MNIST through a local batchd server (ARGS=...)
@@ -76,10 +76,10 @@ install: $(STAMP) datasets
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, so that the dependency `torch>=2.1` of batchd is already met by the right build.
+# torch first, so that the dependency `torch>=2.1` of batchd[client] is already met by the right build.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[client,test]'
 	@touch $@
 
 datasets:

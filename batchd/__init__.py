@@ -55,4 +55,10 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'batchd' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise ModuleNotFoundError(f"batchd.{name} needs torch, which batchd's client extra installs: "
+                                  "pip install 'batchd[client]'", name="torch") from e
