@@ -1,23 +1,52 @@
-"""Slots lent to same-host clients, and the sessions that hold them.
+"""Slots lent to same-host clients, the sessions that hold them, and the calls they were sent on.
 
 A client on the server's host opens a session (``OpenSession``, a call that stays open). A
 batch sent over the shared-memory transport stays in its slot; the slot is *lent* to the
-session under a lease id until the client releases it (``ReleaseLeases``, sent when the
-tensors on it are freed) or the session ends (the client closed it, crashed, or was
-disconnected). A session holds at most ``max_held`` leases: past that, batches are sent
-inline, so a caller that keeps every batch (``list(loader)``) neither deadlocks the server nor
-pins unbounded shared memory.
+session under a lease id (one more reference on the slot, ``SlotPool.lend``) until the client
+releases it (``ReleaseLeases``, sent when the tensors on it are freed) or the session ends (the
+client closed it, crashed, or was disconnected). A session holds at most ``max_held`` leases:
+past that, batches are sent inline, so a caller that keeps every batch (``list(loader)``)
+neither deadlocks the server nor pins unbounded shared memory.
+
+Calls. Each lease is recorded under the StreamBatches call it was sent on, named by the
+client's ``(session, stream_tag)``. When the client stops reading a call (an early ``break``,
+a several-servers re-split), gRPC may have buffered batches it never receives; the client then
+says which leases of that call it did receive (``abandon``), and every other lease sent on it
+is released, now and any sent on it afterwards. A call's record lives until the call has ended
+on the server and none of its leases is outstanding, or until its session ends.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
+from dataclasses import dataclass, field
 
 from batchd.server.shm import Segment, SlotPool
 
 log = logging.getLogger(__name__)
+
+_ABANDONED_KEPT = 256  # per session: abandoned tags remembered for calls the server has not seen yet
+
+
+@dataclass(slots=True)
+class Lease:
+    """One lent slot: the call it was sent on (stream tag, "" if none; the server's stream id) and
+    the samples of its batch."""
+
+    slot: Segment
+    tag: str = ""
+    samples: int = 0
+    stream: int = 0
+
+
+@dataclass(slots=True)
+class _Call:
+    outstanding: set[int] = field(default_factory=set)  # leases sent on the call, not released yet
+    received: frozenset[int] | None = None  # set once abandoned: what the client said it received
+    ended: bool = False  # the call has ended on the server
 
 
 class LeaseTable:
@@ -28,7 +57,9 @@ class LeaseTable:
         self.max_held = max_held
         self._on_return = on_return or (lambda: None)
         self._lock = threading.Lock()
-        self._sessions: dict[str, dict[int, Segment]] = {}
+        self._sessions: dict[str, dict[int, Lease]] = {}
+        self._calls: dict[tuple[str, str], _Call] = {}
+        self._abandoned: dict[str, collections.OrderedDict[str, frozenset[int]]] = {}  # not yet seen calls
         self._ids = itertools.count(1)
 
     def open(self, session: str) -> None:
@@ -36,36 +67,100 @@ class LeaseTable:
             self._sessions.setdefault(session, {})
 
     def close(self, session: str) -> int:
-        """End ``session``: every slot it held goes back. Returns how many."""
+        """End ``session``: every slot it held goes back, its call records go. Returns how many slots."""
         with self._lock:
             held = self._sessions.pop(session, {})
-        for slot in held.values():
-            self.slots.give_back(slot)
+            for key in [k for k in self._calls if k[0] == session]:
+                del self._calls[key]
+            self._abandoned.pop(session, None)
+        for lease in held.values():
+            self.slots.give_back(lease.slot)
         if held:
             self._on_return()
         return len(held)
 
-    def lend(self, session: str, slot: Segment) -> int | None:
-        """A lease id for ``slot``, or None if the session is unknown or holds ``max_held`` already."""
+    def lend(self, session: str, slot: Segment, *, tag: str = "", samples: int = 0, stream: int = 0) -> int | None:
+        """A lease id for ``slot`` (held by the caller; the lease adds a reference), or None if the
+        session is unknown, holds ``max_held`` already, or the client abandoned call ``tag``."""
         with self._lock:
             held = self._sessions.get(session)
             if held is None or len(held) >= self.max_held:
                 return None
+            call = None
+            if tag:
+                call = self._calls.get((session, tag))
+                if call is None:
+                    call = self._calls[(session, tag)] = _Call()
+                    received = self._abandoned.get(session, {}).pop(tag, None)
+                    if received is not None:  # the client gave this call up before it started here
+                        call.received = received
+                if call.received is not None:
+                    return None
+            self.slots.lend(slot)
             lease = next(self._ids)
-            held[lease] = slot
-        self.slots.detach(slot)
+            held[lease] = Lease(slot, tag, samples, stream)
+            if call is not None:
+                call.outstanding.add(lease)
         return lease
 
-    def release(self, session: str, leases) -> int:
-        """Return the slots of ``leases``; unknown ids are ignored. Returns how many went back."""
+    def release(self, session: str, leases) -> list[Lease]:
+        """Return the slots of ``leases``; unknown ids are ignored. Returns the leases released."""
         with self._lock:
             held = self._sessions.get(session, {})
-            slots = [held.pop(lease) for lease in leases if lease in held]
-        for slot in slots:
-            self.slots.give_back(slot)
-        if slots:
+            ids = [lease for lease in set(leases) if lease in held]
+            released = [held.pop(lease) for lease in ids]
+            for lease_id, lease in zip(ids, released):
+                call = self._calls.get((session, lease.tag)) if lease.tag else None
+                if call is not None:
+                    call.outstanding.discard(lease_id)
+                    self._drop_if_done(session, lease.tag, call)
+        return self._give_back(released)
+
+    def abandon(self, session: str, tag: str, received) -> list[Lease]:
+        """The client stopped reading call ``tag`` having received exactly ``received`` of its leases:
+        release every other lease sent on it, and lend nothing more on it. Returns the leases released."""
+        received = frozenset(received)
+        with self._lock:
+            held = self._sessions.get(session)
+            if held is None or not tag:
+                return []
+            call = self._calls.get((session, tag))
+            if call is None:  # not started here yet (or over and all released): refuse it later
+                kept = self._abandoned.setdefault(session, collections.OrderedDict())
+                kept[tag] = received
+                while len(kept) > _ABANDONED_KEPT:
+                    kept.popitem(last=False)
+                return []
+            call.received = received
+            lost = [lease for lease in call.outstanding if lease not in received]
+            released = [held.pop(lease) for lease in lost if lease in held]
+            call.outstanding.difference_update(lost)
+            self._drop_if_done(session, tag, call)
+        return self._give_back(released)
+
+    def is_abandoned(self, session: str, tag: str) -> bool:
+        with self._lock:
+            call = self._calls.get((session, tag))
+            return call is not None and call.received is not None
+
+    def call_ended(self, session: str, tag: str) -> None:
+        """The call ``(session, tag)`` ended on the server: its record goes once its leases have."""
+        with self._lock:
+            call = self._calls.get((session, tag))
+            if call is not None:
+                call.ended = True
+                self._drop_if_done(session, tag, call)
+
+    def _drop_if_done(self, session: str, tag: str, call: _Call) -> None:
+        if call.ended and not call.outstanding:
+            del self._calls[(session, tag)]
+
+    def _give_back(self, released: list[Lease]) -> list[Lease]:
+        for lease in released:
+            self.slots.give_back(lease.slot)
+        if released:
             self._on_return()
-        return len(slots)
+        return released
 
     def held(self, session: str) -> int:
         with self._lock:
@@ -73,15 +168,15 @@ class LeaseTable:
 
     @property
     def held_total(self) -> int:
-        """Slots lent out, over all sessions."""
+        """Leases outstanding, over all sessions."""
         with self._lock:
             return sum(len(held) for held in self._sessions.values())
 
     @property
-    def held_bytes(self) -> int:
-        """Bytes of the slots lent out."""
+    def calls(self) -> int:
+        """Call records kept (calls still open, or with leases outstanding)."""
         with self._lock:
-            return sum(slot.capacity for held in self._sessions.values() for slot in held.values())
+            return len(self._calls)
 
     @property
     def sessions(self) -> int:

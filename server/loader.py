@@ -24,6 +24,7 @@ from batchd.server.pool import WorkerPool
 from batchd.server.stats import SENT, stream_outcome
 from batchd.server.protocol import StreamRequest
 from batchd.server.stream import Computation, Stream
+from batchd.server.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,11 @@ class Loader:
         self.owner = shm.Owner()
         self.slots = shm.SlotPool(max_slots=config.max_slots, prefix=self.owner.prefix)
         self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
+        self.transport = Transport(self.slots, self.leases)  # lend or copy each batch sent
         self.pool = WorkerPool(
             config.workers, dict(config.datasets), config.cache_dir, self.slots,
             worker_timeout_s=config.worker_timeout_s, max_task_retries=config.max_task_retries,
-            max_batch_bytes=config.max_batch_bytes,
+            max_batch_bytes=config.max_batch_bytes, reads_in_flight=config.reads_in_flight,
         )
         self._lock = threading.RLock()  # streams, counters, _computations; moving a stream between computations
         self.streams: dict[int, Stream] = {}
@@ -142,6 +144,7 @@ class Loader:
                     "try again when one ends")
             joined = self._join(stream)
             self.streams[stream.id] = stream
+            self.transport.open(stream)
             self.counters["streams_started"] += 1
         if joined is None:
             indices = shard_indices(
@@ -176,6 +179,7 @@ class Loader:
         computation.attach(stream, first=True)
         with self._lock:
             self._computations.setdefault(request.key, []).append(computation)
+            self.counters["computations_started"] += 1
         self.pool.add_computation(computation)
         return computation
 
@@ -223,6 +227,7 @@ class Loader:
             ended = computation is not None and computation.detach(stream)
         if ended:
             self._end_computation(computation)
+        self.transport.close(stream)
         with self._lock:
             if self.streams.pop(stream.id, None) is not None:
                 self.counters[stream_outcome(stream)] += 1
@@ -236,6 +241,12 @@ class Loader:
             stream.id, reason, stream.batches_sent, stream.batches_due, stream.samples_sent,
             stream.bytes_sent / 1e6, stream.samples_sent / elapsed if elapsed > 0 else 0.0, stream.samples_skipped, elapsed,
         )
+
+    @property
+    def computations(self) -> int:
+        """Computations running now (identical streams share one)."""
+        with self._lock:
+            return sum(len(group) for group in self._computations.values())
 
     @property
     def closed(self) -> bool:

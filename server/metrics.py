@@ -29,13 +29,22 @@ _STREAM_LABELS = ("stream", "dataset", "pipeline", "rank", "transport")
 
 # (name, help, StreamStats attribute) of the per-stream series
 _STREAM_COUNTERS = (
-    ("batchd_stream_batches_sent", "Batches sent to the stream's client.", "batches_sent"),
-    ("batchd_stream_samples_sent", "Samples (images) sent to the stream's client.", "samples_sent"),
+    ("batchd_stream_batches_sent", "Batches handed to gRPC for the stream's client (gRPC buffers ahead).", "batches_sent"),
+    ("batchd_stream_samples_sent", "Samples (images) handed to gRPC for the stream's client.", "samples_sent"),
     ("batchd_stream_bytes_sent", "gRPC message bytes sent to the stream's client.", "bytes_sent"),
+    ("batchd_stream_batches_taken", "Batches the stream's client handed to its training loop (as it reports).",
+     "batches_taken"),
+    ("batchd_stream_samples_taken", "Samples the stream's client handed to its training loop (as it reports).",
+     "samples_taken"),
+    ("batchd_stream_bytes_copied", "Batch bytes copied out of shared-memory slots for the stream (0: all lent).",
+     "bytes_copied"),
     ("batchd_stream_samples_skipped", "Unreadable samples left out of the stream's batches.", "samples_skipped"),
 )
 _STREAM_GAUGES = (
-    ("batchd_stream_images_per_second", "Samples sent per second, moving rate over about 10 s.", "images_per_second"),
+    ("batchd_stream_images_per_second", "Samples the client took per second, moving rate over about 10 s "
+     "(0 when the client reports nothing).", "images_per_second"),
+    ("batchd_stream_images_per_second_sent", "Samples handed to gRPC per second, moving rate over about 10 s.",
+     "images_per_second_sent"),
     ("batchd_stream_batches_ahead", "Batches built or being built ahead of the client (<= prefetch).", "batches_ahead"),
     ("batchd_stream_batches_in_flight", "Batches of the stream being built by workers.", "batches_in_flight"),
     ("batchd_stream_batches_ready", "Built batches waiting in the stream's reorder buffer.", "batches_ready"),
@@ -78,6 +87,14 @@ class StatsCollector(Collector):
         yield counter("batchd_samples_sent", "Samples (images) sent, all streams.", t.samples_sent)
         yield counter("batchd_bytes_sent", "gRPC message bytes of batches sent, all streams.", t.bytes_sent)
         yield counter("batchd_samples_skipped", "Unreadable samples left out of batches, all streams.", t.samples_skipped)
+        copied = CounterMetricFamily("batchd_bytes_copied", "Batch bytes copied out of shared-memory slots, by the "
+                                     "stream's transport (shm: inline fallbacks; 0 while every batch is lent).",
+                                     labels=["transport"])
+        copied.add_metric(["shm"], t.bytes_copied_shm)
+        copied.add_metric(["inline"], t.bytes_copied_inline)
+        yield copied
+        yield gauge("batchd_computations", "Running computations (identical streams share one).", s.computations)
+        yield counter("batchd_computations_started", "Computations started.", s.computations_started)
 
         yield gauge("batchd_workers", "Configured worker processes.", p.workers)
         yield gauge("batchd_workers_ready", "Worker processes started and answering.", p.ready)

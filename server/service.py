@@ -1,8 +1,8 @@
 """The gRPC servicer: a thin adapter from ``batchd.v1.BatchLoader`` to a ``Loader``.
 
-StreamBatches responses are serialized by ``batchd.wire.encode_batch`` straight from the
-worker's shared-memory slot (one copy), so the handler is registered with an identity
-serializer. The stream's generator never blocks for long: it waits for the next batch in slices
+StreamBatches responses come pre-serialized from ``Transport.encode`` (server/transport.py: the
+slot lent in place, or its bytes copied once into the message), so the handler is registered
+with an identity serializer. The stream's generator never blocks for long: it waits for the next batch in slices
 of ``_POLL_S`` and stops as soon as ``context.is_active()`` turns false (client gone).
 """
 
@@ -16,15 +16,12 @@ import traceback
 import uuid
 
 import grpc
-import lz4.frame as lz4_frame
 
-from batchd import wire
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server import build, stats
 from batchd.server.loader import Loader
 from batchd.server.protocol import StreamRequest
 from batchd.server.security import OPEN, Authenticator, Redactor, Scope
-from batchd.server.stream import ReadyBatch
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -103,8 +100,7 @@ class BatchLoaderService:
         except RuntimeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, self.redact(str(e)))
         reason = "finished"
-        shared = request.transport == pb.TRANSPORT_SHARED_MEMORY and bool(request.session)
-        lz4 = request.compression == pb.COMPRESSION_LZ4
+        transport = self.loader.transport
         lag = _LagLog(stream, self.loader)
         try:
             while True:
@@ -120,6 +116,11 @@ class BatchLoaderService:
                     reason = f"failed: {type(e).__name__}"
                     _abort_with_detail(context, stream.request.dataset, e, self.redact)
                     return
+                if transport.abandoned(stream):
+                    if batch is not None:
+                        stream.release(batch, sent=False)
+                    reason = "abandoned by the client"
+                    return
                 if batch is None:
                     if stream.finished:
                         return
@@ -129,41 +130,19 @@ class BatchLoaderService:
                     lag.waiting()
                     continue
                 lag.got_batch(batch.batch_index)
-                data = self._send(stream, batch, request, shared, lz4)
+                data = self._send(stream, batch)
                 stream.bytes_sent += len(data)
                 yield data
         finally:
             self.loader.close_stream(stream, reason)
 
-    def _send(self, stream, batch, request: pb.StreamBatchesRequest, shared: bool, lz4: bool) -> bytes:
-        """Serialize ``batch`` for the client, and give its slot back (or lend it).
-
-        Shared memory: the batch's own slot is lent when no other stream still reads it;
-        otherwise a copy in a free slot is lent; with no free slot or lease, the bytes go inline.
-        """
-        loader = self.loader
-        claimed = False  # (lending the batch's own slot: server/transport.py, next)
-        lent_slot, lease = None, None
+    def _send(self, stream, batch) -> bytes:
+        """Serialize ``batch`` for the client (lent or inline: ``Transport.encode``), then let go of it."""
         try:
-            if claimed:
-                lent_slot = batch.slot
-            elif shared:
-                end = max(t.offset + t.nbytes for t in batch.tensors)
-                lent_slot = loader.slots.acquire(end)
-                if lent_slot is not None:
-                    lent_slot.buf[:end] = batch.slot.buf[:end]
-            if lent_slot is not None:
-                lease = loader.leases.lend(request.session, lent_slot)
-                if lease is None and lent_slot is not batch.slot:
-                    loader.slots.release(lent_slot)
-            source = batch if lease is None or lent_slot is batch.slot else ReadyBatch(
-                batch.batch_index, lent_slot, batch.tensors, batch.timings, batch.skipped)
-            return _encode(source, request.epoch, stream.num_batches, lease, lz4)
+            return self.loader.transport.encode(stream, batch)
         finally:
-            if claimed and lease is None:
-                loader.slots.release(batch.slot)  # claimed but sent inline: it is ours to free
             stream.release(batch)
-            loader.pool.wake()  # a prefetch place is free
+            self.loader.pool.wake()  # a prefetch place is free
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
         if not request.session:
@@ -181,7 +160,7 @@ class BatchLoaderService:
             log.info("shared-memory session %s closed; %d slots it held went back", request.session[:8], returned)
 
     def ReleaseLeases(self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext):
-        self.loader.leases.release(request.session, request.leases)
+        self.loader.transport.release(request)
         return pb.ReleaseLeasesResponse()
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
@@ -246,23 +225,6 @@ class _LagLog:
                      time.monotonic() - (s.waiting_since or time.monotonic()))
         s.waiting_since = None
         self.flagged = self.logged = False
-
-
-def _encode(batch, epoch: int, num_batches: int, lease: int | None, lz4: bool) -> bytes:
-    """The serialized Batch: slot place and lease when lent, else the bytes (LZ4-framed if asked)."""
-    if lease is not None:
-        tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset) for t in batch.tensors]
-        return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors, segment=batch.slot.name, lease=lease,
-                                 skipped=batch.skipped)
-    buf = batch.slot.buf
-    tensors = []
-    for t in batch.tensors:
-        data = buf[t.offset : t.offset + t.nbytes]
-        if lz4:
-            tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, lz4_frame.compress(data), compression=pb.COMPRESSION_LZ4))
-        else:
-            tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, data))
-    return wire.encode_batch(batch.batch_index, epoch, num_batches, tensors, skipped=batch.skipped)
 
 
 def _abort_with_detail(context: grpc.ServicerContext, dataset: str, e: BaseException, redact=None) -> None:

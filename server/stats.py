@@ -1,12 +1,18 @@
 """Live figures of a running server: ``snapshot(loader)``, read by the Stats RPC and by Prometheus.
 
 ``snapshot`` only reads: the counters it reports are kept where the work happens (``Stream``:
-batches/samples/bytes sent, samples skipped; ``WorkerPool``: restarts, worker seconds;
-``Loader.counters``: streams started and ended, the sent figures of closed streams). Nothing
+batches/samples/bytes sent, what the client took, bytes copied, samples skipped; ``WorkerPool``:
+restarts, worker seconds; ``Transport``: bytes copied per transport; ``Loader.counters``: streams
+started and ended, the sent figures of closed streams).
+
+Sent and taken. ``batches_sent``/``samples_sent`` count what was handed to gRPC, which buffers
+ahead of the client; ``batches_taken``/``samples_taken`` what the client's iterator handed to its
+training loop, as the client reports it (ReleaseLeasesRequest.progress), or, for a client that
+does not report, the shared-memory leases it released; 0 for a client that does neither. Nothing
 runs in the background and nothing is counted twice; a Prometheus scrape and ``batchd status``
 call the same function.
 
-Rates. ``images_per_second`` (per stream) and ``utilization`` (per pool) are exponentially weighted
+Rates. ``images_per_second`` (per stream, samples taken), ``images_per_second_sent`` and ``utilization`` (per pool) are exponentially weighted
 moving rates over about ``RATE_WINDOW_S`` seconds (``RateMeter``), so they describe the last few
 seconds, not the whole life of a long stream. Prometheus users can also derive exact rates over
 any window from the counters (``rate(batchd_stream_samples_sent_total[1m])``,
@@ -83,15 +89,19 @@ class StreamStats:
     shared: bool  # computed once for several identical streams
     num_batches: int  # in this epoch for this shard
     next_batch: int  # the batch the client gets next
-    batches_sent: int
+    batches_sent: int  # handed to gRPC (which buffers ahead of the client)
     samples_sent: int
     bytes_sent: int  # gRPC message bytes (a shared-memory batch sends only its place)
+    batches_taken: int  # the client handed to its training loop (as it reports; see the module doc)
+    samples_taken: int
+    bytes_copied: int  # batch bytes copied out of slots for this stream (0: every batch lent in place)
     samples_skipped: int  # bad samples left out (dataset on_error: skip)
     batches_in_flight: int  # being built by workers
     batches_ready: int  # built, waiting in the reorder buffer
     prefetch: int
     age_seconds: float  # since the stream opened
-    images_per_second: float  # moving rate (RateMeter), samples sent per second
+    images_per_second: float  # moving rate (RateMeter), samples taken per second (0: the client reports nothing)
+    images_per_second_sent: float  # moving rate, samples handed to gRPC per second
     waiting_seconds: float  # how long the RPC has been waiting for its next batch now (0 if not waiting)
 
     @property
@@ -130,6 +140,8 @@ class Totals:
     samples_sent: int
     bytes_sent: int
     samples_skipped: int
+    bytes_copied_shm: int  # batch bytes copied out of slots for shared-memory streams (inline fallbacks)
+    bytes_copied_inline: int  # ... for inline streams (every batch's bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +151,8 @@ class ServerStats:
     streams: tuple[StreamStats, ...]
     pool: PoolStats
     totals: Totals
+    computations: int = 0  # running computations (identical streams share one); not in the proto
+    computations_started: int = 0
 
 
 # Loader.counters keys, for the streams that have closed (open ones are added by snapshot).
@@ -175,12 +189,16 @@ def stream_stats(stream: "Stream", now: float) -> StreamStats:
         batches_sent=stream.batches_sent,
         samples_sent=stream.samples_sent,
         bytes_sent=stream.bytes_sent,
+        batches_taken=stream.batches_taken,
+        samples_taken=stream.samples_taken,
+        bytes_copied=stream.bytes_copied,
         samples_skipped=stream.samples_skipped,
         batches_in_flight=in_flight,
         batches_ready=ready,
         prefetch=stream.prefetch,
         age_seconds=max(0.0, now - stream.started),
-        images_per_second=stream.meter.rate(now=now),
+        images_per_second=stream.taken_meter.rate(now=now),
+        images_per_second_sent=stream.meter.rate(now=now),
         waiting_seconds=0.0 if waiting_since is None else max(0.0, now - waiting_since),
     )
 
@@ -198,6 +216,7 @@ def snapshot(loader: "Loader") -> ServerStats:
     with loader._lock:  # streams move from `streams` to `counters` under this lock
         streams = tuple(stream_stats(s, now) for s in sorted(loader.streams.values(), key=lambda s: s.id))
         counters = dict(loader.counters)
+        computations = loader.computations
     pool, slots, leases = loader.pool, loader.slots, loader.leases
     load = pool.load()
     pool_stats = PoolStats(
@@ -210,7 +229,7 @@ def snapshot(loader: "Loader") -> ServerStats:
         tasks_in_flight=load["tasks_in_flight"],
         slots_in_use=slots.in_use,
         max_slots=slots.max_slots,
-        shm_bytes=slots.bytes_mapped + leases.held_bytes,
+        shm_bytes=slots.bytes_mapped,
         leases_held=leases.held_total,
         sessions=leases.sessions,
     )
@@ -218,7 +237,10 @@ def snapshot(loader: "Loader") -> ServerStats:
         streams_started=counters.get("streams_started", 0),
         **{k: counters.get(k, 0) for k in ENDED},
         **{k: counters.get(k, 0) + sum(getattr(s, k) for s in streams) for k in SENT},
+        bytes_copied_shm=loader.transport.bytes_copied["shm"],
+        bytes_copied_inline=loader.transport.bytes_copied["inline"],
     )
     return ServerStats(
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,
+        computations=computations, computations_started=counters.get("computations_started", 0),
     )

@@ -315,6 +315,12 @@ class Stream:
         self.was_shared = False  # read batches that another stream also read
         self.waiting_since: float | None = None  # monotonic time the RPC began waiting for a batch
         self.meter = RateMeter()  # samples sent per second, moving
+        self.bytes_copied = 0  # batch bytes copied out of slots for this stream (server/transport.py)
+        # what the client took (progress reports, else leases it released): server/transport.py
+        self.batches_taken = 0
+        self.samples_taken = 0
+        self.reports_progress = False  # the client reports progress: released leases no longer count
+        self.taken_meter = RateMeter()  # samples taken per second, moving
         self._lock = threading.Lock()
 
     @property
@@ -370,15 +376,36 @@ class Stream:
         first, stride = self.request.first_batch, self.request.stride
         return max(0, -(-(self.num_batches - first) // stride))
 
-    def release(self, batch: ReadyBatch) -> None:
+    def release(self, batch: ReadyBatch, *, sent: bool = True) -> None:
         """The batch was sent (copied into a message, or its slot lent under a lease that holds a
-        reference of its own): the computation drops it once no reader needs it."""
+        reference of its own), or will not be (``sent=False``): the computation drops it once no
+        reader needs it."""
         self._from.put_back(batch)
+        if not sent:
+            return
         n = batch.tensors[0].shape[0]
         with self._lock:
             self.batches_sent += 1
             self.samples_sent += n
         self.meter.add(n)
+
+    def took(self, batches: int, samples: int, *, reported: bool) -> None:
+        """The client took batches: ``reported`` totals from its progress reports (they win), else one
+        more released lease (``batches`` and ``samples`` added, until the client reports progress)."""
+        with self._lock:
+            if reported:
+                self.reports_progress = True
+                added = max(0, samples - self.samples_taken)
+                self.batches_taken = max(self.batches_taken, batches)
+                self.samples_taken = max(self.samples_taken, samples)
+            elif self.reports_progress:
+                return
+            else:
+                added = samples
+                self.batches_taken += batches
+                self.samples_taken += samples
+        if added:
+            self.taken_meter.add(added)
 
     def backlog(self) -> tuple[int, int]:
         """(batches being built, batches built and waiting) in this stream's computation."""

@@ -96,7 +96,7 @@ def test_snapshot_counts_exactly_what_a_stream_took(server):
             stream.id, "fmnist-test", BATCH, "none", "inline")
         assert (st.batches_sent, st.samples_sent, st.next_batch, st.num_batches) == (5, 5 * BATCH, 5, 100)
         assert 0 <= st.batches_ahead <= 3 and st.prefetch == 3
-        assert st.images_per_second > 0 and st.samples_skipped == 0 and not st.shared
+        assert st.images_per_second_sent > 0 and st.samples_skipped == 0 and not st.shared
         assert s.totals.streams_started >= 1 and s.totals.batches_sent >= 5
         assert s.pool.workers == 2 and s.pool.ready == 2 and s.pool.restarts == 0
         assert 0.0 <= s.pool.utilization <= 1.0 and s.pool.busy_seconds > 0
