@@ -26,6 +26,7 @@ from batchd.errors import (
 
 if TYPE_CHECKING:
     from batchd.client.datasets import DatasetInfo, list_datasets
+    from batchd.client.finish import GpuTransform
     from batchd.client.loader import RemoteDataLoader
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "BatchdError",
     "DatasetInfo",
     "DatasetNotFoundError",
+    "GpuTransform",
     "PermissionDeniedError",
     "RemoteDataLoader",
     "ResourceExhaustedError",
@@ -45,6 +47,7 @@ __all__ = [
 _LAZY = {
     "DatasetInfo": "batchd.client.datasets",
     "list_datasets": "batchd.client.datasets",
+    "GpuTransform": "batchd.client.finish",
     "RemoteDataLoader": "batchd.client.loader",
 }
 
