@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -33,6 +34,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from .datasets.storage import StorageOptions, is_remote, is_url, local_path
 
 MiB = 1 << 20
 
@@ -74,6 +77,18 @@ class _ImageFilesBase(_DatasetBase):
     """
 
     reduced_decode: bool = True
+    storage_options: StorageOptions = Field(default_factory=StorageOptions)
+
+
+def _location(v: Any) -> Any:
+    """A URL (``s3://``, ``gs://``, ``http(s)://``) stays a string; ``file://`` and plain paths become Paths."""
+    if isinstance(v, str) and is_url(v):
+        return v if is_remote(v) else pathlib.Path(local_path(v))
+    return pathlib.Path(v) if isinstance(v, str) else v
+
+
+# a local path or a URL (storage_options apply to URLs; see datasets/storage.py)
+Location = Annotated[Union[pathlib.Path, str], BeforeValidator(_location)]
 
 
 class ImageFolderConfig(_ImageFilesBase):
@@ -88,7 +103,7 @@ class ImageFolderConfig(_ImageFilesBase):
     """
 
     kind: Literal["imagefolder"]
-    root: pathlib.Path
+    root: Location
     extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
     allow_empty: bool = False
 
@@ -107,8 +122,8 @@ class ManifestConfig(_ImageFilesBase):
     """A CSV or Parquet table with columns ``path`` and ``label``; paths relative to its folder."""
 
     kind: Literal["manifest"]
-    path: pathlib.Path
-    root: pathlib.Path | None = Field(default=None, description="where relative paths start; default: the table's folder")
+    path: Location
+    root: Location | None = Field(default=None, description="where relative paths start; default: the table's folder")
 
 
 DatasetConfig = Annotated[

@@ -21,6 +21,7 @@ import cv2
 import numpy as np
 
 from .base import Dataset, SampleSpec
+from .storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 
 DEFAULT_MAX_PIXELS = 1 << 28
 
@@ -146,7 +147,20 @@ def _decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[
 
 
 def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
-    """Read and decode an image file: uint8 [H, W, 3], RGB.
+    """Read and decode an image file: uint8 [H, W, 3], RGB (``decode_rgb`` of its bytes).
+
+    Raises ImageReadError: ``cannot read file: [Errno N] ...`` (missing, unreadable, a folder),
+    or one of ``decode_rgb``'s reasons.
+    """
+    try:
+        buf = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:
+        raise ImageReadError(f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
+    return decode_rgb(buf, max_pixels, min_size)
+
+
+def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
+    """Decode an encoded image (bytes-like or uint8 array): uint8 [H, W, 3], RGB.
 
     Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
     alpha is dropped, 16-bit images are scaled to 8 bits, and EXIF orientation is applied.
@@ -154,14 +168,10 @@ def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[in
     decoded reduced by 2, 4 or 8 (the pipeline downsizes it anyway; measured here: a
     1000x750 JPEG decodes about 2x faster at 1/2).
 
-    Raises ImageReadError whose reason is one of: ``cannot read file: [Errno N] ...`` (missing,
-    unreadable, a folder), ``empty file (0 bytes)``, ``truncated JPEG: ...``, ``not a
-    decodable image (N bytes)``, ``image too large: WxH = P pixels > max_pixels M``.
+    Raises ImageReadError whose reason is one of: ``empty file (0 bytes)``, ``truncated JPEG:
+    ...``, ``not a decodable image (N bytes)``, ``image too large: WxH = P pixels > max_pixels M``.
     """
-    try:
-        buf = np.fromfile(path, dtype=np.uint8)
-    except OSError as e:
-        raise ImageReadError(f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
+    buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     if buf.size == 0:
         raise ImageReadError("empty file (0 bytes)")
     size = image_size(buf)
@@ -190,13 +200,16 @@ class FileDataset(Dataset):
     ``reduced_decode=False``: always decode JPEGs at full size (``min_size`` is ignored).
     """
 
-    def __init__(self, name: str, *, max_pixels: int = DEFAULT_MAX_PIXELS, reduced_decode: bool = True):
+    def __init__(self, name: str, *, max_pixels: int = DEFAULT_MAX_PIXELS, reduced_decode: bool = True,
+                 storage_options: StorageOptions | None = None):
         self.name = name
         self.max_pixels = int(max_pixels)
         self.reduced_decode = bool(reduced_decode)
+        self.storage_options = storage_options if storage_options is not None else StorageOptions()
 
     def _attach(self, index, root: str) -> None:
-        """Use ``index`` (an ``_cache.ArrayFile``) with paths relative to ``root``."""
+        """Use ``index`` (an ``_cache.ArrayFile``) with paths relative to ``root`` (a path or URL)."""
+        self.storage = Storage(root, self.storage_options)
         self._index = index  # keeps the mapping alive
         self._paths = PackedStrings(index["path_bytes"], index["path_offsets"])
         self._labels = index["labels"]
@@ -230,25 +243,49 @@ class FileDataset(Dataset):
         return {"reduced_decode": "on" if self.reduced_decode else "off"}
 
     def source(self, index: int) -> str:
-        """The path as stored in the index (relative to the root unless it was absolute)."""
+        """The path as stored in the index (relative to the root unless it was absolute or a URL;
+        a URL without user info or query, so never a credential)."""
         try:
-            return self._paths[self._check(index)]
+            return safe_url(self._paths[self._check(index)])
         except IndexError:
             return f"#{index}"
 
+    def location(self, index: int) -> str:
+        """The file or URL of sample ``index``."""
+        return join(self.root, self._paths[self._check(index)])
+
     def path(self, index: int) -> pathlib.Path:
-        """The file of sample ``index``."""
-        return pathlib.Path(self.root, self._paths[self._check(index)])
+        """The local file of sample ``index`` (raises ValueError for a dataset on remote storage)."""
+        return pathlib.Path(local_path(self.location(index)))
 
-    def load_image(self, index: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
-        """uint8 [H, W, 3] RGB. Raises IndexError out of range; SampleError (see read_rgb's reasons).
+    def read_bytes(self, index: int) -> bytes:
+        """The encoded bytes of sample ``index`` (I/O only: safe to call from several threads).
 
-        ``min_size``: see ``read_rgb`` (reduced JPEG decoding; ignored with reduced_decode off).
+        Raises IndexError out of range; SampleError whose reason is ``cannot read file: [Errno N]
+        ...`` (local), ``no such object: URL`` or ``cannot read URL: Error: message`` (remote,
+        after the storage library's retries; the URL without credentials).
         """
         index = self._check(index)
+        location = self.location(index)
+        try:
+            return self.storage.read(location)
+        except FileNotFoundError as e:
+            reason = str(e) if is_remote(location) else f"cannot read file: [Errno 2] {e.strerror or 'No such file or directory'}"
+            raise self.sample_error(index, reason) from None
+        except StorageError as e:
+            raise self.sample_error(index, str(e)) from None
+        except OSError as e:
+            raise self.sample_error(index, f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
+
+    def decode(self, index: int, data, min_size: tuple[int, int] | None = None) -> np.ndarray:
+        """Decode ``data`` (what ``read_bytes(index)`` returned): uint8 [H, W, 3] RGB.
+
+        ``min_size``: see ``decode_rgb`` (reduced JPEG decoding; ignored with reduced_decode off).
+        Raises SampleError (see ``decode_rgb``'s reasons).
+        """
         if not self.reduced_decode:
             min_size = None
         try:
-            return read_rgb(os.path.join(self.root, self._paths[index]), self.max_pixels, min_size)
+            return decode_rgb(data, self.max_pixels, min_size)
         except ImageReadError as e:
             raise self.sample_error(index, e.reason) from None

@@ -73,3 +73,16 @@ def file_list_fingerprint(kind: str, root: str, classes: Sequence[str], paths: S
     for start in range(0, len(paths), _STAT_BATCH):
         h.update(rows(start))
     return h.hexdigest()[:FINGERPRINT_CHARS]
+
+
+def listing_fingerprint(kind: str, classes: Sequence[str], paths: Sequence[str], labels: Sequence[int],
+                        versions: Sequence[tuple[int, str]]) -> str:
+    """Fingerprint of an object-store listing: ``classes``, then each (key relative to the root,
+    label, size in bytes, version: the ETag or last-modified time the listing gave)."""
+    h = _start(kind)
+    h.update("\0".join(classes).encode("utf-8", "surrogateescape") + b"\0\0")
+    for start in range(0, len(paths), _STAT_BATCH):
+        rows = zip(paths[start:start + _STAT_BATCH], labels[start:start + _STAT_BATCH],
+                   versions[start:start + _STAT_BATCH])
+        h.update("".join(f"{p}\0{l}\0{s}\0{v}\n" for p, l, (s, v) in rows).encode("utf-8", "surrogateescape"))
+    return h.hexdigest()[:FINGERPRINT_CHARS]

@@ -9,7 +9,8 @@ import numpy as np
 
 from ._cache import ArrayFileWriter, cache_path, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS, FileDataset, pack_strings
-from ._fingerprint import file_list_fingerprint
+from ._fingerprint import file_list_fingerprint, listing_fingerprint
+from .storage import Storage, StorageOptions, is_remote, local_path, safe_url
 
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -84,6 +85,53 @@ def scan(root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> t
     return classes, paths, labels
 
 
+def scan_listing(root: str, files: dict[str, dict], extensions: tuple[str, ...],
+                 allow_empty: bool = False) -> tuple[list[str], list[str], list[int]]:
+    """(classes, keys relative to ``root``, labels) for an object-store prefix, in ``scan``'s order.
+
+    ``files``: every object under ``root`` (key relative to it -> info), listed once. Object
+    stores have no folders: a class is the first component of keys that have at least two
+    (objects directly under ``root`` are ignored, as files next to class folders are); a
+    class's samples sort by (folder path, file name) as ``sorted(os.walk(...))`` then
+    ``sorted(fnames)`` order them. A class "folder" holding only non-images is empty (an error
+    unless ``allow_empty``, as in ``scan``).
+
+    Raises FileNotFoundError if there are no class folders or (unless ``allow_empty``) a class
+    has no image; ValueError if there is no image at all.
+    """
+    exts = tuple(e.lower() for e in extensions)
+    by_class: dict[str, list[tuple[str, str]]] = {}
+    for key in files:
+        cls, sep, rest = key.partition("/")
+        if not sep or not rest:
+            continue
+        folder, _, fname = key.rpartition("/")
+        entries = by_class.setdefault(cls, [])
+        if fname.lower().endswith(exts):
+            entries.append((folder, fname))
+    classes = sorted(by_class)
+    if not classes:
+        raise FileNotFoundError(f"{root}: no class folders (expected one prefix per class, e.g. {root}/cat/1.jpg)")
+    paths: list[str] = []
+    labels: list[int] = []
+    empty = []
+    for label, cls in enumerate(classes):
+        entries = sorted(by_class[cls])
+        if not entries:
+            empty.append(f"{root}/{cls}")
+        paths.extend(f"{folder}/{fname}" for folder, fname in entries)
+        labels.extend([label] * len(entries))
+    if empty and not allow_empty:
+        raise FileNotFoundError(
+            f"{root}: no images with extensions {', '.join(exts)} in the class folder(s) {', '.join(empty)} "
+            "(torchvision's ImageFolder refuses this too); add images, remove the folder(s), or set "
+            "allow_empty: true to keep them as classes without samples"
+        )
+    if not paths:
+        raise ValueError(f"{root}: no images with extensions {', '.join(exts)} in its class folders {classes}")
+    return classes, paths, labels
+
+
 class ImageFolder(FileDataset):
     """``root/<class>/**/<file>``, listed exactly as ``torchvision.datasets.ImageFolder`` lists it.
 
@@ -103,21 +151,34 @@ class ImageFolder(FileDataset):
     kind = "imagefolder"
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
-        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True))
-        root = os.path.abspath(cfg.root)
+        options = getattr(cfg, "storage_options", None) or StorageOptions()
+        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True),
+                         storage_options=options)
+        remote = is_remote(str(cfg.root))
+        root = str(cfg.root).rstrip("/") if remote else local_path(cfg.root)
         extensions = sorted({e.lower() for e in cfg.extensions})
         allow_empty = bool(getattr(cfg, "allow_empty", False))
         key = {"root": root, "extensions": extensions, "allow_empty": allow_empty, "order": ORDER}
+        if remote:
+            key["storage"] = options.fingerprint_part()
         out = cache_path(cache_dir, self.kind, root, key)
         if build:
-            classes, paths, labels = scan(root, tuple(extensions), allow_empty)
-            fingerprint = file_list_fingerprint(self.kind, root, classes, paths, labels)
+            if remote:  # listed once, here; the index keeps the listing
+                files = Storage(root, options).list_files(root)
+                classes, paths, labels = scan_listing(safe_url(root), files, tuple(extensions), allow_empty)
+                versions = [(files[p].get("size", -1), files[p].get("ETag") or files[p].get("LastModified") or "")
+                            for p in paths]
+                fingerprint = listing_fingerprint(self.kind, classes, paths, labels, versions)
+                del files
+            else:
+                classes, paths, labels = scan(root, tuple(extensions), allow_empty)
+                fingerprint = file_list_fingerprint(self.kind, root, classes, paths, labels)
             data, offsets = pack_strings(paths)
             del paths
             with ArrayFileWriter(out) as w:
                 w.add("path_bytes", data)
                 w.add("path_offsets", offsets)
                 w.add("labels", np.asarray(labels, dtype=np.int64))
-                w.meta.update(kind=self.kind, root=root, classes=classes, fingerprint=fingerprint)
+                w.meta.update(kind=self.kind, root=safe_url(root), classes=classes, fingerprint=fingerprint)
             remove_stale(out)
-        self._attach(open_cached(out, what=f"dataset {name!r} ({self.kind}, {root})"), root)
+        self._attach(open_cached(out, what=f"dataset {name!r} ({self.kind}, {safe_url(root)})"), root)

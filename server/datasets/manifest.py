@@ -11,6 +11,7 @@ import numpy as np
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS, FileDataset
 from ._fingerprint import content_fingerprint
+from .storage import Storage, StorageOptions, basename, is_remote, local_path, parent, safe_url
 
 COLUMNS = ("path", "label")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -169,21 +170,49 @@ class Manifest(FileDataset):
     kind = "manifest"
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
-        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True))
-        table_path = os.path.abspath(cfg.path)
-        root = os.path.abspath(cfg.root) if cfg.root is not None else os.path.dirname(table_path)
+        options = getattr(cfg, "storage_options", None) or StorageOptions()
+        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True),
+                         storage_options=options)
+        remote = is_remote(str(cfg.path))
+        table_path = str(cfg.path) if remote else local_path(cfg.path)
+        if cfg.root is not None:
+            root = str(cfg.root).rstrip("/") if is_remote(str(cfg.root)) else local_path(cfg.root)
+        else:
+            root = parent(table_path)
+        storage = Storage(table_path, options)
         try:
-            fingerprint = file_fingerprint(table_path)
+            if remote:
+                fingerprint = {"url": safe_url(table_path), **storage.info(table_path), **options.fingerprint_part()}
+            else:
+                fingerprint = file_fingerprint(table_path)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{table_path}: manifest not found (dataset {name!r})") from None
-        out = cache_path(cache_dir, self.kind, table_path, fingerprint)
+            raise FileNotFoundError(f"{safe_url(table_path)}: manifest not found (dataset {name!r})") from None
+        out = cache_path(cache_dir, self.kind, safe_url(table_path), fingerprint)
         index = None
         if build:
             try:
                 index = ArrayFile(out)
             except (FileNotFoundError, ValueError):
-                _build(table_path, out, fingerprint)
+                if remote:
+                    _build_remote(storage, table_path, out, fingerprint)
+                else:
+                    _build(table_path, out, fingerprint)
                 remove_stale(out)
         if index is None:
-            index = open_cached(out, what=f"dataset {name!r} ({self.kind}, {table_path})")
+            index = open_cached(out, what=f"dataset {name!r} ({self.kind}, {safe_url(table_path)})")
         self._attach(index, root)
+
+
+def _build_remote(storage: Storage, url: str, out: pathlib.Path, fingerprint) -> None:
+    """Build the index of a manifest on remote storage from a local copy next to ``out``
+    (streamed to disk, deleted afterwards: memory stays as for a local table)."""
+    copy = out.with_name(f".{out.name}.{os.getpid()}.download{os.path.splitext(basename(url))[1]}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        storage.download(url, copy)
+        try:
+            _build(str(copy), out, fingerprint)
+        except ValueError as e:  # name the manifest, not our copy
+            raise ValueError(str(e).replace(str(copy), safe_url(url))) from None
+    finally:
+        copy.unlink(missing_ok=True)

@@ -1,0 +1,308 @@
+"""Where dataset files live: local paths or URLs (``s3://``, ``gs://``, ``http(s)://``, ``file://``).
+
+Everything remote goes through fsspec (s3fs for ``s3://``). ``StorageOptions`` is the
+``storage_options`` block of a dataset config: fsspec/s3fs's own names (``endpoint_url``,
+``key``, ``secret``, ``token``, ``region``, ``anon``, and any other keyword the filesystem
+takes), credentials that may come from a file the config names, and batchd's retry and timeout
+settings. Secrets are ``SecretStr`` (``repr``, logs and ``model_dump`` show ``**********``);
+``Storage.open`` hands the real values to fsspec only.
+
+Retries are the storage library's own: for S3, botocore's ``standard`` retry mode
+(exponential backoff with full jitter on throttling, 5xx, and connection errors, up to
+``max_attempts`` attempts) plus a connect and a read timeout per request (``timeout_s``); gcsfs
+retries on its own. A read that still fails raises ``StorageError`` with the URL (user info and
+query removed, so no credential) and the error's type and message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import posixpath
+import re
+import threading
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# storage_options keys whose values are credentials (also among the extra, filesystem-specific keys)
+SECRET_KEYS = frozenset({"key", "secret", "token", "password", "session_token", "client_secret",
+                         "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key", "sas_token"})
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """True if ``location`` is ``scheme://...`` (``file://`` included)."""
+    return isinstance(location, str) and bool(_URL.match(location))
+
+
+def is_remote(location: str | os.PathLike[str]) -> bool:
+    """True for a URL other than ``file://`` (the bytes are not on a local filesystem)."""
+    return is_url(location) and not str(location).lower().startswith("file://")
+
+
+def local_path(location: str | os.PathLike[str]) -> str:
+    """``file:///a/b`` -> ``/a/b``; a plain path made absolute. Raises ValueError for a remote URL."""
+    text = os.fspath(location)
+    if is_remote(text):
+        raise ValueError(f"{safe_url(text)} is not a local path")
+    if is_url(text):
+        text = urlsplit(text).path
+    return os.path.abspath(text)
+
+
+def safe_url(url: str) -> str:
+    """``url`` without user info, query or fragment (where presigned URLs and passwords hide)."""
+    if not is_url(url):
+        return url
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def join(root: str, rel: str) -> str:
+    """``rel`` inside ``root``: a full URL ``rel`` is used as is; a local root joins like
+    ``os.path.join`` (an absolute ``rel`` wins); a URL root gets ``root/rel``."""
+    if is_url(rel):
+        return rel
+    if is_url(root):
+        return root.rstrip("/") + "/" + rel.lstrip("/")
+    return os.path.join(root, rel)
+
+
+class StorageOptions(BaseModel):
+    """A dataset's ``storage_options`` (only used for URLs).
+
+    endpoint_url: an S3-compatible server, e.g. ``http://10.0.0.5:8333`` (SeaweedFS, MinIO).
+    key, secret, token: credentials (access key id, secret key, session token). Unset: the
+        library's own chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` in the environment,
+        ``~/.aws/credentials``, instance metadata).
+    region: the S3 region (``client_kwargs.region_name`` in s3fs).
+    anon: true for public buckets (no signing).
+    credentials_file: a YAML or JSON mapping of further options (typically ``key``, ``secret``),
+        read when the dataset opens; values in the config win.
+    max_attempts: attempts per request, the first included (botocore's standard retry mode:
+        exponential backoff with jitter on throttling, 5xx and connection errors). Default 5.
+    timeout_s: connect timeout and read timeout per request, seconds. Default 30.
+    Other keys go to the fsspec filesystem as they are (e.g. gcsfs's ``project``); those named
+    like credentials (``SECRET_KEYS``) are kept as secrets too.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    endpoint_url: str | None = None
+    key: SecretStr | None = None
+    secret: SecretStr | None = None
+    token: SecretStr | None = None
+    region: str | None = None
+    anon: bool | None = None
+    credentials_file: pathlib.Path | None = None
+    max_attempts: int = Field(default=5, ge=1, le=50)
+    timeout_s: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _hide_extra_secrets(self) -> "StorageOptions":
+        for name, value in (self.__pydantic_extra__ or {}).items():
+            if name in SECRET_KEYS and not isinstance(value, SecretStr):
+                self.__pydantic_extra__[name] = SecretStr(str(value))
+        return self
+
+    def secret_values(self) -> list[str]:
+        """Every credential value set here or in ``credentials_file`` (for redaction; never log it)."""
+        return [str(v) for k, v in self.resolved().items() if k in SECRET_KEYS and v]
+
+    def resolved(self) -> dict[str, Any]:
+        """Plain options (secrets revealed) with ``credentials_file`` merged in, None values dropped.
+
+        Raises ValueError naming the credentials file if it cannot be read or is not a mapping.
+        """
+        out: dict[str, Any] = {}
+        if self.credentials_file is not None:
+            path = self.credentials_file
+            try:
+                loaded = yaml.safe_load(path.read_text())
+            except OSError as e:
+                raise ValueError(f"storage_options.credentials_file {path}: {e.strerror}") from None
+            except yaml.YAMLError:
+                raise ValueError(f"storage_options.credentials_file {path}: not YAML or JSON") from None
+            if not isinstance(loaded, dict):
+                raise ValueError(f"storage_options.credentials_file {path}: expected a mapping such as {{key: ..., secret: ...}}")
+            out.update(loaded)
+        for name in [*type(self).model_fields, *(self.__pydantic_extra__ or {})]:
+            if name in ("credentials_file", "max_attempts", "timeout_s"):
+                continue
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            if value is not None:
+                out[name] = value
+        return out
+
+    def fingerprint_part(self) -> dict[str, Any]:
+        """What identifies the storage without credentials (cache keys): endpoint, region."""
+        return {"endpoint_url": self.endpoint_url, "region": self.region}
+
+
+def fsspec_options(protocol: str, options: StorageOptions) -> dict[str, Any]:
+    """Keyword arguments for ``fsspec.filesystem(protocol, ...)``: our names mapped to the library's,
+    with retries and timeouts set."""
+    kw = options.resolved()
+    if protocol in ("s3", "s3a"):
+        region = kw.pop("region", None)
+        client_kwargs = dict(kw.pop("client_kwargs", {}) or {})
+        if region:
+            client_kwargs.setdefault("region_name", region)
+        elif kw.get("endpoint_url"):
+            client_kwargs.setdefault("region_name", "us-east-1")  # S3-compatible servers ignore it; botocore wants one
+        kw["client_kwargs"] = client_kwargs
+        config_kwargs = dict(kw.pop("config_kwargs", {}) or {})
+        config_kwargs.setdefault("retries", {"max_attempts": options.max_attempts, "mode": "standard"})
+        config_kwargs.setdefault("connect_timeout", options.timeout_s)
+        config_kwargs.setdefault("read_timeout", options.timeout_s)
+        kw["config_kwargs"] = config_kwargs
+    elif protocol in ("gs", "gcs"):
+        kw.pop("region", None)
+        kw.setdefault("timeout", options.timeout_s)
+    elif protocol in ("http", "https"):
+        import aiohttp
+
+        kw.setdefault("client_kwargs", {"timeout": aiohttp.ClientTimeout(total=None, connect=options.timeout_s,
+                                                                         sock_read=options.timeout_s)})
+    return kw
+
+
+class StorageError(OSError):
+    """A read from storage failed after the library's retries; the message names the URL (no
+    credentials) and the error."""
+
+
+class Storage:
+    """Reads bytes from local paths and URLs with one set of ``StorageOptions``.
+
+    Filesystems are made on first use, one per protocol, in the process that uses them (each
+    worker opens its own; thread-safe). ``options`` apply to the protocol of ``root``; other
+    protocols (full URLs in a manifest) get fsspec's defaults plus our retries and timeouts.
+    """
+
+    def __init__(self, root: str, options: StorageOptions | None = None):
+        self.root = root
+        self.options = options if options is not None else StorageOptions()
+        self._root_protocol = self.protocol(root)
+        self._fs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def protocol(location: str) -> str:
+        return location.split("://", 1)[0].lower() if is_remote(location) else "file"
+
+    def filesystem(self, location: str):
+        """The fsspec filesystem for ``location``'s protocol (made once)."""
+        proto = self.protocol(location)
+        fs = self._fs.get(proto)
+        if fs is None:
+            import fsspec
+
+            with self._lock:
+                fs = self._fs.get(proto)
+                if fs is None:
+                    opts = self.options if proto == self._root_protocol else StorageOptions(
+                        max_attempts=self.options.max_attempts, timeout_s=self.options.timeout_s)
+                    fs = fsspec.filesystem(proto, **(fsspec_options(proto, opts) if proto != "file" else {}))
+                    if proto in ("s3", "s3a"):
+                        fs.retries = 1  # s3fs's own loop (fixed backoff, no jitter) off: botocore retries
+                    self._fs[proto] = fs
+        return fs
+
+    def read(self, location: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``location`` (a local path or URL); the whole file by default.
+
+        Raises FileNotFoundError for a missing local file or object (message: the safe URL),
+        StorageError for any other failure after retries.
+        """
+        if not is_remote(location):
+            path = local_path(location)
+            with open(path, "rb") as f:
+                if start:
+                    f.seek(start)
+                return f.read() if end is None else f.read(end - (start or 0))
+        try:
+            return self.filesystem(location).cat_file(location, start=start, end=end)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
+        except Exception as e:  # botocore/aiohttp errors have no common base
+            raise StorageError(f"cannot read {safe_url(location)}: {describe(e)}") from None
+
+    def info(self, location: str) -> dict[str, Any]:
+        """Size and version of ``location``: ``{"size": bytes, "version": ETag or mtime}``.
+
+        Raises FileNotFoundError naming the safe URL, StorageError otherwise.
+        """
+        if not is_remote(location):
+            st = os.stat(local_path(location))
+            return {"size": st.st_size, "version": st.st_mtime_ns}
+        try:
+            info = self.filesystem(location).info(location)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
+        except Exception as e:
+            raise StorageError(f"cannot read {safe_url(location)}: {describe(e)}") from None
+        return {"size": int(info.get("size") or 0), "version": str(info.get("ETag") or info.get("etag") or
+                                                                   info.get("LastModified") or info.get("mtime") or "")}
+
+    def list_files(self, location: str) -> dict[str, dict[str, Any]]:
+        """Every object under the prefix ``location`` (recursively): key relative to it -> info.
+
+        Raises FileNotFoundError if there is none, StorageError if listing fails.
+        """
+        fs = self.filesystem(location)
+        try:
+            found = fs.find(location, withdirs=False, detail=True)
+        except FileNotFoundError:
+            found = {}
+        except Exception as e:
+            raise StorageError(f"cannot list {safe_url(location)}: {describe(e)}") from None
+        base = fs._strip_protocol(location).rstrip("/") + "/"
+        out = {}
+        for path, info in found.items():
+            if path.startswith(base) and info.get("type", "file") == "file":
+                out[path[len(base):]] = info
+        if not out:
+            raise FileNotFoundError(f"{safe_url(location)}: no objects under this prefix")
+        return out
+
+    def download(self, location: str, dest: str | os.PathLike[str]) -> None:
+        """Copy ``location`` to the local file ``dest`` (streamed). Raises as ``read``."""
+        try:
+            self.filesystem(location).get_file(location, os.fspath(dest))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
+        except Exception as e:
+            raise StorageError(f"cannot read {safe_url(location)}: {describe(e)}") from None
+
+
+def describe(e: BaseException) -> str:
+    """``Type: message`` of a storage error, with any URL in it stripped of credentials."""
+    text = str(e) or repr(e)
+    text = re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+", lambda m: safe_url(m.group(0)), text)
+    return f"{type(e).__name__}: {text}"[:500]
+
+
+def parent(location: str) -> str:
+    """The folder or prefix holding ``location``."""
+    if is_url(location):
+        return location.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(location)
+
+
+def basename(location: str) -> str:
+    return posixpath.basename(location.rstrip("/")) if is_url(location) else os.path.basename(location)
+
+
+def dump_secret_free(options: StorageOptions) -> str:
+    """JSON of ``options`` with secrets masked (for logs and errors)."""
+    return json.dumps(options.model_dump(mode="json"), sort_keys=True, default=str)

