@@ -135,23 +135,28 @@ class Loader:
             pipeline_name=name, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text,
         )
         stream = Stream(request, n)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the loader is shutting down")
-            if len(self.streams) >= cfg.max_streams:
-                raise ResourceExhaustedError(
-                    f"the server already has {len(self.streams)} open streams, its limit (max_streams); "
-                    "try again when one ends")
-            joined = self._join(stream)
-            self.streams[stream.id] = stream
-            self.transport.open(stream)
-            self.counters["streams_started"] += 1
-        if joined is None:
+        indices = None  # this shard's order, computed outside the lock when no computation can be joined
+        while True:
+            with self._lock:  # join a running computation or register a new one: one decision, one lock
+                if self._closed:
+                    raise RuntimeError("the loader is shutting down")
+                if len(self.streams) >= cfg.max_streams:
+                    raise ResourceExhaustedError(
+                        f"the server already has {len(self.streams)} open streams, its limit (max_streams); "
+                        "try again when one ends")
+                joined = self._join(stream)
+                if joined is not None or indices is not None:
+                    started = None if joined is not None else self._new_computation(stream, request, indices, n)
+                    self.streams[stream.id] = stream
+                    self.transport.open(stream)
+                    self.counters["streams_started"] += 1
+                    break
             indices = shard_indices(
                 len(ds), shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
                 rank=args.rank, world_size=world_size, drop_last=args.drop_last,
             )
-            self._start_computation(stream, request, indices, n)
+        if started is not None:
+            self.pool.add_computation(started)
         log.info(
             "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
             "batches %d..%d%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
@@ -172,15 +177,15 @@ class Loader:
                 return computation
         return None
 
-    def _start_computation(self, stream: Stream, request: StreamRequest, indices, n: int) -> Computation:
+    def _new_computation(self, stream: Stream, request: StreamRequest, indices, n: int) -> Computation:
+        """A computation for ``stream``, registered (under _lock, which the caller holds) so that
+        identical streams join it; the caller hands it to the pool."""
         computation = Computation(request, indices, n, release_slot=self._release_slot,
                                   window=self.config.share_window, start=stream.position)
         computation.on_fall_behind = self._fell_behind
         computation.attach(stream, first=True)
-        with self._lock:
-            self._computations.setdefault(request.key, []).append(computation)
-            self.counters["computations_started"] += 1
-        self.pool.add_computation(computation)
+        self._computations.setdefault(request.key, []).append(computation)
+        self.counters["computations_started"] += 1
         return computation
 
     def _fell_behind(self, stream: Stream) -> None:
@@ -193,7 +198,8 @@ class Loader:
             if stream.closed or self._closed:
                 return
             old = stream.computation
-            new = self._start_computation(stream, old.request, old.indices, old.num_batches)
+            new = self._new_computation(stream, old.request, old.indices, old.num_batches)
+            self.pool.add_computation(new)
             ended = old.detach(stream)
         log.info(
             "stream %d fell more than %d batches behind the other readers of computation %d; its batches from %d on "
