@@ -1,48 +1,28 @@
-"""``RemoteDataLoader``: a PyTorch-DataLoader-shaped iterator over batches a batchd server builds."""
+"""``RemoteDataLoader``: a PyTorch-DataLoader-shaped iterator over batches batchd servers build.
+
+``RemoteDataLoader(address, dataset, ...)`` is what users type, for one server or several: it
+checks the arguments once (``LoaderOptions``, in the caller's thread), then reads through a
+``SingleServerLoader`` (below) or a ``MultiServerLoader`` (``batchd.client.multi``). Both yield
+the batches of an epoch in order; the facade keeps the position, epochs and exact resume.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import weakref
 from typing import Any, Iterator
 
-import grpc
 import torch
 
-from batchd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel, resolve_token, tls_settings, translate
-from batchd.client.addresses import single_address
-from batchd.client.datasets import DatasetInfo, describe, mismatches
-from batchd.client.distributed import rank_and_world_size
-from batchd.client.receiver import Receiver, _End, to_tensors
-from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
+from batchd.client.addresses import server_addresses
+from batchd.client.connection import ServerConnection, deliver
+from batchd.client.datasets import DatasetInfo, mismatches
+from batchd.client.options import TRANSPORTS, LoaderOptions  # noqa: F401  (TRANSPORTS: public name)
+from batchd.client.receiver import Receiver, _End
 from batchd.sampler import num_batches
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-TRANSPORTS = ("auto", "shm", "inline")
-_warned_no_shm: set[str] = set()
-
-
-def _pipeline(transform: Any) -> pb.Pipeline | None:
-    """None, a preset name, or an albumentations transform (sent as JSON of A.to_dict)."""
-    if transform is None:
-        return None
-    if isinstance(transform, str):
-        if not transform:
-            raise ValueError("transform must be None, a preset name or an albumentations transform, not ''")
-        return pb.Pipeline(preset=transform)
-    import albumentations as A
-
-    if not isinstance(transform, A.BaseCompose | A.BasicTransform):
-        raise ValueError(f"transform must be None, a preset name or an albumentations transform, "
-                         f"not {type(transform).__name__}")
-    if not isinstance(transform, A.Compose):
-        transform = A.Compose([transform])
-    return pb.Pipeline(albumentations_json=json.dumps(A.to_dict(transform), sort_keys=True))
-
 
 class RemoteDataLoader:
     """Iterate batches of a dataset that a batchd server at ``address`` decodes and augments.
@@ -60,6 +40,8 @@ class RemoteDataLoader:
             (``dns:///NAME:PORT``, or ``NAME:PORT`` resolving to several A records, e.g. a
             Kubernetes headless Service). Batches are then split among the servers that are up
             and merged in order, with the same bytes (``batchd.client.multi``).
+            ``RemoteDataLoader`` is the one entry point: it reads through a ``SingleServerLoader``
+            or a ``MultiServerLoader`` (``loader.servers``) and offers the same surface either way.
         dataset: a dataset name from the server's config.
         batch_size: samples per batch (>= 1).
         shuffle: permute the samples each epoch (a pure function of seed and epoch).
@@ -70,8 +52,16 @@ class RemoteDataLoader:
         rank, world_size: this process's shard, as in DistributedSampler. None (default): from
             torch.distributed (an initialised process group, else the RANK and WORLD_SIZE
             environment variables torchrun sets), else 0 and 1.
-        device: None/"cpu" for CPU tensors, or a CUDA device: batches are copied through reused
-            pinned buffers on a side stream, overlapping the copy with compute.
+        device: None/"cpu" for CPU tensors, or a CUDA device: batches are copied on a side stream,
+            overlapping the copy with compute (inline batches through reused pinned buffers,
+            shared-memory batches straight from their registered slots). "cuda" means the
+            caller's current CUDA device when the loader is built (``torch.cuda.set_device``).
+        gpu_transform: None, or ``gpu_transform(images, positions, *, seed, epoch) -> Tensor``
+            finishing each batch where it lands: images is the batch's uint8 [B, H, W, C] tensor
+            (on the device after the copy, on the copy's side stream; on CPU without a device),
+            positions is ``batch["position"]`` (int64 [B], each sample's position in the epoch's
+            global order); its result replaces ``batch["image"]``. A batch without "position"
+            raises ValueError.
         prefetch: batches the server computes ahead of the one being read (>= 1).
         timeout: seconds without a batch before iteration raises TimeoutError.
         connect_timeout: seconds to find the server before raising ConnectionError.
@@ -99,7 +89,8 @@ class RemoteDataLoader:
             other fingerprints. False: accept, with a warning (see ``DatasetInfo``).
 
     Memory: over shared memory, a batch's tensors are views of a server slot lent to this
-    client; the slot goes back when the last tensor on it is freed. Inline, they are views of
+    client, mapped copy-on-write (a write stays in this process); the slot goes back when the
+    last tensor on it is freed. Inline, they are views of
     the received message. Either way a batch stays valid as long as it is referenced, and may
     be modified in place, as with DataLoader.
 
@@ -118,118 +109,77 @@ class RemoteDataLoader:
     batch, computing nothing before it.
     """
 
-    def __new__(cls, address: Any = None, *args: Any, **kwargs: Any):
-        """Several servers (a list, or a DNS name with several addresses): a MultiServerLoader."""
-        if cls is RemoteDataLoader and address is not None:  # (None: copy/pickle machinery)
-            from batchd.client.addresses import server_addresses
-
-            addresses = server_addresses(address)
-            if len(addresses) > 1:
-                from batchd.client.multi import MultiServerLoader
-
-                obj = super().__new__(MultiServerLoader)
-                obj._resolved = addresses
-                return obj
-        return super().__new__(cls)
-
-    def __init__(
-        self,
-        address: str,
-        dataset: str,
-        *,
-        batch_size: int = 1,
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = False,
-        transform: Any = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        device: str | torch.device | None = None,
-        prefetch: int = 2,
-        timeout: float = 120.0,
-        connect_timeout: float = 10.0,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        transport: str = "auto",
-        compression: str | None = None,
-        reconnect_timeout: float = 60.0,
-        failover_timeout: float = 5.0,
-        probe_interval: float = 5.0,
-        tls: Any = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        token: str | None = None,
-        strict: bool = True,
-    ):
-        address = single_address(address)  # several servers: MultiServerLoader (see __new__)
-        rank, world_size = rank_and_world_size(rank, world_size)
-        self.failover_timeout, self.probe_interval = failover_timeout, probe_interval
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}")
-        if not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if compression not in (None, "lz4"):
-            raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
-        self.transport = transport
-        self.strict = bool(strict)
-        self.reconnect_timeout = reconnect_timeout
-        self._compression = pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE
-        self._connect_timeout = connect_timeout
-        self._shm: SharedMemorySession | None = None
-        self._shm_tried = False
-        self.address = address
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.rank = rank
-        self.world_size = world_size
-        self.prefetch = prefetch
-        self.timeout = timeout
-        self.epoch = 0
-        self._pipeline = _pipeline(transform)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+    def __init__(self, address: Any, dataset: str, *, batch_size: int = 1, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False, transform: Any = None, rank: int | None = None,
+                 world_size: int | None = None, device: str | torch.device | None = None, prefetch: int = 2,
+                 timeout: float = 120.0, connect_timeout: float = 10.0, max_message_bytes: int | None = None,
+                 transport: str = "auto", compression: str | None = None, reconnect_timeout: float = 60.0,
+                 failover_timeout: float = 5.0, probe_interval: float = 5.0, tls: Any = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 token: str | None = None, strict: bool = True, gpu_transform: Any = None):
+        extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
+        self.options = LoaderOptions.from_arguments(
+            dataset, transform=transform, rank=rank, world_size=world_size, device=device, compression=compression,
+            tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token, batch_size=batch_size,
+            shuffle=shuffle, seed=seed, drop_last=drop_last, prefetch=prefetch, timeout=timeout,
+            connect_timeout=connect_timeout, transport=transport, reconnect_timeout=reconnect_timeout,
+            failover_timeout=failover_timeout, probe_interval=probe_interval, strict=strict,
+            gpu_transform=gpu_transform, **extra)
+        addresses = server_addresses(address)
         self._transfer = None
-        if self.device.type == "cuda":
+        if self.options.device.type == "cuda":  # here, in the caller's thread, on the resolved device
             from batchd.client.transfer import CudaTransfer
 
-            self._transfer = CudaTransfer(self.device)
-        elif self.device.type != "cpu":
-            raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}")
-        self._channel = open_channel(address, connect_timeout=connect_timeout, max_message_bytes=max_message_bytes,
-                                     tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token))
-        self._finalizer = weakref.finalize(self, self._channel.close)
-        # StreamBatches is parsed by batchd.wire (tensors as views of the message, no copies)
-        self._stream_batches = self._channel.unary_stream(
-            "/batchd.v1.BatchLoader/StreamBatches",
-            request_serializer=pb.StreamBatchesRequest.SerializeToString,
-            response_deserializer=None,
-        )
-        self._receiver: Receiver | None = None
+            self._transfer = CudaTransfer(self.options.device)
+        if len(addresses) > 1:
+            from batchd.client.multi import MultiServerLoader
+
+            self.servers: SingleServerLoader | MultiServerLoader = MultiServerLoader(
+                address, addresses, self.options, self._transfer)
+        else:
+            self.servers = SingleServerLoader(addresses[0], self.options, self._transfer)
+        self.info: DatasetInfo = self.servers.info
+        self.address: str = self.servers.address
+        self.epoch = 0
         self._resume_batch = 0  # where the next iteration starts (load_state_dict)
         self._position: tuple[int, int] | None = None  # (epoch, next batch) of the current iteration
-        try:
-            self.info: DatasetInfo = describe(self._channel, address, dataset, timeout=connect_timeout)
-        except BaseException:
-            self.close()
-            raise
+
+    # the settings, as attributes (read-only but for _pipeline, which tests may swap)
+    dataset = property(lambda self: self.options.dataset)
+    batch_size = property(lambda self: self.options.batch_size)
+    shuffle = property(lambda self: self.options.shuffle)
+    seed = property(lambda self: self.options.seed)
+    drop_last = property(lambda self: self.options.drop_last)
+    rank = property(lambda self: self.options.rank)
+    world_size = property(lambda self: self.options.world_size)
+    device = property(lambda self: self.options.device)
+    prefetch = property(lambda self: self.options.prefetch)
+    timeout = property(lambda self: self.options.timeout)
+    transport = property(lambda self: self.options.transport)
+    strict = property(lambda self: self.options.strict)
+    reconnect_timeout = property(lambda self: self.options.reconnect_timeout)
+
+    @property
+    def _pipeline(self) -> pb.Pipeline | None:
+        return self.options.pipeline
+
+    @_pipeline.setter
+    def _pipeline(self, pipeline: pb.Pipeline | None) -> None:
+        self.options.pipeline = pipeline
+
+    def __getattr__(self, name: str) -> Any:
+        """What only one kind of loader has (``addresses``, ``server_stats`` with several servers;
+        ``_shm``, ``_open_stream`` with one) comes from ``self.servers``."""
+        if name in ("servers", "options") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.servers, name)
 
     # --- DataLoader surface ------------------------------------------------------------------
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
-        return num_batches(self.info.num_samples, self.batch_size, world_size=self.world_size, drop_last=self.drop_last)
+        o = self.options
+        return num_batches(self.info.num_samples, o.batch_size, world_size=o.world_size, drop_last=o.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (its shuffle order and augmentation seeds)."""
@@ -243,18 +193,25 @@ class RemoteDataLoader:
         start, self._resume_batch = self._resume_batch, 0
         return self._iterate(self.epoch, start)
 
+    def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
+        total = len(self)
+        b = start_batch
+        for batch in self.servers.batches(epoch, start_batch, total):
+            b += 1
+            self._position = (epoch, b)
+            yield batch
+        if b != total:
+            raise RuntimeError(f"the server ended epoch {epoch} after {b} of {total} batches")
+        if self.epoch == epoch:
+            self.epoch = epoch + 1
+        self._position = (self.epoch, 0)
+
     def close(self) -> None:
-        """Cancel any stream in progress and close the channel. Idempotent."""
-        if self._receiver is not None:
-            self._receiver.stop()
-            self._receiver = None
-        if self._shm is not None:
-            # tensors still held keep their slots: the session (and channel) ends with the last one
-            self._shm.close()
-            if self._shm.outstanding:
-                self._finalizer.detach()
-                return
-        self._finalizer()
+        """Cancel any stream in progress and close the channels (a shared-memory session ends once
+        the batches still held on it are freed). Idempotent."""
+        self.servers.close()
+        if self._transfer is not None:
+            self._transfer.close()
 
     def __enter__(self) -> "RemoteDataLoader":
         return self
@@ -262,126 +219,16 @@ class RemoteDataLoader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # --- internals ---------------------------------------------------------------------------
-
-    def _shared_memory(self) -> SharedMemorySession | None:
-        """The shared-memory session, opened on first use; None when the transport is inline."""
-        if self.transport == "inline" or self._shm_tried:
-            return self._shm
-        self._shm_tried = True
-        try:
-            self._shm = SharedMemorySession.open(self._channel, self.address, self._connect_timeout)
-        except SharedMemoryUnavailable as e:
-            if self.transport == "shm":
-                raise RuntimeError(f"transport='shm' but shared memory with {self.address} is unavailable: {e}") from None
-            if self.address not in _warned_no_shm:
-                _warned_no_shm.add(self.address)
-                log.warning("shared memory with %s is unavailable (%s); batches travel in gRPC messages", self.address, e)
-        return self._shm
-
-    def _request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> pb.StreamBatchesRequest:
-        shm = self._shared_memory()
-        return pb.StreamBatchesRequest(
-            dataset=self.dataset, pipeline=self._pipeline, batch_size=self.batch_size, shuffle=self.shuffle,
-            seed=self.seed, epoch=epoch, drop_last=self.drop_last, rank=self.rank, world_size=self.world_size,
-            start_batch=start_batch, prefetch=self.prefetch,
-            transport=pb.TRANSPORT_SHARED_MEMORY if shm is not None else pb.TRANSPORT_INLINE,
-            session=shm.session if shm is not None else "", compression=self._compression,
-            batch_stride=stride if stride > 1 else 0, batch_offset=offset,
-        )
-
-    def _convert(self, raw) -> tuple[int, Any]:
-        batch = self._shm.tensors(raw) if raw.segment else to_tensors(raw)
-        if raw.skipped:
-            batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
-        if self._transfer is not None:
-            batch = self._transfer.to_device(batch)
-        return raw.batch_index, batch
-
-    def _open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
-        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults)."""
-        try:
-            call = self._stream_batches(self._request(epoch, start_batch, stride, offset))
-        except grpc.RpcError as e:
-            raise translate(e, self.address) from None
-        receiver = self._receiver = Receiver(call, self.address, self._convert)
-        receiver.start()
-        return receiver
-
-    def _reconnect(self, epoch: int, next_batch: int, error: ConnectionError) -> Receiver:
-        """Wait for the server to come back (gRPC's own reconnect backoff) and resume at next_batch.
-
-        Raises ConnectionError after ``reconnect_timeout`` seconds.
-        """
-        deadline = time.monotonic() + self.reconnect_timeout
-        log.warning("lost the stream from %s at epoch %d, batch %d (%s); reconnecting for up to %g s",
-                    self.address, epoch, next_batch, error, self.reconnect_timeout)
-        self._shm, self._shm_tried = None, False  # a restarted server has new shared memory
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ConnectionError(
-                    f"lost the stream from {self.address} at epoch {epoch}, batch {next_batch}, and could not "
-                    f"resume within reconnect_timeout={self.reconnect_timeout:g} s: {error}"
-                ) from None
-            try:
-                grpc.channel_ready_future(self._channel).result(timeout=remaining)
-                receiver = self._open_stream(epoch, next_batch)
-                log.info("resumed the stream from %s at epoch %d, batch %d", self.address, epoch, next_batch)
-                return receiver
-            except grpc.FutureTimeoutError:
-                continue
-            except ConnectionError as e:
-                error = e
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-
-    def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
-        if not self._finalizer.alive:
-            raise RuntimeError("the loader is closed")
-        if self._receiver is not None:  # a previous iteration was abandoned: one stream at a time
-            self._receiver.stop()
-        receiver = self._open_stream(epoch, start_batch)
-        self._position = (epoch, start_batch)
-        expected = start_batch
-        try:
-            while True:
-                try:
-                    item = receiver.get(self.timeout, f"dataset {self.dataset!r}, epoch {epoch}, batch {expected}")
-                except ConnectionError as e:
-                    receiver.stop()
-                    if self.reconnect_timeout <= 0:
-                        raise
-                    receiver = self._reconnect(epoch, expected, e)
-                    continue
-                if isinstance(item, _End):
-                    break
-                batch_index, batch = item
-                if batch_index != expected:
-                    raise RuntimeError(f"the server sent batch {batch_index} where batch {expected} was due")
-                if self._transfer is not None:
-                    batch = self._transfer.hand_over(*batch)
-                expected += 1
-                self._position = (epoch, expected)
-                yield batch
-            if expected != len(self):
-                raise RuntimeError(f"the server ended epoch {epoch} after {expected} of {len(self)} batches")
-            if self.epoch == epoch:
-                self.epoch = epoch + 1
-            self._position = (self.epoch, 0)
-        finally:
-            receiver.stop()
-            if self._receiver is receiver:
-                self._receiver = None
-
     # --- exact resume ------------------------------------------------------------------------
 
     def _identity(self) -> dict[str, Any]:
         """What determines the batches, besides the position."""
+        o = self.options
         return {
-            "dataset": self.dataset, "num_samples": self.info.num_samples, "batch_size": self.batch_size,
-            "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank,
-            "world_size": self.world_size,
-            "pipeline": "" if self._pipeline is None else self._pipeline.SerializeToString(deterministic=True).hex(),
+            "dataset": o.dataset, "num_samples": self.info.num_samples, "batch_size": o.batch_size,
+            "shuffle": o.shuffle, "seed": o.seed, "drop_last": o.drop_last, "rank": o.rank,
+            "world_size": o.world_size,
+            "pipeline": "" if o.pipeline is None else o.pipeline.SerializeToString(deterministic=True).hex(),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -424,3 +271,80 @@ class RemoteDataLoader:
         if next_batch == len(self):
             epoch, next_batch = epoch + 1, 0
         self.epoch, self._resume_batch, self._position = epoch, next_batch, None
+
+
+class SingleServerLoader:
+    """The batches of one server, resumed across a broken stream (server restart, lost
+    connection) within ``options.reconnect_timeout`` seconds. Built by ``RemoteDataLoader``."""
+
+    def __init__(self, address: str, options: LoaderOptions, transfer: Any = None):
+        self.options = options
+        self.address = address
+        self.connection = ServerConnection(address, options, transfer)
+        self.info = self.connection.info
+
+    @property
+    def _shm(self):
+        return self.connection._shm
+
+    def _open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
+        return self.connection.open_stream(epoch, start_batch, stride, offset)
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def _reconnect(self, epoch: int, next_batch: int, error: ConnectionError) -> Receiver:
+        """Wait for the server to come back (gRPC's own reconnect backoff) and resume at next_batch.
+
+        Raises ConnectionError after ``reconnect_timeout`` seconds.
+        """
+        timeout = self.options.reconnect_timeout
+        deadline = time.monotonic() + timeout
+        log.warning("lost the stream from %s at epoch %d, batch %d (%s); reconnecting for up to %g s",
+                    self.address, epoch, next_batch, error, timeout)
+        self.connection.new_session()  # a restarted server has new shared memory
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ConnectionError(
+                    f"lost the stream from {self.address} at epoch {epoch}, batch {next_batch}, and could not "
+                    f"resume within reconnect_timeout={timeout:g} s: {error}"
+                ) from None
+            if not self.connection.wait_ready(remaining):
+                continue
+            try:
+                receiver = self.connection.open_stream(epoch, next_batch)
+                log.info("resumed the stream from %s at epoch %d, batch %d", self.address, epoch, next_batch)
+                return receiver
+            except ConnectionError as e:
+                error = e
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def batches(self, epoch: int, start_batch: int, total: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches start_batch .. total - 1 of ``epoch``, in order (fewer if the server ends early)."""
+        if self.connection.closed:
+            raise RuntimeError("the loader is closed")
+        self.connection.stop_stream()  # a previous iteration was abandoned: one stream at a time
+        receiver = self.connection.open_stream(epoch, start_batch)
+        expected = start_batch
+        try:
+            while True:
+                try:
+                    item = receiver.get(self.options.timeout,
+                                        f"dataset {self.options.dataset!r}, epoch {epoch}, batch {expected}")
+                except ConnectionError as e:
+                    receiver.stop()
+                    if self.options.reconnect_timeout <= 0:
+                        raise
+                    receiver = self._reconnect(epoch, expected, e)
+                    continue
+                if isinstance(item, _End):
+                    break
+                if item.batch_index != expected:
+                    raise RuntimeError(f"the server sent batch {item.batch_index} where batch {expected} was due")
+                expected += 1
+                yield deliver(item, receiver, self.connection.transfer)
+        finally:
+            receiver.stop()
+            if self.connection.receiver is receiver:
+                self.connection.receiver = None

@@ -21,13 +21,17 @@ A new split starts at the next batch to deliver when
   batch starts a split that includes it.
 
 With no server left, the loader keeps trying all of them for ``reconnect_timeout`` seconds and
-then raises ConnectionError. Each server has its own channel and shared-memory session
-(``transport="auto"`` picks shared memory per server: on for the sidecar, inline for others).
+then raises ConnectionError. Each server has its own ``ServerConnection`` (channel,
+shared-memory session, reporter; ``transport="auto"`` picks shared memory per server: on for the
+sidecar, inline for others); all share the loader's options (the device resolved in the
+caller's thread) and its ``CudaTransfer``. A stream stopped by a new split or a failover is
+reported abandoned with the leases received on it, so the server releases those gRPC buffered.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -35,12 +39,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import grpc
 import torch
 
 from batchd.client.addresses import is_name, server_addresses
+from batchd.client.connection import ServerConnection, deliver
 from batchd.client.datasets import mismatches
-from batchd.client.loader import RemoteDataLoader
+from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Receiver, _End
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,7 @@ _PROBE_CONNECT_S = 2.0  # connect timeout of one probe
 @dataclass(eq=False)
 class _Server:
     address: str
-    loader: RemoteDataLoader | None = None  # a single-server loader: channel, shared memory, streams
+    conn: ServerConnection | None = None  # channel, shared memory, streams
     up: bool = False
     error: str = ""
     batches: int = 0  # batches delivered from this server (all iterations)
@@ -75,21 +79,21 @@ class _Split:
         self.receivers.clear()
 
 
-class MultiServerLoader(RemoteDataLoader):
-    """A ``RemoteDataLoader`` over several servers (see the module docstring).
+class MultiServerLoader:
+    """The batches of several servers (see the module docstring); built by ``RemoteDataLoader``
+    when ``address`` names several servers (a list, or a DNS name with several addresses; see
+    ``batchd.client.addresses``), which reads through it (``loader.servers``).
 
-    Built by ``RemoteDataLoader(address, ...)`` when ``address`` names several servers (a list,
-    or a DNS name with several addresses; see ``batchd.client.addresses``); takes the same
-    arguments. At least one server must answer at construction; the others are probed later.
-    Raises ValueError if the servers disagree on the dataset's size, or (``strict``, the
-    default) on its dataset or build fingerprint, naming the servers and what differs; a server
-    that rejoins later with other fingerprints is left out. ``strict=False`` accepts them.
+    At least one server must answer at construction; the others are probed later. Raises
+    ValueError if the servers disagree on the dataset's size, or (``strict``, the default) on
+    its dataset or build fingerprint, naming the servers and what differs; a server that
+    rejoins later with other fingerprints is left out. ``strict=False`` accepts them.
     """
 
-    def __init__(self, address: Any, dataset: str, **kwargs: Any):
-        self._source = address
-        addresses = getattr(self, "_resolved", None) or server_addresses(address)
-        self._kwargs = dict(kwargs)
+    def __init__(self, source: Any, addresses: list[str], options: LoaderOptions, transfer: Any = None):
+        self._source = source
+        self.options = options
+        self._transfer = transfer
         self._lock = threading.Lock()
         self._probe_lock = threading.Lock()  # one probe round at a time (prober thread or a failover)
         self._closed = False
@@ -97,27 +101,15 @@ class MultiServerLoader(RemoteDataLoader):
         self._rejoined = threading.Event()  # a server came (back) up: split again at the next batch
         self._stop_probing = threading.Event()
         self._servers = [_Server(a) for a in addresses]
-        opened = self._open_all(dataset)
-        first = opened[0].loader
-        for name in ("dataset", "batch_size", "shuffle", "seed", "drop_last", "rank", "world_size", "prefetch",
-                     "timeout", "transport", "reconnect_timeout", "info", "_pipeline", "device", "_connect_timeout"):
-            setattr(self, name, getattr(first, name))
-        self.failover_timeout = getattr(first, "failover_timeout", kwargs.get("failover_timeout", 5.0))
-        self.probe_interval = getattr(first, "probe_interval", kwargs.get("probe_interval", 5.0))
-        self._kwargs.update(rank=self.rank, world_size=self.world_size)  # servers probed later agree
-        self.address = address if isinstance(address, str) else ",".join(addresses)
-        self.epoch = 0
-        self._resume_batch = 0
-        self._position = None
-        self._transfer = None  # each server's loader has its own
-        self._receiver = None
-        self._shm = None
+        first = self._open_all()[0].conn
+        self.info = first.info
+        self.address = source if isinstance(source, str) else ",".join(addresses)
+        dataset = options.dataset
         for s in self._servers:
-            if s.up and s.loader.info.num_samples != self.info.num_samples:
-                sizes = {x.address: x.loader.info.num_samples for x in self._servers if x.up}
+            if s.up and s.conn.info.num_samples != self.info.num_samples:
+                sizes = {x.address: x.conn.info.num_samples for x in self._servers if x.up}
                 self.close()
                 raise ValueError(f"the servers disagree on the size of dataset {dataset!r}: {sizes}")
-        self.strict = first.strict
         self._check_fingerprints([s for s in self._servers if s.up])
         self._prober = threading.Thread(target=_probe_loop, args=(weakref.ref(self), self._stop_probing),
                                         name="batchd-probe", daemon=True)
@@ -139,25 +131,25 @@ class MultiServerLoader(RemoteDataLoader):
         them and what differs (strict), else a warning."""
         first = servers[0]
         differ = [f"{first.address} vs {s.address}: {'; '.join(d)}" for s in servers[1:]
-                  if (d := mismatches(first.loader.info.identity(), s.loader.info.identity()))]
+                  if (d := mismatches(first.conn.info.identity(), s.conn.info.identity()))]
         if not differ:
             return
-        msg = f"the servers would send different bytes for dataset {self.dataset!r}: " + " | ".join(differ)
-        if self.strict:
+        msg = f"the servers would send different bytes for dataset {self.options.dataset!r}: " + " | ".join(differ)
+        if self.options.strict:
             self.close()
             raise ValueError(msg + "; strict=False accepts them")
         log.warning("%s; mixing them anyway (strict=False)", msg)
 
-    def _open_all(self, dataset: str) -> list[_Server]:
-        def open_one(server: _Server) -> RemoteDataLoader:
-            return RemoteDataLoader(server.address, dataset, **self._kwargs)
+    def _open_all(self) -> list[_Server]:
+        def open_one(server: _Server) -> ServerConnection:
+            return ServerConnection(server.address, self.options, self._transfer)
 
         with concurrent.futures.ThreadPoolExecutor(len(self._servers), thread_name_prefix="batchd-open") as pool:
             futures = {s: pool.submit(open_one, s) for s in self._servers}
         fatal: BaseException | None = None
         for s, fut in futures.items():
             try:
-                s.loader, s.up = fut.result(), True
+                s.conn, s.up = fut.result(), True
             except (ConnectionError, TimeoutError) as e:
                 s.error = str(e)
             except BaseException as e:  # bad arguments, unknown dataset: the same on every server
@@ -165,7 +157,7 @@ class MultiServerLoader(RemoteDataLoader):
         up = [s for s in self._servers if s.up]
         if fatal is not None or not up:
             for s in up:
-                s.loader.close()
+                s.conn.close()
             if fatal is not None:
                 raise fatal
             raise ConnectionError("no batchd server answered at any of " + ", ".join(self.addresses) + ": "
@@ -176,12 +168,12 @@ class MultiServerLoader(RemoteDataLoader):
         return up
 
     def _probe(self, server: _Server) -> bool:
-        """Try a down server: a fresh single-server loader (new channel and shared memory)."""
+        """Try a down server: a fresh connection (new channel and shared memory)."""
         if server.up:
             return True
-        kwargs = {**self._kwargs, "connect_timeout": min(self._connect_timeout, _PROBE_CONNECT_S)}
+        options = dataclasses.replace(self.options, connect_timeout=min(self.options.connect_timeout, _PROBE_CONNECT_S))
         try:
-            fresh = RemoteDataLoader(server.address, self.dataset, **kwargs)
+            fresh = ServerConnection(server.address, options, self._transfer)
         except (ConnectionError, TimeoutError) as e:
             server.error = str(e)
             return False
@@ -191,7 +183,7 @@ class MultiServerLoader(RemoteDataLoader):
             server.error = str(e)
             return False
         if fresh.info.num_samples != self.info.num_samples:
-            msg = (f"dataset {self.dataset!r} has {fresh.info.num_samples} samples there, "
+            msg = (f"dataset {self.options.dataset!r} has {fresh.info.num_samples} samples there, "
                    f"{self.info.num_samples} on the others")
             if server.error != msg:
                 log.warning("batchd server %s is left out: %s", server.address, msg)
@@ -199,8 +191,8 @@ class MultiServerLoader(RemoteDataLoader):
             fresh.close()
             return False
         differ = mismatches(self.info.identity(), fresh.info.identity())
-        if differ and self.strict:
-            msg = f"dataset {self.dataset!r} differs there from the other servers: {'; '.join(differ)} (strict=False accepts it)"
+        if differ and self.options.strict:
+            msg = f"dataset {self.options.dataset!r} differs there from the other servers: {'; '.join(differ)} (strict=False accepts it)"
             if server.error != msg:
                 log.warning("batchd server %s is left out: %s", server.address, msg)
             server.error = msg
@@ -210,7 +202,7 @@ class MultiServerLoader(RemoteDataLoader):
             if self._closed:
                 fresh.close()
                 return False
-            old, server.loader, server.up, server.error, server.failing_since = server.loader, fresh, True, "", None
+            old, server.conn, server.up, server.error, server.failing_since = server.conn, fresh, True, "", None
             self._rejoined.set()
         log.info("batchd server %s is up; it gets work from the next batch", server.address)
         if old is not None:
@@ -246,13 +238,12 @@ class MultiServerLoader(RemoteDataLoader):
     def _mark_down(self, server: _Server, error: BaseException) -> None:
         with self._lock:
             server.up, server.error = False, str(error)
-        if server.loader is not None and server.loader._receiver is not None:
-            server.loader._receiver.stop()
-            server.loader._receiver = None
+        if server.conn is not None:
+            server.conn.stop_stream()
 
     # --- splits --------------------------------------------------------------------------------
 
-    def _start_split(self, epoch: int, start: int, why: str, error: BaseException | None = None) -> _Split:
+    def _start_split(self, epoch: int, start: int, total: int, why: str, error: BaseException | None = None) -> _Split:
         if self._split is not None:
             self._split.stop()
             self._split = None
@@ -265,8 +256,8 @@ class MultiServerLoader(RemoteDataLoader):
         n = len(servers)
         try:
             for i, server in enumerate(servers):
-                if start + i < len(self):
-                    split.receivers[i] = server.loader._open_stream(epoch, start, n, i)
+                if start + i < total:
+                    split.receivers[i] = server.conn.open_stream(epoch, start, n, i)
         except BaseException:
             split.stop()
             raise
@@ -281,25 +272,23 @@ class MultiServerLoader(RemoteDataLoader):
         now = time.monotonic()
         if server.failing_since is None:
             server.failing_since = now
-        window = min(self.failover_timeout, self.reconnect_timeout) if self.reconnect_timeout > 0 else 0.0
+        o = self.options
+        window = min(o.failover_timeout, o.reconnect_timeout) if o.reconnect_timeout > 0 else 0.0
         deadline = server.failing_since + window
-        loader = server.loader
-        loader._shm, loader._shm_tried = None, False  # a restarted server has new shared memory
+        conn = server.conn
+        conn.new_session()  # a restarted server has new shared memory; the old session is closed
         while not self._closed:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not conn.wait_ready(remaining):
                 return None
             try:
-                grpc.channel_ready_future(loader._channel).result(timeout=remaining)
                 # same batches as before: b is this server's next one, the stride is unchanged
-                return loader._open_stream(epoch, b, len(split.servers), 0)
-            except grpc.FutureTimeoutError:
-                return None
+                return conn.open_stream(epoch, b, len(split.servers), 0)
             except ConnectionError:
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
-    def _recover(self, split: _Split, i: int, epoch: int, b: int, error: BaseException) -> _Split:
+    def _recover(self, split: _Split, i: int, epoch: int, b: int, total: int, error: BaseException) -> _Split:
         """Server i of ``split`` failed at batch b: reconnect to it, or split again without it."""
         server = split.servers[i]
         receiver = split.receivers.pop(i, None)
@@ -314,11 +303,11 @@ class MultiServerLoader(RemoteDataLoader):
         self._mark_down(server, error)
         log.warning("batchd server %s failed at epoch %d, batch %d (%s); the other servers take its batches",
                     server.address, epoch, b, error)
-        return self._start_split(epoch, b, f"{server.address} is down", error)
+        return self._start_split(epoch, b, total, f"{server.address} is down", error)
 
     def _wait_for_any(self, epoch: int, b: int, error: BaseException) -> None:
         """No server is up: try them all for reconnect_timeout seconds, else raise ConnectionError."""
-        deadline = time.monotonic() + max(0.0, self.reconnect_timeout)
+        deadline = time.monotonic() + max(0.0, self.options.reconnect_timeout)
         while not self._closed:
             self._probe_down()
             if any(s.up for s in self._servers):
@@ -331,51 +320,43 @@ class MultiServerLoader(RemoteDataLoader):
             raise RuntimeError("the loader is closed")
         raise ConnectionError(
             f"lost every batchd server ({', '.join(self.addresses)}) at epoch {epoch}, batch {b}, and none came back "
-            f"within reconnect_timeout={self.reconnect_timeout:g} s: {error}"
+            f"within reconnect_timeout={self.options.reconnect_timeout:g} s: {error}"
         ) from None
 
     # --- iteration -----------------------------------------------------------------------------
 
-    def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
+    def batches(self, epoch: int, start_batch: int, total: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches start_batch .. total - 1 of ``epoch``, in order, from the servers that are up."""
         if self._closed:
             raise RuntimeError("the loader is closed")
-        total = len(self)
-        self._position = (epoch, start_batch)
-        split = self._start_split(epoch, start_batch, "")
+        split = self._start_split(epoch, start_batch, total, "")
         b = start_batch
+        what = f"dataset {self.options.dataset!r}, epoch {epoch}"
         try:
             while b < total:
                 if self._rejoined.is_set():
-                    split = self._start_split(epoch, b, "a server came back")
+                    split = self._start_split(epoch, b, total, "a server came back")
                 i = split.slot(b)
                 server = split.servers[i]
                 receiver = split.receivers[i]
                 try:
-                    item = receiver.get(self.timeout, f"dataset {self.dataset!r}, epoch {epoch}, batch {b}")
+                    item = receiver.get(self.options.timeout, f"{what}, batch {b}")
                 except ConnectionError as e:
-                    split = self._recover(split, i, epoch, b, e)
+                    split = self._recover(split, i, epoch, b, total, e)
                     continue
                 except TimeoutError as e:
                     if sum(s.up for s in self._servers) < 2:
                         raise
-                    split = self._recover(split, i, epoch, b, e)
+                    split = self._recover(split, i, epoch, b, total, e)
                     continue
                 if isinstance(item, _End):
                     raise RuntimeError(f"the server at {server.address} ended its stream before batch {b} of epoch {epoch}")
-                batch_index, batch = item
-                if batch_index != b:
-                    raise RuntimeError(f"the server at {server.address} sent batch {batch_index} where batch {b} was due")
-                transfer = server.loader._transfer
-                if transfer is not None:
-                    batch = transfer.hand_over(*batch)
+                if item.batch_index != b:
+                    raise RuntimeError(f"the server at {server.address} sent batch {item.batch_index} where batch {b} was due")
                 server.failing_since = None
                 server.batches += 1
                 b += 1
-                self._position = (epoch, b)
-                yield batch
-            if self.epoch == epoch:
-                self.epoch = epoch + 1
-            self._position = (self.epoch, 0)
+                yield deliver(item, receiver, self._transfer)
         finally:
             split.stop()  # (an abandoned iteration's split was already stopped by the next one)
             if self._split is split:
@@ -392,8 +373,8 @@ class MultiServerLoader(RemoteDataLoader):
             self._split.stop()
             self._split = None
         for s in self._servers:
-            if s.loader is not None:
-                s.loader.close()
+            if s.conn is not None:
+                s.conn.close()
         prober = getattr(self, "_prober", None)
         if prober is not None and prober is not threading.current_thread():
             prober.join(_PROBE_CONNECT_S + 1.0)
@@ -405,7 +386,7 @@ def _probe_loop(ref: "weakref.ref[MultiServerLoader]", stop: threading.Event) ->
         loader = ref()
         if loader is None:
             return
-        interval = loader.probe_interval
+        interval = loader.options.probe_interval
         del loader
         if stop.wait(interval):
             return

@@ -13,7 +13,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import grpc
 import lz4.frame as lz4_frame
@@ -34,6 +34,16 @@ class _End:
 @dataclass(frozen=True, slots=True)
 class _Failed:
     error: BaseException
+
+
+class Received(NamedTuple):
+    """One batch as the receiver thread queues it: ``batch`` is the dict of tensors (on the
+    device, then ``event`` is the CUDA event its copy records, else None); ``samples`` its size."""
+
+    batch_index: int
+    batch: dict[str, torch.Tensor]
+    event: Any
+    samples: int
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -65,25 +75,45 @@ def to_tensors(batch: wire.WireBatch) -> dict[str, torch.Tensor]:
 class Receiver(threading.Thread):
     """Consumes ``call`` (a StreamBatches response iterator) into ``self.queue``.
 
-    convert: WireBatch -> the item to queue (tensors, maybe on a device). max_ready: batches
-    unpacked ahead of the caller (1 = double buffering).
+    convert(raw, receiver): WireBatch -> a ``Received`` (tensors, maybe on a device); it runs in
+    this thread and may look at ``receiver.stopping``. record: the call's ``CallRecord`` (stream
+    tag, leases received, progress). on_end(receiver): called once by ``stop``, after the call is
+    cancelled and the thread joined (reports the end, abandoned or not). release(lease): gives
+    back the lease of a batch received but never converted. max_ready: batches unpacked ahead
+    of the caller (1 = double buffering).
     """
 
-    def __init__(self, call: grpc.Call, address: str, convert: Callable[[wire.WireBatch], Any], max_ready: int = 1):
+    def __init__(self, call: grpc.Call, address: str, convert: Callable[[wire.WireBatch, "Receiver"], Received],
+                 record: Any = None, on_end: Callable[["Receiver"], None] | None = None,
+                 release: Callable[[int], None] | None = None, max_ready: int = 1):
         super().__init__(name="batchd-receiver", daemon=True)
         self.call = call
         self.address = address
         self.convert = convert
+        self.record = record
         self.queue: queue.Queue = queue.Queue(maxsize=max_ready)
         self.stopping = threading.Event()
+        self.finished = False  # the call ended after its last batch
         self.last_batch_at = time.monotonic()
+        self._on_end = on_end
+        self._release = release
+        self._stopped = False
 
     def run(self) -> None:
         try:
-            for raw in self.call:
-                item = self.convert(wire.decode_batch(raw))
-                if not self._put(item):
+            for message in self.call:
+                raw = wire.decode_batch(message)
+                if raw.segment and self.record is not None and not self.record.add(raw.lease):
+                    return  # stopped and reported: the server releases this lease, never touch it
+                try:
+                    item = self.convert(raw, self)
+                except BaseException:
+                    if raw.segment and self._release is not None:
+                        self._release(raw.lease)
+                    raise
+                if item is None or not self._put(item):
                     return
+            self.finished = True
             self._put(_End())
         except grpc.RpcError as e:
             if not self.stopping.is_set():
@@ -117,12 +147,19 @@ class Receiver(threading.Thread):
             return item
 
     def stop(self) -> None:
-        """Cancel the call and join the thread (at most a second or so)."""
+        """Cancel the call, join the thread (at most a second or so), drop what it received
+        ahead, and report the end (``on_end``). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.stopping.set()
         self.call.cancel()
-        self.join(2.0)
+        if self is not threading.current_thread():
+            self.join(2.0)
         while True:  # drop batches received ahead, so their memory (or leased slots) go back now
             try:
                 self.queue.get_nowait()
             except queue.Empty:
                 break
+        if self._on_end is not None:
+            self._on_end(self)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import queue
 import pathlib
 import tempfile
 import threading
 import uuid
+import warnings
 import weakref
 
 import grpc
@@ -67,26 +67,27 @@ def map_private(name: str, length: int) -> mmap.mmap:
 
 
 class SharedMemorySession:
-    """One OpenSession call and the leases received under it. Thread-safe."""
+    """One OpenSession call and the leases received under it. Thread-safe.
 
-    def __init__(self, channel: grpc.Channel, address: str, call, session: str):
+    Freed batches are queued on ``reporter`` (``batchd.client.leases.Reporter``), whose thread
+    sends ReleaseLeases, calls ``forget`` with what it sent and ``end_if_done`` each round.
+    """
+
+    def __init__(self, address: str, call, session: str, reporter):
         self.address = address
         self.session = session
         self._call = call
-        self._release = channel.unary_unary(
-            "/batchd.v1.BatchLoader/ReleaseLeases",
-            request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
-            response_deserializer=pb.ReleaseLeasesResponse.FromString,
-        )
+        self._reporter = reporter
         self._lock = threading.Lock()
         self._outstanding: set[int] = set()
-        self._freed: queue.SimpleQueue[int] = queue.SimpleQueue()  # leases whose tensors were freed
-        self._releaser = threading.Thread(target=self._release_loop, name="batchd-shm-release", daemon=True)
-        self._releaser.start()
         self._closing = False
+        self._ended = False
+        self._host_maps: dict[str, tuple[mmap.mmap, int, bool]] = {}  # segment -> (mapping, address, registered)
+        self._unregister = None
+        reporter.add_session(self)
 
     @classmethod
-    def open(cls, channel: grpc.Channel, address: str, timeout: float) -> "SharedMemorySession":
+    def open(cls, channel: grpc.Channel, address: str, timeout: float, reporter) -> "SharedMemorySession":
         """Raises SharedMemoryUnavailable if the probe segment cannot be read here."""
         session = uuid.uuid4().hex
         call = channel.unary_stream(
@@ -106,71 +107,116 @@ class SharedMemorySession:
         except BaseException:
             call.cancel()
             raise
-        return cls(channel, address, call, session)
+        return cls(address, call, session, reporter)
 
     def tensors(self, batch: wire.WireBatch) -> dict[str, torch.Tensor]:
         """Writable CPU tensors on a copy-on-write mapping of the batch's slot (no copy); its lease
         is released when they are all freed."""
-        end = max((t.offset + int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
-                   for t in batch.tensors), default=0)
+        end = _end(batch)
         # every tensor below is a view of this array (a zero-length mmap is not allowed)
         base = np.frombuffer(map_private(batch.segment, end), dtype=np.uint8) if end else np.zeros(0, np.uint8)
+        return self._wrap(base, batch)
+
+    def host_tensors(self, batch: wire.WireBatch, register) -> tuple[dict[str, torch.Tensor], bool]:
+        """Read-only CPU tensors on the batch's slot, for a copy to a GPU straight from it.
+
+        Each segment is mapped once (shared, read-only: these tensors are never handed to the
+        caller, only copied from) and passed once to ``register(address, size) -> bool`` (a
+        ``CudaTransfer.register``). Returns the tensors and whether their memory is registered.
+        """
+        entry = self._host_maps.get(batch.segment)
+        if entry is None:
+            fd = os.open(_segment_path(batch.segment), os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+            entry = self._host_maps[batch.segment] = (mm, address, bool(register(address, len(mm))))
+            if entry[2]:
+                self._unregister = getattr(register, "__self__", None)
+        mm, _, registered = entry
+        return self._wrap(np.frombuffer(mm, dtype=np.uint8, count=_end(batch)), batch), registered
+
+    def _unmap_host(self) -> None:
+        """Session ended, nothing outstanding: no copy reads these mappings any more."""
+        for mm, address, registered in self._host_maps.values():
+            if registered and self._unregister is not None:
+                self._unregister.unregister(address)
+            try:
+                mm.close()
+            except BufferError:  # a view still exists somewhere: unmapped when it is collected
+                pass
+        self._host_maps.clear()
+
+    def _wrap(self, base: np.ndarray, batch: wire.WireBatch) -> dict[str, torch.Tensor]:
+        """Tensors that are views of ``base``, holding the batch's lease until all are freed."""
         with self._lock:
             self._outstanding.add(batch.lease)
-        weakref.finalize(base, self._released, batch.lease)
+        weakref.finalize(base, self._reporter.freed, self.session, batch.lease)
         out = {}
-        for t in batch.tensors:
-            nbytes = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
-            array = base[t.offset : t.offset + nbytes].view(t.dtype).reshape(t.shape)
-            out[t.name] = torch.from_numpy(array)
+        with warnings.catch_warnings():  # a read-only base (host_tensors) is never written: see there
+            warnings.simplefilter("ignore", UserWarning)
+            for t in batch.tensors:
+                nbytes = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+                array = base[t.offset : t.offset + nbytes].view(t.dtype).reshape(t.shape)
+                out[t.name] = torch.from_numpy(array)
         return out
 
-    def _released(self, lease: int) -> None:
-        """weakref.finalize callback: runs wherever the garbage collector frees a batch, possibly
-        inside a gRPC call or while this thread holds a lock, so it only queues the lease
-        (SimpleQueue.put is reentrant); the releaser thread tells the server."""
-        self._freed.put(lease)
+    def release_unused(self, lease: int) -> None:
+        """A lease received but never wrapped in tensors (its batch was dropped): release it."""
+        self._reporter.freed(self.session, lease)
 
-    def _release_loop(self) -> None:
-        """Send ReleaseLeases for freed batches, a call for all that are waiting; end the session
-        once it is closing and nothing is outstanding."""
-        while True:
-            try:
-                leases = [self._freed.get(timeout=0.5)]
-            except queue.Empty:
-                with self._lock:
-                    if self._closing and not self._outstanding:
-                        break
-                continue
-            while True:
-                try:
-                    leases.append(self._freed.get_nowait())
-                except queue.Empty:
-                    break
-            with self._lock:
-                self._outstanding.difference_update(leases)
-                finished = self._closing and not self._outstanding
-            try:
-                self._release(pb.ReleaseLeasesRequest(session=self.session, leases=leases), timeout=10)
-            except (grpc.RpcError, ValueError):  # server or channel gone: the slots go back with the session
-                pass
-            if finished:
-                break
+    def forget(self, leases: list[int]) -> None:
+        """The reporter told the server about ``leases`` (reporter thread)."""
+        with self._lock:
+            self._outstanding.difference_update(leases)
+
+    def end_if_done(self) -> bool:
+        """Once closing with nothing outstanding: end the session call (the server returns what is
+        left). True once ended."""
+        with self._lock:
+            if self._ended or not self._closing or self._outstanding:
+                return self._ended
+            self._ended = True
         try:
             self._call.cancel()
         except ValueError:  # the channel is closed already: so is the call
             pass
+        self._unmap_host()
+        return True
 
     @property
     def outstanding(self) -> int:
         with self._lock:
             return len(self._outstanding)
 
+    @property
+    def gone(self) -> bool:
+        """The session call is over (ended here, or by the server or a broken connection): the
+        server has taken every lease of the session back."""
+        try:
+            return self._call.done()
+        except ValueError:
+            return True
+
+    @property
+    def ended(self) -> bool:
+        with self._lock:
+            return self._ended
+
     def close(self) -> None:
-        """End the session now, or once the last outstanding lease is released (the releaser
-        thread cancels the session call then)."""
+        """End the session once the last outstanding lease is released (at once if none is):
+        the reporter thread cancels the session call then. Idempotent."""
         with self._lock:
             self._closing = True
+        self._reporter.wake()
+
+
+def _end(batch: wire.WireBatch) -> int:
+    """Bytes of the batch's slot its tensors span."""
+    return max((t.offset + int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+                for t in batch.tensors), default=0)
 
 
 def _first(call, timeout: float) -> pb.SessionEvent:

@@ -121,7 +121,7 @@ def test_strided_streams_share_only_with_the_same_batches(fmnist_server):
 def test_several_servers_give_the_bytes_of_one_exactly_once(servers, reference, n, transport):
     built = [s.loader.pool.batches_built for s in servers]
     with batchd.RemoteDataLoader([s.address for s in servers[:n]], "fmnist-test", transport=transport, **KW) as ld:
-        assert isinstance(ld, MultiServerLoader) and isinstance(ld, batchd.RemoteDataLoader)
+        assert isinstance(ld, batchd.RemoteDataLoader) and isinstance(ld.servers, MultiServerLoader)
         assert len(ld) == 50
         for epoch in range(2):
             digests, indices = read(ld)

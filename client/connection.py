@@ -1,0 +1,187 @@
+"""One batchd server as a loader sees it: ``ServerConnection``.
+
+Its channel, the dataset's ``DatasetInfo``, its shared-memory session (opened on first use), the
+thread that reports released leases and progress (``batchd.client.leases.Reporter``), and the
+StreamBatches calls it opens, each tagged and watched by a ``Receiver`` thread. A single-server
+loader has one; a several-servers loader one per server, all sharing the loader's options and
+its ``CudaTransfer``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from typing import Any
+
+import grpc
+import torch
+
+from batchd import wire
+from batchd.client.channel import open_channel, translate
+from batchd.client.datasets import DatasetInfo, describe
+from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
+from batchd.client.options import LoaderOptions
+from batchd.client.receiver import Received, Receiver, to_tensors
+from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
+from batchd.v1 import loader_pb2 as pb
+
+log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
+_warned_no_shm: set[str] = set()
+
+
+class ServerConnection:
+    """A channel to ``address`` and the dataset ``options.dataset`` there.
+
+    transfer: the loader's ``CudaTransfer`` (None for CPU batches). Raises (at construction)
+    ConnectionError if no server answers within ``options.connect_timeout`` seconds,
+    DatasetNotFoundError, ValueError (TLS files), AuthenticationError/PermissionDeniedError.
+    """
+
+    def __init__(self, address: str, options: LoaderOptions, transfer: Any = None):
+        self.address = address
+        self.options = options
+        self.transfer = transfer
+        self._channel = open_channel(address, connect_timeout=options.connect_timeout,
+                                     max_message_bytes=options.max_message_bytes, tls=options.tls, token=options.token)
+        self.reporter = Reporter(self._channel, address)
+        self._finalizer = weakref.finalize(self, self.reporter.close, self._channel.close)
+        # StreamBatches is parsed by batchd.wire (tensors as views of the message, no copies)
+        self._stream_batches = self._channel.unary_stream(
+            "/batchd.v1.BatchLoader/StreamBatches",
+            request_serializer=pb.StreamBatchesRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._shm: SharedMemorySession | None = None
+        self._shm_tried = False
+        self._tag_prefix = new_tag_prefix()
+        self._tags = itertools.count()
+        self.receiver: Receiver | None = None  # the latest stream opened
+        try:
+            self.info: DatasetInfo = describe(self._channel, address, options.dataset, timeout=options.connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def shared_memory(self) -> SharedMemorySession | None:
+        """The shared-memory session, opened on first use; None when the transport is inline.
+
+        Raises RuntimeError if ``transport="shm"`` and the server's shared memory is not readable here.
+        """
+        if self.options.transport == "inline" or self._shm_tried:
+            return self._shm
+        self._shm_tried = True
+        try:
+            self._shm = SharedMemorySession.open(self._channel, self.address, self.options.connect_timeout,
+                                                 self.reporter)
+        except SharedMemoryUnavailable as e:
+            if self.options.transport == "shm":
+                raise RuntimeError(f"transport='shm' but shared memory with {self.address} is unavailable: {e}") from None
+            if self.address not in _warned_no_shm:
+                _warned_no_shm.add(self.address)
+                log.warning("shared memory with %s is unavailable (%s); batches travel in gRPC messages", self.address, e)
+        return self._shm
+
+    def new_session(self) -> None:
+        """After a reconnect (a restarted server has new shared memory): close the old session
+        (it ends once the batches still held on it are freed) and open a new one on next use."""
+        if self._shm is not None:
+            self._shm.close()
+        self._shm, self._shm_tried = None, False
+
+    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, tag: str = "") -> pb.StreamBatchesRequest:
+        o, shm = self.options, self.shared_memory()
+        return pb.StreamBatchesRequest(
+            dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
+            seed=o.seed, epoch=epoch, drop_last=o.drop_last, rank=o.rank, world_size=o.world_size,
+            start_batch=start_batch, prefetch=o.prefetch,
+            transport=pb.TRANSPORT_SHARED_MEMORY if shm is not None else pb.TRANSPORT_INLINE,
+            session=shm.session if shm is not None else "", compression=o.compression,
+            batch_stride=stride if stride > 1 else 0, batch_offset=offset, stream_tag=tag,
+        )
+
+    def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
+        """Receiver thread: tensors of ``raw`` (on the device, finished by ``gpu_transform``)."""
+        shm = self._shm if raw.segment else None
+        if raw.segment and shm is None:
+            raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
+        transfer, registered = self.transfer, False
+        if transfer is not None and shm is not None and transfer.maps_host_memory:
+            batch, registered = shm.host_tensors(raw, transfer.register)  # copied straight from the slot
+        else:
+            batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
+        samples = int(batch["index"].shape[0]) if "index" in batch else 0
+        if raw.skipped:
+            batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
+        gpu_transform = self.options.gpu_transform
+        if transfer is not None:
+            batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=gpu_transform,
+                                              seed=self.options.seed, epoch=raw.epoch)
+            return Received(raw.batch_index, batch, event, samples)
+        if gpu_transform is not None:
+            from batchd.client.transfer import finish
+
+            finish(batch, gpu_transform, self.options.seed, raw.epoch)
+        return Received(raw.batch_index, batch, None, samples)
+
+    def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
+        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults).
+
+        The call is tagged (``stream_tag``); stopping its receiver before the end reports it
+        abandoned with the leases received on it. Raises ConnectionError and the errors of
+        ``translate``.
+        """
+        tag = f"{self._tag_prefix}-{next(self._tags)}"
+        request = self.request(epoch, start_batch, stride, offset, tag)
+        record = CallRecord(tag, request.session)
+        try:
+            call = self._stream_batches(request)
+        except grpc.RpcError as e:
+            raise translate(e, self.address) from None
+        self.reporter.open_call(record)
+        shm = self._shm if request.session else None
+        receiver = self.receiver = Receiver(
+            call, self.address, self._convert, record,
+            on_end=lambda r: self.reporter.end_call(r.record, abandoned=not r.finished),
+            release=shm.release_unused if shm is not None else None)
+        receiver.start()
+        return receiver
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the channel is (again) connected within ``timeout`` seconds."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=max(0.0, timeout))
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
+    def stop_stream(self) -> None:
+        if self.receiver is not None:
+            self.receiver.stop()
+            self.receiver = None
+
+    def close(self, wait: float = 2.0) -> None:
+        """Cancel the stream; the shared-memory session ends once no batch on it is held, then the
+        channel closes (at once, waiting up to ``wait`` seconds, when none is). Idempotent."""
+        self.stop_stream()
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self.reporter.close(self._channel.close, wait=wait if not self.outstanding else 0.0)
+
+    @property
+    def outstanding(self) -> int:
+        """Leases of this connection's current session still held by tensors."""
+        return self._shm.outstanding if self._shm is not None else 0
+
+
+def deliver(item: Received, receiver: Receiver, transfer: Any) -> dict[str, torch.Tensor]:
+    """Consumer's thread: the batch of ``item``, its copy waited for on the current CUDA stream,
+    counted as taken from ``receiver``'s call (progress)."""
+    batch = item.batch if item.event is None else transfer.hand_over(item.batch, item.event)
+    if receiver.record is not None:
+        receiver.record.took(item.samples)
+    return batch

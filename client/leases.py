@@ -1,0 +1,243 @@
+"""What a client tells a server it let go of, and how far it read: one reporter thread per server.
+
+Everything goes through ``ReleaseLeases`` (loader.proto), sent by ``Reporter``'s thread:
+
+* leases of shared-memory batches whose tensors were freed (queued by ``weakref.finalize``
+  callbacks, which may run inside a gRPC call or under a lock, so they only queue);
+* an abandoned call: when the client stops reading a StreamBatches call before its end (a
+  ``break``, a closed or collected iterator, a re-split or failover of a several-servers loader,
+  a broken stream), it names the call's ``stream_tag`` and every lease it received on it; the
+  server releases the others, which gRPC had buffered;
+* progress: batches and samples the training loop took per call (any transport; session "" for
+  an inline stream), at most every ``interval`` seconds while they change, and once more when the
+  call ends.
+
+A request that fails with a transient status is retried with exponential backoff (tenacity) for
+up to ``retry_for`` seconds instead of being dropped; after that the leases go back when the
+session ends (the server returns every slot of a session whose call ended).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+import tenacity
+
+from batchd.v1 import loader_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED}
+
+
+def new_tag_prefix() -> str:
+    """A random prefix for the stream tags of one connection (tags are unique across clients)."""
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass(eq=False)
+class CallRecord:
+    """One StreamBatches call as the client saw it: its tag, the leases received on it, and what
+    the training loop took from it. ``add`` runs in the receiver thread, ``took`` in the
+    consumer's, ``close`` in whichever stops the call; all thread-safe."""
+
+    tag: str
+    session: str = ""  # the shared-memory session of the call, "" inline
+    batches_taken: int = 0
+    samples_taken: int = 0
+    abandoned: bool = False
+    _received: list[int] = field(default_factory=list)
+    _closed: bool = False
+    _reported: tuple[int, int] = (0, 0)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, lease: int) -> bool:
+        """Note a lease received on the call; False once the call was closed (the lease is then
+        not the client's: the server releases it, so it must not be used)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._received.append(lease)
+            return True
+
+    def took(self, samples: int) -> None:
+        """The training loop took one batch of ``samples`` samples from this call."""
+        with self._lock:
+            self.batches_taken += 1
+            self.samples_taken += samples
+
+    def close(self, abandoned: bool) -> list[int]:
+        """No more leases are accepted; returns every lease received (held or released)."""
+        with self._lock:
+            self._closed, self.abandoned = True, abandoned
+            return list(self._received)
+
+    def progress(self, force: bool = False) -> pb.StreamProgress | None:
+        """The progress to report, or None if it did not change since the last report."""
+        with self._lock:
+            now = (self.batches_taken, self.samples_taken)
+            if now == self._reported and not force:
+                return None
+            self._reported = now
+        return pb.StreamProgress(stream_tag=self.tag, batches_taken=now[0], samples_taken=now[1])
+
+
+class Reporter:
+    """The thread that sends ReleaseLeases for one channel (see the module docstring).
+
+    interval: seconds between progress reports while it changes. retry_for: seconds a failing
+    request is retried before it is dropped (logged). ``close(then)`` ends the thread once every
+    shared-memory session it serves has no lease outstanding, then calls ``then`` (closes the
+    channel).
+    """
+
+    def __init__(self, channel: grpc.Channel, address: str, *, interval: float = 0.5, retry_for: float = 30.0):
+        self.address = address
+        self.interval = interval
+        self._rpc = channel.unary_unary(
+            "/batchd.v1.BatchLoader/ReleaseLeases",
+            request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
+            response_deserializer=pb.ReleaseLeasesResponse.FromString,
+        )
+        self._retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, grpc.RpcError) and e.code() in _TRANSIENT),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
+            # a session whose call ended has no leases left on the server: nothing to retry for
+            stop=tenacity.stop_after_delay(retry_for) | (lambda state: self._session_gone()),
+            reraise=True)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._calls: dict[str, CallRecord] = {}  # open calls, by tag
+        self._sessions: dict[str, Any] = {}  # session id -> SharedMemorySession (forget, end_if_done)
+        self._closing = False
+        self._then: Callable[[], None] | None = None
+        self._sending = ""  # the session of the request being sent
+        self.sent = 0  # ReleaseLeases requests that went through
+        self._thread = threading.Thread(target=self._loop, name="batchd-report", daemon=True)
+        self._thread.start()
+
+    # --- called from other threads --------------------------------------------------------------
+
+    def freed(self, session: str, lease: int) -> None:
+        """A batch's tensors were freed. Reentrant (SimpleQueue.put): safe in a finalizer."""
+        self._queue.put(("freed", session, lease))
+
+    def wake(self) -> None:
+        """Run a round now (e.g. a session is closing)."""
+        self._queue.put(("wake",))
+
+    def add_session(self, session: Any) -> None:
+        with self._lock:
+            self._sessions[session.session] = session
+
+    def open_call(self, record: CallRecord) -> None:
+        with self._lock:
+            self._calls[record.tag] = record
+
+    def end_call(self, record: CallRecord, abandoned: bool) -> None:
+        """The client stopped reading the call: report its last progress, and, if ``abandoned``
+        (stopped before its end), the leases received on it."""
+        received = record.close(abandoned)
+        self._queue.put(("ended", record, received))
+
+    def close(self, then: Callable[[], None] | None = None, wait: float = 0.0) -> None:
+        """Finish: the thread ends once nothing is outstanding, then calls ``then``. ``wait``:
+        seconds to wait for that here. Idempotent."""
+        with self._lock:
+            self._closing = True
+            if then is not None:
+                self._then = then
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            s.close()
+        self.wake()
+        if wait > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait)
+
+    # --- the thread --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            items = []
+            try:
+                items.append(self._queue.get(timeout=self.interval))
+                while True:
+                    items.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                self._report(items)
+            except Exception:  # never die silently: the next round reports again
+                log.exception("reporting to %s failed", self.address)
+            with self._lock:
+                done = [s for s in self._sessions.values() if s.end_if_done()]
+                for s in done:
+                    del self._sessions[s.session]
+                finished = self._closing and not self._sessions
+            if finished and self._queue.empty():
+                break
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+
+    def _report(self, items: list[tuple]) -> None:
+        requests: list[pb.ReleaseLeasesRequest] = []
+        freed: dict[str, list[int]] = {}
+        ended: list[CallRecord] = []
+        for item in items:
+            if item[0] == "freed":
+                freed.setdefault(item[1], []).append(item[2])
+            elif item[0] == "ended":
+                record, received = item[1], item[2]
+                ended.append(record)
+                if record.abandoned and record.session:
+                    requests.append(pb.ReleaseLeasesRequest(session=record.session, abandoned_stream=record.tag,
+                                                            received_leases=received))
+        requests.extend(pb.ReleaseLeasesRequest(session=s, leases=leases) for s, leases in freed.items())
+        with self._lock:
+            for record in ended:
+                self._calls.pop(record.tag, None)
+            open_calls = list(self._calls.values())
+        progress: dict[str, list[pb.StreamProgress]] = {}
+        for record in open_calls + ended:
+            p = record.progress(force=record in ended and record.batches_taken > 0)
+            if p is not None:
+                progress.setdefault(record.session, []).append(p)
+        for session, entries in progress.items():
+            request = next((r for r in requests if r.session == session), None)
+            if request is None:
+                requests.append(request := pb.ReleaseLeasesRequest(session=session))
+            request.progress.extend(entries)
+        for request in requests:
+            self._send(request)
+        with self._lock:
+            sessions = dict(self._sessions)
+        for session, leases in freed.items():
+            if session in sessions:
+                sessions[session].forget(leases)
+
+    def _session_gone(self) -> bool:
+        """Whether the session of the request being sent ended (its call is over: the server
+        took its leases back)."""
+        with self._lock:
+            session = self._sessions.get(self._sending)
+        return session is not None and session.gone
+
+    def _send(self, request: pb.ReleaseLeasesRequest) -> None:
+        self._sending = request.session
+        try:
+            self._retrying(self._rpc, request, timeout=10)
+            self.sent += 1
+        except grpc.RpcError as e:
+            count = len(request.leases) + len(request.received_leases)
+            log.log(logging.WARNING if count else logging.DEBUG, "could not tell %s about %d released leases "
+                    "(%s); they go back when the session ends", self.address, count, e.code().name)
+        except ValueError:  # the channel is closed: so are its sessions
+            pass
