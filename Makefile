@@ -4,7 +4,7 @@
 #                  installs the Fashion-MNIST Debian package when it is missing (root + apt)
 #   make test      run the test suite            (PYTEST_ARGS='-k deploy -x' to pass options)
 #   make demo      train a small CNN on Fashion-MNIST through a local batchd server (ARGS=...)
-#   make bench     run the benchmarks (ARGS=...); installs mate-backgrounds for the photo set
+#   make bench     run the benchmarks (ARGS=...); installs the bench extra (tensorflow-cpu) and photos
 #   make proto     regenerate batchd.v1's *_pb2 code from proto/batchd/v1/*.proto
 #   make clean     remove .venv and everything generated
 #
@@ -98,7 +98,7 @@ bench-deps:
 	$(call apt_provide,mate-backgrounds,$(MATE_PHOTOS),the photo benchmark (bench/make_photos.py))
 
 bench: install bench-deps
-	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -e '.[bench]'
+	$(PY) -c 'import matplotlib, tensorflow' 2>/dev/null || $(PY) -m pip install -e '.[client,bench]'
 	$(PY) bench/run_all.py $(ARGS)
 
 clean:

@@ -6,13 +6,18 @@ memory (transport="shm"). Batch 64. One server and one DataLoader per worker cou
 once and reused; each measurement consumes ``warmup`` batches untimed (a multiple of the worker
 count) and then times ``timed`` batches. Methods are interleaved (rotating order) within each
 repeat so that the machine's noise hits all of them alike.
+
+Peers (``bench/tf_peer.py``, pipeline L3 only, when TensorFlow is installed): tf.data in-process
+and tf.data service (a dispatcher and one worker on this host), doing L3's work with TF ops, in
+one subprocess per worker count, interleaved with the methods above; without TensorFlow the
+table says "skipped".
 """
 
 from __future__ import annotations
 
 import time
 
-from bench import common, data, pipelines, sequential
+from bench import common, data, pipelines, sequential, tf_peer
 from bench.measure import median, spread, time_stream
 from bench.noise import measure
 from bench.report import fx, md_table
@@ -37,6 +42,11 @@ def run(s, log=print) -> dict:
     composes = {p: pipelines.build(p) for p in pipes}
     presets = pipelines.presets(pipes)
     torch_ds = PhotoDataset("photos", cfg, data.LOCAL_CACHE, presets)
+    # the peers a user would pick instead (bench/tf_peer.py): tf.data and tf.data service, L3 only
+    peers = tf_peer.METHODS if tf_peer.available() and tf_peer.PIPELINE in pipes else ()
+    photo_paths = [str(data.PHOTOS / f) for f in data.photo_files()]
+    photo_labels = [int(f.split("/")[0].split("_")[1]) for f in data.photo_files()]
+    tf_version = ""
     rates: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
     startup = {}
@@ -46,6 +56,8 @@ def run(s, log=print) -> dict:
 
     for w in workers_list:
         warmup = max(2, w)
+        peer = tf_peer.TFPeer(photo_paths, photo_labels, w).start() if peers else None  # TF start-up not counted
+        tf_version = peer.version if peer else tf_version
         t0 = time.perf_counter()
         srv = ServerProcess(datasets=common.server_datasets(photos=cfg), pipelines=presets, workers=w,
                             cache_dir=data.CACHE).start()
@@ -61,31 +73,41 @@ def run(s, log=print) -> dict:
             startup[w] = time.perf_counter() - t0
             for rep in range(s.repeats):
                 for pi, p in enumerate(pipes):
-                    k = (rep + pi) % len(METHODS)
-                    order = METHODS[k:] + METHODS[:k]
+                    methods = METHODS + (peers if p == tf_peer.PIPELINE else ())
+                    k = (rep + pi) % len(methods)
+                    order = methods[k:] + methods[:k]
                     for m in order:
                         seed = 1000 * rep + pi
                         r = measure(lambda: _one(m, ds, composes[p], torch_ds, dl, plan, srv, w, p, bs, seed,
-                                                 warmup, timed, seq_batches))
+                                                 warmup, timed, seq_batches, peer))
                         rates.setdefault(key(w, p, m), []).append(r.rate)
                         cpus.setdefault(key(w, p, m), []).append(r.cpu_per_image)
                 log(f"  table1: workers={w} repeat {rep + 1}/{s.repeats} done")
         finally:
             del dl
             srv.stop()
+            if peer is not None:
+                peer.stop()
     rows = []
     for w in workers_list:
         for p in pipes:
-            cell = {m: rates[key(w, p, m)] for m in METHODS}
-            cpu = {m: median(cpus[key(w, p, m)]) for m in METHODS}
+            cell = {m: rates[key(w, p, m)] for m in METHODS + peers if key(w, p, m) in rates}
+            cpu = {m: median(cpus[key(w, p, m)]) for m in cell}
             rows.append({"workers": w, "pipeline": p, "rates": cell, "cpu_per_image": cpu,
                          "median": {m: median(v) for m, v in cell.items()},
                          "spread": {m: spread(v) for m, v in cell.items()}})
     return {"rows": rows, "batch_size": bs, "timed_images": timed * bs, "seq_images": seq_batches * bs,
-            "repeats": s.repeats, "startup_s": startup}
+            "repeats": s.repeats, "startup_s": startup, "tf_version": tf_version,
+            "peers": "measured" if peers else tf_peer.SKIPPED if not tf_peer.available()
+            else f"not run: no {tf_peer.PIPELINE} in this run"}
 
 
-def _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed, seq_batches):
+def _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed, seq_batches, peer=None):
+    if m in tf_peer.METHODS:
+        try:
+            return peer.measure(m, seed, warmup, timed)
+        finally:
+            peer.wait_idle()  # its prefetched batches must not overlap the next measurement
     if m == "sequential":
         return time_stream(sequential.batches(ds, compose, bs, seq_batches + 1, seed), 1, seq_batches)
     if m == "dataloader":
@@ -120,7 +142,7 @@ def render(r: dict) -> str:
         f"(max-min)/median of any cell: {worst:.0%}). Pipelines: "
         + "; ".join(f"{k} = {v}" for k, v in pipelines.DESCRIPTIONS.items()) + "."
     )
-    out = md_table(head, rows) + "\n" + notes
+    out = md_table(head, rows) + "\n" + notes + "\n" + tf_peer.render(r)
     if all("cpu_per_image" in row for row in r["rows"]):
         head = ["workers", "pipeline", "sequential", "DataLoader", "batchd TCP", "batchd shm", "DataLoader / shm",
                 "TCP / shm"]
