@@ -254,3 +254,83 @@ def test_bad_inputs_raise_naming_the_argument(images, positions, kw, name):
     transform = GpuTransform(hflip=0.5, **kw)
     with pytest.raises(ValueError, match=rf"^{name}"):
         transform(images, positions, seed=seed, epoch=epoch)
+
+
+# --- through a real server (RemoteDataLoader(gpu_transform=...), device=None) ---------------------
+
+N_SERVED = 40
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from conftest import running_server
+    from helpers import write_png
+
+    root = tmp_path_factory.mktemp("finish-images")
+    for i in range(N_SERVED):
+        write_png(root / f"c{i % 3}" / f"img_{i:03d}.png", random_images(b=1, h=20, w=24, seed=100 + i)[0].numpy())
+    with running_server(workers=2, cache_dir=tmp_path_factory.mktemp("cache"),
+                        datasets={"pngs": {"kind": "imagefolder", "root": str(root)}}) as s:
+        yield s
+
+
+def served(server, finish=None, epochs=1, **kwargs) -> list[tuple[int, dict]]:
+    """(epoch, batch) of ``epochs`` passes, batches copied out of the loader's memory."""
+    import batchd
+
+    kwargs = dict(batch_size=8, shuffle=True, seed=77) | kwargs
+    out = []
+    with batchd.RemoteDataLoader(server.address, "pngs", gpu_transform=finish, **kwargs) as loader:
+        for _ in range(epochs):
+            epoch = loader.epoch
+            out += [(epoch, {k: v.clone() for k, v in batch.items()}) for batch in loader]
+    return out
+
+
+FINISH = dict(**IMAGENET, dtype=torch.bfloat16, hflip=0.5, vflip=0.5, crop=(16, 20))
+
+
+def test_the_loader_finishes_each_batch_as_the_reference_does(server):
+    from batchd.sampler import global_positions
+
+    plain = served(server, epochs=2)
+    finished = served(server, GpuTransform(**FINISH), epochs=2)
+    assert len(plain) == len(finished) == 2 * 5
+    by_epoch: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    for b, ((epoch, raw), (same_epoch, out)) in enumerate(zip(plain, finished)):
+        assert epoch == same_epoch and torch.equal(raw["index"], out["index"])
+        assert out["position"].tolist() == global_positions(8 * (b % 5), 8 * (b % 5) + 8, rank=0, world_size=1).tolist()
+        assert out["image"].dtype == torch.bfloat16 and out["image"].shape == (8, 3, 16, 20)
+        expected = reference(raw["image"].numpy(), out["position"].tolist(), seed=77, epoch=epoch, **FINISH)
+        np.testing.assert_array_equal(as_numpy(out["image"]), expected)
+        by_epoch[epoch].append(as_numpy(out["image"]))
+    # another epoch: another shuffle, and other draws for the same positions
+    assert not np.array_equal(np.concatenate(by_epoch[0]), np.concatenate(by_epoch[1]))
+
+
+def test_a_position_is_finished_alike_whatever_the_batch_size_and_world_size(server):
+    finish = GpuTransform(**FINISH)
+    runs = [served(server, finish, batch_size=16)]
+    runs.append(served(server, finish, batch_size=5, world_size=2, rank=0) + served(server, finish, batch_size=3,
+                                                                                  world_size=2, rank=1))
+    seen = []
+    for run in runs:
+        samples = {}
+        for _, batch in run:
+            for p, i, image in zip(batch["position"].tolist(), batch["index"].tolist(), as_numpy(batch["image"])):
+                samples[p] = (i, image.tobytes())
+        seen.append(samples)
+    assert sorted(seen[0]) == sorted(seen[1]) == list(range(N_SERVED))
+    assert seen[0] == seen[1]
+    unflipped = served_unflipped(server)
+    changed = sum(seen[0][p][1] != unflipped[p] for p in unflipped)
+    assert changed > N_SERVED // 2, f"only {changed} of {N_SERVED} served samples were flipped or cropped off the corner"
+
+
+def served_unflipped(server) -> dict[int, bytes]:
+    """position -> finished bytes with the crop fixed at the top-left corner and no flips."""
+    out = {}
+    for _, batch in served(server, GpuTransform(**IMAGENET, dtype=torch.bfloat16), batch_size=16):
+        for p, image in zip(batch["position"].tolist(), as_numpy(batch["image"])):
+            out[p] = np.ascontiguousarray(image[:, :16, :20]).tobytes()
+    return out
