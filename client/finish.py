@@ -136,7 +136,8 @@ class GpuTransform:
     images' device, where (h, w) is ``crop`` or (H, W). See the module docstring for the exact
     arithmetic and how the draws are derived.
 
-    Raises ValueError naming the argument for bad settings (at construction) or bad inputs (at
+    Thread-safe (the receiver threads of a several-servers loader share one). Raises ValueError
+    naming the argument for bad settings (at construction) or bad inputs (at
     call: wrong dtype or rank, a crop larger than the image, a channel count other than that of
     mean/std, positions of another length, a bad seed or epoch).
     """
@@ -174,9 +175,10 @@ class GpuTransform:
     # --- draws -------------------------------------------------------------------------------
 
     def _finish_key(self, seed: int, epoch: int) -> tuple[int, int]:
-        if self._key is None or self._key[0] != (seed, epoch):
-            self._key = ((seed, epoch), finish_key(seed=seed, epoch=epoch))
-        return self._key[1]
+        cached = self._key  # one read: receiver threads of several servers may call at once
+        if cached is None or cached[0] != (seed, epoch):
+            cached = self._key = ((seed, epoch), finish_key(seed=seed, epoch=epoch))
+        return cached[1]
 
     def params(self, positions: torch.Tensor, *, seed: int, epoch: int, height: int, width: int) -> FinishParams:
         """The draws for samples at ``positions`` (int64 [B]) of images ``height`` x ``width``.

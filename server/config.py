@@ -126,8 +126,29 @@ class ManifestConfig(_ImageFilesBase):
     root: Location | None = Field(default=None, description="where relative paths start; default: the table's folder")
 
 
+class WebDatasetConfig(_ImageFilesBase):
+    """Tar shards in WebDataset's layout (``000123.jpg`` + ``000123.cls`` or ``.json``).
+
+    shards: a list of paths or URLs, or one brace pattern (``/data/train-{000000..000099}.tar``).
+    extensions: member extensions that are the image (the sample's first such member).
+    label_field: the label's field in a sample's ``.json`` (used when it has no ``.cls``).
+    """
+
+    kind: Literal["webdataset"]
+    shards: Union[str, tuple[str, ...]]
+    extensions: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "pgm", "tif", "tiff")
+    label_field: str = Field(default="label", min_length=1)
+
+    @field_validator("shards")
+    @classmethod
+    def _check_shards(cls, v):
+        if not v or (not isinstance(v, str) and not all(v)):
+            raise ValueError("give shard paths or URLs, or one brace pattern such as /data/train-{000000..000099}.tar")
+        return v
+
+
 DatasetConfig = Annotated[
-    Union[FashionMnistConfig, ImageFolderConfig, ManifestConfig], Field(discriminator="kind")
+    Union[FashionMnistConfig, ImageFolderConfig, ManifestConfig, WebDatasetConfig], Field(discriminator="kind")
 ]
 
 

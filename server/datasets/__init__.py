@@ -16,8 +16,8 @@ __all__ = ["Dataset", "SampleSpec", "open_dataset"]
 
 
 def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int | None = None) -> Dataset:
-    """Open dataset ``name`` described by ``cfg`` (a FashionMnistConfig, ImageFolderConfig or
-    ManifestConfig), keeping its index in ``cache_dir``.
+    """Open dataset ``name`` described by ``cfg`` (a FashionMnistConfig, ImageFolderConfig,
+    ManifestConfig or WebDatasetConfig), keeping its index in ``cache_dir``.
 
     build=True (the server): build the index, or refresh it if its source changed (an
     imagefolder is rescanned every time). build=False (workers): map the index the server
@@ -35,8 +35,11 @@ def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pi
         from .imagefolder import ImageFolder as cls
     elif kind == "manifest":
         from .manifest import Manifest as cls
+    elif kind == "webdataset":
+        from .webdataset import WebDataset as cls
     else:
-        raise ValueError(f"dataset {name!r}: unknown kind {kind!r} (expected fashion-mnist, imagefolder or manifest)")
+        raise ValueError(f"dataset {name!r}: unknown kind {kind!r} "
+                         "(expected fashion-mnist, imagefolder, manifest or webdataset)")
     if max_pixels is None:
         max_pixels = getattr(cfg, "max_pixels", DEFAULT_MAX_PIXELS)
     return cls(name, cfg, pathlib.Path(cache_dir), build=build, max_pixels=max_pixels)
