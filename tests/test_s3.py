@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import batchd
+from batchd.client.datasets import describe_dataset
 from batchd.errors import SampleError
 from batchd.server.config import ImageFolderConfig, ManifestConfig
 from batchd.server.datasets import open_dataset
@@ -141,8 +142,9 @@ def test_wrong_secret_is_a_clear_error_that_never_shows_it(seaweed, photos, make
     table.write_text("path,label\n" + "\n".join(f"{p.relative_to(root).as_posix()},x" for p in sorted(root.rglob("*.png"))))
     caplog.set_level(logging.DEBUG)
     server = make_server(datasets={"bad": {"kind": "manifest", "path": str(table), "root": url, "storage_options": bad}})
+    info = describe_dataset(server.address, "bad")
+    assert info.num_samples == sum(CLASSES.values())
     with _loader(server, "bad", batch_size=4) as ld:
-        info = ld.dataset_info if hasattr(ld, "dataset_info") else None
         with pytest.raises(batchd.SampleError) as e:
             for _ in ld:
                 pass
