@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 
 import numpy as np
 import pytest
 
 import batchd
+from batchd.server.stream import Computation
 from helpers import digest
 
 pytestmark = pytest.mark.timeout(180)
@@ -99,17 +101,63 @@ def test_reader_falling_out_of_the_window_gets_every_batch_recomputed(server, ca
     assert any("fell more than 8 batches behind" in r.message for r in caplog.records)
 
 
-def test_different_streams_share_the_workers_fairly(server):
-    """A new experiment gets batches at once although another one is mid-epoch."""
-    with open_loader(server, seed=1, prefetch=4) as long_run, open_loader(server, seed=2, batch_size=50) as newcomer:
-        it_long = iter(long_run)
-        next(it_long)
-        long_stream = next(s for s in server.loader.streams.values() if s.request.seed == 1)
-        got = [next(iter(newcomer)) for _ in range(1)]
-        # the long run was admitted first and keeps its prefetch full, yet the newcomer was served
-        assert got and long_stream.position < NUM_BATCHES
-        rest = list(it_long)
-    assert 1 + len(rest) == NUM_BATCHES
+def _built_while_both_wanted(order: list[int]) -> list[int]:
+    """The part of ``order`` (seeds of batches built, in order) when both streams still had work:
+    from the later stream's first batch to the earlier-finishing stream's last."""
+    seeds = set(order)
+    start = max(order.index(s) for s in seeds)
+    end = min(len(order) - 1 - order[::-1].index(s) for s in seeds)
+    return order[start:end + 1]
+
+
+def test_different_streams_share_the_workers_fairly(server, monkeypatch):
+    """Two different experiments read at once get the workers in turn, not one after the other.
+
+    Each asks for a whole epoch ahead (prefetch = every batch), so neither is ever held back by
+    its prefetch: who gets a free worker is the scheduler's choice alone. Counted: the batches
+    each computation had built (``Computation.done``), in order. While both still had batches
+    to build, each must have got close to half of them; a scheduler that served one stream
+    first builds the whole of one epoch before the other's first batch (no overlap at all).
+    """
+    order: list[int] = []
+    done = Computation.done
+
+    def counted(self, batch):
+        order.append(self.request.seed)
+        return done(self, batch)
+
+    monkeypatch.setattr(Computation, "done", counted)
+    for trial in range(3):  # a trial in which one stream opened only after the other had finished says nothing
+        order.clear()
+        outs: dict[int, list] = {1: [], 2: []}
+        gate = threading.Barrier(2)
+
+        errors: list[BaseException] = []
+
+        def read(seed):
+            try:
+                with open_loader(server, seed=seed, prefetch=NUM_BATCHES, transport="inline") as ld:
+                    gate.wait()
+                    read_all(ld, outs[seed])
+            except BaseException as e:  # re-raised below, in the test's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=read, args=(seed,)) for seed in outs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        if errors:
+            raise errors[0]
+        for got in outs.values():
+            check_epoch(got)
+        assert sorted(order) == [1] * NUM_BATCHES + [2] * NUM_BATCHES
+        both = _built_while_both_wanted(order)
+        if len(both) >= NUM_BATCHES // 2:
+            break
+    shares = {seed: both.count(seed) / max(1, len(both)) for seed in outs}
+    assert len(both) >= NUM_BATCHES // 2, f"the streams overlapped for {len(both)} batches only: {order}"
+    assert all(0.35 <= share <= 0.65 for share in shares.values()), (shares, order)
 
 
 def test_a_client_leaving_a_shared_computation_does_not_disturb_the_other(server):
