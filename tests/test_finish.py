@@ -334,3 +334,14 @@ def served_unflipped(server) -> dict[int, bytes]:
         for p, image in zip(batch["position"].tolist(), as_numpy(batch["image"])):
             out[p] = np.ascontiguousarray(image[:, :16, :20]).tobytes()
     return out
+
+
+def test_the_batched_gather_of_the_gpu_equals_the_per_sample_slices_of_the_cpu():
+    from batchd.client.finish import _crop_flip
+
+    images = random_images(b=32, h=21, w=26)
+    for transform in (GpuTransform(hflip=0.5, vflip=0.5, crop=(13, 17)), GpuTransform(hflip=0.5, vflip=0.5)):
+        h, w = transform.crop or (21, 26)
+        p = transform.params(torch.arange(32) * 3, seed=1, epoch=2, height=21, width=26)
+        assert p.hflip.any() and not p.hflip.all() and p.vflip.any() and not p.vflip.all()
+        assert torch.equal(_crop_flip(images, p, h, w, gather=True), _crop_flip(images, p, h, w, gather=False))
