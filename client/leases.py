@@ -237,7 +237,7 @@ class Reporter:
             self.sent += 1
         except grpc.RpcError as e:
             count = len(request.leases) + len(request.received_leases)
-            log.log(logging.WARNING if count else logging.DEBUG, "could not tell %s about %d released leases "
+            log.log(logging.WARNING if count and not self._session_gone() else logging.DEBUG, "could not tell %s about %d released leases "
                     "(%s); they go back when the session ends", self.address, count, e.code().name)
         except ValueError:  # the channel is closed: so are its sessions
             pass

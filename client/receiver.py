@@ -102,17 +102,10 @@ class Receiver(threading.Thread):
     def run(self) -> None:
         try:
             for message in self.call:
-                raw = wire.decode_batch(message)
-                if raw.segment and self.record is not None and not self.record.add(raw.lease):
-                    return  # stopped and reported: the server releases this lease, never touch it
-                try:
-                    item = self.convert(raw, self)
-                except BaseException:
-                    if raw.segment and self._release is not None:
-                        self._release(raw.lease)
-                    raise
-                if item is None or not self._put(item):
+                if not self._handle(message):
                     return
+                # (no batch stays a local of this frame: a failed call's traceback keeps the frame)
+                message = None  # noqa: F841
             self.finished = True
             self._put(_End())
         except grpc.RpcError as e:
@@ -120,6 +113,19 @@ class Receiver(threading.Thread):
                 self._put(_Failed(translate(e, self.address)))
         except BaseException as e:  # never raise in the thread: hand it to the consumer
             self._put(_Failed(e))
+
+    def _handle(self, message: bytes) -> bool:
+        """Convert and queue one batch; False once the receiver is stopping."""
+        raw = wire.decode_batch(message)
+        if raw.segment and self.record is not None and not self.record.add(raw.lease):
+            return False  # stopped and reported: the server releases this lease, never touch it
+        try:
+            item = self.convert(raw, self)
+        except BaseException:
+            if raw.segment and self._release is not None:
+                self._release(raw.lease)
+            raise
+        return self._put(item)
 
     def _put(self, item: Any) -> bool:
         while not self.stopping.is_set():
