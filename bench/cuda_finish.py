@@ -98,6 +98,14 @@ def cost_table(device: torch.device, batch: int, repeats: int) -> None:
     for label, fn in rows.items():
         med, fastest, host = _median_time(fn, repeats, cuda)
         print(f"| {label} | {med:.2f} | {fastest:.2f} | {host:.2f} |")
+    if cuda:  # the hand-written expression is not the same bits on CUDA (a * (1/255) there); GpuTransform is
+        cpu_images, cpu_mean, cpu_std = images.cpu(), mean.cpu(), std.cpu()
+        hand = images.permute(0, 3, 1, 2).float().div(255).sub(mean).div(std).cpu()
+        hand_cpu = cpu_images.permute(0, 3, 1, 2).float().div(255).sub(cpu_mean).div(cpu_std)
+        ours = GpuTransform(mean=MEAN, std=STD)
+        same = torch.equal(ours(images, positions, seed=1, epoch=0).cpu(), ours(cpu_images, positions_cpu, seed=1, epoch=0))
+        print(f"\nfloat32 values of the hand-written expression that differ between CUDA and CPU: "
+              f"{int((hand != hand_cpu).sum())} of {hand.numel()}; GpuTransform CUDA == CPU: {same}")
 
 
 # --- Table 2: the training step (CUDA) -----------------------------------------------------------
