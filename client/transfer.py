@@ -164,6 +164,8 @@ class CudaTransfer:
         current.wait_event(event)
         for t in batch.values():
             t.record_stream(current)
+        with self._lock:
+            self._collect()  # sources copied by now go back (their leases) without waiting for the next copy
         return batch
 
     def close(self) -> None:
