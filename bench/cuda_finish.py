@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import statistics
 import sys
@@ -216,9 +217,10 @@ def training_table(args) -> None:
     device = torch.device("cuda")
     data.ensure_photos()
     cfg = common.photos_x4_config()  # 12,000 samples: 46 batches of 256 per epoch
-    presets = {
-        "crop_flip": A.to_dict(A.Compose([A.Resize(SIDE, SIDE), A.RandomCrop(CROP, CROP), A.HorizontalFlip(p=0.5)])),
-        "resize": A.to_dict(A.Compose([A.Resize(SIDE, SIDE)])),
+    presets = {  # plain JSON types, for the server's YAML config
+        "crop_flip": json.loads(json.dumps(A.to_dict(A.Compose([A.Resize(SIDE, SIDE), A.RandomCrop(CROP, CROP),
+                                                                A.HorizontalFlip(p=0.5)])))),
+        "resize": json.loads(json.dumps(A.to_dict(A.Compose([A.Resize(SIDE, SIDE)])))),
     }
     trainer = Trainer(device)
     mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
@@ -259,7 +261,7 @@ def training_table(args) -> None:
             print("RemoteDataLoader has no gpu_transform hook: GpuTransform runs in the loop, on the default stream")
             with batchd.RemoteDataLoader(server.address, "photos", transform="resize", **kw) as ld:
                 results["batchd + GpuTransform (in the loop)"] = run_steps(
-                    _forever(ld), lambda b: (finishing(b["image"], b.get("position", b["index"]), seed=0, epoch=0), b["label"]),
+                    _forever(ld), lambda b: (finishing(b["image"], b["position"], seed=0, epoch=0), b["label"]),
                     trainer, args.warmup, args.steps, server_cpu)
 
     print(f"\n| ResNet-50, batch {BATCH}, bf16, {torch.cuda.get_device_name()}, {args.workers} loading processes "
