@@ -270,6 +270,9 @@ class ServerConfig(_Strict):
     max_prefetch, max_batch_size: requests above these are refused (INVALID_ARGUMENT).
     max_message_bytes: gRPC send/receive limit, bytes; a 256 x 224 x 224 x 3 uint8 batch is 38.5 MB.
     worker_timeout_s: a batch that takes longer than this fails the stream (seconds).
+    reads_in_flight: sample reads each worker keeps running at once on its I/O threads, for its
+        current batch and the next ones queued for it, while it decodes (hides storage latency:
+        NFS, FUSE, object stores); 1 reads one sample at a time.
     max_task_retries: times a batch is rebuilt after its worker died before the stream fails.
     grpc_threads: threads serving RPCs; each open stream holds one.
     max_slots: shared-memory batch slots; at most this many batches exist at once (bounds memory).
@@ -305,6 +308,7 @@ class ServerConfig(_Strict):
     max_batch_size: int = Field(default=4096, ge=1)
     max_message_bytes: int = Field(default=512 * MiB, ge=4 * MiB)
     worker_timeout_s: float = Field(default=300.0, gt=0)
+    reads_in_flight: int = Field(default=32, ge=1, le=1024)
     max_task_retries: int = Field(default=3, ge=0)
     grpc_threads: int = Field(default=64, ge=2)
     max_slots: int = Field(default=64, ge=2)

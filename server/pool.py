@@ -6,9 +6,13 @@ sentinels and a wake-up pipe, and in each round:
 1. collects finished batches and hands them to their stream's reorder buffer;
 2. notices dead workers (within ``_POLL_S``), logs the exit code or signal, rebuilds their
    in-flight batches on other workers and starts a replacement;
-3. fails batches that took longer than ``worker_timeout_s`` (their worker is killed and replaced);
-4. dispatches new tasks: streams are served round robin, each worker holds at most
-   ``_DEPTH`` tasks, each stream at most ``prefetch`` batches in flight or buffered.
+3. fails batches that took longer than ``worker_timeout_s`` running (their worker is killed; its
+   slots stay held until the process is reaped, since it may still be writing them; then it is
+   replaced);
+4. dispatches new tasks: streams are served round robin, each stream at most ``prefetch``
+   batches in flight or buffered; a worker is sent its next tasks before the current one
+   finishes (at least one waiting, more while fewer than ``read_ahead`` samples wait, see
+   ``handles.WorkerHandle.wants_task``), so its reader reads their samples ahead.
 
 Workers are started from a ``forkserver`` context, created before any gRPC server exists, so no
 process is ever forked from a process running gRPC threads (grpc doc/fork_support.md).
@@ -20,60 +24,32 @@ import collections
 import logging
 import multiprocessing as mp
 import os
-import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
+from batchd.errors import SampleError, WorkerError
+from batchd.server.handles import InFlight, WorkerHandle, describe_exit, reraisable
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
-from batchd.server.shm import Segment, SlotPool
+from batchd.server.reader import DEFAULT_READS_IN_FLIGHT
+from batchd.server.shm import SlotPool
 from batchd.server.stats import RateMeter
 from batchd.server.stream import Computation, ReadyBatch
 from batchd.server.worker import worker_main
 
 log = logging.getLogger(__name__)
 
-_DEPTH = 2  # tasks queued per worker: one running, one waiting, so a worker never idles
 _POLL_S = 0.5
 _JOIN_S = 5.0
-
-
-@dataclass(slots=True)
-class _InFlight:
-    stream: Computation  # the computation the batch is for
-    batch_index: int
-    slot: Segment
-    worker_id: int
-    started: float
-
-
-@dataclass(slots=True)
-class _WorkerHandle:
-    worker_id: int
-    process: mp.process.BaseProcess
-    conn: Connection
-    ready: bool = False
-    tasks: set[int] = field(default_factory=set)
-
-
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "is still running"
-    if exitcode < 0:
-        try:
-            return f"died with signal {-exitcode} ({signal.Signals(-exitcode).name})"
-        except ValueError:
-            return f"died with signal {-exitcode}"
-    return f"exited with code {exitcode}"
 
 
 class WorkerPool:
     """``num_workers`` worker processes building batches for any number of streams.
 
-    dataset_configs: name -> dataset config, opened by each worker. Raises RuntimeError if the
-    workers do not all start within ``start_timeout`` seconds.
+    dataset_configs: name -> dataset config, opened by each worker. reads_in_flight: sample reads
+    each worker keeps running on its I/O threads (``server/reader.py``); the scheduler keeps about
+    ``4 * reads_in_flight`` samples queued behind each worker's running task. Raises RuntimeError
+    if the workers do not all start within ``start_timeout`` seconds.
     """
 
     def __init__(
@@ -87,8 +63,11 @@ class WorkerPool:
         max_task_retries: int = 3,
         start_timeout: float = 60.0,
         max_batch_bytes: int = 0,
+        reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
     ):
         self.max_batch_bytes = max_batch_bytes
+        self.reads_in_flight = reads_in_flight
+        self.read_ahead = 4 * reads_in_flight  # samples queued behind a worker's running task
         self.num_workers = num_workers
         self.slots = slots
         self.worker_timeout_s = worker_timeout_s
@@ -98,10 +77,10 @@ class WorkerPool:
         self._max_skipped_fraction = {name: getattr(c, "max_skipped_fraction", 0.0) for name, c in dataset_configs.items()}
         self._cache_dir = cache_dir
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["numpy", "cv2", "batchd.server.worker"])  # albumentations through batchd.server: no torch
+        self._ctx.set_forkserver_preload(["numpy", "cv2", "albumentations", "batchd.server.worker"])
         self._lock = threading.Lock()  # guards _streams
         self._streams: collections.deque[Computation] = collections.deque()
-        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight: dict[int, InFlight] = {}
         self._task_ids = iter(range(1, 1 << 62))
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -110,7 +89,7 @@ class WorkerPool:
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
         self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
-        self._workers: dict[int, _WorkerHandle] = {}
+        self._workers: dict[int, WorkerHandle] = {}
         self._thread: threading.Thread | None = None  # started once every worker is ready
         for worker_id in range(num_workers):
             self._workers[worker_id] = self._start_worker(worker_id)
@@ -190,17 +169,18 @@ class WorkerPool:
 
     # --- workers -----------------------------------------------------------------------------
 
-    def _start_worker(self, worker_id: int) -> _WorkerHandle:
+    def _start_worker(self, worker_id: int) -> WorkerHandle:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=worker_main,
-            args=(worker_id, child_conn, self._dataset_configs, self._cache_dir, self.slots.prefix, os.getpid()),
+            args=(worker_id, child_conn, self._dataset_configs, self._cache_dir, self.slots.prefix, os.getpid(),
+                  self.reads_in_flight),
             name=f"batchd-worker-{worker_id}",
             daemon=True,
         )
         process.start()
         child_conn.close()
-        return _WorkerHandle(worker_id, process, parent_conn)
+        return WorkerHandle(worker_id, process, parent_conn)
 
     def _await_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -226,9 +206,18 @@ class WorkerPool:
                     raise RuntimeError(f"worker {dead.worker_id} {describe_exit(dead.process.exitcode)} while starting")
         log.info("%d workers ready (pids %s)", self.num_workers, self.worker_pids)
 
-    def _on_death(self, w: _WorkerHandle) -> None:
+    def _on_death(self, w: WorkerHandle) -> None:
+        """Its sentinel fired: reap it, then free its slots, rebuild its tasks, start a replacement."""
         self._receive(w)  # batches it finished before dying still count
-        w.process.join(0.1)
+        w.process.join(_JOIN_S)  # reap first: only then can no write of it reach a slot
+        if w.process.exitcode is None:  # not reaped (cannot happen once the sentinel fired): keep its slots
+            log.error("worker %d (pid %d) could not be reaped; its %d slots stay held", w.worker_id, w.process.pid,
+                      len(w.held_slots) + len(w.tasks))
+            w.held_slots.clear()
+            w.held_slots.extend(self._in_flight[t].slot for t in w.tasks)
+        for slot in w.held_slots:  # slots of tasks it timed out on
+            self.slots.release(slot)
+        w.held_slots.clear()
         log.warning(
             "worker %d (pid %d) %s with %d batches in flight; rebuilding them and starting a replacement",
             w.worker_id, w.process.pid, describe_exit(w.process.exitcode), len(w.tasks),
@@ -282,19 +271,20 @@ class WorkerPool:
         self._expire()
         self._dispatch()
 
-    def _receive(self, w: _WorkerHandle) -> None:
+    def _receive(self, w: WorkerHandle) -> None:
         try:
             while w.conn.poll():
                 self._handle(w, w.conn.recv())
         except (EOFError, OSError):
             pass  # the worker died; its sentinel reports it
 
-    def _handle(self, w: _WorkerHandle, msg) -> None:
+    def _handle(self, w: WorkerHandle, msg) -> None:
         if isinstance(msg, Ready):
             w.ready = True
             return
         job = self._in_flight.pop(msg.task_id, None)
         w.tasks.discard(msg.task_id)
+        w.last_done = time.monotonic()  # its next task starts running now
         if job is None:
             return
         if isinstance(msg, BatchDone):
@@ -309,9 +299,9 @@ class WorkerPool:
                 self._count_skipped(job, msg.skipped)
         elif isinstance(msg, TaskFailed):
             self.slots.release(job.slot)
-            job.stream.fail(_reraisable(msg), job.batch_index)
+            job.stream.fail(reraisable(msg), job.batch_index)
 
-    def _count_skipped(self, job: _InFlight, skipped) -> None:
+    def _count_skipped(self, job: InFlight, skipped) -> None:
         stream, req = job.stream, job.stream.request
         for index, path, reason in skipped:
             log.warning("computation %d: skipped dataset %r sample %d (%s): %s", stream.id, req.dataset, index, path, reason)
@@ -326,31 +316,38 @@ class WorkerPool:
             ), job.batch_index + 1)
 
     def _expire(self) -> None:
+        """Fail each running task that has run over ``worker_timeout_s`` and kill its worker. The
+        worker gets no new task, and its slots stay held until ``_on_death`` has reaped it (a
+        process that is killed may still be writing them for a moment)."""
         now = time.monotonic()
-        for task_id, job in list(self._in_flight.items()):
-            if now - job.started > self.worker_timeout_s:
-                w = self._workers[job.worker_id]
-                log.error("worker %d took over %.0f s on batch %d; killing it", w.worker_id, self.worker_timeout_s, job.batch_index)
-                self._in_flight.pop(task_id)
-                w.tasks.discard(task_id)
-                self.slots.release(job.slot)
-                job.stream.fail(
-                    WorkerError(
-                        f"batch {job.batch_index} of dataset {job.stream.request.dataset!r} took longer than "
-                        f"worker_timeout_s={self.worker_timeout_s:g} s"
-                    ),
-                    job.batch_index,
-                )
-                w.process.kill()
+        for w in self._workers.values():
+            running = w.running(self._in_flight)
+            if w.killed or running is None or now - running[1] <= self.worker_timeout_s:
+                continue
+            task_id = running[0]
+            job = self._in_flight.pop(task_id)
+            log.error("worker %d took over %.0f s on batch %d; killing it", w.worker_id, self.worker_timeout_s, job.batch_index)
+            w.process.kill()
+            w.killed = True
+            w.tasks.discard(task_id)
+            w.held_slots.append(job.slot)
+            job.stream.fail(
+                WorkerError(
+                    f"batch {job.batch_index} of dataset {job.stream.request.dataset!r} took longer than "
+                    f"worker_timeout_s={self.worker_timeout_s:g} s"
+                ),
+                job.batch_index,
+            )
 
     def _dispatch(self) -> None:
         with self._lock:  # least recently served first
             streams = [s for s in self._streams if not s.closed]
-        free = [w for w in self._workers.values() if w.process.is_alive()]
-        while streams and free:
-            w = min(free, key=lambda w: len(w.tasks))
-            if len(w.tasks) >= _DEPTH:
+        while streams:
+            # the worker with the fewest tasks queued, among those that want one
+            free = [w for w in self._workers.values() if w.wants_task(self._in_flight, self.read_ahead)]
+            if not free:
                 return
+            w = min(free, key=lambda w: len(w.tasks))
             # round robin: the least recently served computation that wants work gets the worker
             stream = next((s for s in streams if s.wants_work()), None)
             if stream is None:
@@ -375,26 +372,15 @@ class WorkerPool:
                 skip_bad_samples=self._skip.get(req.dataset, False),
                 max_batch_bytes=self.max_batch_bytes,
             )
-            self._in_flight[task.task_id] = _InFlight(stream, b, slot, w.worker_id, time.monotonic())
+            self._in_flight[task.task_id] = InFlight(stream, b, slot, w.worker_id, time.monotonic(), len(task.indices))
             w.tasks.add(task.task_id)
             try:
                 w.conn.send(task)
             except (OSError, ValueError):
-                free.remove(w)  # dead; _on_death will rebuild the task
+                w.killed = True  # dead (wants no task); _on_death will rebuild the task
             streams.remove(stream)
             streams.append(stream)
             with self._lock:  # served: to the back of the queue
                 if stream in self._streams:
                     self._streams.remove(stream)
                     self._streams.append(stream)
-
-
-def _reraisable(msg: TaskFailed) -> BaseException:
-    """The worker's exception, with its traceback in the message where the type allows."""
-    err = msg.error
-    if isinstance(err, (SampleError, ShapeMismatchError, ResourceExhaustedError)):
-        return err  # data errors and limits: the message already says what and where
-    if err is not None and isinstance(err, ValueError):
-        err.add_note(f"Worker traceback:\n{msg.traceback}")
-        return err
-    return WorkerError(f"{msg.error_type}: {msg.message}\n\nWorker traceback:\n{msg.traceback}")

@@ -2,8 +2,16 @@
 
 ``worker_main`` runs in a process started by the server's ``forkserver`` context (never forked
 from the process that runs gRPC). It opens the datasets read-only (memory-mapped indexes),
-answers each ``Task`` with exactly one ``BatchDone`` or ``TaskFailed`` and never raises across
-the pipe. It exits on ``Shutdown``, on EOF, or within a second of the server disappearing.
+answers each ``Task`` with exactly one ``BatchDone`` or ``TaskFailed``, in the order the tasks came,
+and never raises across the pipe. It exits on ``Shutdown``, on EOF, or within a second of the
+server disappearing.
+
+The scheduler sends a worker its next tasks before the current one finishes. The worker takes
+them from the pipe as they come (between samples) and hands their samples to its
+``SampleReader`` (``server/reader.py``), whose I/O threads read the bytes of the current and the
+queued tasks' samples concurrently (``reads_in_flight``), while this process's own thread
+decodes and transforms them one at a time, in order (so bytes and order do not change).
+Datasets whose samples are in memory (no ``read_bytes``) are read on this thread.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchErro
 from batchd.server import pipeline as pipelines
 from batchd.server.datasets import Dataset, open_dataset
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed, TensorLayout
+from batchd.server.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
 from batchd.server.shm import Segment
 
 _ALIGN = 64
@@ -58,7 +67,7 @@ def view(buf: memoryview, t: TensorLayout) -> np.ndarray:
 
 class _Worker:
     def __init__(self, worker_id: int, dataset_configs: dict[str, Any], cache_dir, new_segment_prefix: str,
-                 reduced_decode: bool = True):
+                 reduced_decode: bool = True, reads_in_flight: int = DEFAULT_READS_IN_FLIGHT):
         self.worker_id = worker_id
         self.reduced_decode = reduced_decode
         self.dataset_configs = dataset_configs
@@ -70,6 +79,18 @@ class _Worker:
         self.grown = 0
         self._unadopted: Segment | None = None  # a segment this task created, until BatchDone names it
         self.random = pipelines.SampleRandom()
+        self.reader = SampleReader(reads_in_flight)
+        self.between_samples = lambda: None  # worker_main: take newly sent tasks from the pipe
+
+    def prefetch(self, task: Task) -> None:
+        """Start reading ``task``'s samples (after those of the tasks before it), if its dataset
+        reads from storage. Never raises: a task whose dataset cannot be opened fails in ``run``."""
+        try:
+            ds = self.dataset(task.dataset)
+            if ds.concurrent_reads:
+                self.reader.add(task.task_id, ds.read_bytes, task.indices.tolist())
+        except Exception:
+            pass
 
     def dataset(self, name: str) -> Dataset:
         ds = self.datasets.get(name)
@@ -109,6 +130,8 @@ class _Worker:
             pass
 
     def run(self, task: Task) -> BatchDone:
+        """Build ``task``'s batch in its slot (or a grown segment). Raises what building it raised:
+        SampleError (unless skipped), ShapeMismatchError, ResourceExhaustedError, pipeline errors."""
         self._unadopted = None
         try:
             return self._run(task)
@@ -120,6 +143,15 @@ class _Worker:
                 self._forget(seg.name)
                 seg.unlink()
             raise
+        finally:
+            self.reader.discard(task.task_id)
+
+    def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> np.ndarray:
+        """Sample k of the task, decoded: its bytes from the reader if they are read ahead."""
+        if task.task_id not in self.reader:
+            return ds.load_image(index, min_size)
+        self.between_samples()
+        return ds.decode(index, self.reader.take(task.task_id, k, self.between_samples), min_size)
 
     def _run(self, task: Task) -> BatchDone:
         ds = self.dataset(task.dataset)
@@ -135,10 +167,11 @@ class _Worker:
         images = first_shape = first_index = None
         seg = grown = layout = None
         n = 0  # samples in the batch so far
-        for index, position in zip(task.indices.tolist(), task.positions.tolist()):
+        self.prefetch(task)  # no-op if it came ahead of time
+        for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
             t0 = time.perf_counter()
             try:
-                image = ds.load_image(index, min_size)
+                image = self._load(ds, task, k, index, min_size)
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise
@@ -247,6 +280,41 @@ def _parent_alive(pid: int) -> bool:
         return True
 
 
+class _Inbox:
+    """The worker's end of the pipe: tasks taken as soon as they arrive (started reading, then run
+    in arrival order), and whether the server said Shutdown or went away (``open`` False)."""
+
+    def __init__(self, conn: Connection, worker: _Worker):
+        self.conn, self.worker = conn, worker
+        self.tasks: collections.deque[Task] = collections.deque()
+        self.open = True
+
+    def drain(self) -> None:
+        """Take every message already in the pipe, without waiting."""
+        try:
+            while self.open and self.conn.poll():
+                self._put(self.conn.recv())
+        except (EOFError, OSError):
+            self.open = False
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a message; True if one came (or the pipe closed)."""
+        try:
+            if not self.conn.poll(timeout):
+                return False
+            self._put(self.conn.recv())
+        except (EOFError, OSError):
+            self.open = False
+        return True
+
+    def _put(self, msg) -> None:
+        if isinstance(msg, Shutdown):
+            self.open = False
+        else:
+            self.tasks.append(msg)
+            self.worker.prefetch(msg)
+
+
 def worker_main(
     worker_id: int,
     conn: Connection,
@@ -254,32 +322,37 @@ def worker_main(
     cache_dir,
     segment_prefix: str,
     server_pid: int,
+    reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
 ) -> None:
-    """Serve tasks from ``conn`` until Shutdown, EOF, or the server (``server_pid``) is gone."""
+    """Serve tasks from ``conn`` until Shutdown, EOF, or the server (``server_pid``) is gone.
+
+    A task already received when Shutdown comes is dropped (the server is not waiting for it).
+    reads_in_flight: I/O threads reading samples ahead (see ``server/reader.py``).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which shuts us down
     import cv2
 
     cv2.setNumThreads(1)  # one worker per core; OpenCV's own threads would oversubscribe
-    worker = _Worker(worker_id, dataset_configs, cache_dir, segment_prefix)
+    worker = _Worker(worker_id, dataset_configs, cache_dir, segment_prefix, reads_in_flight=reads_in_flight)
+    inbox = _Inbox(conn, worker)
+    worker.between_samples = inbox.drain
     conn.send(Ready(worker_id, os.getpid()))
     while True:
-        try:
-            if not conn.poll(1.0):
-                if not _parent_alive(server_pid):
-                    return
-                continue
-            msg = conn.recv()
-        except (EOFError, OSError):
+        inbox.drain()
+        if not inbox.open:
             return
-        if isinstance(msg, Shutdown):
-            return
+        if not inbox.tasks:
+            if not inbox.wait(1.0) and not _parent_alive(server_pid):
+                return
+            continue
+        task = inbox.tasks.popleft()
         try:
-            reply: BatchDone | TaskFailed = worker.run(msg)
+            reply: BatchDone | TaskFailed = worker.run(task)
         except Exception as e:
-            reply = _failure(msg.task_id, worker_id, e)
+            reply = _failure(task.task_id, worker_id, e)
         try:
             conn.send(reply)
         except (BrokenPipeError, OSError):
             return
         except Exception as e:  # the reply itself did not pickle
-            conn.send(_failure(msg.task_id, worker_id, e))
+            conn.send(_failure(task.task_id, worker_id, e))
