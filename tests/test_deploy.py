@@ -548,7 +548,7 @@ def test_makefile_installs_torch_first_and_lets_it_be_overridden():
 
     lines = dry_run()
     torch_line = next(i for i, line in enumerate(lines) if "pip install" in line and "torch" in line)
-    package_line = next(i for i, line in enumerate(lines) if "pip install -e '.[test]'" in line)
+    package_line = next(i for i, line in enumerate(lines) if "pip install -e '.[client,test]'" in line)
     assert torch_line < package_line
     if shutil.which("nvidia-smi") is None:
         assert "'torch==2.13.0'" in lines[torch_line]
