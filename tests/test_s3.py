@@ -55,10 +55,11 @@ def _loader(server, dataset, **kw):
     return batchd.RemoteDataLoader(server.address, dataset, connect_timeout=10, timeout=60, **kw)
 
 
-def test_imagefolder_on_a_bucket_lists_and_reads_as_the_local_copy(seaweed, photos, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("backend", ["obstore", "fsspec"])
+def test_imagefolder_on_a_bucket_lists_and_reads_as_the_local_copy(seaweed, photos, tmp_path, backend):  # noqa: F811
     root, url, _ = photos
     local = open_dataset("local", ImageFolderConfig(kind="imagefolder", root=root), tmp_path, build=True)
-    cfg = ImageFolderConfig(kind="imagefolder", root=url, storage_options=seaweed.storage_options)
+    cfg = ImageFolderConfig(kind="imagefolder", root=url, storage_options={**seaweed.storage_options, "backend": backend})
     remote = open_dataset("remote", cfg, tmp_path, build=True)
     assert len(remote) == len(local) == sum(CLASSES.values())
     assert remote.classes == local.classes == sorted(CLASSES)
@@ -136,7 +137,7 @@ def test_wrong_secret_is_a_clear_error_that_never_shows_it(seaweed, photos, make
     with pytest.raises(Exception) as e:  # listing the bucket fails when the server opens it
         open_dataset("bad", cfg, tmp_path, build=True)
     assert "cannot list s3://batchd-test/photos" in str(e.value) and secret not in str(e.value)
-    assert "PermissionError: The request signature we calculated does not match" in str(e.value)
+    assert "The request signature we calculated does not match" in str(e.value)
     # a local manifest whose rows are on the bucket: the index builds, every read is refused
     table = tmp_path / "rows.csv"
     table.write_text("path,label\n" + "\n".join(f"{p.relative_to(root).as_posix()},x" for p in sorted(root.rglob("*.png"))))

@@ -22,7 +22,7 @@ import pathlib
 import posixpath
 import re
 import threading
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -89,6 +89,9 @@ class StorageOptions(BaseModel):
     max_attempts: attempts per request, the first included (botocore's standard retry mode:
         exponential backoff with jitter on throttling, 5xx and connection errors). Default 5.
     timeout_s: connect timeout and read timeout per request, seconds. Default 30.
+    backend: what reads ``s3://`` URLs: "obstore" (default; about 10x less latency and CPU per
+        object than s3fs, measured) or "fsspec" (s3fs, which takes any further s3fs keyword,
+        e.g. ``client_kwargs``). Other URLs always go through fsspec.
     Other keys go to the fsspec filesystem as they are (e.g. gcsfs's ``project``); those named
     like credentials (``SECRET_KEYS``) are kept as secrets too.
     """
@@ -104,6 +107,7 @@ class StorageOptions(BaseModel):
     credentials_file: pathlib.Path | None = None
     max_attempts: int = Field(default=5, ge=1, le=50)
     timeout_s: float = Field(default=30.0, gt=0)
+    backend: Literal["obstore", "fsspec"] = "obstore"
 
     @model_validator(mode="after")
     def _hide_extra_secrets(self) -> "StorageOptions":
@@ -134,7 +138,7 @@ class StorageOptions(BaseModel):
                 raise ValueError(f"storage_options.credentials_file {path}: expected a mapping such as {{key: ..., secret: ...}}")
             out.update(loaded)
         for name in [*type(self).model_fields, *(self.__pydantic_extra__ or {})]:
-            if name in ("credentials_file", "max_attempts", "timeout_s"):
+            if name in ("credentials_file", "max_attempts", "timeout_s", "backend"):
                 continue
             value = getattr(self, name)
             if isinstance(value, SecretStr):
@@ -195,6 +199,27 @@ class Storage:
         self._root_protocol = self.protocol(root)
         self._fs: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._s3 = None
+        if self._root_protocol in ("s3", "s3a") and self.options.backend == "obstore":
+            from ._obstore import ObstoreS3
+
+            self._s3 = ObstoreS3(self.options.resolved(), max_attempts=self.options.max_attempts,
+                                 timeout_s=self.options.timeout_s, fail=self._error)
+        self._secrets = [v for v in self.options.secret_values() if len(v) >= 4]
+
+    def _error(self, what: str, url: str, e: BaseException) -> "StorageError":
+        """A StorageError for ``what`` (read/list) of ``url``: safe URL, error type and message,
+        with any credential value replaced by ``<redacted>``."""
+        text = describe(e)
+        for secret in self._secrets:
+            text = text.replace(secret, "<redacted>")
+        return StorageError(f"cannot {what} {safe_url(url)}: {text}")
+
+    def _obstore(self, location: str):
+        """The obstore backend if it serves ``location`` (an s3:// URL with the root's options)."""
+        if self._s3 is not None and self.protocol(location) == self._root_protocol:
+            return self._s3
+        return None
 
     @staticmethod
     def protocol(location: str) -> str:
@@ -230,12 +255,14 @@ class Storage:
                 if start:
                     f.seek(start)
                 return f.read() if end is None else f.read(end - (start or 0))
+        if (s3 := self._obstore(location)) is not None:
+            return s3.read(location, start, end)
         try:
             return self.filesystem(location).cat_file(location, start=start, end=end)
         except FileNotFoundError:
             raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
         except Exception as e:  # botocore/aiohttp errors have no common base
-            raise StorageError(f"cannot read {safe_url(location)}: {describe(e)}") from None
+            raise self._error("read", location, e) from None
 
     def info(self, location: str) -> dict[str, Any]:
         """Size and version of ``location``: ``{"size": bytes, "version": ETag or mtime}``.
@@ -245,12 +272,14 @@ class Storage:
         if not is_remote(location):
             st = os.stat(local_path(location))
             return {"size": st.st_size, "version": st.st_mtime_ns}
+        if (s3 := self._obstore(location)) is not None:
+            return s3.info(location)
         try:
             info = self.filesystem(location).info(location)
         except FileNotFoundError:
             raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
         except Exception as e:
-            raise StorageError(f"cannot read {safe_url(location)}: {describe(e)}") from None
+            raise self._error("read", location, e) from None
         return {"size": int(info.get("size") or 0), "version": str(info.get("ETag") or info.get("etag") or
                                                                    info.get("LastModified") or info.get("mtime") or "")}
 
@@ -259,37 +288,63 @@ class Storage:
 
         Raises FileNotFoundError if there is none, StorageError if listing fails.
         """
-        fs = self.filesystem(location)
-        try:
-            found = fs.find(location, withdirs=False, detail=True)
-        except FileNotFoundError:
-            found = {}
-        except Exception as e:
-            raise StorageError(f"cannot list {safe_url(location)}: {describe(e)}") from None
-        base = fs._strip_protocol(location).rstrip("/") + "/"
-        out = {}
-        for path, info in found.items():
-            if path.startswith(base) and info.get("type", "file") == "file":
-                out[path[len(base):]] = info
+        if (s3 := self._obstore(location)) is not None:
+            out = s3.list_files(location)
+        else:
+            fs = self.filesystem(location)
+            try:
+                found = fs.find(location, withdirs=False, detail=True)
+            except FileNotFoundError:
+                found = {}
+            except Exception as e:
+                raise self._error("list", location, e) from None
+            base = fs._strip_protocol(location).rstrip("/") + "/"
+            out = {}
+            for path, info in found.items():
+                if path.startswith(base) and info.get("type", "file") == "file":
+                    out[path[len(base):]] = info
         if not out:
             raise FileNotFoundError(f"{safe_url(location)}: no objects under this prefix")
         return out
 
+    def open(self, location: str, block_size: int = 16 << 20):
+        """A seekable binary file object for ``location``, reading ahead ``block_size`` bytes per
+        request (for a sequential pass, e.g. indexing a tar shard). Raises as ``read``."""
+        if not is_remote(location):
+            return open(local_path(location), "rb", buffering=block_size)
+        if (s3 := self._obstore(location)) is not None:
+            return s3.open(location, block_size)
+        try:
+            return self.filesystem(location).open(location, "rb", block_size=block_size, cache_type="readahead")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
+        except Exception as e:
+            raise self._error("read", location, e) from None
+
     def download(self, location: str, dest: str | os.PathLike[str]) -> None:
         """Copy ``location`` to the local file ``dest`` (streamed). Raises as ``read``."""
+        if (s3 := self._obstore(location)) is not None:
+            return s3.download(location, os.fspath(dest))
         try:
             self.filesystem(location).get_file(location, os.fspath(dest))
         except FileNotFoundError:
             raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
         except Exception as e:
-            raise StorageError(f"cannot read {safe_url(location)}: {describe(e)}") from None
+            raise self._error("read", location, e) from None
 
 
 def describe(e: BaseException) -> str:
-    """``Type: message`` of a storage error, with any URL in it stripped of credentials."""
-    text = str(e) or repr(e)
+    """``Type: message`` of a storage error: URLs in it stripped of credentials, an S3 XML error
+    body reduced to its ``Code: Message``, at most 500 characters."""
+    text = (str(e) or repr(e)).split("Debug source:")[0]
+    body = re.search(r"<\?xml.*", text, re.S)
+    if body:
+        code = re.search(r"<Code>([^<]*)</Code>", body.group(0))
+        message = re.search(r"<Message>([^<]*)</Message>", body.group(0))
+        text = text[: body.start()].rstrip(": \n") + "".join(
+            f" {m.group(1)}" + (":" if m is code and message else "") for m in (code, message) if m)
     text = re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+", lambda m: safe_url(m.group(0)), text)
-    return f"{type(e).__name__}: {text}"[:500]
+    return f"{type(e).__name__}: {' '.join(text.split())}"[:500]
 
 
 def parent(location: str) -> str:

@@ -17,6 +17,7 @@ order (global shuffle, rank sharding) costs the same as shard order.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import pathlib
@@ -86,10 +87,7 @@ def scan_shard(storage: Storage, shard: str, image_exts: tuple[str, ...], label_
     Raises FileNotFoundError / StorageError if the shard cannot be read, ValueError (naming shard
     and key) for a sample without an image or a label, or a broken tar file.
     """
-    if is_remote(shard):
-        f = storage.filesystem(shard).open(shard, "rb", block_size=_BLOCK, cache_type="readahead")
-    else:
-        f = open(local_path(shard), "rb", buffering=_BLOCK)
+    f = storage.open(shard, _BLOCK)
     current: dict | None = None
 
     def finish(sample: dict):
@@ -101,7 +99,7 @@ def scan_shard(storage: Storage, shard: str, image_exts: tuple[str, ...], label_
         return (sample["key"], *sample["image"], sample["label"])
 
     try:
-        with f, tarfile.open(fileobj=f, mode="r:") as tar:
+        with contextlib.closing(f), tarfile.open(fileobj=f, mode="r:") as tar:
             for member in tar:
                 if not member.isfile() or _SKIP_META.match(member.name):
                     continue
