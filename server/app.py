@@ -2,6 +2,16 @@
 
 Start order matters: the ``Loader`` starts the worker processes (and their forkserver) before
 ``grpc.server()`` is created, so nothing is forked from a process with gRPC threads.
+
+Threads. Every RPC runs on one of ``grpc_threads`` threads, and a StreamBatches or OpenSession
+call holds its thread while it is open. So that a burst of streams can never refuse Stats,
+ReleaseLeases (which returns shared memory) or a health check, those long-lived calls are
+admitted up to ``grpc_threads - control_threads(grpc_threads)`` (the servicer refuses more with
+RESOURCE_EXHAUSTED) and the rest of the threads stay free for short calls. gRPC's own
+``maximum_concurrent_rpcs`` counts every RPC, running or queued for a thread, whatever its kind:
+set equal to the thread count (as before), a full house of streams made every short call refuse;
+it is now twice the thread count, only to bound the queue. (grpcio cannot give some methods a
+pool of their own on one port, hence the admission count.)
 """
 
 from __future__ import annotations
@@ -53,6 +63,12 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+def control_threads(grpc_threads: int) -> int:
+    """Server threads kept for short calls (Stats, ReleaseLeases, DescribeDataset, health): an eighth,
+    at least 2, leaving at least one for streams and sessions."""
+    return max(1, min(max(2, grpc_threads // 8), grpc_threads - 1))
+
+
 class Server:
     """Loader + gRPC server on ``config.address``. ``address`` is the bound one (port 0 resolved).
 
@@ -67,11 +83,12 @@ class Server:
         self.config = config
         self.loader = Loader(config)
         try:
-            service = BatchLoaderService(self.loader)
+            threads = config.grpc_threads
+            service = self.service = BatchLoaderService(self.loader, max_long_calls=threads - control_threads(threads))
             self.grpc_server = grpc.server(
-                futures.ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="batchd-rpc"),
+                futures.ThreadPoolExecutor(threads, thread_name_prefix="batchd-rpc"),
                 options=grpc_options(config.max_message_bytes, config.max_request_bytes),
-                maximum_concurrent_rpcs=config.grpc_threads,
+                maximum_concurrent_rpcs=2 * threads,  # bounds the queue; see the module doc
                 interceptors=[AuthInterceptor(service.auth)] if service.auth is not None else None,
             )
             add_to_server(service, self.grpc_server)
@@ -162,7 +179,7 @@ class Server:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
-        self.loader.draining = True
+        self.service.drain()  # open streams end with UNAVAILABLE, idle sessions end now
         self.grpc_server.stop(grace).wait()
         if self.metrics is not None:
             self.metrics.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 import traceback
 import uuid
@@ -57,8 +58,14 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
 class BatchLoaderService:
     """Implements ListDatasets, DescribeDataset and StreamBatches over ``loader``."""
 
-    def __init__(self, loader: Loader):
+    def __init__(self, loader: Loader, *, max_long_calls: int | None = None):
+        """max_long_calls: StreamBatches and OpenSession calls served at once (each holds a server
+        thread while open); more are refused with RESOURCE_EXHAUSTED. None: no limit here."""
         self.loader = loader
+        self.max_long_calls = max_long_calls
+        self._lock = threading.Lock()
+        self._long_calls = 0
+        self._sessions_waiting: set[threading.Event] = set()  # set to end an idle OpenSession call
         # with auth: the interceptor (app.py) refuses calls without a valid token; here, each
         # call's token limits the datasets it may see. Messages to clients go through redact.
         self.auth = Authenticator(loader.config.auth) if loader.config.auth is not None else None
@@ -86,8 +93,46 @@ class BatchLoaderService:
         except DatasetNotFoundError as e:  # the name echoed as sent: a path or not, the same answer
             context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.name,)))
 
+    def _admit(self, context: grpc.ServicerContext, method: str) -> None:
+        """Count a long-lived call in, or refuse it (RESOURCE_EXHAUSTED) at ``max_long_calls``: the
+        server threads left over stay free for Stats, ReleaseLeases and health checks."""
+        with self._lock:
+            if self.max_long_calls is None or self._long_calls < self.max_long_calls:
+                self._long_calls += 1
+                return
+            n = self._long_calls
+        log.warning("refused %s from %s: %d streams and sessions open, the limit (grpc_threads less the threads "
+                    "kept for short calls)", method, context.peer(), n)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"the server already serves {n} streams and sessions, its limit; try again when one ends")
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._long_calls -= 1
+
+    @property
+    def long_calls(self) -> int:
+        """StreamBatches and OpenSession calls being served now."""
+        with self._lock:
+            return self._long_calls
+
+    def drain(self) -> None:
+        """Shutting down: open streams end with UNAVAILABLE, idle sessions end now (not after the grace period)."""
+        self.loader.draining = True
+        with self._lock:
+            waiting = list(self._sessions_waiting)
+        for event in waiting:
+            event.set()
+
     def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
         self._check_dataset(context, request.dataset)
+        self._admit(context, "StreamBatches")
+        try:
+            yield from self._stream(request, context)
+        finally:
+            self._leave()
+
+    def _stream(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
         try:
             stream = self.loader.open_stream(StreamRequest.from_proto(request, context.peer()))
         except DatasetNotFoundError as e:
@@ -145,16 +190,32 @@ class BatchLoaderService:
             self.loader.pool.wake()  # a prefetch place is free
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
+        """The first event names the probe segment; then the call stays open, its thread waiting on
+        an event (set when the call ends, or by ``drain``), until the client or the server ends it."""
         if not request.session:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session id is empty")
+        self._admit(context, "OpenSession")
+        ended = threading.Event()
+        try:
+            if not context.add_callback(ended.set):
+                return  # the call is over already
+            with self._lock:
+                self._sessions_waiting.add(ended)
+            if self.loader.draining or self.loader.closed:
+                return
+            yield from self._session(request, context, ended)
+        finally:
+            with self._lock:
+                self._sessions_waiting.discard(ended)
+            self._leave()
+
+    def _session(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext, ended: threading.Event):
         leases, owner = self.loader.leases, self.loader.owner
         leases.open(request.session)
         log.info("shared-memory session %s opened by %s", request.session[:8], context.peer())
         try:
             yield pb.SessionEvent(probe_segment=owner.probe_name, probe_token=owner.probe_token)
-            # ends with the shutdown's drain too: an idle session must not hold stop() for its grace period
-            while context.is_active() and not self.loader.closed and not self.loader.draining:
-                time.sleep(_POLL_S)
+            ended.wait()
         finally:
             returned = leases.close(request.session)
             log.info("shared-memory session %s closed; %d slots it held went back", request.session[:8], returned)
