@@ -1,4 +1,5 @@
-"""The ``batchd`` command: ``serve`` a loader, check a server's ``health``, show its ``status``."""
+"""The ``batchd`` command: ``serve`` a loader, check a server's ``health``, show its ``status``,
+write WebDataset ``shards``."""
 
 from __future__ import annotations
 
@@ -106,6 +107,38 @@ def _status(args: argparse.Namespace) -> int:
         return 0
 
 
+def _shards(args: argparse.Namespace) -> int:
+    """Write WebDataset tar shards from an image folder or a manifest (local paths or URLs)."""
+    import re
+    import tempfile
+
+    from batchd.server.config import ImageFolderConfig, ManifestConfig
+    from batchd.server.datasets import open_dataset
+    from batchd.server.datasets.shardwriter import write_shards
+
+    source = args.source
+    is_table = source.lower().endswith((".csv", ".parquet", ".pq"))
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}  # credentials: the environment's
+    cfg = (ManifestConfig(kind="manifest", path=source, storage_options=options) if is_table
+           else ImageFolderConfig(kind="imagefolder", root=source, storage_options=options))
+    try:
+        with tempfile.TemporaryDirectory(prefix="batchd-shards-") as cache:
+            dataset = open_dataset("source", cfg, cache, build=True)
+            paths = write_shards(dataset, args.pattern, samples_per_shard=args.samples_per_shard,
+                                 progress=lambda done, total: print(f"{done}/{total} samples", file=sys.stderr))
+    except (OSError, ValueError) as e:
+        print(f"batchd shards: {e}", file=sys.stderr)
+        return 1
+    field = re.search(r"%0?\d*d", args.pattern)
+    if field is None:
+        print(f"wrote {len(paths)} shard(s), {len(dataset)} samples: {paths[0]} .. {paths[-1]}")
+        return 0
+    brace = args.pattern[:field.start()] + "{" + field.group(0) % 0 + ".." + field.group(0) % (len(paths) - 1) + "}" \
+        + args.pattern[field.end():]
+    print(f"wrote {len(paths)} shard(s), {len(dataset)} samples; config: {{kind: webdataset, shards: \"{brace}\"}}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchd", description="batchd: a data-loading service for training.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -136,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
     _add_tls_arguments(status, token=True)
     status.set_defaults(func=_status)
+
+    shards = sub.add_parser("shards", help="write WebDataset tar shards from an image folder or a manifest")
+    shards.add_argument("source", help="an image folder (one subfolder per class) or a .csv/.parquet manifest; paths or URLs")
+    shards.add_argument("pattern", help="shard file names with a %%d field, e.g. out/train-%%06d.tar")
+    shards.add_argument("--samples-per-shard", type=int, default=1000, help="samples per tar file (default 1000)")
+    shards.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// sources (credentials from AWS_* variables)")
+    shards.set_defaults(func=_shards)
     return parser
 
 

@@ -175,3 +175,25 @@ def test_a_server_serves_shards_from_disk_and_from_a_bucket_alike(seaweed, tmp_p
         assert sorted(set(seen)) == list(range(n)) and len(seen) == -(-n // world_size) * world_size
         assert shard_indices(n, shuffle=True, seed=11, epoch=0, rank=0, world_size=world_size,
                              drop_last=False).tolist() == seen[:len(seen) // world_size]
+
+
+def test_batchd_shards_writes_what_the_image_folder_serves(tmp_path, capsys):
+    from batchd.cli import main
+    from batchd.server.config import ImageFolderConfig
+    from helpers import write_png
+
+    root = tmp_path / "photos"
+    for n in range(11):
+        write_png(root / ["cat", "dog"][n % 2] / f"{n:02d}.png", np.full((4, 5, 3), n, np.uint8))
+    assert main(["shards", str(root), str(tmp_path / "out" / "train-%06d.tar"), "--samples-per-shard", "4"]) == 0
+    pattern = str(tmp_path / "out" / "train-{000000..000002}.tar")
+    assert f'shards: "{pattern}"' in capsys.readouterr().out
+    folder = open_dataset("f", ImageFolderConfig(kind="imagefolder", root=root), tmp_path / "c1", build=True)
+    shards = open_dataset("s", WebDatasetConfig(kind="webdataset", shards=pattern), tmp_path / "c2", build=True)
+    assert len(shards) == len(folder) == 11
+    for i in range(len(folder)):
+        assert bytes(shards.read_bytes(i)) == folder.path(i).read_bytes()
+        assert shards.label(i) == folder.label(i)
+    # the webdataset package reads them too
+    assert [label for _, _, label in reference(sorted(map(str, (tmp_path / "out").glob("*.tar"))))] == \
+        [folder.label(i) for i in range(len(folder))]
