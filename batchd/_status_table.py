@@ -1,4 +1,8 @@
-"""``batchd status``: a server's ``StatsResponse`` as a plain-text table."""
+"""``batchd status``: a server's ``StatsResponse`` as a plain-text table.
+
+Per stream, TAKEN and IMAGES/S are what the client's training loop took (as the client reports
+it; "-" when it reports nothing), SENT and SENT/S what was handed to gRPC, which buffers ahead.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ from batchd.v1 import loader_pb2 as pb
 _COLUMNS = (
     # header, right-aligned
     ("STREAM", True), ("CLIENT", False), ("DATASET", False), ("PIPELINE", False), ("BATCH", True),
-    ("EPOCH", True), ("RANK", True), ("PROGRESS", True), ("IMAGES/S", True), ("AHEAD", True),
-    ("WAITING", True), ("TRANSPORT", False), ("SHARED", False), ("SENT", True), ("SKIPPED", True),
+    ("EPOCH", True), ("RANK", True), ("TAKEN", True), ("IMAGES/S", True), ("SENT", True), ("SENT/S", True),
+    ("AHEAD", True), ("WAITING", True), ("TRANSPORT", False), ("SHARED", False), ("BYTES", True), ("COPIED", True),
+    ("SKIPPED", True),
 )
 
 
@@ -39,13 +44,15 @@ def _peer(peer: str) -> str:
 
 
 def _row(s: pb.StreamStats) -> list[str]:
-    progress = f"{s.next_batch}/{s.num_batches}"
+    reports = s.batches_taken > 0 or s.images_per_second > 0  # the client says what it took
     return [
         str(s.id), _peer(s.peer), s.dataset, s.pipeline, str(s.batch_size), str(s.epoch),
-        f"{s.rank}/{s.world_size}", progress, f"{s.images_per_second:,.1f}",
+        f"{s.rank}/{s.world_size}", f"{s.batches_taken}/{s.num_batches}" if reports else f"-/{s.num_batches}",
+        f"{s.images_per_second:,.1f}" if reports else "-", str(s.batches_sent), f"{s.images_per_second_sent:,.1f}",
         f"{s.batches_in_flight + s.batches_ready}/{s.prefetch}",
         f"{s.waiting_seconds:.1f}s" if s.waiting_seconds >= 0.1 else "-",
-        s.transport, "yes" if s.shared else "no", human_bytes(s.bytes_sent), str(s.samples_skipped),
+        s.transport, "yes" if s.shared else "no", human_bytes(s.bytes_sent), human_bytes(s.bytes_copied),
+        str(s.samples_skipped),
     ]
 
 
@@ -70,6 +77,8 @@ def format_status(reply: pb.StatsResponse, address: str) -> str:
         f"totals:   {t.streams_started} streams started ({t.streams_finished} finished, {t.streams_failed} failed, "
         f"{t.streams_cancelled} cancelled, {len(reply.streams)} open); {t.batches_sent:,} batches, "
         f"{t.samples_sent:,} images, {human_bytes(t.bytes_sent)} sent; {t.samples_skipped:,} samples skipped",
+        f"copies:   {human_bytes(t.bytes_copied_inline)} copied into inline messages, "
+        f"{human_bytes(t.bytes_copied_shm)} for shared-memory streams (0: every batch lent in place)",
         "",
     ]
     if reply.streams:
