@@ -176,3 +176,44 @@ def test_an_epoch_survives_cut_connections(seaweed, photos, make_server):  # noq
         assert got == want
     finally:
         proxy.close()
+
+
+def test_credentials_from_a_file_or_the_environment(seaweed, photos, tmp_path, monkeypatch):  # noqa: F811
+    root, url, _ = photos
+    creds = tmp_path / "s3-credentials.yaml"
+    creds.write_text(f"key: {seaweed.key}\nsecret: {seaweed.secret}\n")
+    first = sorted(root.rglob("*.png"))[0]
+    for options, env in (({"endpoint_url": seaweed.endpoint, "credentials_file": str(creds)}, {}),
+                         ({"endpoint_url": seaweed.endpoint},
+                          {"AWS_ACCESS_KEY_ID": seaweed.key, "AWS_SECRET_ACCESS_KEY": seaweed.secret})):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        cache = tmp_path / f"cache-{len(env)}"
+        ds = open_dataset("c", ImageFolderConfig(kind="imagefolder", root=url, storage_options=options), cache, build=True)
+        assert bytes(ds.read_bytes(0)) == first.read_bytes()
+        cfg = ImageFolderConfig(kind="imagefolder", root=url, storage_options=options)
+        assert seaweed.secret not in repr(cfg)
+
+
+def test_http_urls_in_manifest_rows(photos, tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    root, _, _ = photos
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        files = sorted(root.rglob("*.png"))[:3]
+        table = tmp_path / "http.csv"
+        table.write_text("path,label\n" + "".join(f"{p.relative_to(root).as_posix()},a\n" for p in files)
+                         + "cat/absent.png,a\n")
+        ds = open_dataset("web", ManifestConfig(kind="manifest", path=table, root=base), tmp_path, build=True)
+        assert [bytes(ds.read_bytes(i)) for i in range(3)] == [p.read_bytes() for p in files]
+        with pytest.raises(SampleError, match=f"no such object: {base}/cat/absent.png"):
+            ds.read_bytes(3)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
