@@ -48,6 +48,7 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
             pb.TensorSpec(name="image", dtype=spec.image_dtype, shape=list(spec.image_shape)),
             pb.TensorSpec(name="label", dtype="int64", shape=[]),
             pb.TensorSpec(name="index", dtype="int64", shape=[]),
+            pb.TensorSpec(name="position", dtype="int64", shape=[]),  # in the epoch's global order (server/worker.py)
         ],
         fingerprint=ds.fingerprint,
         build_fingerprint=build.build_fingerprint(parts),
