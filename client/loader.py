@@ -336,6 +336,7 @@ class SingleServerLoader:
                     receiver.stop()
                     if self.options.reconnect_timeout <= 0:
                         raise
+                    e.__traceback__ = None  # its frames would keep this generator's last batch (and lease)
                     receiver = self._reconnect(epoch, expected, e)
                     continue
                 if isinstance(item, _End):

@@ -342,11 +342,13 @@ class MultiServerLoader:
                 try:
                     item = receiver.get(self.options.timeout, f"{what}, batch {b}")
                 except ConnectionError as e:
+                    e.__traceback__ = None  # its frames would keep this generator's last batch (and lease)
                     split = self._recover(split, i, epoch, b, total, e)
                     continue
                 except TimeoutError as e:
                     if sum(s.up for s in self._servers) < 2:
                         raise
+                    e.__traceback__ = None
                     split = self._recover(split, i, epoch, b, total, e)
                     continue
                 if isinstance(item, _End):

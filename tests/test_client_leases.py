@@ -6,6 +6,7 @@ reconnect that closes the old session.
 from __future__ import annotations
 
 import gc
+import signal
 import uuid
 
 import grpc
@@ -14,8 +15,10 @@ import torch
 
 import batchd
 from batchd.client import shm as client_shm
+from batchd.client.stats import get_stats
 from batchd.v1 import loader_pb2 as pb
-from helpers import wait_until
+from helpers import free_port, wait_until
+from test_faults import server_procs, write_server_config  # noqa: F401  (server_procs: a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,3 +186,26 @@ def test_a_re_split_reports_the_abandoned_calls(make_server, fmnist_root, releas
         assert wait_until(lambda: tags <= {r.abandoned_stream for r in release_requests}, 10), release_requests
         assert torch.cat(indices).tolist() == list(range(400, 800))
         it.close()
+
+
+def test_a_survivors_leases_return_after_a_failover(server_procs, fmnist_root, tmp_path):
+    """SIGKILL one of two servers mid-epoch: the survivor's calls cancelled by the new split are
+    reported abandoned, so once the epoch is read and its batches freed it holds no lease, while
+    the loader (and its session) is still open."""
+    cfg = write_server_config(tmp_path, fmnist_root, workers=1)
+    procs = [server_procs(cfg, f"127.0.0.1:{free_port()}") for _ in range(2)]
+    for p in procs:
+        p.start()
+    with batchd.RemoteDataLoader([p.address for p in procs], "fmnist-test", batch_size=100, prefetch=4,
+                                 transport="shm", failover_timeout=1, probe_interval=60, timeout=60) as ld:
+        it = iter(ld)
+        indices = [next(it)["index"].clone() for _ in range(10)]
+        procs[1].signal(signal.SIGKILL)
+        procs[1].wait(10)
+        indices += [b["index"].clone() for b in it]
+        assert torch.cat(indices).sort().values.tolist() == list(range(10_000)), "a sample is missing or repeated"
+        assert [s["up"] for s in ld.server_stats()] == [True, False]
+        gc.collect()
+        assert wait_until(lambda: get_stats(procs[0].address).pool.leases_held == 0, 15), (
+            f"the survivor still lends {get_stats(procs[0].address).pool.leases_held} slots")
+        assert get_stats(procs[0].address).pool.sessions == 1
