@@ -54,7 +54,7 @@ class ObstoreS3:
             if str(o.get("endpoint_url") or "").startswith("http://"):
                 client["allow_http"] = True
             retry = {"max_retries": self._max_attempts - 1, "retry_timeout": timedelta(seconds=max(60.0, 4 * self._timeout_s)),
-                     "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}
+                     "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=15), "base": 2}}
             store = S3Store(bucket, client_options=client, retry_config=retry, **kw)
             self._stores[bucket] = store  # a race makes two stores for one bucket: harmless
         return store

@@ -87,7 +87,8 @@ class StorageOptions(BaseModel):
     credentials_file: a YAML or JSON mapping of further options (typically ``key``, ``secret``),
         read when the dataset opens; values in the config win.
     max_attempts: attempts per request, the first included (botocore's standard retry mode:
-        exponential backoff with jitter on throttling, 5xx and connection errors). Default 5.
+        exponential backoff with jitter on throttling, 5xx and connection errors). Default 10
+        (object_store's default; the retries of one request stop after 4 x timeout_s, at least 60 s).
     timeout_s: connect timeout and read timeout per request, seconds. Default 30.
     backend: what reads ``s3://`` URLs: "obstore" (default; about 10x less latency and CPU per
         object than s3fs, measured) or "fsspec" (s3fs, which takes any further s3fs keyword,
@@ -105,7 +106,7 @@ class StorageOptions(BaseModel):
     region: str | None = None
     anon: bool | None = None
     credentials_file: pathlib.Path | None = None
-    max_attempts: int = Field(default=5, ge=1, le=50)
+    max_attempts: int = Field(default=10, ge=1, le=50)
     timeout_s: float = Field(default=30.0, gt=0)
     backend: Literal["obstore", "fsspec"] = "obstore"
 
