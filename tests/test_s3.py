@@ -9,7 +9,6 @@ a wrong secret (never echoed), and connections cut in the middle of an epoch.
 from __future__ import annotations
 
 import logging
-import pathlib
 
 import numpy as np
 import pytest

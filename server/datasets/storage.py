@@ -16,7 +16,6 @@ query removed, so no credential) and the error's type and message.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import posixpath
@@ -358,7 +357,3 @@ def parent(location: str) -> str:
 def basename(location: str) -> str:
     return posixpath.basename(location.rstrip("/")) if is_url(location) else os.path.basename(location)
 
-
-def dump_secret_free(options: StorageOptions) -> str:
-    """JSON of ``options`` with secrets masked (for logs and errors)."""
-    return json.dumps(options.model_dump(mode="json"), sort_keys=True, default=str)
