@@ -101,15 +101,12 @@ class MultiServerLoader:
         self._rejoined = threading.Event()  # a server came (back) up: split again at the next batch
         self._stop_probing = threading.Event()
         self._servers = [_Server(a) for a in addresses]
-        first = self._open_all()[0].conn
-        self.info = first.info
+        self.info = self._open_all()[0].conn.info
         self.address = source if isinstance(source, str) else ",".join(addresses)
-        dataset = options.dataset
-        for s in self._servers:
-            if s.up and s.conn.info.num_samples != self.info.num_samples:
-                sizes = {x.address: x.conn.info.num_samples for x in self._servers if x.up}
-                self.close()
-                raise ValueError(f"the servers disagree on the size of dataset {dataset!r}: {sizes}")
+        sizes = {s.address: s.conn.info.num_samples for s in self._servers if s.up}
+        if len(set(sizes.values())) > 1:
+            self.close()
+            raise ValueError(f"the servers disagree on the size of dataset {options.dataset!r}: {sizes}")
         self._check_fingerprints([s for s in self._servers if s.up])
         self._prober = threading.Thread(target=_probe_loop, args=(weakref.ref(self), self._stop_probing),
                                         name="batchd-probe", daemon=True)
@@ -216,7 +213,7 @@ class MultiServerLoader:
         with self._probe_lock:
             self._probe_round()
 
-    def _probe_round(self) -> None:
+    def _probe_round(self) -> None:  # (under _probe_lock)
         if is_name(self._source):
             try:
                 current = server_addresses(self._source)
