@@ -24,6 +24,7 @@ from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Received, Receiver, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
+from batchd.client.transfer import finish
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
@@ -123,8 +124,6 @@ class ServerConnection:
                                               seed=self.options.seed, epoch=raw.epoch)
             return Received(raw.batch_index, batch, event, samples)
         if gpu_transform is not None:
-            from batchd.client.transfer import finish
-
             finish(batch, gpu_transform, self.options.seed, raw.epoch)
         return Received(raw.batch_index, batch, None, samples)
 

@@ -119,7 +119,6 @@ class Reporter:
         self._closing = False
         self._then: Callable[[], None] | None = None
         self._sending = ""  # the session of the request being sent
-        self.sent = 0  # ReleaseLeases requests that went through
         self._thread = threading.Thread(target=self._loop, name="batchd-report", daemon=True)
         self._thread.start()
 
@@ -231,10 +230,14 @@ class Reporter:
         return session is not None and session.gone
 
     def _send(self, request: pb.ReleaseLeasesRequest) -> None:
+        """Send ``request``; one that gives slots back is retried (progress alone is not: the
+        next change is reported in full anyway, as totals)."""
         self._sending = request.session
         try:
-            self._retrying(self._rpc, request, timeout=10)
-            self.sent += 1
+            if request.leases or request.abandoned_stream:
+                self._retrying(self._rpc, request, timeout=10)
+            else:
+                self._rpc(request, timeout=10)
         except grpc.RpcError as e:
             count = len(request.leases) + len(request.received_leases)
             log.log(logging.WARNING if count and not self._session_gone() else logging.DEBUG, "could not tell %s about %d released leases "
