@@ -94,7 +94,10 @@ class ServerConnection:
             self._shm.close()
         self._shm, self._shm_tried = None, False
 
-    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, tag: str = "") -> pb.StreamBatchesRequest:
+    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0,
+                tag: str = "") -> pb.StreamBatchesRequest:
+        """The StreamBatches request for these batches (``stream_tag`` = ``tag``); opens the
+        shared-memory session on first use (see ``shared_memory``)."""
         o, shm = self.options, self.shared_memory()
         return pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,

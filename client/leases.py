@@ -176,9 +176,11 @@ class Reporter:
             except Exception:  # never die silently: the next round reports again
                 log.exception("reporting to %s failed", self.address)
             with self._lock:
-                done = [s for s in self._sessions.values() if s.end_if_done()]
+                sessions = list(self._sessions.values())
+            done = [s for s in sessions if s.end_if_done()]  # (cancels a call: not under the lock)
+            with self._lock:
                 for s in done:
-                    del self._sessions[s.session]
+                    self._sessions.pop(s.session, None)
                 finished = self._closing and not self._sessions
             if finished and self._queue.empty():
                 break
@@ -240,7 +242,8 @@ class Reporter:
                 self._rpc(request, timeout=10)
         except grpc.RpcError as e:
             count = len(request.leases) + len(request.received_leases)
-            log.log(logging.WARNING if count and not self._session_gone() else logging.DEBUG, "could not tell %s about %d released leases "
-                    "(%s); they go back when the session ends", self.address, count, e.code().name)
+            level = logging.WARNING if count and not self._session_gone() else logging.DEBUG
+            log.log(level, "could not tell %s about %d released leases (%s); they go back when the session ends",
+                    self.address, count, e.code().name)
         except ValueError:  # the channel is closed: so are its sessions
             pass

@@ -168,10 +168,13 @@ class RemoteDataLoader:
         self.options.pipeline = pipeline
 
     def __getattr__(self, name: str) -> Any:
-        """What only one kind of loader has (``addresses``, ``server_stats`` with several servers;
-        ``_shm``, ``_open_stream`` with one) comes from ``self.servers``."""
+        """Other settings come from ``self.options`` (``connect_timeout``, ``failover_timeout``,
+        ...); what only one kind of loader has (``addresses``, ``server_stats`` with several
+        servers; ``_shm``, ``_open_stream`` with one) from ``self.servers``."""
         if name in ("servers", "options") or name.startswith("__"):
             raise AttributeError(name)
+        if name in LoaderOptions.__dataclass_fields__:
+            return getattr(self.options, name)
         return getattr(self.servers, name)
 
     # --- DataLoader surface ------------------------------------------------------------------

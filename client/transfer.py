@@ -90,7 +90,8 @@ class CudaTransfer:
             if address in self._registered:
                 return True
             with torch.cuda.device(self.device):
-                err = torch.cuda.cudart().cudaHostRegister(address, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
+                flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY
+                err = torch.cuda.cudart().cudaHostRegister(address, size, flags)
             if int(err) != 0:
                 log.warning("cudaHostRegister of a shared-memory segment failed (%s); copying through pinned buffers",
                             err)
@@ -151,7 +152,8 @@ class CudaTransfer:
                 event = self._events[k] = self._finish_and_record(out, finish, seed, epoch)
             return out, event
 
-    def _finish_and_record(self, out: dict[str, torch.Tensor], gpu_transform, seed: int, epoch: int) -> torch.cuda.Event:
+    def _finish_and_record(self, out: dict[str, torch.Tensor], gpu_transform, seed: int,
+                           epoch: int) -> torch.cuda.Event:
         if gpu_transform is not None:
             finish(out, gpu_transform, seed, epoch)
         event = torch.cuda.Event(blocking=True)

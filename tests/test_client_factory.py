@@ -39,6 +39,7 @@ def test_one_entry_point_two_implementations(make_server, fmnist_root):
         assert isinstance(two.servers, MultiServerLoader)
         assert two.addresses == [a.address, b.address] and [s["up"] for s in two.server_stats()] == [True, True]
         assert len(one) == len(two) == 20 and one.batch_size == two.batch_size == 500
+        assert one.failover_timeout == two.failover_timeout == 5.0 and one.connect_timeout == 10.0
         first = [bt["index"].clone() for bt in one]
         assert [bt["index"].tolist() for bt in two] == [f.tolist() for f in first]
         assert one.epoch == two.epoch == 1
