@@ -26,6 +26,7 @@ import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
+    ByteSize,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -256,6 +257,32 @@ class PipelineLimits(_Strict):
     max_kernel: int = Field(default=255, ge=3)
 
 
+class CacheConfig(_Strict):
+    """The server-wide cache of decoded, resized samples (pipeline prefixes; server/cache/).
+
+    memory_bytes: shared memory the cache may use, header and table included (0: no cache).
+    disk_dir: where entries spill once RAM is full (None: RAM only); entries of another build
+        are removed at start. disk_bytes: the most bytes of entry files kept there.
+    compress: lz4 each entry that shrinks by 10% or more (more samples fit; each hit decompresses).
+    Sizes are bytes, or strings with units as pydantic's ByteSize reads them ("8GiB", "200GB").
+    """
+
+    memory_bytes: ByteSize = ByteSize(0)
+    disk_dir: pathlib.Path | None = None
+    disk_bytes: ByteSize = ByteSize(0)
+    compress: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "CacheConfig":
+        if self.memory_bytes and self.memory_bytes < 1 << 16:
+            raise ValueError(f"memory_bytes ({int(self.memory_bytes)}) must be 0 or at least 64 KiB")
+        if self.disk_bytes and self.disk_dir is None:
+            raise ValueError("disk_bytes needs a disk_dir")
+        if self.disk_bytes and not self.memory_bytes:
+            raise ValueError("a disk tier needs memory_bytes (its index and counters live in shared memory)")
+        return self
+
+
 class ServerConfig(_Strict):
     """Everything ``batchd serve`` needs.
 
@@ -293,6 +320,7 @@ class ServerConfig(_Strict):
     max_batch_bytes: a batch larger than this (all its tensors) fails its stream (RESOURCE_EXHAUSTED).
     max_request_bytes: gRPC receive limit for requests (they are small; batches are only sent).
     pipeline_limits: what a client-sent albumentations pipeline may contain (see allowlist.py).
+    cache: the decoded-sample cache (``{memory_bytes, disk_dir, disk_bytes}``, see CacheConfig).
     """
 
     address: str = "127.0.0.1:50051"
@@ -322,6 +350,7 @@ class ServerConfig(_Strict):
     max_batch_bytes: int = Field(default=1 << 30, ge=MiB)
     max_request_bytes: int = Field(default=MiB, ge=64 * 1024)
     pipeline_limits: PipelineLimits = Field(default_factory=PipelineLimits)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
 
     @model_validator(mode="before")
     @classmethod
