@@ -17,6 +17,8 @@ from batchd.sampler import num_batches, shard_indices
 from batchd.server import allowlist
 from batchd.server import pipeline as pipelines
 from batchd.server import shm
+from batchd.server.build import build_fingerprint, server_build
+from batchd.server.cache import SharedCache
 from batchd.server.config import ServerConfig
 from batchd.server.datasets import Dataset, open_dataset
 from batchd.server.leases import LeaseTable
@@ -54,6 +56,13 @@ class Loader:
         self._checked: dict[str, None] = {}  # pipeline keys already known to build
         self.owner = shm.Owner()
         self.slots = shm.SlotPool(max_slots=config.max_slots, prefix=self.owner.prefix)
+        self.cache = None  # the decoded-sample cache (server/cache/); workers attach to it by name
+        if config.cache.memory_bytes:
+            c = config.cache
+            self.cache = SharedCache.create(
+                f"{self.owner.prefix}cache", memory_bytes=int(c.memory_bytes), datasets=list(config.datasets),
+                workers=config.workers, build=build_fingerprint(server_build()), disk_dir=c.disk_dir,
+                disk_bytes=int(c.disk_bytes), compress=c.compress)
         self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
         self.transport = Transport(self.slots, self.leases)  # lend or copy each batch sent
         self.pool = WorkerPool(
@@ -270,4 +279,6 @@ class Loader:
         self.leases.close_all()
         self.pool.close()
         self.slots.close()
+        if self.cache is not None:
+            self.cache.close()
         self.owner.close()
