@@ -278,13 +278,19 @@ class Computation:
         """A reader finished sending ``batch`` (a lease, if it lent the slot, holds its own reference)."""
         with self._cond:
             self._users[batch.batch_index] -= 1
+            if self.closed and not self._users[batch.batch_index] and self._ready.get(batch.batch_index) is batch:
+                del self._ready[batch.batch_index]
+                self._release_slot(batch.slot)
+                return
             self._sweep()
 
     def close(self) -> None:
-        """Stop: built batches are released now, those in flight when they arrive."""
+        """Stop: built batches are released now, those in flight when they arrive, and those a reader
+        is still sending (a stream moved away, or waiting for a lease) when it puts them back."""
         with self._cond:
             self.closed = True
-            ready, self._ready = self._ready, {}
+            ready = {b: x for b, x in self._ready.items() if not self._users[b]}
+            self._ready = {b: x for b, x in self._ready.items() if self._users[b]}
             self._retry.clear()
             for error in self._failed.values():
                 # raised from get(), the error's traceback holds frames that hold this

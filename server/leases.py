@@ -4,9 +4,12 @@ A client on the server's host opens a session (``OpenSession``, a call that stay
 batch sent over the shared-memory transport stays in its slot; the slot is *lent* to the
 session under a lease id (one more reference on the slot, ``SlotPool.lend``) until the client
 releases it (``ReleaseLeases``, sent when the tensors on it are freed) or the session ends (the
-client closed it, crashed, or was disconnected). A session holds at most ``max_held`` leases:
-past that, batches are sent inline, so a caller that keeps every batch (``list(loader)``)
-neither deadlocks the server nor pins unbounded shared memory.
+client closed it, crashed, or was disconnected). A session holds at most ``max_held`` leases.
+At that cap a stream waits for one to come back (``wait_for_room``: a client that consumes
+releases one per training step) rather than copy the batch inline; a session that lets a wait
+run out (``hoarding``: e.g. a caller keeping every batch, ``list(loader)``) gets inline batches
+without waiting until it releases a lease again, so it neither deadlocks the server nor pins
+unbounded shared memory.
 
 Calls. Each lease is recorded under the StreamBatches call it was sent on, named by the
 client's ``(session, stream_tag)``. When the client stops reading a call (an early ``break``,
@@ -57,6 +60,8 @@ class LeaseTable:
         self.max_held = max_held
         self._on_return = on_return or (lambda: None)
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified whenever leases go back
+        self._hoarding: set[str] = set()  # sessions that let a wait for room run out (until they release one)
         self._sessions: dict[str, dict[int, Lease]] = {}
         self._calls: dict[tuple[str, str], _Call] = {}
         self._abandoned: dict[str, collections.OrderedDict[str, frozenset[int]]] = {}  # not yet seen calls
@@ -73,6 +78,8 @@ class LeaseTable:
             for key in [k for k in self._calls if k[0] == session]:
                 del self._calls[key]
             self._abandoned.pop(session, None)
+            self._hoarding.discard(session)
+            self._room.notify_all()
         for lease in held.values():
             self.slots.give_back(lease.slot)
         if held:
@@ -114,6 +121,9 @@ class LeaseTable:
                 if call is not None:
                     call.outstanding.discard(lease_id)
                     self._drop_if_done(session, lease.tag, call)
+            if released:
+                self._hoarding.discard(session)
+                self._room.notify_all()
         return self._give_back(released)
 
     def abandon(self, session: str, tag: str, received) -> list[Lease]:
@@ -136,7 +146,27 @@ class LeaseTable:
             released = [held.pop(lease) for lease in lost if lease in held]
             call.outstanding.difference_update(lost)
             self._drop_if_done(session, tag, call)
+            if released:
+                self._room.notify_all()
         return self._give_back(released)
+
+    def full(self, session: str) -> bool:
+        """The session holds ``max_held`` leases and has not let a wait for room run out: worth waiting."""
+        with self._lock:
+            held = self._sessions.get(session)
+            return (self.max_held > 0 and held is not None and len(held) >= self.max_held
+                    and session not in self._hoarding)
+
+    def wait_for_room(self, session: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``session`` to hold fewer than ``max_held`` leases (or to end)."""
+        with self._room:
+            return self._room.wait_for(lambda: len(self._sessions.get(session, ())) < self.max_held, timeout)
+
+    def hoarding(self, session: str) -> None:
+        """``session`` let a wait for room run out: lend or go inline without waiting until it releases a lease."""
+        with self._lock:
+            if session in self._sessions:
+                self._hoarding.add(session)
 
     def is_abandoned(self, session: str, tag: str) -> bool:
         with self._lock:

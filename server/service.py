@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 import traceback
@@ -20,9 +19,11 @@ import grpc
 
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server import build, stats
+from batchd.server.lag import LagLog
 from batchd.server.loader import Loader
 from batchd.server.protocol import StreamRequest
 from batchd.server.security import OPEN, Authenticator, Redactor, Scope
+from batchd.server.transport import LEASE_WAIT_S
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,6 @@ log = logging.getLogger(__name__)
 SERVICE = "batchd.v1.BatchLoader"
 ERROR_DETAIL_KEY = "batchd-error-bin"
 _POLL_S = 0.25
-_BEHIND_S = 2.0  # a client waiting this long for one batch: its stream is falling behind (logged)
-_BEHIND_LOG_EVERY_S = 60.0
 
 
 def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
@@ -147,7 +146,7 @@ class BatchLoaderService:
             context.abort(grpc.StatusCode.UNAVAILABLE, self.redact(str(e)))
         reason = "finished"
         transport = self.loader.transport
-        lag = _LagLog(stream, self.loader)
+        lag = LagLog(stream, self.loader)
         try:
             while True:
                 if self.loader.draining:
@@ -176,18 +175,33 @@ class BatchLoaderService:
                     lag.waiting()
                     continue
                 lag.got_batch(batch.batch_index)
-                data = self._send(stream, batch)
+                data = self._send(stream, batch, context)
+                if data is None:  # the call ended, or the server began draining, while a lease was awaited
+                    if self.loader.draining:
+                        continue  # the check above ends the call
+                    reason = "cancelled by the client"
+                    return
                 stream.bytes_sent += len(data)
                 yield data
         finally:
             self.loader.close_stream(stream, reason)
 
-    def _send(self, stream, batch) -> bytes:
-        """Serialize ``batch`` for the client (lent or inline: ``Transport.encode``), then let go of it."""
+    def _send(self, stream, batch, context: grpc.ServicerContext) -> bytes | None:
+        """Serialize ``batch`` for the client (lent or inline: ``Transport.encode``), then let go of it.
+
+        At the session's lease cap, waits up to ``LEASE_WAIT_S`` for a lease to come back; None if
+        the call ended (or the server began draining) meanwhile.
+        """
+        patient_until = time.monotonic() + LEASE_WAIT_S
+        data = None
         try:
-            return self.loader.transport.encode(stream, batch)
+            while data is None:
+                data = self.loader.transport.encode(stream, batch, patient=time.monotonic() < patient_until)
+                if data is None and (not context.is_active() or self.loader.draining):
+                    return None
+            return data
         finally:
-            stream.release(batch)
+            stream.release(batch, sent=data is not None)
             self.loader.pool.wake()  # a prefetch place is free
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
@@ -243,50 +257,6 @@ def stats_to_proto(s: stats.ServerStats) -> pb.StatsResponse:
         pool=pb.PoolStats(**dataclasses.asdict(s.pool)),
         totals=pb.StatsTotals(**dataclasses.asdict(s.totals)),
     )
-
-
-class _LagLog:
-    """Logs when a stream falls behind: the RPC waited over ``_BEHIND_S`` for its next batch.
-
-    At most one warning per ``_BEHIND_LOG_EVERY_S`` per stream (counting the slow waits in
-    between), and one line when the warned-about batch arrives.
-    """
-
-    def __init__(self, stream, loader: Loader):
-        self.stream, self.loader = stream, loader
-        self.flagged = False  # this wait is already counted as slow
-        self.logged = False  # ... and was logged
-        self.slow = 0  # slow waits not logged yet
-        self.last_log = -math.inf
-
-    def waiting(self) -> None:
-        s = self.stream
-        now = time.monotonic()
-        waited = now - (s.waiting_since or now)
-        if self.flagged or waited < _BEHIND_S:
-            return
-        self.flagged = True
-        self.slow += 1
-        if now - self.last_log < _BEHIND_LOG_EVERY_S:
-            return
-        in_flight, ready = s.backlog()
-        load = self.loader.pool.load()
-        earlier = f"; {self.slow - 1} more waits over {_BEHIND_S:g} s since the last warning" if self.slow > 1 else ""
-        log.warning(
-            "stream %d (dataset %s, pipeline %s) is falling behind: its client has waited %.1f s for batch %d "
-            "(%d of its batches being built; workers: %d of %d busy, %d batches queued; %d open streams)%s",
-            s.id, s.request.dataset, s.request.pipeline_name, waited, s.next_index, in_flight, load["busy"],
-            self.loader.pool.num_workers, load["tasks_in_flight"], len(self.loader.streams), earlier,
-        )
-        self.slow, self.logged, self.last_log = 0, True, now
-
-    def got_batch(self, batch_index: int) -> None:
-        s = self.stream
-        if self.logged:
-            log.info("stream %d caught up: batch %d came after %.1f s", s.id, batch_index,
-                     time.monotonic() - (s.waiting_since or time.monotonic()))
-        s.waiting_since = None
-        self.flagged = self.logged = False
 
 
 def _abort_with_detail(context: grpc.ServicerContext, dataset: str, e: BaseException, redact=None) -> None:

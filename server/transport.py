@@ -8,8 +8,16 @@ depends on (the gRPC servicer only yields what it returns):
   clients' leases: ``SlotPool`` counts references). Nothing is copied; the message carries the
   slot's name and the tensors' offsets. Clients map slots copy-on-write (``MAP_PRIVATE``), so a
   client writing into its tensors never reaches the slot or another reader.
-* inline (asked for, or the session holds ``max_leases_per_session`` already): the tensors are
-  copied out of the slot into the message (``batchd.wire.encode_batch``; LZ4-compressed if asked).
+* inline (asked for, or the session holds ``max_leases_per_session`` already and does not give
+  one back within ``LEASE_WAIT_S``): the tensors are copied out of the slot into the message
+  (``batchd.wire.encode_batch``; LZ4-compressed if asked).
+
+Waiting at the lease cap. gRPC buffers small shared-memory messages far ahead of the client, so a
+server faster than its client's training loop reaches the session's lease cap in a few batches;
+copying every later batch inline (most of an epoch, measured) is what zero-copy must avoid. So at
+the cap ``encode(patient=True)`` waits for a lease to come back (the client still has every lent
+batch to consume meanwhile); the caller gives up after ``LEASE_WAIT_S``, the session is marked
+hoarding (``LeaseTable.hoarding``) and goes inline without waiting until it releases one.
 
 ``bytes_copied`` counts the batch bytes copied out of slots, per stream transport ("shm" counts
 the batches of shared-memory streams that fell back to inline), since the server started;
@@ -31,6 +39,9 @@ from batchd.server.leases import LeaseTable
 from batchd.server.shm import SlotPool
 from batchd.server.stream import ReadyBatch, Stream
 from batchd.v1 import loader_pb2 as pb
+
+LEASE_WAIT_S = 2.0  # how long a stream at its session's lease cap waits for one to come back
+WAIT_SLICE_S = 0.25  # ... in slices, so that the caller sees a cancelled call
 
 
 class Transport:
@@ -66,9 +77,12 @@ class Transport:
         r = stream.request
         return bool(r.stream_tag) and r.transport == "shm" and self.leases.is_abandoned(r.session, r.stream_tag)
 
-    def encode(self, stream: Stream, batch: ReadyBatch) -> bytes:
+    def encode(self, stream: Stream, batch: ReadyBatch, *, patient: bool = False) -> bytes | None:
         """The serialized ``Batch`` for ``stream``'s client: lent if it can be, else inline.
 
+        patient: at the session's lease cap, wait up to ``WAIT_SLICE_S`` for a lease to come back and
+        return None (call again, patient until ``LEASE_WAIT_S`` has passed); not patient at the cap:
+        the session is marked hoarding and the batch goes inline.
         The caller still holds ``batch`` (and releases it afterwards with ``stream.release``); a
         lease takes a reference of its own on the slot.
         """
@@ -77,6 +91,11 @@ class Transport:
         if r.transport == "shm":
             samples = batch.tensors[0].shape[0] if batch.tensors and batch.tensors[0].shape else 0
             lease = self.leases.lend(r.session, batch.slot, tag=r.stream_tag, samples=samples, stream=stream.id)
+            if lease is None and self.leases.full(r.session):
+                if patient:
+                    self.leases.wait_for_room(r.session, WAIT_SLICE_S)
+                    return None
+                self.leases.hoarding(r.session)
         if lease is not None:
             tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset) for t in batch.tensors]
             return wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, segment=batch.slot.name,

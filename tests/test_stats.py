@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import batchd
 from batchd.client.stats import get_stats, stats_dict
-from batchd.server import service as service_mod
+from batchd.server import lag as lag_mod, service as service_mod
 from batchd.server.protocol import StreamRequest
 from batchd.server.stats import RateMeter, snapshot
 from helpers import free_port
@@ -220,7 +220,7 @@ def test_status_of_an_address_without_a_server_fails_quickly_and_plainly():
 
 def test_logs_say_when_a_stream_starts_falls_behind_catches_up_and_finishes(server, monkeypatch, caplog):
     # Make every wait for a batch count as falling behind, and wait in tiny slices.
-    monkeypatch.setattr(service_mod, "_BEHIND_S", 0.0)
+    monkeypatch.setattr(lag_mod, "BEHIND_S", 0.0)
     monkeypatch.setattr(service_mod, "_POLL_S", 0.0005)
     caplog.set_level(logging.INFO, logger="batchd")
     with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=BATCH, prefetch=1,

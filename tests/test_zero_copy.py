@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import time
 
 import grpc
 import pytest
@@ -97,3 +98,18 @@ def test_two_identical_streams_read_the_same_slot_in_place(server):
     assert wait_until(lambda: loader.leases.held_total == 0 and loader.leases.sessions == 0)
     # every slot went back to the pool once the computation and both leases let go
     assert wait_until(lambda: loader.slots.in_use == 0 and loader.slots.lent == 0)
+
+
+def test_a_client_slower_than_the_server_still_gets_every_batch_in_place(make_server, fmnist_root):
+    """The default lease cap (8): gRPC buffers lent batches far ahead of a slow training loop; at the
+    cap the stream waits for a lease to come back instead of copying the batch inline."""
+    srv = make_server(workers=2, datasets={"fmnist-test": {"kind": "fashion-mnist", "root": str(fmnist_root),
+                                                           "split": "test"}})
+    assert srv.config.max_leases_per_session == 8
+    with batchd.RemoteDataLoader(srv.address, "fmnist-test", batch_size=100, transport="shm", timeout=60) as loader:
+        n = 0
+        for _ in loader:
+            n += 1
+            time.sleep(0.01)  # a training step slower than the server
+    assert n == 100
+    assert snapshot(srv.loader).totals.bytes_copied_shm == 0
