@@ -215,3 +215,82 @@ def test_fixed_subset_beats_lru_on_cyclic_scans(make_cache):
 def _arena_for(nbytes: int) -> int:
     """memory_bytes giving an arena of about nbytes (header, counters, table: 64 KiB here)."""
     return 64 * 1024 + nbytes + 4096
+
+
+# -- through a real server ------------------------------------------------------------------------------------
+
+import albumentations as A  # noqa: E402
+import cv2  # noqa: E402
+
+import batchd  # noqa: E402
+from helpers import digest  # noqa: E402
+
+PIPELINE = A.Compose([A.Resize(64, 64), A.HorizontalFlip(), A.RandomCrop(48, 48), A.RandomBrightnessContrast(p=1)])
+IMAGES = 24
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """24 JPEGs (300 x 400, smooth noise) in two class folders."""
+    root = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(1)
+    for i in range(IMAGES):
+        image = cv2.GaussianBlur(rng.integers(0, 256, (300, 400, 3), np.uint8), (0, 0), 2)
+        (root / f"c{i % 2}").mkdir(exist_ok=True)
+        cv2.imwrite(str(root / f"c{i % 2}" / f"{i:03d}.jpg"), image)
+    return root
+
+
+def _epochs(server, epochs: int = 2) -> list[str]:
+    """Digests of every batch of ``epochs`` shuffled epochs (batch 8) of PIPELINE."""
+    out = []
+    with batchd.RemoteDataLoader(server.address, "photos", batch_size=8, shuffle=True, seed=5,
+                                 transform=PIPELINE, timeout=60) as loader:
+        for _ in range(epochs):
+            out.extend(digest(b) for b in loader)
+    return out
+
+
+def _serve(make_server, photos, workers, **cache):
+    return make_server(datasets={"photos": {"kind": "imagefolder", "root": str(photos)}}, workers=workers,
+                       **({"cache": cache} if cache else {}))
+
+
+@pytest.fixture(scope="module")
+def uncached(photos, tmp_path_factory):
+    from conftest import running_server
+
+    with running_server(datasets={"photos": {"kind": "imagefolder", "root": str(photos)}}, workers=1,
+                        cache_dir=tmp_path_factory.mktemp("idx")) as server:
+        assert server.loader.cache is None
+        return _epochs(server)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_server_sends_the_same_bytes_with_the_cache(make_server, photos, uncached, workers):
+    server = _serve(make_server, photos, workers, memory_bytes="8MiB")
+    assert _epochs(server) == uncached
+    s = server.loader.cache.stats()["photos"]
+    assert s["misses"] == IMAGES and s["hits"] == IMAGES  # epoch 2 is all hits
+    assert s["bytes_ram"] >= IMAGES * 64 * 64 * 3
+
+
+@pytest.mark.timeout(180)
+def test_a_warm_disk_cache_survives_a_restart_and_a_corrupt_entry_is_recomputed(make_server, photos, uncached,
+                                                                                 tmp_path):
+    small = {"memory_bytes": "128KiB", "disk_dir": tmp_path, "disk_bytes": "16MiB"}  # ~6 entries fit in RAM
+    first = _serve(make_server, photos, 2, **small)
+    assert _epochs(first) == uncached
+    s = first.loader.cache.stats()["photos"]
+    assert s["hits_disk"] > 0 and s["bytes_disk"] > 0
+    first.stop(grace=1.0)
+    files = sorted(tmp_path.glob("entries/*/*/*"))
+    assert len(files) >= IMAGES // 2
+    data = bytearray(files[0].read_bytes())
+    data[-10] ^= 0x55
+    files[0].write_bytes(bytes(data))
+    again = _serve(make_server, photos, 2, **small)
+    assert _epochs(again) == uncached
+    s = again.loader.cache.stats()["photos"]
+    assert s["hits_disk"] >= len(files) - 1 and s["evictions"] == 1

@@ -106,13 +106,15 @@ def read(path: pathlib.Path, key: bytes) -> np.ndarray | None:
         os.close(fd)
 
 
-def write(path: pathlib.Path, blob: bytes) -> None:
-    """Write ``blob`` at ``path`` atomically (temporary file, then rename). Raises OSError."""
+def write(path: pathlib.Path, *parts) -> None:
+    """Write ``parts`` (bytes-like) one after the other at ``path``, atomically (temporary file,
+    then rename). Raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(blob)
+            for part in parts:
+                f.write(part)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

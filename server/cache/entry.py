@@ -28,9 +28,10 @@ class CorruptEntry(ValueError):
     """An entry's bytes fail a check (magic, key, shape, length or checksum)."""
 
 
-def encode(key: bytes, image: np.ndarray, compress: bool) -> bytes:
+def encode(key: bytes, image: np.ndarray, compress: bool) -> tuple[bytes, memoryview]:
     """The entry of ``image`` (numpy [H, W] or [H, W, C], any fixed-size dtype) under ``key``
-    (16 bytes). compress: try lz4, kept if it saves at least MIN_SAVING of the bytes.
+    (16 bytes), as (header, payload): write them one after the other (no joined copy).
+    compress: try lz4, kept if it saves at least MIN_SAVING of the bytes.
 
     Raises ValueError for a key that is not 16 bytes or an image that is not 2-D or 3-D.
     """
@@ -38,16 +39,16 @@ def encode(key: bytes, image: np.ndarray, compress: bool) -> bytes:
         raise ValueError(f"cache key must be 16 bytes, got {len(key)}")
     if image.ndim not in (2, 3):
         raise ValueError(f"cached images are [H, W] or [H, W, C], got shape {image.shape}")
-    raw = np.ascontiguousarray(image).tobytes()
+    raw = memoryview(np.ascontiguousarray(image)).cast("B")
     codec, payload = RAW, raw
     if compress:
         packed = lz4.block.compress(raw, store_size=False)
         if len(packed) <= (1 - MIN_SAVING) * len(raw):
-            codec, payload = LZ4, packed
+            codec, payload = LZ4, memoryview(packed)
     h, w = image.shape[:2]
     c = image.shape[2] if image.ndim == 3 else 1
     head = _HEAD.pack(MAGIC, key, codec, image.dtype.char.encode(), image.ndim, h, w, c, len(payload))
-    return b"".join((head, _CRC.pack(zlib.crc32(payload, zlib.crc32(head))), payload))
+    return head + _CRC.pack(zlib.crc32(payload, zlib.crc32(head))), payload
 
 
 def entry_size(buf) -> int:

@@ -252,7 +252,8 @@ class SharedCache:
         row[Field.EVICTIONS] += 1
 
     def _put(self, dataset: str, key: bytes, image: np.ndarray, row: np.ndarray) -> None:
-        blob = entry.encode(key, image, self.compress)
+        head, payload = entry.encode(key, image, self.compress)
+        size = len(head) + len(payload)
         with self._locked():
             used, disk_used = _FILL.unpack_from(self._seg.buf, 16)
             i, found = self._slot(key)
@@ -260,28 +261,29 @@ class SharedCache:
                 return  # another worker stored it meanwhile (or a corrupt RAM entry holds the slot)
             table_ok = i >= 0 and self._slots_used() < _MAX_LOAD * len(self._locs)
             start = -(-used // 8) * 8
-            if table_ok and start + len(blob) <= len(self._arena):
-                self._arena[start:start + len(blob)] = blob
-                _FILL.pack_into(self._seg.buf, 16, start + len(blob), disk_used)
+            if table_ok and start + size <= len(self._arena):
+                self._arena[start:start + len(head)] = head
+                self._arena[start + len(head):start + size] = payload
+                _FILL.pack_into(self._seg.buf, 16, start + size, disk_used)
                 k0, k1 = np.frombuffer(key, np.uint64)
                 self._locs[i] = start + 1  # published before the key: a reader that sees the key sees it
                 self._keys[i, 1] = k1
                 self._keys[i, 0] = k0
                 self._used_slots(+1)
-                row[Field.BYTES_RAM] += len(blob)
+                row[Field.BYTES_RAM] += size
                 return
-            if self.disk_root is None or disk_used + len(blob) > self.disk_bytes:
+            if self.disk_root is None or disk_used + size > self.disk_bytes:
                 row[Field.NOT_ADMITTED] += 1
                 return
-            _FILL.pack_into(self._seg.buf, 16, used, disk_used + len(blob))  # reserved
+            _FILL.pack_into(self._seg.buf, 16, used, disk_used + size)  # reserved
         try:
-            disk.write(disk.entry_path(self.disk_root, dataset, key), blob)
+            disk.write(disk.entry_path(self.disk_root, dataset, key), head, payload)
         except BaseException:
             with self._locked():
                 used, disk_used = _FILL.unpack_from(self._seg.buf, 16)
-                _FILL.pack_into(self._seg.buf, 16, used, max(0, disk_used - len(blob)))
+                _FILL.pack_into(self._seg.buf, 16, used, max(0, disk_used - size))
             raise
-        row[Field.BYTES_DISK] += len(blob)
+        row[Field.BYTES_DISK] += size
 
     def _slots_used(self) -> int:
         return struct.unpack_from("<Q", self._seg.buf, 32)[0]
