@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import threading
 import uuid
 
 import grpc
@@ -209,3 +210,37 @@ def test_a_survivors_leases_return_after_a_failover(server_procs, fmnist_root, t
         assert wait_until(lambda: get_stats(procs[0].address).pool.leases_held == 0, 15), (
             f"the survivor still lends {get_stats(procs[0].address).pool.leases_held} slots")
         assert get_stats(procs[0].address).pool.sessions == 1
+
+
+class _StalledCall:
+    """Stands for a gRPC call whose next message arrives only once ``gate`` is set (a receiver
+    thread that outlives ``stop()``); no server can be made to stall this way on purpose."""
+
+    def __init__(self, messages, gate):
+        self.messages, self.gate = messages, gate
+
+    def __iter__(self):
+        for m in self.messages:
+            self.gate.wait(10)
+            yield m
+
+    def cancel(self):
+        pass
+
+
+def test_a_lease_arriving_after_the_call_was_abandoned_is_never_used():
+    from batchd.client.leases import CallRecord
+    from batchd.client.receiver import Receiver
+
+    gate, converted, reported = threading.Event(), [], []
+    message = pb.Batch(batch_index=0, segment="batchd-x-slot-1", lease=7).SerializeToString()
+    receiver = Receiver(_StalledCall([message], gate), "test", lambda raw, r: converted.append(raw.lease),
+                        CallRecord("tag-1", "session"), on_end=lambda r: reported.append(r.record.close(True)))
+    receiver.start()
+    receiver.stop()  # the thread is still waiting for the message: it outlives stop()
+    assert reported == [[]], "the abandoned call must name no lease: none was received"
+    gate.set()
+    receiver.join(10)
+    assert not receiver.is_alive()
+    assert converted == [], "a lease the server releases (not named as received) was mapped"
+    assert receiver.record.add(8) is False
