@@ -128,7 +128,8 @@ class CudaTransfer:
         ``batch`` is kept until the copy completes. finish: a ``gpu_transform`` run on the side
         stream after the copy (see ``finish``). Raises TransferStopped if ``stopping`` is set.
         """
-        with self._lock:
+        # receiver threads start on device 0: switch first, or CUDA makes a context there (DDP ranks)
+        with self._lock, torch.cuda.device(self.device):
             if stopping is not None and stopping.is_set():
                 raise TransferStopped("the receiver was stopped")
             self._collect()
