@@ -301,10 +301,13 @@ class ServerConfig(_Strict):
         current batch and the next ones queued for it, while it decodes (hides storage latency:
         NFS, FUSE, object stores); 1 reads one sample at a time.
     max_task_retries: times a batch is rebuilt after its worker died before the stream fails.
-    grpc_threads: threads serving RPCs; each open stream holds one.
+    grpc_threads: threads serving RPCs; each open stream and shared-memory session holds one, and an
+        eighth (at least 2) is kept for short calls (Stats, ReleaseLeases, health): streams and
+        sessions beyond the rest are refused (RESOURCE_EXHAUSTED; see server/app.py).
     max_slots: shared-memory batch slots; at most this many batches exist at once (bounds memory).
     max_leases_per_session: slots a same-host client may hold at once over the shared-memory
-        transport (on top of max_slots); further batches are sent inline. 0 disables the transport.
+        transport (on top of max_slots); at the cap a stream waits up to 2 s for one to come back,
+        then (and while the client keeps them all) sends inline. 0 disables the transport.
     share_window: streams whose requests agree on everything that fixes the bytes (dataset,
         pipeline, batch_size, shuffle, seed, epoch, drop_last, rank, world_size) share one
         computation while they are within this many batches of each other; a reader further
