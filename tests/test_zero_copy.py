@@ -6,9 +6,11 @@ import logging
 import mmap
 import os
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import batchd
 from batchd.server.stats import snapshot
@@ -30,6 +32,7 @@ def server(make_server, fmnist_root):
         workers=2,
         share_window=NUM_BATCHES,  # two readers in lockstep share one computation
         max_leases_per_session=4 * NUM_BATCHES,  # never falls back to inline here: what is counted is the transport
+        metrics_port=0,
         datasets={"fmnist-test": {"kind": "fashion-mnist", "root": str(fmnist_root), "split": "test"}},
         pipelines={"flip": A.to_dict(A.Compose([A.HorizontalFlip(p=0.5)]))},
     )
@@ -53,6 +56,10 @@ def test_a_shared_memory_stream_copies_nothing_and_equals_inline(server, caplog)
     totals = snapshot(server.loader).totals
     assert totals.bytes_copied_shm == 0
     assert totals.bytes_copied_inline == nbytes  # inline: each batch copied once, into its message
+    text = urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=10).read().decode()
+    copied = {s.labels.get("transport"): s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "batchd_bytes_copied_total"}
+    assert copied == {"shm": 0, "inline": nbytes}
     assert wait_until(lambda: server.loader.leases.held_total == 0)
 
 
