@@ -117,7 +117,7 @@ class SharedCache:
         nd = max(len(datasets), 1)
         counters_offset = _HEADER
         counters_bytes = rows * nd * len(Field) * 8
-        slots = max(1024, memory_bytes // 8192)
+        slots = max(1024, memory_bytes // 2048)  # 1.2% of the memory; 0.7 full: an entry per 2.9 KiB
         table_offset = -(-(counters_offset + counters_bytes) // 64) * 64
         arena_offset = -(-(table_offset + slots * 24) // 4096) * 4096
         if memory_bytes < max(arena_offset + 4096, 1 << 16):
