@@ -9,6 +9,8 @@ measurements (0 ms is the FUSE pass-through without sleeping, not the local disk
 
 - batchd with 2 workers (shared-memory transport, prefetch 4): each worker reads the samples of its
   running and queued batches on ``reads_in_flight`` I/O threads (default 32) while it decodes;
+- the same with ``reads_in_flight: 1`` (one read at a time, overlapping only the decode: about
+  what batchd did before concurrent reads);
 - PyTorch DataLoader with 2 and with 16 workers (``bench/torch_loader.py``: batchd's decode code,
   persistent workers, prefetch_factor 2), each worker reading its batch's files one after another.
 
@@ -45,9 +47,10 @@ from bench.torch_loader import PhotoDataset, make_loader, worker_pids  # noqa: E
 NAME = "table9"
 TITLE = "Table 9: images/s against storage latency per file open (FUSE, L3, batch 64)"
 LATENCIES_MS = (0, 2, 10, 50)
-METHODS = ("batchd", "dataloader2", "dataloader16")
-LABELS = {"batchd": "batchd, 2 workers", "dataloader2": "DataLoader, 2 workers", "dataloader16": "DataLoader, 16 workers"}
-WORKERS = {"batchd": 2, "dataloader2": 2, "dataloader16": 16}
+METHODS = ("batchd", "batchd_seq", "dataloader2", "dataloader16")
+LABELS = {"batchd": "batchd, 2 workers", "batchd_seq": "batchd, 2 workers, reads_in_flight 1",
+          "dataloader2": "DataLoader, 2 workers", "dataloader16": "DataLoader, 16 workers"}
+WORKERS = {"batchd": 2, "batchd_seq": 2, "dataloader2": 2, "dataloader16": 16}
 PIPELINE = "L3"
 BATCH = 64
 MB = 1 << 20
@@ -81,10 +84,12 @@ def _pss(pids) -> tuple[float, float]:
 
 def run(s, log=print) -> dict:
     """Measure every (latency, method) cell ``s.repeats`` times, methods interleaved."""
-    timed = {"batchd": s.pick(16, 4), "dataloader2": s.pick(8, 3), "dataloader16": s.pick(16, 4)}
+    timed = {"batchd": s.pick(16, 4), "batchd_seq": s.pick(8, 3), "dataloader2": s.pick(8, 3),
+             "dataloader16": s.pick(16, 4)}
     data.ensure_photos()
     presets = pipelines.presets((PIPELINE,))
     rates: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     memory: dict[str, dict[str, float]] = {}
     skipped = fuse_missing()
     if skipped:
@@ -94,45 +99,53 @@ def run(s, log=print) -> dict:
     try:
         with Mount(data.PHOTOS, 0) as mnt:
             cfg = ImageFolderConfig(kind="imagefolder", root=mnt.path)
-            srv = ServerProcess(datasets=common.server_datasets(photos=cfg), pipelines=presets, workers=2,
-                                cache_dir=os.path.join(work, "cache")).start()
+            servers = {m: ServerProcess(datasets=common.server_datasets(photos=cfg), pipelines=presets, workers=2,
+                                        cache_dir=os.path.join(work, "cache"),
+                                        extra={"reads_in_flight": 1} if m == "batchd_seq" else None).start()
+                       for m in ("batchd", "batchd_seq")}
             torch_ds = PhotoDataset("photos", cfg, pathlib.Path(work, "cache-local"), presets)
             loaders = {m: make_loader(torch_ds, WORKERS[m]) for m in METHODS if m != "batchd"}
             try:
                 for m in METHODS:  # start-up (DataLoader workers, the server's pipeline) not timed
-                    _one(m, srv, loaders, torch_ds, seed=0, timed=1)
-                log(f"  table9: started (server {srv.startup_s:.1f} s)")
+                    _one(m, servers, loaders, torch_ds, seed=0, timed=1)
+                log(f"  table9: started (servers {servers['batchd'].startup_s:.1f} s)")
                 for rep in range(s.repeats):
                     for li, latency in enumerate(LATENCIES_MS):
                         mnt.set_latency(latency)
                         k = (rep + li) % len(METHODS)
                         for m in METHODS[k:] + METHODS[:k]:
                             snap = {}
-                            r = measure(lambda: _one(m, srv, loaders, torch_ds, seed=1000 * rep + li + 1,
+                            r = measure(lambda: _one(m, servers, loaders, torch_ds, seed=1000 * rep + li + 1,
                                                      timed=timed[m], snapshot=snap))
                             rates.setdefault(f"{latency}|{m}", []).append(r.rate)
+                            cpus.setdefault(f"{latency}|{m}", []).append(r.cpu_per_image)
                             for key, v in snap.items():
                                 cell = memory.setdefault(f"{latency}|{m}", {})
                                 cell[key] = max(cell.get(key, 0.0), v)
                         log(f"  table9: repeat {rep + 1}/{s.repeats}, {latency} ms done")
             finally:
                 del loaders
-                srv.stop()
+                for srv in servers.values():
+                    srv.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
     for latency in LATENCIES_MS:
         cell = {m: rates[f"{latency}|{m}"] for m in METHODS}
         rows.append({"latency_ms": latency, "rates": cell, "median": {m: median(v) for m, v in cell.items()},
+                     "cpu_per_image": {m: median(cpus[f"{latency}|{m}"]) for m in METHODS},
                      "memory": {m: memory.get(f"{latency}|{m}", {}) for m in METHODS}})
     return {"rows": rows, "batch_size": BATCH, "timed_images": {m: t * BATCH for m, t in timed.items()}, "repeats": s.repeats,
             "pipeline": PIPELINE}
 
 
-def _one(m: str, srv: ServerProcess, loaders: dict, torch_ds, *, seed: int, timed: int, snapshot: dict | None = None):
+def _one(m: str, servers: dict[str, ServerProcess], loaders: dict, torch_ds, *, seed: int, timed: int,
+         snapshot: dict | None = None):
     """One measurement of method ``m``; ``snapshot`` gets the memory (MB) at the end of the timed window."""
     warmup = max(4, WORKERS[m])  # batchd: two batches per worker, so its reads run ahead when the clock starts
-    if m == "batchd":
+    if m in servers:
+        srv = servers[m]
+
         def on_end():
             if snapshot is not None:
                 snapshot["server_pss"], snapshot["server_rss"] = _pss([srv.pid])
@@ -170,14 +183,21 @@ def render(r: dict) -> str:
             f"({b.get('server_rss', 0):.0f} + {b.get('workers_rss', 0):.0f})" if b else "-",
             f"{mem.get('dataloader16', {}).get('workers_pss', 0):.0f}",
         ])
-    return md_table(head, rows) + (
+    cpu_rows = [[f"{row['latency_ms']} ms", *(f"{row['cpu_per_image'][k] * 1e3:.2f}" for k in METHODS)]
+                for row in r["rows"] if "cpu_per_image" in row]
+    cpu = ("\n\n**CPU per image** (ms, every process of the measurement: this client, the batchd servers and "
+           "workers, the DataLoader workers, the FUSE daemon; median of the repeats). It depends far less than "
+           "images/s on what other users of the machine do.\n\n"
+           + md_table(["added latency per open", *(LABELS[m] for m in METHODS)], cpu_rows)) if cpu_rows else ""
+    return md_table(head, rows) + cpu + (
         "\n\nimages/s over " + ", ".join(f"{n} ({LABELS[m]})" for m, n in r["timed_images"].items())
         + " images per measurement after max(4, workers) batches of warm-up; "
         f"median of {r['repeats']} interleaved repeats. Every row reads the photo set through the same FUSE "
         "pass-through (bench/fusefs.py, a Python daemon: its own CPU counts against the 2 cores), which sleeps the "
         "added latency in each open. batchd reads 32 samples at once per worker (reads_in_flight) while it decodes; "
-        "a DataLoader worker reads its batch's files one after another. Memory at the end of the timed window "
-        "(the largest over the repeats)."
+        "a DataLoader worker reads its batch's files one after another. On a shared machine the kernel shares the "
+        "cores per process, so 16 DataLoader processes take more of them from other users' work than 2 batchd "
+        "workers do. Memory at the end of the timed window (the largest over the repeats)."
     )
 
 
