@@ -30,6 +30,9 @@ import numpy as np
 
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError
 from batchd.server import pipeline as pipelines
+from batchd.server import prefix as prefixes
+from batchd.server.build import build_fingerprint, build_parts
+from batchd.server.cache import SharedCache, sample_key
 from batchd.server.datasets import Dataset, open_dataset
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed, TensorLayout
 from batchd.server.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
@@ -81,6 +84,10 @@ class _Worker:
         self.random = pipelines.SampleRandom()
         self.reader = SampleReader(reads_in_flight)
         self.between_samples = lambda: None  # worker_main: take newly sent tasks from the pipe
+        # the server's decoded-sample cache (None: none configured); prefix outputs are looked up there
+        self.cache = SharedCache.attach(f"{new_segment_prefix}cache", worker_id)
+        self.splits: dict[str, prefixes.Split] = {}  # pipeline key -> its prefix and random rest
+        self.builds: dict[str, str] = {}  # dataset name -> build fingerprint
 
     def prefetch(self, task: Task) -> None:
         """Start reading ``task``'s samples (after those of the tasks before it), if its dataset
@@ -156,6 +163,9 @@ class _Worker:
     def _run(self, task: Task) -> BatchDone:
         ds = self.dataset(task.dataset)
         compose, min_size = self.pipeline(task.pipeline_key, task.pipeline_json)
+        split = self._split(task.pipeline_key, compose, min_size, ds)
+        if split is not None:  # decode + prefix come from the cache; the random rest runs here
+            compose = split.rest
         if compose is not None:
             self.random.attach(compose)  # its transforms draw in turn from one stream, re-keyed per sample
         t_load = t_pipe = t_copy = 0.0
@@ -171,7 +181,12 @@ class _Worker:
         for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
             t0 = time.perf_counter()
             try:
-                image = self._load(ds, task, k, index, min_size)
+                if split is None:
+                    image = self._load(ds, task, k, index, min_size)
+                else:
+                    key = sample_key(ds.fingerprint, index, split.canonical, self.builds[ds.name])
+                    image = self.cache.get_or_compute(
+                        ds.name, key, lambda: self._prefix(split, ds, self._load(ds, task, k, index, min_size), index))
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise
@@ -220,6 +235,31 @@ class _Worker:
         view(seg.buf, layout[3])[:] = kept_positions[:n]
         timings = {"load": t_load, "pipeline": t_pipe, "copy": t_copy}
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings, tuple(skipped))
+
+    @staticmethod
+    def _prefix(split: prefixes.Split, ds: Dataset, image: np.ndarray, index: int) -> np.ndarray:
+        try:
+            return split.apply_prefix(image)
+        except Exception as e:
+            e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
+            raise
+
+    def _split(self, key: str, compose, min_size, ds: Dataset) -> prefixes.Split | None:
+        """The pipeline's prefix and rest when its samples go through the cache, else None."""
+        if self.cache is None or not ds.fingerprint:
+            return None
+        if ds.name not in self.builds:
+            self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings))
+        split = self.splits.get(key)
+        if split is None:
+            if len(self.splits) >= _CACHED_PIPELINES:
+                self.splits.clear()
+            try:
+                split = prefixes.split(compose, min_size)
+            except ValueError:  # the rest cannot be rebuilt: this pipeline runs whole, uncached
+                return None
+            self.splits[key] = split
+        return split
 
     def _slot(self, task: Task, nbytes: int) -> tuple[Segment, bool]:
         """The task's slot if the batch fits, else a new segment of exactly nbytes (the server adopts it)."""

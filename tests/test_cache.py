@@ -284,6 +284,8 @@ def test_a_warm_disk_cache_survives_a_restart_and_a_corrupt_entry_is_recomputed(
     assert _epochs(first) == uncached
     s = first.loader.cache.stats()["photos"]
     assert s["hits_disk"] > 0 and s["bytes_disk"] > 0
+    assert os.path.getsize(SHM_DIR / f"{first.loader.owner.prefix}cache") == 128 * 1024  # RAM: exactly memory_bytes
+    assert s["bytes_ram"] <= 128 * 1024
     first.stop(grace=1.0)
     files = sorted(tmp_path.glob("entries/*/*/*"))
     assert len(files) >= IMAGES // 2
@@ -294,3 +296,38 @@ def test_a_warm_disk_cache_survives_a_restart_and_a_corrupt_entry_is_recomputed(
     assert _epochs(again) == uncached
     s = again.loader.cache.stats()["photos"]
     assert s["hits_disk"] >= len(files) - 1 and s["evictions"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_cache_figures_in_stats_metrics_and_batchd_status(make_server, photos):
+    import subprocess
+    import sys
+
+    from batchd.client.stats import get_stats, stats_dict
+
+    server = _serve(make_server, photos, 1, memory_bytes="8MiB")
+    _epochs(server)
+    reply = get_stats(server.address)
+    (c,) = reply.cache
+    assert (c.dataset, c.hits, c.misses, c.hits_disk) == ("photos", IMAGES, IMAGES, 0) and c.bytes_ram > 0
+    assert stats_dict(reply)["cache"][0]["hits"] == IMAGES
+    out = subprocess.run([sys.executable, "-m", "batchd.cli", "status", server.address], capture_output=True,
+                         text=True, timeout=60).stdout
+    assert f"cache:    photos: {IMAGES} hits (0 from disk), {IMAGES} misses" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_cache_metrics_per_dataset(make_server, photos):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = make_server(datasets={"photos": {"kind": "imagefolder", "root": str(photos)}}, workers=1,
+                         metrics_port=0, cache={"memory_bytes": "8MiB"})
+    _epochs(server, epochs=1)
+    text = urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=10).read().decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got[("batchd_cache_misses_total", (("dataset", "photos"),))] == IMAGES
+    assert got[("batchd_cache_hits_total", (("dataset", "photos"), ("tier", "ram")))] == 0
+    assert got[("batchd_cache_bytes", (("dataset", "photos"), ("tier", "ram")))] > 0
