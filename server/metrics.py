@@ -113,6 +113,8 @@ class StatsCollector(Collector):
         yield gauge("batchd_leases_held", "Shared-memory slots lent to same-host clients.", p.leases_held)
         yield gauge("batchd_sessions", "Open shared-memory sessions.", p.sessions)
 
+        yield from _cache_families(s.cache)
+
         families = [CounterMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_COUNTERS]
         families += [GaugeMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_GAUGES]
         attrs = [a for _, _, a in _STREAM_COUNTERS + _STREAM_GAUGES]
@@ -121,6 +123,27 @@ class StatsCollector(Collector):
             for family, attr in zip(families, attrs):
                 family.add_metric(labels, getattr(st, attr))
         yield from families
+
+
+def _cache_families(cache):
+    """The decoded-sample cache, per dataset (tier: ram or disk). Nothing without a cache."""
+    if not cache:
+        return
+    hits = CounterMetricFamily("batchd_cache_hits", "Samples served from the cache, by tier.", labels=["dataset", "tier"])
+    size = GaugeMetricFamily("batchd_cache_bytes", "Bytes of cache entries, by tier.", labels=["dataset", "tier"])
+    misses = CounterMetricFamily("batchd_cache_misses", "Samples computed (not in the cache).", labels=["dataset"])
+    evicted = CounterMetricFamily("batchd_cache_evictions", "Cache entries dropped (found corrupt).", labels=["dataset"])
+    left = CounterMetricFamily("batchd_cache_not_admitted", "Computed samples the full cache did not take.",
+                               labels=["dataset"])
+    for c in cache:
+        hits.add_metric([c.dataset, "ram"], c.hits - c.hits_disk)
+        hits.add_metric([c.dataset, "disk"], c.hits_disk)
+        size.add_metric([c.dataset, "ram"], c.bytes_ram)
+        size.add_metric([c.dataset, "disk"], c.bytes_disk)
+        misses.add_metric([c.dataset], c.misses)
+        evicted.add_metric([c.dataset], c.evictions)
+        left.add_metric([c.dataset], c.not_admitted)
+    yield from (hits, misses, size, evicted, left)
 
 
 class MetricsServer:

@@ -246,6 +246,9 @@ class BatchLoaderService:
             kept = [s for s in reply.streams if scope.allows(s.dataset)]
             del reply.streams[:]
             reply.streams.extend(kept)
+            kept_cache = [c for c in reply.cache if scope.allows(c.dataset)]
+            del reply.cache[:]
+            reply.cache.extend(kept_cache)
         return reply
 
 
@@ -256,6 +259,7 @@ def stats_to_proto(s: stats.ServerStats) -> pb.StatsResponse:
         streams=[pb.StreamStats(**dataclasses.asdict(st)) for st in s.streams],
         pool=pb.PoolStats(**dataclasses.asdict(s.pool)),
         totals=pb.StatsTotals(**dataclasses.asdict(s.totals)),
+        cache=[pb.CacheStats(**dataclasses.asdict(c)) for c in s.cache],
     )
 
 

@@ -145,6 +145,21 @@ class Totals:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The decoded-sample cache for one dataset, since the server started (server/cache/)."""
+
+    dataset: str
+    hits: int  # samples served from the cache, RAM + disk
+    hits_disk: int
+    misses: int  # samples computed
+    bytes_ram: int  # bytes of entries in shared memory
+    bytes_disk: int  # bytes of entry files in disk_dir
+    evictions: int  # entries dropped (found corrupt)
+    not_admitted: int  # computed samples the full cache did not take
+    errors: int  # cache failures that fell back to computing
+
+
+@dataclass(frozen=True, slots=True)
 class ServerStats:
     uptime_seconds: float
     version: str
@@ -153,6 +168,7 @@ class ServerStats:
     totals: Totals
     computations: int = 0  # running computations (identical streams share one); not in the proto
     computations_started: int = 0
+    cache: tuple[CacheStats, ...] = ()  # per dataset; empty without a cache
 
 
 # Loader.counters keys, for the streams that have closed (open ones are added by snapshot).
@@ -243,4 +259,14 @@ def snapshot(loader: "Loader") -> ServerStats:
     return ServerStats(
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,
         computations=computations, computations_started=counters.get("computations_started", 0),
+        cache=_cache_stats(loader),
     )
+
+
+def _cache_stats(loader: "Loader") -> tuple[CacheStats, ...]:
+    cache = getattr(loader, "cache", None)
+    if cache is None:
+        return ()
+    fields = CacheStats.__dataclass_fields__
+    return tuple(CacheStats(dataset=ds, **{k: v for k, v in c.items() if k in fields})
+                 for ds, c in cache.stats().items())

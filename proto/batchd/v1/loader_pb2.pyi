@@ -325,15 +325,39 @@ class StatsTotals(_message.Message):
     def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("uptime_seconds", "version", "streams", "pool", "totals")
+    __slots__ = ("uptime_seconds", "version", "streams", "pool", "totals", "cache")
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     uptime_seconds: float
     version: str
     streams: _containers.RepeatedCompositeFieldContainer[StreamStats]
     pool: PoolStats
     totals: StatsTotals
-    def __init__(self, uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., streams: _Optional[_Iterable[_Union[StreamStats, _Mapping]]] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., totals: _Optional[_Union[StatsTotals, _Mapping]] = ...) -> None: ...
+    cache: _containers.RepeatedCompositeFieldContainer[CacheStats]
+    def __init__(self, uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., streams: _Optional[_Iterable[_Union[StreamStats, _Mapping]]] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., totals: _Optional[_Union[StatsTotals, _Mapping]] = ..., cache: _Optional[_Iterable[_Union[CacheStats, _Mapping]]] = ...) -> None: ...
+
+class CacheStats(_message.Message):
+    __slots__ = ("dataset", "hits", "hits_disk", "misses", "bytes_ram", "bytes_disk", "evictions", "not_admitted", "errors")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    HITS_DISK_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RAM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DISK_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    hits: int
+    hits_disk: int
+    misses: int
+    bytes_ram: int
+    bytes_disk: int
+    evictions: int
+    not_admitted: int
+    errors: int
+    def __init__(self, dataset: _Optional[str] = ..., hits: _Optional[int] = ..., hits_disk: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_ram: _Optional[int] = ..., bytes_disk: _Optional[int] = ..., evictions: _Optional[int] = ..., not_admitted: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
