@@ -331,3 +331,16 @@ def test_cache_metrics_per_dataset(make_server, photos):
     assert got[("batchd_cache_misses_total", (("dataset", "photos"),))] == IMAGES
     assert got[("batchd_cache_hits_total", (("dataset", "photos"), ("tier", "ram")))] == 0
     assert got[("batchd_cache_bytes", (("dataset", "photos"), ("tier", "ram")))] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_token_sees_the_cache_figures_of_its_datasets_only(make_server, photos):
+    from batchd.client.stats import get_stats
+
+    tokens = [{"name": "team-a", "token": "a" * 32, "datasets": ["photos"]},
+              {"name": "admin", "token": "b" * 32, "datasets": ["*"]}]
+    server = make_server(datasets={"photos": {"kind": "imagefolder", "root": str(photos)},
+                                   "secret": {"kind": "imagefolder", "root": str(photos)}},
+                         workers=1, auth={"tokens": tokens}, cache={"memory_bytes": "1MiB"})
+    assert [c.dataset for c in get_stats(server.address, token="b" * 32).cache] == ["photos", "secret"]
+    assert [c.dataset for c in get_stats(server.address, token="a" * 32).cache] == ["photos"]
