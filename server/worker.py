@@ -11,7 +11,10 @@ them from the pipe as they come (between samples) and hands their samples to its
 ``SampleReader`` (``server/reader.py``), whose I/O threads read the bytes of the current and the
 queued tasks' samples concurrently (``reads_in_flight``), while this process's own thread
 decodes and transforms them one at a time, in order (so bytes and order do not change).
-Datasets whose samples are in memory (no ``read_bytes``) are read on this thread.
+Datasets whose samples are in memory (no ``read_bytes``) are read on this thread. With a
+server cache (config ``cache:``), a sample's decode and its pipeline's deterministic prefix
+(``server/prefix.py``) come from the shared cache (``server/cache/``) or are computed and stored
+there; the pipeline's random rest runs here as before.
 """
 
 from __future__ import annotations
