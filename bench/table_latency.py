@@ -186,8 +186,10 @@ def render(r: dict) -> str:
     cpu_rows = [[f"{row['latency_ms']} ms", *(f"{row['cpu_per_image'][k] * 1e3:.2f}" for k in METHODS)]
                 for row in r["rows"] if "cpu_per_image" in row]
     cpu = ("\n\n**CPU per image** (ms, every process of the measurement: this client, the batchd servers and "
-           "workers, the DataLoader workers, the FUSE daemon; median of the repeats). It depends far less than "
-           "images/s on what other users of the machine do.\n\n"
+           "workers, the DataLoader workers, the FUSE daemon, all of them, idle or not, during each row's timed "
+           "window; median of the repeats). It depends less than images/s on what other users of the machine do, "
+           "but it also holds the idle rows' processes (the other server, 18 persistent DataLoader workers), "
+           "which weigh more on slow rows: compare down a column, not across.\n\n"
            + md_table(["added latency per open", *(LABELS[m] for m in METHODS)], cpu_rows)) if cpu_rows else ""
     return md_table(head, rows) + cpu + (
         "\n\nimages/s over " + ", ".join(f"{n} ({LABELS[m]})" for m, n in r["timed_images"].items())
