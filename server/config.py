@@ -264,6 +264,8 @@ class CacheConfig(_Strict):
     disk_dir: where entries spill once RAM is full (None: RAM only); entries of another build
         are removed at start. disk_bytes: the most bytes of entry files kept there.
     compress: lz4 each entry that shrinks by 10% or more (more samples fit; each hit decompresses).
+    disk_max_idle_s: at server start, disk entries not used for this long are removed (seconds;
+        entries are otherwise never evicted, so this returns the room of an abandoned pipeline).
     Sizes are bytes, or strings with units as pydantic's ByteSize reads them ("8GiB", "200GB").
     """
 
@@ -271,6 +273,7 @@ class CacheConfig(_Strict):
     disk_dir: pathlib.Path | None = None
     disk_bytes: ByteSize = ByteSize(0)
     compress: bool = False
+    disk_max_idle_s: float = Field(default=7 * 86400.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "CacheConfig":

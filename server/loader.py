@@ -62,7 +62,7 @@ class Loader:
             self.cache = SharedCache.create(
                 f"{self.owner.prefix}cache", memory_bytes=int(c.memory_bytes), datasets=list(config.datasets),
                 workers=config.workers, build=build_fingerprint(server_build()), disk_dir=c.disk_dir,
-                disk_bytes=int(c.disk_bytes), compress=c.compress)
+                disk_bytes=int(c.disk_bytes), compress=c.compress, disk_max_idle_s=c.disk_max_idle_s)
         self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
         self.transport = Transport(self.slots, self.leases)  # lend or copy each batch sent
         self.pool = WorkerPool(

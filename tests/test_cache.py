@@ -131,6 +131,26 @@ def test_disk_entries_survive_a_restart_only_with_the_same_build(make_cache, tmp
     assert other.bytes_used()[1] == 0 and not list(tmp_path.glob("entries/*/*/*"))
 
 
+def test_disk_entries_unused_for_max_idle_are_removed_at_start(make_cache, tmp_path):
+    first, compute = make_cache(64 * 1024, disk_dir=tmp_path, disk_bytes=1 << 20), _Compute()
+    for i in range(10):
+        first.get_or_compute("photos", _key(i), compute(i))
+    files = sorted(tmp_path.glob("entries/*/*/*"))
+    assert len(files) >= 4
+    long_ago = os.path.getmtime(files[0]) - 3600
+    for f in files:
+        os.utime(f, (long_ago, long_ago))
+    for i in range(10):
+        first.get_or_compute("photos", _key(i), compute(i))
+    assert first.stats()["photos"]["hits_disk"] == len(files)  # each hit refreshed its file's mtime
+    for f in files[:2]:  # two entries left unused for an hour
+        os.utime(f, (long_ago, long_ago))
+    first.close()
+    again = make_cache(64 * 1024, disk_dir=tmp_path, disk_bytes=1 << 20, disk_max_idle_s=1800)
+    assert sorted(tmp_path.glob("entries/*/*/*")) == files[2:]
+    assert again.bytes_used()[1] == sum(f.stat().st_size for f in files[2:])
+
+
 def test_a_disk_dir_in_use_by_another_server_is_not_shared(make_cache, tmp_path):
     a = make_cache(64 * 1024, disk_dir=tmp_path, disk_bytes=1 << 20)
     b = make_cache(64 * 1024, disk_dir=tmp_path, disk_bytes=1 << 20)

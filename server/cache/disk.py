@@ -7,9 +7,10 @@ so readers see a whole entry or none; its checksum (``entry.py``) catches the re
 
 ``prepare`` (the server, once, before workers start): takes the directory's lock (a directory
 in use by another server is not used: None), wipes the entries when ``BUILD`` names another
-build (they were made by other code and are not trusted), removes temporary files a crash left,
-deletes entries beyond ``disk_bytes`` if the limit shrank, and returns the bytes per dataset
-directory found.
+build (they were made by other code and are not trusted), removes temporary files a crash left
+and entries unused for ``max_idle_s`` (a hit sets a file's mtime: entries of a pipeline prefix no
+longer used give their room back at the next start), deletes entries beyond ``disk_bytes`` if the
+limit shrank, and returns the bytes per dataset directory found.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import pathlib
 import re
 import shutil
+import time
 
 import numpy as np
 
@@ -41,7 +43,8 @@ def entry_path(root: pathlib.Path, dataset: str, key: bytes) -> pathlib.Path:
     return root / "entries" / dataset_dir(dataset) / h[:2] / h
 
 
-def prepare(root: pathlib.Path, build: str, disk_bytes: int) -> tuple[int, dict[str, int]] | None:
+def prepare(root: pathlib.Path, build: str, disk_bytes: int,
+            max_idle_s: float = float("inf")) -> tuple[int, dict[str, int]] | None:
     """Make ``root`` ready for this server (see module docstring); returns (lock fd to keep
     open while the server lives, bytes per dataset directory), or None if another server holds
     the directory. Raises OSError if it cannot be created or read."""
@@ -66,12 +69,13 @@ def prepare(root: pathlib.Path, build: str, disk_bytes: int) -> tuple[int, dict[
         stamp.write_text(build + "\n")
     entries.mkdir(exist_ok=True)
     files: list[tuple[float, int, pathlib.Path, str]] = []
+    oldest = time.time() - max_idle_s
     for ds in entries.iterdir():
         for p in ds.glob("*/*"):
-            if ".tmp-" in p.name:
+            st = p.stat()
+            if ".tmp-" in p.name or st.st_mtime < oldest:
                 p.unlink(missing_ok=True)
                 continue
-            st = p.stat()
             files.append((st.st_mtime, st.st_size, p, ds.name))
     files.sort(reverse=True)  # newest kept when the limit shrank
     per_dataset: dict[str, int] = {}
@@ -99,9 +103,14 @@ def read(path: pathlib.Path, key: bytes) -> np.ndarray | None:
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
             mv = memoryview(m)
             try:
-                return entry.decode(mv, key)
+                image = entry.decode(mv, key)
             finally:
                 mv.release()
+        try:
+            os.utime(fd)  # last used: entries idle for cache.disk_max_idle_s go at the next start
+        except OSError:
+            pass
+        return image
     finally:
         os.close(fd)
 

@@ -11,8 +11,9 @@ never evicted to make room for another: under repeated epochs over a dataset lar
 cache, LRU evicts every entry just before it is used again (hit rate 0), while keeping the first
 entries that fit hits ``capacity / dataset`` of the samples every epoch (tests/test_cache.py
 ``test_fixed_subset_beats_lru_on_cyclic_scans``). Entries leave only when found corrupt, or
-when the server restarts (RAM) or the build changes (disk). The cost: entries of a pipeline
-prefix no longer used keep their room until the server restarts.
+when the server restarts (RAM), the build changes (disk), or, at a start, a disk entry has not
+been used for ``disk_max_idle_s``. The cost: entries of a pipeline prefix no longer used keep
+their room until then.
 
 Concurrency: writers (RAM insert, disk reservation) hold an ``flock`` on the segment's file;
 readers take no lock: an arena entry is written before its table slot is published and never
@@ -107,10 +108,11 @@ class SharedCache:
     @classmethod
     def create(cls, name: str, *, memory_bytes: int, datasets: Sequence[str], workers: int, build: str,
                disk_dir: os.PathLike[str] | str | None = None, disk_bytes: int = 0,
-               compress: bool = False) -> "SharedCache":
+               compress: bool = False, disk_max_idle_s: float = float("inf")) -> "SharedCache":
         """Create the segment ``name`` (exactly ``memory_bytes``) for ``workers`` processes
         (worker ids 0..workers-1; the creator uses one more row) and prepare ``disk_dir``
-        (``disk.prepare``: wiped if ``build`` differs). Raises ValueError if memory_bytes is too
+        (``disk.prepare``: wiped if ``build`` differs; entries unused for ``disk_max_idle_s``
+        seconds removed). Raises ValueError if memory_bytes is too
         small for header, counters and table (under 64 KiB); OSError from shared memory or disk.
         """
         rows = workers + 1
@@ -125,7 +127,7 @@ class SharedCache:
                              f"{max(arena_offset + 4096, 1 << 16)} bytes for {len(datasets)} datasets")
         lock_fd, per_dataset = None, {}
         if disk_dir and disk_bytes > 0:
-            prepared = disk.prepare(pathlib.Path(disk_dir), build, disk_bytes)
+            prepared = disk.prepare(pathlib.Path(disk_dir), build, disk_bytes, disk_max_idle_s)
             if prepared is not None:
                 lock_fd, per_dataset = prepared
         meta = {"datasets": list(datasets), "rows": rows, "compress": bool(compress), "slots": slots,
