@@ -364,3 +364,20 @@ def test_a_token_sees_the_cache_figures_of_its_datasets_only(make_server, photos
                          workers=1, auth={"tokens": tokens}, cache={"memory_bytes": "1MiB"})
     assert [c.dataset for c in get_stats(server.address, token="b" * 32).cache] == ["photos", "secret"]
     assert [c.dataset for c in get_stats(server.address, token="a" * 32).cache] == ["photos"]
+
+
+def test_the_cache_config_reads_sizes_and_refuses_what_cannot_work(tmp_path):
+    from batchd.server.config import ConfigError, ServerConfig, load_config
+
+    c = ServerConfig.model_validate({"cache": {"memory_bytes": "8GiB", "disk_dir": str(tmp_path), "disk_bytes": "200GB"}})
+    assert (int(c.cache.memory_bytes), int(c.cache.disk_bytes)) == (8 << 30, 200 * 10**9)
+    assert int(ServerConfig().cache.memory_bytes) == 0  # no cache by default
+    for bad, words in [({"memory_bytes": "8 bananas"}, "cache.memory_bytes"),
+                       ({"memory_bytes": 1000}, "at least 64 KiB"),
+                       ({"memory_bytes": "1GiB", "disk_bytes": "1GiB"}, "disk_bytes needs a disk_dir"),
+                       ({"disk_dir": str(tmp_path), "disk_bytes": "1GiB"}, "needs memory_bytes"),
+                       ({"memory_bytes": "1GiB", "size": 1}, "cache.size")]:
+        path = tmp_path / "c.yaml"
+        path.write_text(__import__("yaml").safe_dump({"cache": bad}))
+        with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+            load_config(path)
