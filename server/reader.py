@@ -36,13 +36,14 @@ class _Reads:
     """One task's samples: ``read(index) -> bytes`` for each of ``indices``; ``futures[k]`` is
     sample k's read once started, None before it starts and after it is taken."""
 
-    __slots__ = ("read", "indices", "futures", "started")
+    __slots__ = ("read", "indices", "futures", "started", "unwanted")
 
     def __init__(self, read: Callable[[int], bytes], indices: Sequence[int]):
         self.read = read
         self.indices = list(indices)
         self.futures: list[Future | None] = [None] * len(self.indices)
         self.started = 0  # samples [0, started) have had their read started (or were taken)
+        self.unwanted: set[int] = set()  # samples not started whose bytes are not needed (forget)
 
 
 class SampleReader:
@@ -119,6 +120,20 @@ class SampleReader:
                 while_waiting()
         return future.result()
 
+    def forget(self, task_id: int, k: int) -> None:
+        """Sample ``k`` of the task will not be taken (e.g. a cache hit): drop its read (not
+        started: it never starts). No-op for a sample already taken or a task not added."""
+        reads = self._tasks.get(task_id)
+        if reads is None:
+            return
+        future, reads.futures[k] = reads.futures[k], None
+        if future is not None:
+            future.cancel()
+            self._outstanding -= 1
+            self._fill()
+        elif k >= reads.started:
+            reads.unwanted.add(k)
+
     def discard(self, task_id: int) -> None:
         """Forget a task's reads (it finished or failed): reads not started never start, results
         not taken are dropped (a read already running finishes on its thread, unused)."""
@@ -151,6 +166,8 @@ class SampleReader:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(self.reads_in_flight, thread_name_prefix="batchd-read")
                 k = reads.started
-                reads.futures[k] = self._executor.submit(self._timed_read, reads.read, reads.indices[k])
                 reads.started += 1
+                if k in reads.unwanted:
+                    continue
+                reads.futures[k] = self._executor.submit(self._timed_read, reads.read, reads.indices[k])
                 self._outstanding += 1

@@ -190,6 +190,7 @@ class _Worker:
                     key = sample_key(ds.fingerprint, index, split.canonical, self.builds[ds.name])
                     image = self.cache.get_or_compute(
                         ds.name, key, lambda: self._prefix(split, ds, self._load(ds, task, k, index, min_size), index))
+                    self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise
