@@ -98,7 +98,7 @@ class _Worker:
         try:
             ds = self.dataset(task.dataset)
             if ds.concurrent_reads:
-                self.reader.add(task.task_id, ds.read_bytes, task.indices.tolist())
+                self.reader.add(task.task_id, self._reads(task, ds), task.indices.tolist())
         except Exception:
             pass
 
@@ -161,7 +161,23 @@ class _Worker:
         if task.task_id not in self.reader:
             return ds.load_image(index, min_size)
         self.between_samples()
-        return ds.decode(index, self.reader.take(task.task_id, k, self.between_samples), min_size)
+        data = self.reader.take(task.task_id, k, self.between_samples)
+        if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
+            data = ds.read_bytes(index)
+        return ds.decode(index, data, min_size)
+
+    def _reads(self, task: Task, ds: Dataset):
+        """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that
+        returns None for samples already cached (their bytes are not needed)."""
+        split = self._split(task.pipeline_key, *self.pipeline(task.pipeline_key, task.pipeline_json), ds)
+        if split is None:
+            return ds.read_bytes
+        cache, build = self.cache, self.builds[ds.name]
+
+        def read(index: int):
+            key = sample_key(ds.fingerprint, index, split.canonical, build)
+            return None if cache.contains(ds.name, key) else ds.read_bytes(index)
+        return read
 
     def _run(self, task: Task) -> BatchDone:
         ds = self.dataset(task.dataset)

@@ -381,3 +381,33 @@ def test_the_cache_config_reads_sizes_and_refuses_what_cannot_work(tmp_path):
         path.write_text(__import__("yaml").safe_dump({"cache": bad}))
         with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
             load_config(path)
+
+
+def test_a_worker_does_not_read_ahead_the_bytes_of_cached_samples(photos, tmp_path):
+    """The reader's per-sample function returns None for a cached sample, the bytes otherwise."""
+    import types
+
+    from batchd.server import pipeline as pipelines
+    from batchd.server.config import ImageFolderConfig
+    from batchd.server.datasets import open_dataset
+    from batchd.server.worker import _Worker
+
+    cfg = ImageFolderConfig(kind="imagefolder", root=photos)
+    open_dataset("photos", cfg, tmp_path, build=True)  # the server builds the index first
+    prefix = f"batchd-test-{secrets.token_hex(4)}-"
+    cache = SharedCache.create(f"{prefix}cache", memory_bytes=1 << 20, datasets=["photos"], workers=1, build="b")
+    try:
+        worker = _Worker(0, {"photos": cfg}, tmp_path, prefix)
+        assert worker.cache is not None
+        text = pipelines.canonical_json(A.to_dict(PIPELINE))
+        task = types.SimpleNamespace(pipeline_key=pipelines.pipeline_key(text), pipeline_json=text)
+        ds = worker.dataset("photos")
+        read = worker._reads(task, ds)
+        split = worker.splits[task.pipeline_key]
+        key = sample_key(ds.fingerprint, 3, split.canonical, worker.builds["photos"])
+        assert read(3) is not None
+        cache.get_or_compute("photos", key, lambda: split.apply_prefix(ds.load_image(3, split.min_size)))
+        assert read(3) is None and bytes(read(4)) == bytes(ds.read_bytes(4))
+        worker.cache.close()
+    finally:
+        cache.close()

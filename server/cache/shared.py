@@ -204,6 +204,17 @@ class SharedCache:
             log.debug("cache write failed: %s: %s", type(e).__name__, e)
         return image
 
+    def contains(self, dataset: str, key: bytes) -> bool:
+        """Whether an entry for ``key`` is stored (in RAM, or a file on disk), without reading or
+        checking it. Thread-safe (it only reads); never raises (False on any error)."""
+        try:
+            i, found = self._slot(key)
+            if found and self._locs[i]:
+                return True
+            return self.disk_root is not None and disk.entry_path(self.disk_root, dataset, key).exists()
+        except Exception:
+            return False
+
     def _slot(self, key: bytes) -> tuple[int, bool]:
         """(table slot, found): the key's slot, or the free slot where it would go (-1 if full)."""
         k0, k1 = np.frombuffer(key, np.uint64)
