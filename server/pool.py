@@ -77,7 +77,7 @@ class WorkerPool:
         self._max_skipped_fraction = {name: getattr(c, "max_skipped_fraction", 0.0) for name, c in dataset_configs.items()}
         self._cache_dir = cache_dir
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["numpy", "cv2", "albumentations", "batchd.server.worker"])
+        self._ctx.set_forkserver_preload(["numpy", "cv2", "batchd.server.worker"])  # albumentations through batchd.server: no torch
         self._lock = threading.Lock()  # guards _streams
         self._streams: collections.deque[Computation] = collections.deque()
         self._in_flight: dict[int, InFlight] = {}

@@ -94,20 +94,14 @@ class Seaweed:
         return True
 
     def _bucket_ready(self) -> bool:
-        import botocore.exceptions
-
+        fs = self.filesystem()
         try:
-            self.client().head_bucket(Bucket=self.bucket)
-            return True
-        except botocore.exceptions.ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
-                try:
-                    self.client().create_bucket(Bucket=self.bucket)
-                except botocore.exceptions.ClientError:
-                    return False
-            return False
-        except (botocore.exceptions.BotoCoreError, OSError):
-            return False
+            if fs.exists(self.bucket):
+                return True
+            fs.mkdir(self.bucket)
+        except OSError:
+            pass  # not up yet (s3fs maps botocore's errors to OSError subclasses)
+        return False
 
     def start(self, timeout: float = 60.0) -> "Seaweed":
         """Start ``weed server`` and wait until the bucket exists. Raises RuntimeError with the log."""
@@ -144,26 +138,37 @@ class Seaweed:
         except OSError:
             return "(no log)"
 
-    def client(self):
-        """A boto3 S3 client for this server (path-style addressing, short timeouts)."""
-        import boto3
-        from botocore.config import Config
+    def filesystem(self):
+        """An s3fs filesystem for this server (path-style addressing, short timeouts, no cached listings).
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.key,
-                            aws_secret_access_key=self.secret, region_name="us-east-1",
-                            config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=10,
-                                          retries={"max_attempts": 2}))
+        s3fs rather than boto3: batchd already depends on it, and boto3 beside aiobotocore pins two
+        botocore ranges that pip cannot always reconcile on a fresh install.
+        """
+        import s3fs
+
+        return s3fs.S3FileSystem(
+            key=self.key, secret=self.secret, skip_instance_cache=True, use_listings_cache=False,
+            client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+            config_kwargs={"s3": {"addressing_style": "path"}, "connect_timeout": 2, "read_timeout": 10,
+                           "retries": {"max_attempts": 2}})
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` to ``bucket/key``."""
+        self.filesystem().pipe_file(f"{self.bucket}/{key}", data)
+
+    def upload_file(self, local: "str | os.PathLike", key: str) -> None:
+        """Copy the local file to ``bucket/key``."""
+        self.filesystem().put_file(os.fspath(local), f"{self.bucket}/{key}")
 
     def upload_tree(self, local: pathlib.Path, prefix: str) -> list[str]:
         """Upload every file under ``local`` to ``bucket/prefix/<relative path>``; the keys, sorted."""
-        client = self.client()
+        fs = self.filesystem()
         keys = []
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             key = f"{prefix}/{path.relative_to(local).as_posix()}"
-            client.upload_file(str(path), self.bucket, key)
+            fs.put_file(str(path), f"{self.bucket}/{key}")
             keys.append(key)
         return keys
-
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):

@@ -45,8 +45,7 @@ def photos(seaweed, tmp_path_factory):  # noqa: F811
     rows = ["path,label"] + [f"{p.relative_to(root).as_posix()},{p.parts[-2] if p.parent.name != 'nested' else p.parts[-3]}"
                              for p in sorted(root.rglob("*.png"))]
     rows.append("cat/missing.png,cat")  # the last sample: no such object
-    client = seaweed.client()
-    client.put_object(Bucket=seaweed.bucket, Key="photos/rows.csv", Body=("\n".join(rows) + "\n").encode())
+    seaweed.put("photos/rows.csv", ("\n".join(rows) + "\n").encode())
     return root, f"s3://{seaweed.bucket}/photos", f"s3://{seaweed.bucket}/photos/rows.csv"
 
 

@@ -146,9 +146,8 @@ def test_errors_name_the_shard_and_sample(tmp_path):
 
 def test_a_server_serves_shards_from_disk_and_from_a_bucket_alike(seaweed, tmp_path, make_server):  # noqa: F811
     paths = write_shards(tmp_path / "shards")
-    client = seaweed.client()
     for p in paths:
-        client.upload_file(p, seaweed.bucket, f"shards/{os.path.basename(p)}")
+        seaweed.upload_file(p, f"shards/{os.path.basename(p)}")
     url = f"s3://{seaweed.bucket}/shards/train-{{000000..000002}}.tar"
     server = make_server(datasets={
         "disk": {"kind": "webdataset", "shards": str(tmp_path / "shards" / "train-{000000..000002}.tar")},
