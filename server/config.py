@@ -1,4 +1,4 @@
-"""The server's YAML config, validated on load.
+"""The server's YAML config, validated on load: ``ServerConfig`` and ``load_config``.
 
 Example::
 
@@ -12,7 +12,10 @@ Example::
       train: {__version__: 2.0.8, transform: {...}}   # as albumentations' A.to_dict returns
       eval: /etc/batchd/eval.json                     # or a file that A.save wrote
 
-Every model forbids unknown fields, so a typo is an error that names the field.
+Every model forbids unknown fields, so a typo is an error that names the field. The blocks live
+one idea a file and are re-exported here, so ``batchd.server.config`` names them all:
+config_datasets.py (the dataset kinds), config_security.py (tls, auth, pipeline_limits),
+config_cache.py (cache).
 """
 
 from __future__ import annotations
@@ -20,273 +23,46 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Annotated, Any, Literal, Union
+from typing import Any
 
 import yaml
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ByteSize,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    SecretStr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from .datasets.storage import StorageOptions, is_remote, is_url, local_path
+from .config_base import StrictModel
+from .config_cache import CacheConfig
+from .config_datasets import (
+    DatasetConfig,
+    FashionMnistConfig,
+    ImageFolderConfig,
+    Location,
+    ManifestConfig,
+    WebDatasetConfig,
+)
+from .config_security import MIN_TOKEN_CHARS, AuthConfig, PipelineLimits, TlsConfig, TokenConfig
+
+__all__ = [
+    "AuthConfig",
+    "CacheConfig",
+    "ConfigError",
+    "DatasetConfig",
+    "FashionMnistConfig",
+    "ImageFolderConfig",
+    "Location",
+    "MIN_TOKEN_CHARS",
+    "ManifestConfig",
+    "MiB",
+    "PipelineLimits",
+    "ServerConfig",
+    "TlsConfig",
+    "TokenConfig",
+    "WebDatasetConfig",
+    "load_config",
+]
 
 MiB = 1 << 20
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _DatasetBase(_Strict):
-    """What every dataset kind accepts.
-
-    on_error: "raise" (default) fails the stream at a sample that cannot be read or decoded,
-        naming dataset, index and file; "skip" leaves it out of its batch (the batch lists it
-        in ``skipped``) and logs it.
-    max_skipped_fraction: with "skip", the stream fails once more than this fraction of the
-        epoch's samples (of this shard) were skipped.
-    max_pixels: decoded images larger than this (width x height) are bad samples.
-    """
-
-    on_error: Literal["raise", "skip"] = "raise"
-    max_skipped_fraction: float = Field(default=0.01, ge=0.0, le=1.0)
-    max_pixels: int = Field(default=1 << 28, ge=1)
-
-
-class FashionMnistConfig(_DatasetBase):
-    """The four IDX ``.gz`` files of Fashion-MNIST (or MNIST) in ``root``."""
-
-    kind: Literal["fashion-mnist"]
-    root: pathlib.Path
-    split: Literal["train", "test"] = "train"
-
-
-class _ImageFilesBase(_DatasetBase):
-    """What dataset kinds of encoded image files accept, besides _DatasetBase's fields.
-
-    reduced_decode: decode a JPEG at 1/2, 1/4 or 1/8 size (in libjpeg, much faster) when the
-        pipeline starts by resizing it to at most that size anyway; off: always full size. The
-        pixels differ slightly, so it is part of the build fingerprint (DescribeDataset).
-    """
-
-    reduced_decode: bool = True
-    storage_options: StorageOptions = Field(default_factory=StorageOptions)
-
-
-def _location(v: Any) -> Any:
-    """A URL (``s3://``, ``gs://``, ``http(s)://``) stays a string; ``file://`` and plain paths become Paths."""
-    if isinstance(v, str) and is_url(v):
-        return v if is_remote(v) else pathlib.Path(local_path(v))
-    return pathlib.Path(v) if isinstance(v, str) else v
-
-
-# a local path or a URL (storage_options apply to URLs; see datasets/storage.py)
-Location = Annotated[Union[pathlib.Path, str], BeforeValidator(_location)]
-
-
-class ImageFolderConfig(_ImageFilesBase):
-    """One subfolder of ``root`` per class, listed exactly as ``torchvision.datasets.ImageFolder``.
-
-    Classes are the sorted folder names; a class's images are those found by
-    ``sorted(os.walk(class_folder, followlinks=True))`` then sorted file names, in that order.
-    extensions: file name endings that are images, any case (default: torchvision's
-        IMG_EXTENSIONS .jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp).
-    allow_empty: keep a class folder without images as a class with no samples; false (the
-        default, as in torchvision): such a folder is an error naming it.
-    """
-
-    kind: Literal["imagefolder"]
-    root: Location
-    extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-    allow_empty: bool = False
-
-    @field_validator("extensions")
-    @classmethod
-    def _check_extensions(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if not v:
-            raise ValueError("give at least one extension, e.g. ['.jpg', '.png']")
-        for e in v:
-            if len(e) < 2 or not e.startswith("."):
-                raise ValueError(f"extension {e!r} must start with '.' and name a suffix, e.g. '.jpg'")
-        return tuple(e.lower() for e in v)
-
-
-class ManifestConfig(_ImageFilesBase):
-    """A CSV or Parquet table with columns ``path`` and ``label``; paths relative to its folder."""
-
-    kind: Literal["manifest"]
-    path: Location
-    root: Location | None = Field(default=None, description="where relative paths start; default: the table's folder")
-
-
-class WebDatasetConfig(_ImageFilesBase):
-    """Tar shards in WebDataset's layout (``000123.jpg`` + ``000123.cls`` or ``.json``).
-
-    shards: a list of paths or URLs, or one brace pattern (``/data/train-{000000..000099}.tar``).
-    extensions: member extensions that are the image (the sample's first such member).
-    label_field: the label's field in a sample's ``.json`` (used when it has no ``.cls``).
-    """
-
-    kind: Literal["webdataset"]
-    shards: Union[str, tuple[str, ...]]
-    extensions: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "pgm", "tif", "tiff")
-    label_field: str = Field(default="label", min_length=1)
-
-    @field_validator("shards")
-    @classmethod
-    def _check_shards(cls, v):
-        if not v or (not isinstance(v, str) and not all(v)):
-            raise ValueError("give shard paths or URLs, or one brace pattern such as /data/train-{000000..000099}.tar")
-        return v
-
-
-DatasetConfig = Annotated[
-    Union[FashionMnistConfig, ImageFolderConfig, ManifestConfig, WebDatasetConfig], Field(discriminator="kind")
-]
-
-
-class TlsConfig(_Strict):
-    """TLS for the gRPC port (PEM files, read when the server starts).
-
-    cert, key: the server's certificate (chain) and private key.
-    client_ca: CA certificates that client certificates must chain to; with it, clients may
-        present a certificate (verified if they do).
-    require_client_cert: refuse clients without a valid certificate (mutual TLS); needs client_ca.
-    """
-
-    cert: pathlib.Path
-    key: pathlib.Path
-    client_ca: pathlib.Path | None = None
-    require_client_cert: bool = False
-
-    @field_validator("cert", "key", "client_ca")
-    @classmethod
-    def _readable(cls, v: pathlib.Path | None) -> pathlib.Path | None:
-        if v is not None and not os.access(v, os.R_OK):
-            raise ValueError(f"cannot read {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _check_client_ca(self) -> "TlsConfig":
-        if self.require_client_cert and self.client_ca is None:
-            raise ValueError("require_client_cert needs client_ca (the CA that signs client certificates)")
-        return self
-
-
-MIN_TOKEN_CHARS = 16
-
-
-class TokenConfig(_Strict):
-    """One bearer token and the datasets it may read.
-
-    name: shown in logs and errors (the token itself never is).
-    token: the secret itself, or token_env: the environment variable holding it (one of the two).
-    datasets: dataset names this token may read, or ["*"] for all.
-    """
-
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")
-    token: SecretStr | None = None
-    token_env: str | None = Field(default=None, min_length=1)
-    datasets: tuple[str, ...] = Field(min_length=1)
-    _secret: str = PrivateAttr(default="")
-
-    @model_validator(mode="after")
-    def _resolve(self) -> "TokenConfig":
-        if (self.token is None) == (self.token_env is None):
-            raise ValueError(f"token {self.name!r}: give exactly one of token or token_env")
-        if self.token is not None:
-            secret = self.token.get_secret_value()
-        else:
-            secret = os.environ.get(self.token_env, "")
-            if not secret:
-                raise ValueError(f"token {self.name!r}: environment variable {self.token_env} is not set or empty")
-        secret = secret.strip()
-        if len(secret) < MIN_TOKEN_CHARS or any(c.isspace() for c in secret) or not secret.isprintable():
-            raise ValueError(f"token {self.name!r}: a token must be at least {MIN_TOKEN_CHARS} printable characters "
-                             "without spaces (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
-        self._secret = secret
-        return self
-
-    @property
-    def secret(self) -> str:
-        """The token's value (never log it)."""
-        return self._secret
-
-    @property
-    def all_datasets(self) -> bool:
-        return "*" in self.datasets
-
-
-class AuthConfig(_Strict):
-    """Bearer-token authentication: clients send ``authorization: Bearer <token>`` metadata."""
-
-    tokens: tuple[TokenConfig, ...] = Field(min_length=1)
-
-    @model_validator(mode="after")
-    def _unique(self) -> "AuthConfig":
-        names = [t.name for t in self.tokens]
-        if len(set(names)) != len(names):
-            raise ValueError(f"token names must be unique: {names}")
-        if len({t.secret for t in self.tokens}) != len(self.tokens):
-            raise ValueError("two tokens have the same value; give each client its own")
-        return self
-
-
-class PipelineLimits(_Strict):
-    """Bounds on albumentations pipelines that clients send (presets in this file are trusted).
-
-    max_json_bytes: the pipeline's JSON text. max_transforms: transforms in it, compositions
-    included. max_depth: nesting of compositions (a Compose of transforms is 1).
-    max_side, max_pixels: output height/width, and height x width, of resizes, crops and pads.
-    max_kernel: blur kernels and sigmas, CLAHE tiles.
-    """
-
-    max_json_bytes: int = Field(default=64 * 1024, ge=1024)
-    max_transforms: int = Field(default=64, ge=1)
-    max_depth: int = Field(default=4, ge=1, le=16)
-    max_side: int = Field(default=4096, ge=1)
-    max_pixels: int = Field(default=4096 * 4096, ge=1)
-    max_kernel: int = Field(default=255, ge=3)
-
-
-class CacheConfig(_Strict):
-    """The server-wide cache of decoded, resized samples (pipeline prefixes; server/cache/).
-
-    memory_bytes: shared memory the cache may use, header and table included (0: no cache).
-    disk_dir: where entries spill once RAM is full (None: RAM only); entries of another build
-        are removed at start. disk_bytes: the most bytes of entry files kept there.
-    compress: lz4 each entry that shrinks by 10% or more (more samples fit; each hit decompresses).
-    disk_max_idle_s: at server start, disk entries not used for this long are removed (seconds;
-        entries are otherwise never evicted, so this returns the room of an abandoned pipeline).
-    Sizes are bytes, or strings with units as pydantic's ByteSize reads them ("8GiB", "200GB").
-    """
-
-    memory_bytes: ByteSize = ByteSize(0)
-    disk_dir: pathlib.Path | None = None
-    disk_bytes: ByteSize = ByteSize(0)
-    compress: bool = False
-    disk_max_idle_s: float = Field(default=7 * 86400.0, gt=0)
-
-    @model_validator(mode="after")
-    def _check(self) -> "CacheConfig":
-        if self.memory_bytes and self.memory_bytes < 1 << 16:
-            raise ValueError(f"memory_bytes ({int(self.memory_bytes)}) must be 0 or at least 64 KiB")
-        if self.disk_bytes and self.disk_dir is None:
-            raise ValueError("disk_bytes needs a disk_dir")
-        if self.disk_bytes and not self.memory_bytes:
-            raise ValueError("a disk tier needs memory_bytes (its index and counters live in shared memory)")
-        return self
-
-
-class ServerConfig(_Strict):
+class ServerConfig(StrictModel):
     """Everything ``batchd serve`` needs.
 
     address: ``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``; or a list of them: the
