@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from batchd import wire
+from batchd.client import decode
 from batchd.client.channel import open_channel, translate
 from batchd.client.datasets import DatasetInfo, describe
 from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
@@ -106,6 +107,7 @@ class ServerConnection:
             transport=pb.TRANSPORT_SHARED_MEMORY if shm is not None else pb.TRANSPORT_INLINE,
             session=shm.session if shm is not None else "", compression=o.compression,
             batch_stride=stride if stride > 1 else 0, batch_offset=offset, stream_tag=tag,
+            image_encoding=pb.IMAGE_ENCODING_JPEG if o.decode_on_client else pb.IMAGE_ENCODING_DECODED,
         )
 
     def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
@@ -113,14 +115,17 @@ class ServerConnection:
         shm = self._shm if raw.segment else None
         if raw.segment and shm is None:
             raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
-        transfer, registered = self.transfer, False
-        if transfer is not None and shm is not None and transfer.maps_host_memory:
+        transfer, registered, encoded = self.transfer, False, decode.is_encoded(raw)
+        if transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
             batch, registered = shm.host_tensors(raw, transfer.register)  # copied straight from the slot
         else:
             batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
         samples = int(batch["index"].shape[0]) if "index" in batch else 0
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
+        if encoded:  # JPEG files: decoded here (client/decode.py), then as below
+            batch, event = decode.decode_batch(batch, self.options, transfer, receiver.stopping, raw.epoch)
+            return Received(raw.batch_index, batch, event, samples)
         gpu_transform = self.options.gpu_transform
         if transfer is not None:
             batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=gpu_transform,

@@ -62,6 +62,13 @@ class RemoteDataLoader:
             positions is ``batch["position"]`` (int64 [B], each sample's position in the epoch's
             global order); its result replaces ``batch["image"]``. A batch without "position"
             raises ValueError.
+        decode_on_client: the server sends each sample's JPEG file as it is and this loader decodes
+            it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision loads
+            (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU (the
+            same bytes as the server's decode at full size). Less server CPU and fewer bytes on
+            the network. The transform must then be None or exactly one ``A.Resize(h, w)`` (the
+            loader redoes it; other transforms belong in ``gpu_transform``), the dataset's files
+            baseline/progressive JPEGs; otherwise iteration raises ValueError / SampleError.
         prefetch: batches the server computes ahead of the one being read (>= 1).
         timeout: seconds without a batch before iteration raises TimeoutError.
         connect_timeout: seconds to find the server before raising ConnectionError.
@@ -116,7 +123,8 @@ class RemoteDataLoader:
                  transport: str = "auto", compression: str | None = None, reconnect_timeout: float = 60.0,
                  failover_timeout: float = 5.0, probe_interval: float = 5.0, tls: Any = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None, strict: bool = True, gpu_transform: Any = None):
+                 token: str | None = None, strict: bool = True, gpu_transform: Any = None,
+                 decode_on_client: bool = False):
         extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
         self.options = LoaderOptions.from_arguments(
             dataset, transform=transform, rank=rank, world_size=world_size, device=device, compression=compression,
@@ -124,7 +132,7 @@ class RemoteDataLoader:
             shuffle=shuffle, seed=seed, drop_last=drop_last, prefetch=prefetch, timeout=timeout,
             connect_timeout=connect_timeout, transport=transport, reconnect_timeout=reconnect_timeout,
             failover_timeout=failover_timeout, probe_interval=probe_interval, strict=strict,
-            gpu_transform=gpu_transform, **extra)
+            gpu_transform=gpu_transform, decode_on_client=decode_on_client, **extra)
         addresses = server_addresses(address)
         self._transfer = None
         if self.options.device.type == "cuda":  # here, in the caller's thread, on the resolved device
@@ -232,6 +240,7 @@ class RemoteDataLoader:
             "shuffle": o.shuffle, "seed": o.seed, "drop_last": o.drop_last, "rank": o.rank,
             "world_size": o.world_size,
             "pipeline": "" if o.pipeline is None else o.pipeline.SerializeToString(deterministic=True).hex(),
+            **({"decode_on_client": True} if o.decode_on_client else {}),  # other bytes (nvJPEG)
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -102,6 +102,7 @@ class LoaderOptions:
     token: str | None = None
     strict: bool = True
     gpu_transform: Callable[..., torch.Tensor] | None = None
+    decode_on_client: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset:
@@ -123,6 +124,8 @@ class LoaderOptions:
         if self.gpu_transform is not None and not callable(self.gpu_transform):
             raise ValueError(f"gpu_transform must be None or a callable, got {type(self.gpu_transform).__name__}")
         self.strict = bool(self.strict)
+        if not isinstance(self.decode_on_client, bool):
+            raise ValueError(f"decode_on_client must be True or False, got {self.decode_on_client!r}")
 
     @classmethod
     def from_arguments(cls, dataset: str, *, transform: Any = None, rank: int | None = None,

@@ -15,6 +15,7 @@ import dataclasses
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
 from batchd.sampler import num_batches, shard_indices
 from batchd.server import allowlist
+from batchd.server import encoded
 from batchd.server import pipeline as pipelines
 from batchd.server import shm
 from batchd.server.build import build_fingerprint, server_build
@@ -133,6 +134,7 @@ class Loader:
             raise ValueError(f"transport must be 'shm' or 'inline' and compression 'none' or 'lz4', "
                              f"got {args.transport!r}, {args.compression!r}")
         name, text = self._pipeline(args)
+        encoded.check_request(ds, args.image_encoding, text)  # JPEG: files the client can decode, its resize
         n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last)
         if args.start_batch > n:
             raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")

@@ -371,6 +371,7 @@ class WorkerPool:
                 slot_capacity=slot.capacity,
                 skip_bad_samples=self._skip.get(req.dataset, False),
                 max_batch_bytes=self.max_batch_bytes,
+                encoding=req.image_encoding,
             )
             self._in_flight[task.task_id] = InFlight(stream, b, slot, w.worker_id, time.monotonic(), len(task.indices))
             w.tasks.add(task.task_id)

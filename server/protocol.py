@@ -22,6 +22,7 @@ from batchd.v1 import loader_pb2 as pb
 
 TRANSPORTS = {pb.TRANSPORT_INLINE: "inline", pb.TRANSPORT_SHARED_MEMORY: "shm"}
 COMPRESSIONS = {pb.COMPRESSION_NONE: "none", pb.COMPRESSION_LZ4: "lz4"}
+ENCODINGS = {pb.IMAGE_ENCODING_DECODED: "decoded", pb.IMAGE_ENCODING_JPEG: "jpeg"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,7 @@ class StreamRequest:
     transport: "shm" (shared memory: asked for, with a ``session``) or "inline"; compression: "none" or "lz4".
     session: the client's shared-memory session ("" for none); with ``stream_tag`` it names this call.
     stream_tag: the client's name for this call (ReleaseLeases: abandoned_stream, progress).
+    image_encoding: "decoded" (pixels) or "jpeg" (the files' bytes, decoded by the client: ``server/encoded.py``).
     peer: the client, as gRPC names it (logs and stats).
     """
 
@@ -55,6 +57,7 @@ class StreamRequest:
     session: str = ""
     compression: str = "none"
     stream_tag: str = ""
+    image_encoding: str = "decoded"
     peer: str = ""
     # resolved by Loader.open_stream
     pipeline_name: str = ""  # preset name, "none", or "custom:<key prefix>"
@@ -64,13 +67,16 @@ class StreamRequest:
     @classmethod
     def from_proto(cls, msg: pb.StreamBatchesRequest, peer: str = "") -> "StreamRequest":
         """Decode a ``StreamBatchesRequest``. Raises ValueError naming an unknown enum value
-        (``transport``, ``compression``); the other fields are checked by ``Loader.open_stream``."""
+        (``transport``, ``compression``, ``image_encoding``); the other fields are checked by ``Loader.open_stream``."""
         if msg.transport not in TRANSPORTS:
             raise ValueError(f"transport: unknown value {msg.transport} (known: "
                              + ", ".join(f"{pb.Transport.Name(v)}={v}" for v in TRANSPORTS) + ")")
         if msg.compression not in COMPRESSIONS:
             raise ValueError(f"compression: unknown value {msg.compression} (known: "
                              + ", ".join(f"{pb.Compression.Name(v)}={v}" for v in COMPRESSIONS) + ")")
+        if msg.image_encoding not in ENCODINGS:
+            raise ValueError(f"image_encoding: unknown value {msg.image_encoding} (known: "
+                             + ", ".join(f"{pb.ImageEncoding.Name(v)}={v}" for v in ENCODINGS) + ")")
         which = msg.pipeline.WhichOneof("source") if msg.HasField("pipeline") else None
         shared = msg.transport == pb.TRANSPORT_SHARED_MEMORY and bool(msg.session)
         return cls(
@@ -81,7 +87,8 @@ class StreamRequest:
             rank=msg.rank, world_size=msg.world_size, start_batch=msg.start_batch, prefetch=msg.prefetch,
             batch_stride=msg.batch_stride, batch_offset=msg.batch_offset,
             transport="shm" if shared else "inline", session=msg.session,
-            compression=COMPRESSIONS[msg.compression], stream_tag=msg.stream_tag, peer=peer,
+            compression=COMPRESSIONS[msg.compression], stream_tag=msg.stream_tag,
+            image_encoding=ENCODINGS[msg.image_encoding], peer=peer,
         )
 
     @property
@@ -98,7 +105,7 @@ class StreamRequest:
         """What determines the batches' bytes (and, for a strided stream, which batches): streams with
         equal keys can share a computation. Meaningful once validated (pipeline_key resolved)."""
         return (self.dataset, self.pipeline_key, self.batch_size, self.shuffle, self.seed, self.epoch,
-                self.drop_last, self.rank, self.world_size or 1, self.stride, self.first_batch % self.stride)
+                self.drop_last, self.rank, self.world_size or 1, self.stride, self.first_batch % self.stride, self.image_encoding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +134,7 @@ class Task:
     slot_name/slot_capacity: the shared-memory slot to write, bytes.
     skip_bad_samples: leave out samples that raise SampleError instead of failing.
     max_batch_bytes: fail with ResourceExhaustedError before writing a batch larger than this (0: no limit).
+    encoding: "decoded" (pixels through the pipeline) or "jpeg" (the files' bytes, ``server/encoded.py``).
     """
 
     task_id: int
@@ -140,6 +148,7 @@ class Task:
     slot_capacity: int
     skip_bad_samples: bool = False
     max_batch_bytes: int = 0
+    encoding: str = "decoded"
 
 
 @dataclass(frozen=True, slots=True)

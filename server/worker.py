@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError
+from batchd.server import encoded
 from batchd.server import pipeline as pipelines
 from batchd.server import prefix as prefixes
 from batchd.server.build import build_fingerprint, build_parts
@@ -170,7 +171,7 @@ class _Worker:
         """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that
         returns None for samples already cached (their bytes are not needed)."""
         split = self._split(task.pipeline_key, *self.pipeline(task.pipeline_key, task.pipeline_json), ds)
-        if split is None:
+        if split is None or task.encoding == "jpeg":
             return ds.read_bytes
         cache, build = self.cache, self.builds[ds.name]
 
@@ -180,6 +181,8 @@ class _Worker:
         return read
 
     def _run(self, task: Task) -> BatchDone:
+        if task.encoding == "jpeg":  # the files as they are, for the client to decode
+            return encoded.build_batch(self, task)
         ds = self.dataset(task.dataset)
         compose, min_size = self.pipeline(task.pipeline_key, task.pipeline_json)
         split = self._split(task.pipeline_key, compose, min_size, ds)

@@ -1,0 +1,234 @@
+"""Decoding on the client: JPEG batches (``RemoteDataLoader(..., decode_on_client=True)``).
+
+The server then sends each sample's file as it is (``IMAGE_ENCODING_JPEG``, ``server/encoded.py``):
+``jpeg`` uint8 [total bytes], ``jpeg_offsets`` int64 [B + 1], ``jpeg_resize`` int64 [2] ((height,
+width) to resize to, (0, 0) for none) besides ``label``, ``index``, ``position``. Here they become
+``image`` uint8 [B, H, W, 3] (RGB) again, then ``gpu_transform`` runs as for a decoded batch:
+
+* on a CUDA device, when torchvision imports: ``torchvision.io.decode_jpeg(files, device=...)``,
+  one batched nvJPEG call on the loader's side stream, then the EXIF orientation (torchvision
+  ignores it on CUDA; OpenCV, hence the server, applies it) and the resize
+  (``interpolate(mode="bilinear", align_corners=False)``, rounded: OpenCV's INTER_LINEAR up to
+  its fixed-point rounding). Not the same bytes as OpenCV's decode (IDCT and chroma upsampling
+  differ);
+* otherwise (CPU, or torchvision missing): OpenCV, exactly as the server decodes:
+  ``cv2.imdecode(IMREAD_COLOR)``, ``cv2.cvtColor(BGR2RGB)``, ``cv2.resize(INTER_LINEAR)`` unless
+  the image already has the size (albumentations' Resize). The same bytes as the server's
+  decoded stream whenever the server decodes at full size (no Resize, the dataset's
+  ``reduced_decode`` off, or images less than twice the Resize in some dimension).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import struct
+import threading
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+
+from batchd import wire
+from batchd.client.transfer import TransferStopped, finish
+from batchd.errors import SampleError, ShapeMismatchError
+
+log = logging.getLogger(__name__)
+
+ENCODED = ("jpeg", "jpeg_offsets", "jpeg_resize")
+
+
+def is_encoded(raw: wire.WireBatch) -> bool:
+    """True if the server sent this batch's images as JPEG files (a ``jpeg`` tensor)."""
+    return any(t.name == "jpeg" for t in raw.tensors)
+
+
+def jpeg_files(batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The B files of a JPEG batch: uint8 [n_i] CPU views of ``batch["jpeg"]`` (no copy).
+
+    Raises ValueError if ``jpeg_offsets`` is not int64 [B + 1], increasing, within ``jpeg``.
+    """
+    data, offsets = batch["jpeg"], batch["jpeg_offsets"]
+    bounds = offsets.tolist()
+    if (offsets.dim() != 1 or bounds[:1] != [0] or bounds[-1] != data.numel()
+            or any(a > b for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"the server sent jpeg_offsets {bounds[:8]}... that do not split jpeg of {data.numel()} bytes")
+    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def resize_of(batch: dict[str, torch.Tensor]) -> tuple[int, int] | None:
+    """(height, width) the batch's images are resized to, or None (``jpeg_resize`` (0, 0))."""
+    h, w = (int(v) for v in batch["jpeg_resize"].tolist())
+    return (h, w) if h and w else None
+
+
+def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "") -> torch.Tensor:
+    """OpenCV decode of a JPEG batch, as the server decodes: uint8 [B, H, W, 3] RGB, CPU.
+
+    Raises SampleError (dataset, index, ``#index``: the client does not know the file's name)
+    for a file OpenCV cannot decode, ShapeMismatchError if images of different sizes meet
+    without a resize.
+    """
+    files, size = jpeg_files(batch), resize_of(batch)
+    indices = batch["index"].tolist()
+    out = None
+    for i, (f, index) in enumerate(zip(files, indices)):
+        bgr = cv2.imdecode(f.numpy(), cv2.IMREAD_COLOR)
+        if bgr is None:
+            raise SampleError(dataset, index, f"#{index}", f"OpenCV cannot decode the JPEG sent ({f.numel()} bytes)")
+        rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+        if size is not None and rgb.shape[:2] != size:
+            rgb = cv2.resize(rgb, (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
+        if out is None:
+            out = np.empty((len(files), *rgb.shape), np.uint8)
+        elif rgb.shape != out.shape[1:]:
+            raise _mismatch(dataset, index, rgb.shape, indices[0], out.shape[1:])
+        out[i] = rgb
+    if out is None:  # every sample was skipped: as the server's empty decoded batch
+        out = np.empty((0, 0, 0, 3), np.uint8)
+    return torch.from_numpy(out)
+
+
+def _mismatch(dataset: str, index: int, shape, first: int, first_shape) -> ShapeMismatchError:
+    return ShapeMismatchError(
+        f"dataset {dataset!r}: sample {index} decodes to {list(shape)} but sample {first} to {list(first_shape)}; "
+        "images of a batch must have one shape (add a Resize(height, width) to the transform)")
+
+
+@functools.cache
+def _torchvision_decoder() -> Any:
+    """torchvision.io.decode_jpeg and ImageReadMode.RGB, or None if torchvision does not load."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except Exception as e:  # ImportError, or a build that does not match torch (RuntimeError, OSError)
+        log.info("torchvision does not load (%s: %s): JPEG batches decode with OpenCV on the CPU", type(e).__name__, e)
+        return None
+    return decode_jpeg, ImageReadMode.RGB
+
+
+def gpu_decode_available(device: torch.device) -> bool:
+    """Whether JPEG batches for ``device`` decode there with nvJPEG (a CUDA device, torchvision loads)."""
+    return device.type == "cuda" and _torchvision_decoder() is not None
+
+
+def exif_orientation(data: Any) -> int:
+    """The EXIF orientation (1..8) of a JPEG file's APP1 segment; 1 if it has none or it is malformed."""
+    mv = memoryview(np.asarray(data, dtype=np.uint8).reshape(-1)).cast("B") if not isinstance(data, bytes) else data
+    n, pos = len(mv), 2
+    try:
+        while pos + 4 <= n and mv[pos] == 0xFF:
+            marker = mv[pos + 1]
+            if marker in (0xD9, 0xDA):
+                return 1
+            (length,) = struct.unpack_from(">H", mv, pos + 2)
+            if marker == 0xE1 and bytes(mv[pos + 4 : pos + 10]) == b"Exif\0\0":
+                return _tiff_orientation(bytes(mv[pos + 10 : pos + 2 + length]))
+            pos += 2 + length
+    except (struct.error, IndexError):
+        pass
+    return 1
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    if order is None:
+        return 1
+    try:
+        (ifd,) = struct.unpack_from(order + "I", tiff, 4)
+        (count,) = struct.unpack_from(order + "H", tiff, ifd)
+        for k in range(count):
+            tag, kind, _, value = struct.unpack_from(order + "HHIH", tiff, ifd + 2 + 12 * k)
+            if tag == 0x0112 and kind == 3:
+                return value if 1 <= value <= 8 else 1
+    except struct.error:
+        pass
+    return 1
+
+
+def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
+    """``image`` [C, H, W] as displayed for EXIF ``orientation`` (what OpenCV's IMREAD_COLOR applies)."""
+    if orientation == 2:
+        return image.flip(-1)
+    if orientation == 3:
+        return image.flip(-2, -1)
+    if orientation == 4:
+        return image.flip(-2)
+    if orientation == 5:
+        return image.transpose(-2, -1)
+    if orientation == 6:
+        return image.transpose(-2, -1).flip(-1)
+    if orientation == 7:
+        return image.transpose(-2, -1).flip(-2, -1)
+    if orientation == 8:
+        return image.transpose(-2, -1).flip(-2)
+    return image
+
+
+def resize_bilinear(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 [C, H, W] resized to ``size`` (height, width) like OpenCV's INTER_LINEAR (half-pixel
+    centres, no antialiasing), rounded to uint8; returned as it is when it already has the size."""
+    if tuple(image.shape[-2:]) == tuple(size):
+        return image
+    x = torch.nn.functional.interpolate(image[None].float(), size=size, mode="bilinear", align_corners=False)
+    return x[0].round_().clamp_(0, 255).to(torch.uint8)
+
+
+def decode_gpu(batch: dict[str, torch.Tensor], device: torch.device, dataset: str = "") -> torch.Tensor:
+    """nvJPEG decode of a JPEG batch on ``device`` (torchvision, one batched call, on the current
+    stream), oriented (EXIF) and resized: uint8 [B, H, W, 3] RGB on ``device``.
+
+    Raises RuntimeError if torchvision does not load; ShapeMismatchError as ``decode_cpu``;
+    torchvision's RuntimeError for a file nvJPEG cannot decode.
+    """
+    decoder = _torchvision_decoder()
+    if decoder is None:
+        raise RuntimeError("decoding JPEG batches on the GPU needs torchvision (pip install torchvision)")
+    decode_jpeg, rgb = decoder
+    files, size = jpeg_files(batch), resize_of(batch)
+    if not files:
+        return torch.empty((0, 0, 0, 3), dtype=torch.uint8, device=device)
+    images = decode_jpeg(files, mode=rgb, device=device)
+    indices = batch["index"].tolist()
+    out = []
+    for f, image, index in zip(files, images, indices):
+        image = orient(image, exif_orientation(f.numpy()))
+        if size is not None:
+            image = resize_bilinear(image, size)
+        if out and image.shape != out[0].shape:
+            raise _mismatch(dataset, index, image.permute(1, 2, 0).shape, indices[0], out[0].permute(1, 2, 0).shape)
+        out.append(image)
+    return torch.stack(out).permute(0, 2, 3, 1).contiguous()
+
+
+def decode_batch(batch: dict[str, torch.Tensor], options: Any, transfer: Any, stopping: threading.Event | None,
+                 epoch: int) -> tuple[dict[str, torch.Tensor], Any]:
+    """Receiver thread: a JPEG batch (CPU tensors) as a decoded one, on the loader's device, finished
+    by ``options.gpu_transform``. Returns (batch, CUDA event of its copy or None), as
+    ``CudaTransfer.to_device``; ``batch["image"]`` is uint8 [B, H, W, 3] (or what gpu_transform made).
+
+    With a CUDA ``transfer`` and torchvision: decoded on the transfer's side stream, then this thread
+    waits for the decode to finish (the files may lie on a leased slot that goes back when they are
+    freed). Otherwise OpenCV on the CPU, then the copy as for any batch. Raises TransferStopped if
+    ``stopping`` is set, and the errors of ``decode_cpu`` / ``decode_gpu``.
+    """
+    rest = {k: v for k, v in batch.items() if k not in ENCODED}
+    gpu_transform, seed = options.gpu_transform, options.seed
+    if transfer is not None and gpu_decode_available(transfer.device):
+        with torch.cuda.device(transfer.device), torch.cuda.stream(transfer.stream):
+            if stopping is not None and stopping.is_set():
+                raise TransferStopped("the receiver was stopped")
+            out = {k: v.to(transfer.device, non_blocking=True) for k, v in rest.items()}
+            out["image"] = decode_gpu(batch, transfer.device, options.dataset)
+            if gpu_transform is not None:
+                finish(out, gpu_transform, seed, epoch)
+            event = torch.cuda.Event(blocking=True)
+            event.record(transfer.stream)
+        event.synchronize()
+        return out, event
+    rest["image"] = decode_cpu(batch, options.dataset)
+    if transfer is not None:
+        return transfer.to_device(rest, stopping, finish=gpu_transform, seed=seed, epoch=epoch)
+    if gpu_transform is not None:
+        finish(rest, gpu_transform, seed, epoch)
+    return rest, None
