@@ -291,3 +291,26 @@ def test_bilinear_resize_is_within_one_of_opencv_inter_linear():
 def test_decode_on_client_must_be_a_bool(server):
     with pytest.raises(ValueError, match="decode_on_client must be True or False"):
         RemoteDataLoader(server.address, "same", decode_on_client="yes")
+
+
+def test_decoded_and_jpeg_streams_of_the_same_batches_do_not_share_a_computation(server):
+    with grpc.insecure_channel(server.address) as channel:
+        stub = loader_pb2_grpc.BatchLoaderStub(channel)
+        request = pb.StreamBatchesRequest(dataset="same", batch_size=2, shuffle=True, seed=5, prefetch=1)
+        decoded = stub.StreamBatches(request, timeout=60)
+        first = next(iter(decoded))  # the decoded stream's computation is running (and shareable)
+        request.image_encoding = pb.IMAGE_ENCODING_JPEG
+        jpeg = stub.StreamBatches(request, timeout=60)
+        names = [{t.name for t in b.tensors} for b in jpeg]
+        decoded.cancel()
+    assert "image" in {t.name for t in first.tensors}
+    assert len(names) == 5 and all("jpeg" in n and "image" not in n for n in names)
+
+
+def test_from_proto_keeps_the_image_encoding():
+    from batchd.server.protocol import StreamRequest
+
+    jpeg = StreamRequest.from_proto(pb.StreamBatchesRequest(dataset="d", image_encoding=pb.IMAGE_ENCODING_JPEG))
+    plain = StreamRequest.from_proto(pb.StreamBatchesRequest(dataset="d"))
+    assert (jpeg.image_encoding, plain.image_encoding) == ("jpeg", "decoded")
+    assert jpeg.key != plain.key
