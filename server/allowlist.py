@@ -9,9 +9,9 @@ walked first and accepted only if
 - every ``__class_fullname__`` is on ``ALLOWED`` (geometric, colour, blur, noise, crop, dropout
   and normalisation transforms that read no files and call no user code);
 - every field of a transform is one ``FIELDS`` knows for it, with a value of that field's
-  kind: numbers finite and bounded, strings short identifiers (``"center"``, ``"standard"``),
-  never anything that could be a path; output sizes within ``max_side`` / ``max_pixels``,
-  kernels and sigmas within ``max_kernel``;
+  kind (see allowlist_fields.py): numbers finite and bounded, strings short identifiers
+  (``"center"``, ``"standard"``), never anything that could be a path; output sizes within
+  ``max_side`` / ``max_pixels``, kernels and sigmas within ``max_kernel``;
 - it has at most ``max_transforms`` transforms, compositions nested at most ``max_depth`` deep
   (a Compose of plain transforms is 1),
   and its JSON is at most ``max_json_bytes``.
@@ -23,10 +23,10 @@ the server's config are trusted and not checked here.
 from __future__ import annotations
 
 import json
-import math
 import re
-from typing import Any, Callable
+from typing import Any
 
+from batchd.server.allowlist_fields import FIELDS, WHOLE, BadValue, short_repr
 from batchd.server.config import PipelineLimits
 
 COMPOSITIONS = frozenset({"Compose", "OneOf", "SomeOf", "Sequential"})
@@ -60,12 +60,7 @@ DANGEROUS = {
     "OneOrOther": ("first", "is not on the allowlist"),
 }
 
-_IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")  # enum-like strings: no '/', '.', '~', ':' or '\'
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+-]{0,31}$")
-_MAX_NUMBER = 1e9  # any number (pixel values, angles, seeds are far below)
-_MAX_LIST = 16  # elements of a list-valued field
-_MAX_FLAG = 64  # cv2 interpolation / border flags are small integers
-_MAX_COUNT = 1024  # holes, grid steps, ...
 
 
 class PipelineRejected(ValueError):
@@ -97,7 +92,7 @@ def check(spec: Any, limits: PipelineLimits) -> None:
             if not (isinstance(value, str) and _VERSION.match(value)):
                 raise PipelineRejected("pipeline rejected: __version__ must be a version string such as '2.0.8'")
         elif key != "transform":
-            raise PipelineRejected(f"pipeline rejected: unknown top-level field {_show(key)} "
+            raise PipelineRejected(f"pipeline rejected: unknown top-level field {short_repr(key)} "
                                    "(expected __version__ and transform, as A.to_dict returns)")
     if "transform" not in spec:
         raise PipelineRejected("pipeline dict has no 'transform' key; send what A.to_dict(compose) returns")
@@ -127,7 +122,7 @@ class _Walker:
                     f"pipeline rejected: transform {name} (at {where}) is not allowed in client pipelines: it {why} "
                     f"(field {field}); ask the server's operator for a preset that uses it")
             raise PipelineRejected(
-                f"pipeline rejected: transform {_show(name)} (at {where}, field __class_fullname__) {why} "
+                f"pipeline rejected: transform {short_repr(name)} (at {where}, field __class_fullname__) {why} "
                 "for client pipelines (only file-free image transforms are; see the README's Security section)")
         if name in COMPOSITIONS and depth > self.limits.max_depth:
             raise PipelineRejected(f"pipeline rejected: transform {name} (at {where}) field 'transforms': compositions "
@@ -138,20 +133,20 @@ class _Walker:
                 continue
             kind = fields.get(field)
             if kind is None:
-                raise PipelineRejected(f"pipeline rejected: transform {name} (at {where}) field {_show(field)} "
+                raise PipelineRejected(f"pipeline rejected: transform {name} (at {where}) field {short_repr(field)} "
                                        "is not a field this server accepts for it")
             if field == "transforms":
                 self.children(name, value, where, depth)
                 continue
             try:
                 kind(value, self.limits)
-            except _Bad as e:
+            except BadValue as e:
                 raise PipelineRejected(f"pipeline rejected: transform {name} (at {where}) field {field!r}: {e}") from None
         check_whole = WHOLE.get(name)
         if check_whole is not None:
             try:
                 check_whole(node, self.limits)
-            except _Bad as e:
+            except BadValue as e:
                 raise PipelineRejected(f"pipeline rejected: transform {name} (at {where}) {e}") from None
 
     def children(self, name: str, value: Any, where: str, depth: int) -> None:
@@ -159,252 +154,3 @@ class _Walker:
             raise PipelineRejected(f"pipeline rejected: transform {name} (at {where}) field 'transforms' must be a list")
         for i, child in enumerate(value):
             self.transform(child, f"{where}.transforms[{i}]", depth + 1)
-
-
-class _Bad(Exception):
-    """A value failed its field's check (the message says why)."""
-
-
-def _show(s: Any) -> str:
-    text = repr(s)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-# --- value kinds ------------------------------------------------------------------------------
-
-
-def _numbers(value: Any, *, nested: int = 2) -> list[float]:
-    """The numbers in a number, a list of numbers/nulls (nested ``nested`` deep) or an {x, y} dict."""
-    if value is None:
-        return []
-    if isinstance(value, bool):
-        return [int(value)]
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise _Bad(f"{value} is not a finite number")
-        if abs(value) > _MAX_NUMBER:
-            raise _Bad(f"{value} is out of range (|x| <= {_MAX_NUMBER:g})")
-        return [value]
-    if nested > 0 and isinstance(value, (list, tuple)):
-        if len(value) > _MAX_LIST:
-            raise _Bad(f"a list of {len(value)} values (at most {_MAX_LIST})")
-        return [x for v in value for x in _numbers(v, nested=nested - 1)]
-    if nested > 0 and isinstance(value, dict):
-        if not set(value) <= {"x", "y"}:
-            raise _Bad(f"a mapping may only have keys 'x' and 'y', got {sorted(map(str, value))[:4]}")
-        return [x for v in value.values() for x in _numbers(v, nested=nested - 1)]
-    raise _Bad(f"expected a number or a list of numbers, got {type(value).__name__}")
-
-
-def number(value: Any, limits: PipelineLimits) -> None:
-    _numbers(value)
-
-
-def _bounded(bound: Callable[[PipelineLimits], int], what: str, *, positive: bool = False) -> Callable:
-    def check_value(value: Any, limits: PipelineLimits) -> None:
-        top = bound(limits)
-        for x in _numbers(value):
-            if x > top or (positive and x < 1) or x < -top:
-                raise _Bad(f"{x:g} is over the server's limit of {top} ({what})" if x > top
-                           else f"{x:g} is out of range")
-    return check_value
-
-
-side = _bounded(lambda lim: lim.max_side, "pipeline_limits.max_side", positive=True)
-kernel = _bounded(lambda lim: lim.max_kernel, "pipeline_limits.max_kernel")
-flag = _bounded(lambda lim: _MAX_FLAG, "a cv2 flag")
-count = _bounded(lambda lim: _MAX_COUNT, "at most this many")
-channels = _bounded(lambda lim: 4, "at most 4 channels")
-transforms_count = _bounded(lambda lim: lim.max_transforms, "pipeline_limits.max_transforms")
-
-
-def hole(value: Any, limits: PipelineLimits) -> None:
-    """Hole sizes: fractions of the image, or pixels up to max_side."""
-    for x in _numbers(value):
-        if not 0 <= x <= limits.max_side:
-            raise _Bad(f"{x:g} is outside [0, {limits.max_side}] (pipeline_limits.max_side)")
-
-
-def probability(value: Any, limits: PipelineLimits) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise _Bad(f"expected a probability in [0, 1], got {_show(value)}")
-
-
-def boolean(value: Any, limits: PipelineLimits) -> None:
-    if not isinstance(value, bool):
-        raise _Bad(f"expected true or false, got {_show(value)}")
-
-
-def false_only(value: Any, limits: PipelineLimits) -> None:
-    if value not in (False, None):
-        raise _Bad("must be false for client pipelines (the output size would depend on the parameters)")
-
-
-def enum(value: Any, limits: PipelineLimits) -> None:
-    """A short identifier-like string (or a small number, or null); never anything path-like."""
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _MAX_FLAG):
-        return
-    if not (isinstance(value, str) and _IDENT.match(value)):
-        raise _Bad(f"expected a short name such as 'center', got {_show(value)}")
-
-
-def null_only(value: Any, limits: PipelineLimits) -> None:
-    if value not in (None, {}, []):
-        raise _Bad("must be null for client pipelines (only images are transformed)")
-
-
-def seed(value: Any, limits: PipelineLimits) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32):
-        raise _Bad(f"expected null or an integer in [0, 2**32), got {_show(value)}")
-
-
-def flag_pair(value: Any, limits: PipelineLimits) -> None:
-    """Downscale's interpolation_pair: {"upscale": flag, "downscale": flag}."""
-    if not isinstance(value, dict) or not set(value) <= {"upscale", "downscale"}:
-        raise _Bad("expected {'upscale': flag, 'downscale': flag}")
-    for v in value.values():
-        flag(v, limits)
-
-
-def fill(value: Any, limits: PipelineLimits) -> None:
-    """A fill value (numbers) or a fill method such as CoarseDropout's 'random'."""
-    if isinstance(value, str):
-        enum(value, limits)
-    else:
-        _numbers(value)
-
-
-def noise_params(value: Any, limits: PipelineLimits) -> None:
-    """RGBShift's serialized noise settings (ignored when built): identifiers and numbers only."""
-    if value is None:
-        return
-    if not isinstance(value, dict) or len(value) > 8:
-        raise _Bad("expected a small mapping")
-    for k, v in value.items():
-        if not _IDENT.match(str(k)):
-            raise _Bad(f"key {_show(k)} is not a short name")
-        if isinstance(v, str):
-            enum(v, limits)
-        else:
-            _numbers(v, nested=3)
-
-
-def transforms(value: Any, limits: PipelineLimits) -> None:  # walked by _Walker.children
-    raise AssertionError("unreachable")
-
-
-# Field name -> kind. A field means the same thing in every transform that has it.
-_KINDS: dict[str, Callable[[Any, PipelineLimits], None]] = {
-    "transforms": transforms,
-    "p": probability,
-    # output sizes
-    "height": side, "width": side, "size": side, "min_max_height": side, "max_size": side, "max_size_hw": side,
-    "min_height": side, "min_width": side, "pad_height_divisor": side, "pad_width_divisor": side,
-    "unit_size_range": side,
-    # kernels and sigmas
-    "blur_limit": kernel, "kernel_size": kernel, "tile_grid_size": kernel, "radius": kernel, "sigma": kernel,
-    "sigma_limit": kernel,
-    # counts
-    "n": transforms_count, "num_holes_range": count, "holes_number_xy": count, "num_steps": count,
-    "num_bits": count, "num_output_channels": channels, "channel_drop_range": count,
-    "hole_height_range": hole, "hole_width_range": hole,
-    # cv2 flags
-    "interpolation": flag, "mask_interpolation": flag, "border_mode": flag, "interpolation_pair": flag_pair,
-    # names
-    "pad_position": enum, "position": enum, "rotate_method": enum, "method": enum, "mode": enum,
-    "normalization": enum, "noise_distribution": enum, "keypoint_remapping_method": enum, "compression_type": enum,
-    "dtype": enum, "noise_type": enum, "spatial_mode": enum, "area_for_downscale": enum,
-    # booleans
-    "replace": boolean, "pad_if_needed": boolean, "crop_border": boolean, "keep_ratio": boolean,
-    "balanced_scale": boolean, "keep_size": boolean, "approximate": boolean, "same_dxdy": boolean,
-    "normalized": boolean, "brightness_by_max": boolean, "ensure_safe_range": boolean, "by_channels": boolean,
-    "allow_shifted": boolean, "per_channel": boolean, "elementwise": boolean, "random_offset": boolean,
-    "is_check_shapes": boolean, "strict": boolean, "save_applied_params": boolean,
-    "fit_output": false_only, "fill": fill, "fill_mask": fill,
-    # plain numbers (bounded, finite)
-    **{name: number for name in (
-        "limit", "scale", "translate_percent", "translate_px", "rotate", "shear", "shift_limit", "shift_limit_x",
-        "shift_limit_y", "scale_limit", "rotate_limit", "alpha", "distort_limit", "brightness_limit",
-        "contrast_limit", "hue_shift_limit", "sat_shift_limit", "val_shift_limit", "brightness", "contrast",
-        "saturation", "hue", "r_shift_limit", "g_shift_limit", "b_shift_limit", "approximation", "clip_limit",
-        "threshold_range", "gamma_limit", "angle_range", "direction_range", "std_range", "mean_range",
-        "noise_scale_factor", "color_shift", "intensity", "lightness", "strength", "mean", "std",
-        "max_pixel_value", "max_value", "scale_range", "quality_range", "ratio", "w2h_ratio",
-        "multiplier", "cutoff", "ignore", "alias_blur", "threshold", "dropout_prob", "drop_value",
-        "mask_drop_value", "shift_xy", "padding",
-    )},
-    # Compose: only images are transformed
-    "bbox_params": null_only, "keypoint_params": null_only, "additional_targets": null_only, "mask": null_only,
-    "mask_params": null_only, "seed": seed, "noise_params": noise_params,
-}
-
-
-def _fields(cls_name: str) -> dict[str, Callable]:
-    """The fields ``cls_name`` accepts: its __init__ parameters plus what A.to_dict writes for it."""
-    import inspect
-
-    import albumentations as A
-
-    cls = getattr(A, cls_name)
-    names = {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")}
-    names |= _EXTRA.get(cls_name, set())
-    missing = names - set(_KINDS)
-    if missing:  # a new albumentations version added a parameter: refuse it until classified here
-        names -= missing
-    return {n: _KINDS[n] for n in names}
-
-
-# Fields A.to_dict writes that are not __init__ parameters (albumentations ignores them when building).
-_EXTRA = {
-    "PadIfNeeded": {"padding"},
-    "RGBShift": {"approximation", "noise_params", "noise_type", "spatial_mode"},
-}
-
-
-class _LazyFields(dict):
-    def __missing__(self, key: str) -> dict[str, Callable]:
-        value = self[key] = _fields(key)
-        return value
-
-
-FIELDS: dict[str, dict[str, Callable]] = _LazyFields()
-
-
-# --- whole-transform checks (output pixels) ---------------------------------------------------
-
-
-def _pixels(h: Any, w: Any, what: str, limits: PipelineLimits) -> None:
-    if isinstance(h, (int, float)) and isinstance(w, (int, float)) and h * w > limits.max_pixels:
-        raise _Bad(f"{what}: {h:g} x {w:g} = {h * w:g} pixels is over the server's limit of {limits.max_pixels} "
-                   "(pipeline_limits.max_pixels)")
-
-
-def _pair(value: Any) -> tuple[Any, Any]:
-    if isinstance(value, (list, tuple)) and len(value) == 2:
-        return value[0], value[1]
-    return value, value
-
-
-def _height_width(node: dict, limits: PipelineLimits) -> None:
-    _pixels(node.get("height"), node.get("width"), "fields 'height' x 'width'", limits)
-
-
-def _size(node: dict, limits: PipelineLimits) -> None:
-    _pixels(*_pair(node.get("size")), "field 'size'", limits)
-
-
-def _min_size(node: dict, limits: PipelineLimits) -> None:
-    _pixels(node.get("min_height"), node.get("min_width"), "fields 'min_height' x 'min_width'", limits)
-
-
-def _longest(node: dict, limits: PipelineLimits) -> None:
-    sizes = node.get("max_size")
-    for s in sizes if isinstance(sizes, (list, tuple)) else [sizes]:
-        _pixels(s, s, "field 'max_size'", limits)
-    _pixels(*_pair(node.get("max_size_hw")), "field 'max_size_hw'", limits)
-
-
-WHOLE: dict[str, Callable[[dict, PipelineLimits], None]] = {
-    "Resize": _height_width, "RandomCrop": _height_width, "CenterCrop": _height_width,
-    "RandomResizedCrop": _size, "RandomSizedCrop": _size, "PadIfNeeded": _min_size, "LongestMaxSize": _longest,
-}
