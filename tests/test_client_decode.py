@@ -314,3 +314,25 @@ def test_from_proto_keeps_the_image_encoding():
     plain = StreamRequest.from_proto(pb.StreamBatchesRequest(dataset="d"))
     assert (jpeg.image_encoding, plain.image_encoding) == ("jpeg", "decoded")
     assert jpeg.key != plain.key
+
+
+def test_the_gpu_path_around_nvjpeg_matches_opencv_with_a_stand_in_decoder(monkeypatch, roots):
+    """decode_gpu's own work (split, EXIF orientation, resize, stack, layout) on the CPU, with OpenCV
+    standing in for nvJPEG (which cannot run here) and, like it, ignoring the EXIF orientation."""
+    def stand_in(files, mode, device):
+        flags = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
+        return [torch.from_numpy(cv2.cvtColor(cv2.imdecode(f.numpy(), flags), cv2.COLOR_BGR2RGB)).permute(2, 0, 1)
+                .to(device) for f in files]
+
+    monkeypatch.setattr(decode, "_torchvision_decoder", lambda: (stand_in, "RGB"))
+    for dataset, resize in (("same", (0, 0)), ("mixed", (56, 72))):
+        files = [p.read_bytes() for p in sorted(roots[dataset].rglob("*.jpg"))]
+        batch = {"index": torch.arange(len(files)), "jpeg_resize": torch.tensor(resize),
+                 "jpeg_offsets": torch.tensor(np.cumsum([0, *map(len, files)])),
+                 "jpeg": torch.from_numpy(np.frombuffer(b"".join(files), np.uint8).copy())}
+        ours, opencv = decode.decode_gpu(batch, torch.device("cpu")), decode.decode_cpu(batch)
+        assert ours.shape == opencv.shape and ours.is_contiguous()
+        if resize == (0, 0):
+            assert torch.equal(ours, opencv)  # orientation 3 (one file) applied as OpenCV does
+        else:
+            assert (ours.int() - opencv.int()).abs().max() <= 1
