@@ -29,7 +29,7 @@ import numpy as np
 from batchd.errors import ResourceExhaustedError, SampleError
 from batchd.server import pipeline as pipelines
 from batchd.server.datasets import Dataset
-from batchd.server.datasets._files import ImageReadError, _jpeg_truncated
+from batchd.server.datasets._files import ImageReadError, _jpeg_truncated, jpeg_frame
 from batchd.server.protocol import BatchDone, Task, TensorLayout
 
 if TYPE_CHECKING:
@@ -125,39 +125,26 @@ def check_jpeg(data: Any, max_pixels: int | None = None) -> np.ndarray:
 def _frame(buf: np.ndarray) -> tuple[int, int]:
     """(width, height) of a JPEG's frame header after checking its type; raises ImageReadError."""
     mv = memoryview(buf)
-    n, pos = len(mv), 2
+    frame = jpeg_frame(mv)
+    if frame is None:
+        raise ImageReadError(f"JPEG without a readable frame header ({buf.size} bytes)")
+    marker, pos = frame
+    if marker not in _DECODABLE:
+        raise ImageReadError(
+            f"JPEG frame type SOF{marker - 0xC0} ({_OTHER_FRAMES[marker]}) cannot be decoded by the "
+            "client (baseline, extended or progressive Huffman-coded only)")
     try:
-        while pos + 4 <= n:
-            if mv[pos] != 0xFF:
-                break
-            marker = mv[pos + 1]
-            if marker == 0xFF:  # fill byte
-                pos += 1
-                continue
-            if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
-                pos += 2
-                continue
-            if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
-                break
-            (length,) = struct.unpack_from(">H", mv, pos + 2)
-            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
-                if marker not in _DECODABLE:
-                    raise ImageReadError(
-                        f"JPEG frame type SOF{marker - 0xC0} ({_OTHER_FRAMES[marker]}) cannot be decoded by the "
-                        "client (baseline, extended or progressive Huffman-coded only)")
-                precision, height, width, components = struct.unpack_from(">BHHB", mv, pos + 4)
-                if precision != 8:
-                    raise ImageReadError(f"{precision}-bit JPEG cannot be decoded by the client (8-bit only)")
-                if components not in (1, 3):
-                    raise ImageReadError(f"JPEG with {components} components (CMYK/YCCK?) cannot be decoded by the "
-                                         "client (1 or 3 only)")
-                if not width or not height:
-                    raise ImageReadError(f"JPEG frame header gives {width}x{height} pixels")
-                return width, height
-            pos += 2 + length
-    except (struct.error, IndexError):
-        pass
-    raise ImageReadError(f"JPEG without a readable frame header ({buf.size} bytes)")
+        precision, height, width, components = struct.unpack_from(">BHHB", mv, pos + 4)
+    except struct.error:
+        raise ImageReadError(f"JPEG without a readable frame header ({buf.size} bytes)") from None
+    if precision != 8:
+        raise ImageReadError(f"{precision}-bit JPEG cannot be decoded by the client (8-bit only)")
+    if components not in (1, 3):
+        raise ImageReadError(f"JPEG with {components} components (CMYK/YCCK?) cannot be decoded by the "
+                             "client (1 or 3 only)")
+    if not width or not height:
+        raise ImageReadError(f"JPEG frame header gives {width}x{height} pixels")
+    return width, height
 
 
 def _align(n: int) -> int:

@@ -66,7 +66,6 @@ def image_size(buf: np.ndarray) -> tuple[int, int] | None:
     or None if the format is not one of these or the header is not where expected. Never decodes.
     """
     mv = memoryview(buf).cast("B")
-    n = len(mv)
     head = bytes(mv[:32])
     try:
         if head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
@@ -93,27 +92,40 @@ def image_size(buf: np.ndarray) -> tuple[int, int] | None:
                 return w, h
             return None
         if head[:2] == b"\xff\xd8":
-            pos = 2
-            while pos + 4 <= n:
-                if mv[pos] != 0xFF:
-                    return None
-                marker = mv[pos + 1]
-                if marker == 0xFF:  # fill byte
-                    pos += 1
-                    continue
-                if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
-                    pos += 2
-                    continue
-                if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
-                    return None
-                (length,) = struct.unpack_from(">H", mv, pos + 2)
-                if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
-                    h, w = struct.unpack_from(">HH", mv, pos + 5)
-                    return (w, h) if w and h else None
-                pos += 2 + length
-            return None
+            frame = jpeg_frame(mv)
+            if frame is None:
+                return None
+            h, w = struct.unpack_from(">HH", mv, frame[1] + 5)
+            return (w, h) if w and h else None
     except (struct.error, IndexError):
         return None
+    return None
+
+
+def jpeg_frame(mv: memoryview) -> tuple[int, int] | None:
+    """``(marker, offset)`` of a JPEG's frame header (its SOFn segment: 0xC0-0xCF but DHT, JPG
+    and DAC), found by walking the marker segments that follow the SOI marker (the caller has
+    checked ``mv[:2]``); ``mv`` is the file's bytes. The segment's fields (precision, height,
+    width, components) start at ``offset + 4``. None when the walk meets a byte that is not a
+    marker, the end of image or a scan first, or the end of ``mv``. Never raises.
+    """
+    n, pos = len(mv), 2
+    while pos + 4 <= n:
+        if mv[pos] != 0xFF:
+            return None
+        marker = mv[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            pos += 2
+            continue
+        if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
+            return None
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
+            return marker, pos
+        (length,) = struct.unpack_from(">H", mv, pos + 2)
+        pos += 2 + length
     return None
 
 
