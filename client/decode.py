@@ -26,7 +26,6 @@ import struct
 import threading
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
 
@@ -70,6 +69,8 @@ def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "") -> torch.Tenso
     for a file OpenCV cannot decode, ShapeMismatchError if images of different sizes meet
     without a resize.
     """
+    import cv2  # (here only: a loader that decodes nothing itself needs no OpenCV)
+
     files, size = jpeg_files(batch), resize_of(batch)
     indices = batch["index"].tolist()
     out = None
