@@ -204,6 +204,13 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
 
 
+def file_settings(cfg) -> dict:
+    """``FileDataset``'s keyword arguments from a dataset config (server/config_datasets.py):
+    ``reduced_decode`` and ``storage_options``, their defaults where ``cfg`` has none."""
+    return {"reduced_decode": getattr(cfg, "reduced_decode", True),
+            "storage_options": getattr(cfg, "storage_options", None) or StorageOptions()}
+
+
 class FileDataset(Dataset):
     """Base of datasets whose samples are image files named by a packed path index.
 
@@ -240,12 +247,6 @@ class FileDataset(Dataset):
     @property
     def sample_spec(self) -> SampleSpec:
         return SampleSpec(image_shape=(-1, -1, 3))
-
-    def _check(self, index: int) -> int:
-        index = int(index)
-        if not 0 <= index < len(self._labels):
-            raise IndexError(f"dataset {self.name!r}: index {index} out of range [0, {len(self._labels)})")
-        return index
 
     def label(self, index: int) -> int:
         return int(self._labels[self._check(index)])

@@ -116,5 +116,12 @@ class Dataset(abc.ABC):
         fingerprint, see ``batchd.server.build``): name -> value as text. None by default."""
         return {}
 
+    def _check(self, index: int) -> int:
+        """``index`` as an int; raises IndexError naming the dataset unless 0 <= index < len(self)."""
+        index = int(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"dataset {self.name!r}: index {index} out of range [0, {len(self)})")
+        return index
+
     def sample_error(self, index: int, reason: str) -> SampleError:
         return SampleError(dataset=self.name, index=index, path=self.source(index), reason=reason)

@@ -152,12 +152,6 @@ class FashionMnist(Dataset):
         _, rows, cols, ch = self._images.shape
         return SampleSpec(image_shape=(rows, cols, ch))
 
-    def _check(self, index: int) -> int:
-        index = int(index)
-        if not 0 <= index < len(self._labels):
-            raise IndexError(f"dataset {self.name!r}: index {index} out of range [0, {len(self._labels)})")
-        return index
-
     def label(self, index: int) -> int:
         return int(self._labels[self._check(index)])
 

@@ -8,9 +8,9 @@ import pathlib
 import numpy as np
 
 from ._cache import ArrayFileWriter, cache_path, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, pack_strings
+from ._files import DEFAULT_MAX_PIXELS, FileDataset, file_settings, pack_strings
 from ._fingerprint import file_list_fingerprint, listing_fingerprint
-from .storage import Storage, StorageOptions, is_remote, local_path, safe_url
+from .storage import Storage, is_remote, local_path, safe_url
 
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -40,6 +40,20 @@ def _walk(class_dir: str) -> list[tuple[str, list[str], list[str]]]:
         seen[dirpath] = key
         walked.append((dirpath, dirnames, filenames))
     return sorted(walked)
+
+
+def _check_found(root: str, exts: tuple[str, ...], classes: list[str], paths: list[str], empty: list[str],
+                 allow_empty: bool) -> None:
+    """What ``scan`` and ``scan_listing`` found is a dataset: FileNotFoundError naming the class
+    folders in ``empty`` (unless ``allow_empty``), ValueError if ``paths`` is empty."""
+    if empty and not allow_empty:
+        raise FileNotFoundError(
+            f"{root}: no images with extensions {', '.join(exts)} in the class folder(s) {', '.join(empty)} "
+            "(torchvision's ImageFolder refuses this too); add images, remove the folder(s), or set "
+            "allow_empty: true to keep them as classes without samples"
+        )
+    if not paths:
+        raise ValueError(f"{root}: no images with extensions {', '.join(exts)} in its class folders {classes}")
 
 
 def scan(root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> tuple[list[str], list[str], list[int]]:
@@ -74,14 +88,7 @@ def scan(root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> t
         labels.extend([label] * (len(paths) - n))
         if len(paths) == n:
             empty.append(class_dir)
-    if empty and not allow_empty:
-        raise FileNotFoundError(
-            f"{root}: no images with extensions {', '.join(exts)} in the class folder(s) {', '.join(empty)} "
-            "(torchvision's ImageFolder refuses this too); add images, remove the folder(s), or set "
-            "allow_empty: true to keep them as classes without samples"
-        )
-    if not paths:
-        raise ValueError(f"{root}: no images with extensions {', '.join(exts)} in its class folders {classes}")
+    _check_found(root, exts, classes, paths, empty, allow_empty)
     return classes, paths, labels
 
 
@@ -121,14 +128,7 @@ def scan_listing(root: str, files: dict[str, dict], extensions: tuple[str, ...],
             empty.append(f"{root}/{cls}")
         paths.extend(f"{folder}/{fname}" for folder, fname in entries)
         labels.extend([label] * len(entries))
-    if empty and not allow_empty:
-        raise FileNotFoundError(
-            f"{root}: no images with extensions {', '.join(exts)} in the class folder(s) {', '.join(empty)} "
-            "(torchvision's ImageFolder refuses this too); add images, remove the folder(s), or set "
-            "allow_empty: true to keep them as classes without samples"
-        )
-    if not paths:
-        raise ValueError(f"{root}: no images with extensions {', '.join(exts)} in its class folders {classes}")
+    _check_found(root, exts, classes, paths, empty, allow_empty)
     return classes, paths, labels
 
 
@@ -151,9 +151,8 @@ class ImageFolder(FileDataset):
     kind = "imagefolder"
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
-        options = getattr(cfg, "storage_options", None) or StorageOptions()
-        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True),
-                         storage_options=options)
+        super().__init__(name, max_pixels=max_pixels, **file_settings(cfg))
+        options = self.storage_options
         remote = is_remote(str(cfg.root))
         root = str(cfg.root).rstrip("/") if remote else local_path(cfg.root)
         extensions = sorted({e.lower() for e in cfg.extensions})

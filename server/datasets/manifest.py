@@ -9,9 +9,9 @@ import pathlib
 import numpy as np
 
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset
+from ._files import DEFAULT_MAX_PIXELS, FileDataset, file_settings
 from ._fingerprint import content_fingerprint
-from .storage import Storage, StorageOptions, basename, is_remote, local_path, parent, safe_url
+from .storage import Storage, basename, is_remote, local_path, parent, safe_url
 
 COLUMNS = ("path", "label")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -170,9 +170,8 @@ class Manifest(FileDataset):
     kind = "manifest"
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
-        options = getattr(cfg, "storage_options", None) or StorageOptions()
-        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True),
-                         storage_options=options)
+        super().__init__(name, max_pixels=max_pixels, **file_settings(cfg))
+        options = self.storage_options
         remote = is_remote(str(cfg.path))
         table_path = str(cfg.path) if remote else local_path(cfg.path)
         if cfg.root is not None:

@@ -27,9 +27,9 @@ import tarfile
 import numpy as np
 
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, PackedStrings, pack_strings
+from ._files import DEFAULT_MAX_PIXELS, FileDataset, PackedStrings, file_settings, pack_strings
 from ._fingerprint import FINGERPRINT_CHARS
-from .storage import Storage, StorageError, StorageOptions, is_remote, local_path, safe_url
+from .storage import Storage, StorageError, is_remote, local_path, safe_url
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "pgm", "tif", "tiff")
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext
@@ -140,9 +140,8 @@ class WebDataset(FileDataset):
     kind = "webdataset"
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
-        options = getattr(cfg, "storage_options", None) or StorageOptions()
-        super().__init__(name, max_pixels=max_pixels, reduced_decode=getattr(cfg, "reduced_decode", True),
-                         storage_options=options)
+        super().__init__(name, max_pixels=max_pixels, **file_settings(cfg))
+        options = self.storage_options
         shards = expand_shards(cfg.shards)
         image_exts = tuple(sorted({e.lower().lstrip(".") for e in cfg.extensions}))
         label_field = cfg.label_field
