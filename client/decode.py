@@ -2,7 +2,8 @@
 
 The server then sends each sample's file as it is (``IMAGE_ENCODING_JPEG``, ``server/encoded.py``):
 ``jpeg`` uint8 [total bytes], ``jpeg_offsets`` int64 [B + 1], ``jpeg_resize`` int64 [2] ((height,
-width) to resize to, (0, 0) for none) besides ``label``, ``index``, ``position``. Here they become
+width) to resize to, (0, 0) for none), ``jpeg_reduce`` int64 [B] (the DCT scaling 1/n the server
+would have decoded each at) besides ``label``, ``index``, ``position``. Here they become
 ``image`` uint8 [B, H, W, 3] (RGB) again, then ``gpu_transform`` runs as for a decoded batch:
 
 * on a CUDA device, when torchvision imports: ``torchvision.io.decode_jpeg(files, device=...)``,
@@ -12,10 +13,9 @@ width) to resize to, (0, 0) for none) besides ``label``, ``index``, ``position``
   its fixed-point rounding). Not the same bytes as OpenCV's decode (IDCT and chroma upsampling
   differ);
 * otherwise (CPU, or torchvision missing): OpenCV, exactly as the server decodes:
-  ``cv2.imdecode(IMREAD_COLOR)``, ``cv2.cvtColor(BGR2RGB)``, ``cv2.resize(INTER_LINEAR)`` unless
-  the image already has the size (albumentations' Resize). The same bytes as the server's
-  decoded stream whenever the server decodes at full size (no Resize, the dataset's
-  ``reduced_decode`` off, or images less than twice the Resize in some dimension).
+  ``cv2.imdecode(IMREAD_COLOR, or IMREAD_REDUCED_COLOR_n as jpeg_reduce says)``,
+  ``cv2.cvtColor(BGR2RGB)``, ``cv2.resize(INTER_LINEAR)`` unless the image already has the size
+  (albumentations' Resize): the same bytes as the server's decoded stream.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from batchd.errors import SampleError, ShapeMismatchError
 
 log = logging.getLogger(__name__)
 
-ENCODED = ("jpeg", "jpeg_offsets", "jpeg_resize")
+ENCODED = ("jpeg", "jpeg_offsets", "jpeg_resize", "jpeg_reduce")
 
 
 def is_encoded(raw: wire.WireBatch) -> bool:
@@ -73,9 +73,14 @@ def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "") -> torch.Tenso
 
     files, size = jpeg_files(batch), resize_of(batch)
     indices = batch["index"].tolist()
+    reduce = batch["jpeg_reduce"].tolist() if "jpeg_reduce" in batch else [1] * len(files)
+    flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
+             8: cv2.IMREAD_REDUCED_COLOR_8}
     out = None
-    for i, (f, index) in enumerate(zip(files, indices)):
-        bgr = cv2.imdecode(f.numpy(), cv2.IMREAD_COLOR)
+    for i, (f, index, n) in enumerate(zip(files, indices, reduce)):
+        if n not in flags:
+            raise ValueError(f"the server sent jpeg_reduce {n} for sample {index} (expected 1, 2, 4 or 8)")
+        bgr = cv2.imdecode(f.numpy(), flags[n])
         if bgr is None:
             raise SampleError(dataset, index, f"#{index}", f"OpenCV cannot decode the JPEG sent ({f.numel()} bytes)")
         rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
@@ -177,7 +182,8 @@ def resize_bilinear(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 def decode_gpu(batch: dict[str, torch.Tensor], device: torch.device, dataset: str = "") -> torch.Tensor:
     """nvJPEG decode of a JPEG batch on ``device`` (torchvision, one batched call, on the current
-    stream), oriented (EXIF) and resized: uint8 [B, H, W, 3] RGB on ``device``.
+    stream), oriented (EXIF) and resized: uint8 [B, H, W, 3] RGB on ``device``. Always at full size
+    (``jpeg_reduce`` is ignored: nvJPEG has no DCT scaling), then resized.
 
     Raises RuntimeError if torchvision does not load; ShapeMismatchError as ``decode_cpu``;
     torchvision's RuntimeError for a file nvJPEG cannot decode.

@@ -8,6 +8,9 @@ back to back in the batch's slot, ragged as flat + offsets (as Arrow does):
   ``tensors[0].shape[0]`` is still the batch's size);
 * ``jpeg_offsets`` int64 [B + 1]: sample i is ``jpeg[jpeg_offsets[i]:jpeg_offsets[i + 1]]``;
 * ``jpeg_resize`` int64 [2]: (height, width) the client resizes every image to, (0, 0) for none;
+* ``jpeg_reduce`` int64 [B]: 1, 2, 4 or 8, the libjpeg DCT scaling the server would have decoded
+  sample i at (``reduced_decode``: a JPEG at least twice the Resize is decoded at 1/2, 1/4 or
+  1/8); a CPU decoder that wants the server's bytes decodes at 1/n (``cv2.IMREAD_REDUCED_COLOR_n``);
 * ``jpeg`` uint8 [total bytes].
 
 ``check_request`` (called by ``Loader.open_stream``) accepts it only for datasets read from
@@ -29,7 +32,7 @@ import numpy as np
 from batchd.errors import ResourceExhaustedError, SampleError
 from batchd.server import pipeline as pipelines
 from batchd.server.datasets import Dataset
-from batchd.server.datasets._files import ImageReadError, _jpeg_truncated, jpeg_frame
+from batchd.server.datasets._files import ImageReadError, _decode_flag, _jpeg_truncated, jpeg_frame
 from batchd.server.protocol import BatchDone, Task, TensorLayout
 
 if TYPE_CHECKING:
@@ -44,6 +47,7 @@ _OTHER_FRAMES = {
     0xCD: "differential arithmetic-coded sequential", 0xCE: "differential arithmetic-coded progressive",
     0xCF: "differential arithmetic-coded lossless",
 }
+_REDUCTIONS = {cv2.IMREAD_REDUCED_COLOR_2: 2, cv2.IMREAD_REDUCED_COLOR_4: 4, cv2.IMREAD_REDUCED_COLOR_8: 8}
 _SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"), (b"BM", "BMP"),
                (b"RIFF", "RIFF/WebP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
 
@@ -95,8 +99,9 @@ def resize_of(compose: Any) -> tuple[int, int]:
     return int(first.height), int(first.width)
 
 
-def check_jpeg(data: Any, max_pixels: int | None = None) -> np.ndarray:
-    """The bytes of one sample as uint8 [N], if they are a JPEG the client can decode.
+def check_jpeg(data: Any, max_pixels: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """The bytes of one sample as uint8 [N] and its (width, height), if they are a JPEG the client
+    can decode.
 
     That is: a SOI marker, then a Huffman-coded 8-bit frame (baseline, extended sequential or
     progressive, SOF0/1/2) with 1 or 3 components, an end-of-image marker after the last scan,
@@ -119,7 +124,7 @@ def check_jpeg(data: Any, max_pixels: int | None = None) -> np.ndarray:
         raise ImageReadError(f"truncated JPEG: no end-of-image marker after the last scan ({buf.size} bytes)")
     if max_pixels is not None and width * height > max_pixels:
         raise ImageReadError(f"image too large: {width}x{height} = {width * height} pixels > max_pixels {max_pixels}")
-    return buf
+    return buf, (width, height)
 
 
 def _frame(buf: np.ndarray) -> tuple[int, int]:
@@ -156,7 +161,8 @@ def jpeg_layout(samples: int, total_bytes: int) -> tuple[TensorLayout, ...]:
     out, offset = [], 0
     for name, dtype, shape in (("label", "int64", (samples,)), ("index", "int64", (samples,)),
                                ("position", "int64", (samples,)), ("jpeg_offsets", "int64", (samples + 1,)),
-                               ("jpeg_resize", "int64", (2,)), ("jpeg", "uint8", (total_bytes,))):
+                               ("jpeg_resize", "int64", (2,)), ("jpeg_reduce", "int64", (samples,)),
+                               ("jpeg", "uint8", (total_bytes,))):
         t = TensorLayout(name, dtype, shape, offset)
         out.append(t)
         offset = _align(t.offset + t.nbytes)
@@ -180,18 +186,20 @@ def build_batch(worker: "_Worker", task: Task) -> BatchDone:
     in ``BatchDone.skipped``); ResourceExhaustedError over ``task.max_batch_bytes``.
     """
     ds = worker.dataset(task.dataset)
-    compose, _ = worker.pipeline(task.pipeline_key, task.pipeline_json)
+    compose, min_size = worker.pipeline(task.pipeline_key, task.pipeline_json)
     resize = resize_of(compose)
+    if not getattr(ds, "reduced_decode", False):
+        min_size = None  # the server decodes this dataset at full size
     max_pixels = getattr(ds, "max_pixels", None)
     worker.prefetch(task)  # no-op if it came ahead of time
     t0 = time.perf_counter()
     files: list[np.ndarray] = []
-    kept: list[tuple[int, int]] = []  # (index, position)
+    kept: list[tuple[int, int, int]] = []  # (index, position, DCT reduction)
     skipped: list[tuple[int, str, str]] = []
     for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
         try:
             try:
-                files.append(check_jpeg(_read(worker, ds, task, k, index), max_pixels))
+                buf, size = check_jpeg(_read(worker, ds, task, k, index), max_pixels)
             except ImageReadError as e:
                 raise ds.sample_error(index, e.reason) from None
         except SampleError as e:
@@ -199,7 +207,8 @@ def build_batch(worker: "_Worker", task: Task) -> BatchDone:
                 raise
             skipped.append((index, e.path, e.reason))
             continue
-        kept.append((index, position))
+        files.append(buf)
+        kept.append((index, position, _REDUCTIONS.get(_decode_flag(buf, size, min_size), 1)))
     t1 = time.perf_counter()
     offsets = np.zeros(len(files) + 1, np.int64)
     np.cumsum([f.size for f in files], out=offsets[1:])
@@ -211,9 +220,10 @@ def build_batch(worker: "_Worker", task: Task) -> BatchDone:
             f"{task.max_batch_bytes} (max_batch_bytes); use a smaller batch_size")
     seg, grown = worker._slot(task, nbytes)
     tensors = {t.name: np.frombuffer(seg.buf, t.dtype, t.shape[0], t.offset) for t in layout}  # 1-D each
-    tensors["label"][:] = [ds.label(i) for i, _ in kept]
-    tensors["index"][:] = [i for i, _ in kept]
-    tensors["position"][:] = [p for _, p in kept]
+    tensors["label"][:] = [ds.label(i) for i, _, _ in kept]
+    tensors["index"][:] = [i for i, _, _ in kept]
+    tensors["position"][:] = [p for _, p, _ in kept]
+    tensors["jpeg_reduce"][:] = [r for _, _, r in kept]
     tensors["jpeg_offsets"][:] = offsets
     tensors["jpeg_resize"][:] = resize
     jpeg = tensors["jpeg"]

@@ -105,7 +105,8 @@ class StreamRequest:
         """What determines the batches' bytes (and, for a strided stream, which batches): streams with
         equal keys can share a computation. Meaningful once validated (pipeline_key resolved)."""
         return (self.dataset, self.pipeline_key, self.batch_size, self.shuffle, self.seed, self.epoch,
-                self.drop_last, self.rank, self.world_size or 1, self.stride, self.first_batch % self.stride, self.image_encoding)
+                self.drop_last, self.rank, self.world_size or 1, self.stride, self.first_batch % self.stride,
+                self.image_encoding)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,8 @@ def _exif(orientation: int) -> bytes:
 
 def _jpeg(rgb: np.ndarray, *, progressive: bool = False, orientation: int = 0, grey: bool = False) -> bytes:
     image = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY) if grey else cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)
-    ok, buf = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_PROGRESSIVE, int(progressive)])
+    params = [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_PROGRESSIVE, int(progressive)]
+    ok, buf = cv2.imencode(".jpg", image, params)
     assert ok
     data = buf.tobytes()
     return data[:2] + _exif(orientation) + data[2:] if orientation else data
@@ -103,6 +104,7 @@ def server(roots, tmp_path_factory):
     datasets = {
         "same": {**files, "root": str(roots["same"])},
         "mixed": {**files, "root": str(roots["mixed"])},
+        "mixed-reduced": {"kind": "imagefolder", "root": str(roots["mixed"])},  # reduced_decode on (default)
         "bad": {**files, "root": str(roots["bad"])},
         "bad-skip": {**files, "root": str(roots["bad"]), "on_error": "skip", "max_skipped_fraction": 0.5},
     }
@@ -130,6 +132,7 @@ def _assert_same(a: list[dict], b: list[dict]) -> None:
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 @pytest.mark.parametrize("dataset, transform", [("same", None), ("mixed", A.Resize(56, 72)),
+                                                ("mixed-reduced", A.Resize(28, 30)),
                                                 ("same", A.Compose([A.Resize(96, 80)]))])
 def test_client_decode_equals_the_server_decoded_stream(server, transport, dataset, transform):
     served = _batches(server, dataset, transform=transform, transport=transport)
@@ -220,13 +223,14 @@ def test_a_jpeg_batch_carries_the_files_bytes_and_is_smaller_than_decoded(server
     assert len(jpeg) == len(decoded) == 3
     for j, d in zip(jpeg, decoded):
         t = {x.name: x for x in j.tensors}
-        assert set(t) == {"label", "index", "position", "jpeg", "jpeg_offsets", "jpeg_resize"}
+        assert set(t) == {"label", "index", "position", "jpeg", "jpeg_offsets", "jpeg_resize", "jpeg_reduce"}
         assert "image" not in t and j.tensors[0].name == "label"  # tensors[0] gives the batch size
         index = np.frombuffer(t["index"].data, np.int64)
         files = [bytes(ds.read_bytes(int(i))) for i in index]
         assert t["jpeg"].data == b"".join(files) and list(t["jpeg"].shape) == [sum(map(len, files))]
         assert np.frombuffer(t["jpeg_offsets"].data, np.int64).tolist() == np.cumsum([0, *map(len, files)]).tolist()
         assert np.frombuffer(t["jpeg_resize"].data, np.int64).tolist() == [0, 0]
+        assert np.frombuffer(t["jpeg_reduce"].data, np.int64).tolist() == [1] * len(index)
         decoded_bytes = {x.name: x for x in d.tensors}["image"].data
         assert len(decoded_bytes) == len(index) * 48 * 64 * 3
         assert j.ByteSize() < len(decoded_bytes) / 2 < d.ByteSize()
@@ -262,7 +266,8 @@ def test_check_jpeg_names_what_the_client_could_not_decode(mutate, reason):
 def test_check_jpeg_accepts_baseline_progressive_grey_and_limits_pixels():
     rgb = _picture(np.random.default_rng(2), 20, 30)
     for data in (_jpeg(rgb), _jpeg(rgb, progressive=True), _jpeg(rgb, grey=True), _jpeg(rgb, orientation=6)):
-        assert check_jpeg(data).tobytes() == data
+        buf, size = check_jpeg(data)
+        assert buf.tobytes() == data and size == (30, 20)
     with pytest.raises(ImageReadError, match="image too large: 30x20 = 600 pixels > max_pixels 599"):
         check_jpeg(_jpeg(rgb), max_pixels=599)
 
@@ -336,3 +341,24 @@ def test_the_gpu_path_around_nvjpeg_matches_opencv_with_a_stand_in_decoder(monke
             assert torch.equal(ours, opencv)  # orientation 3 (one file) applied as OpenCV does
         else:
             assert (ours.int() - opencv.int()).abs().max() <= 1
+
+
+def test_jpeg_reduce_says_how_the_server_would_have_decoded(server):
+    """reduced_decode on: a JPEG at least twice the Resize in both dimensions is decoded at 1/2, 1/4, 1/8."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = loader_pb2_grpc.BatchLoaderStub(channel)
+        pipeline = pb.Pipeline(albumentations_json=json.dumps(A.to_dict(A.Compose([A.Resize(28, 30)]))))
+        reduce = {}
+        for dataset in ("mixed-reduced", "mixed"):
+            request = pb.StreamBatchesRequest(dataset=dataset, batch_size=16, pipeline=pipeline,
+                                              image_encoding=pb.IMAGE_ENCODING_JPEG)
+            (batch,) = stub.StreamBatches(request, timeout=60)
+            t = {x.name: np.frombuffer(x.data, np.int64) for x in batch.tensors if x.dtype == "int64"}
+            reduce[dataset] = dict(zip(t["index"].tolist(), t["jpeg_reduce"].tolist()))
+    ds = server.loader.datasets["mixed"]
+    sizes = {i: cv2.imread(str(ds.path(i)), cv2.IMREAD_IGNORE_ORIENTATION | cv2.IMREAD_COLOR).shape[:2]
+             for i in reduce["mixed"]}
+    expected = {i: max([1] + [n for n in (2, 4, 8) if -(-h // n) >= 28 and -(-w // n) >= 30])
+                for i, (h, w) in sizes.items()}
+    assert reduce["mixed-reduced"] == expected and len(set(expected.values())) >= 3
+    assert set(reduce["mixed"].values()) == {1}  # reduced_decode off
