@@ -400,7 +400,7 @@ def test_a_worker_does_not_read_ahead_the_bytes_of_cached_samples(photos, tmp_pa
         worker = _Worker(0, {"photos": cfg}, tmp_path, prefix)
         assert worker.cache is not None
         text = pipelines.canonical_json(A.to_dict(PIPELINE))
-        task = types.SimpleNamespace(pipeline_key=pipelines.pipeline_key(text), pipeline_json=text)
+        task = types.SimpleNamespace(pipeline_key=pipelines.pipeline_key(text), pipeline_json=text, encoding="decoded")
         ds = worker.dataset("photos")
         read = worker._reads(task, ds)
         split = worker.splits[task.pipeline_key]
