@@ -33,12 +33,12 @@ from batchd.errors import ResourceExhaustedError, SampleError
 from batchd.server import pipeline as pipelines
 from batchd.server.datasets import Dataset
 from batchd.server.datasets._files import ImageReadError, _decode_flag, _jpeg_truncated, jpeg_frame
-from batchd.server.protocol import BatchDone, Task, TensorLayout
+from batchd.server.layout import jpeg_layout, layout_nbytes
+from batchd.server.protocol import BatchDone, Task
 
 if TYPE_CHECKING:
     from batchd.server.worker import _Worker
 
-_ALIGN = 64
 # SOFn markers: those nvJPEG and OpenCV both decode (Huffman-coded, 8-bit), and the others by name
 _DECODABLE = {0xC0: "baseline", 0xC1: "extended sequential", 0xC2: "progressive"}
 _OTHER_FRAMES = {
@@ -152,23 +152,6 @@ def _frame(buf: np.ndarray) -> tuple[int, int]:
     return width, height
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def jpeg_layout(samples: int, total_bytes: int) -> tuple[TensorLayout, ...]:
-    """A JPEG batch's tensors in its slot (see the module docstring), each 64-byte aligned."""
-    out, offset = [], 0
-    for name, dtype, shape in (("label", "int64", (samples,)), ("index", "int64", (samples,)),
-                               ("position", "int64", (samples,)), ("jpeg_offsets", "int64", (samples + 1,)),
-                               ("jpeg_resize", "int64", (2,)), ("jpeg_reduce", "int64", (samples,)),
-                               ("jpeg", "uint8", (total_bytes,))):
-        t = TensorLayout(name, dtype, shape, offset)
-        out.append(t)
-        offset = _align(t.offset + t.nbytes)
-    return tuple(out)
-
-
 def _read(worker: "_Worker", ds: Dataset, task: Task, k: int, index: int) -> Any:
     """Sample k's bytes: from the worker's reader if they were read ahead, else read now."""
     if task.task_id not in worker.reader:
@@ -213,7 +196,7 @@ def build_batch(worker: "_Worker", task: Task) -> BatchDone:
     offsets = np.zeros(len(files) + 1, np.int64)
     np.cumsum([f.size for f in files], out=offsets[1:])
     layout = jpeg_layout(len(files), int(offsets[-1]))
-    nbytes = max(t.offset + t.nbytes for t in layout)
+    nbytes = layout_nbytes(layout)
     if task.max_batch_bytes and nbytes > task.max_batch_bytes:
         raise ResourceExhaustedError(
             f"dataset {ds.name!r}: a JPEG batch of {len(files)} files is {nbytes} bytes, over the server's limit of "

@@ -38,38 +38,13 @@ from batchd.server import prefix as prefixes
 from batchd.server.build import build_fingerprint, build_parts
 from batchd.server.cache import SharedCache, sample_key
 from batchd.server.datasets import Dataset, open_dataset
+from batchd.server.layout import batch_layout, layout_nbytes, view
 from batchd.server.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed, TensorLayout
 from batchd.server.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
 from batchd.server.shm import Segment
 
-_ALIGN = 64
 _CACHED_SEGMENTS = 16
 _CACHED_PIPELINES = 32
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def batch_layout(batch_size: int, image_shape: tuple[int, ...], image_dtype: np.dtype) -> tuple[TensorLayout, ...]:
-    """A batch's tensors in its slot, each at a 64-byte aligned offset: image [B, *image_shape] at 0,
-    then label int64 [B], index int64 [B] (dataset sample indices) and position int64 [B] (each
-    sample's position in the epoch's global order before sharding, ``batchd.sampler.global_positions``:
-    what per-sample random streams are keyed by, e.g. for augmentations finished on the GPU)."""
-    image = TensorLayout("image", np.dtype(image_dtype).name, (batch_size, *image_shape), 0)
-    label = TensorLayout("label", "int64", (batch_size,), _align(image.nbytes))
-    index = TensorLayout("index", "int64", (batch_size,), label.offset + _align(label.nbytes))
-    position = TensorLayout("position", "int64", (batch_size,), index.offset + _align(index.nbytes))
-    return image, label, index, position
-
-
-def layout_nbytes(layout: tuple[TensorLayout, ...]) -> int:
-    return max(t.offset + t.nbytes for t in layout)
-
-
-def view(buf: memoryview, t: TensorLayout) -> np.ndarray:
-    """A numpy array on ``buf`` for tensor ``t`` (no copy)."""
-    return np.frombuffer(buf, dtype=t.dtype, count=int(np.prod(t.shape)), offset=t.offset).reshape(t.shape)
 
 
 class _Worker:
