@@ -62,3 +62,51 @@ def draw(results: dict, path: pathlib.Path) -> pathlib.Path | None:
     plt.close(fig)
     tmp.replace(path)
     return path
+
+
+LATENCY_STYLE = {  # table9 row -> colour, line style, marker
+    "batchd": ("#1f4e9c", "-", "o"),
+    "batchd_seq": ("#5b9bd5", "-", "v"),
+    "dataloader2": ("#f4b183", "-", "s"),
+    "dataloader16": ("#ee8a3c", "-", "D"),
+    "s3_batchd": ("#1f4e9c", "--", "o"),
+    "s3_dataloader2": ("#f4b183", "--", "s"),
+    "s3_dataloader16": ("#ee8a3c", "--", "D"),
+}
+
+
+def draw_latency(results: dict, path: pathlib.Path) -> pathlib.Path | None:
+    """bench/results/latency.png: Table 9's images/s against added latency, one line per row
+    (FUSE rows solid, S3 rows dashed; x symmetric-log so 0 ms shows). None if Table 9 has no rows."""
+    t9 = results.get("table9")
+    if not t9 or t9.get("skipped") or not t9.get("rows"):
+        return None
+    from bench.table_latency import LABELS
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(t9["rows"], key=lambda row: row["latency_ms"])
+    x = [row["latency_ms"] for row in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for m in t9.get("methods", LATENCY_STYLE):
+        colour, ls, marker = LATENCY_STYLE.get(m, ("#9e9e9e", ":", "."))
+        label = LABELS.get(m, m) + ("" if m.startswith("s3_") else " (FUSE)")
+        ax.plot(x, [row["median"][m] for row in rows], ls=ls, marker=marker, color=colour, label=label)
+    ax.set_xscale("symlog", linthresh=2)
+    ax.set_xticks(x, [f"{v:g}" for v in x])
+    ax.set_yscale("log")
+    ax.set_xlabel("added latency per file open / S3 request (ms)")
+    ax.set_ylabel("images / s")
+    ax.set_title(f"Table 9: storage latency, {t9.get('pipeline', 'L3')}, batch {t9.get('batch_size', 64)}"
+                 + (" (--quick)" if t9.get("quick") else ""))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7.5, loc="lower left")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -8,9 +8,10 @@ Tables: table1 (workers x pipeline), table2 (batch size), table3 (overlap with t
 table4 (memory with a 10M-row manifest; alias: scale), table5 (per-batch profile and reduced
 JPEG decoding; alias: profile), table6 (one loader over 1-3 servers; alias: scaleout), table7
 (several experiments on one loader; alias: sharing), table8 (cost of per-sample random
-streams; alias: seeding), table9 (images/s against storage latency through FUSE; alias: latency), table10
+streams; alias: seeding), table9 (images/s against storage latency through FUSE and S3; alias: latency), table10
 (the decoded-sample cache over 3 epochs; alias: cache). Results: ``results.json`` (raw numbers; a run replaces the tables
-it ran and keeps the others), ``results.md`` (tables and PASS/FAIL targets) and ``throughput.png``
+it ran and keeps the others), ``results.md`` (tables and PASS/FAIL targets), ``throughput.png`` and
+``latency.png`` (Table 9)
 in ``--out`` (default bench/results; for --quick, /tmp/batchd-bench-quick, so that a smoke run never
 overwrites the real results).
 """
@@ -102,11 +103,14 @@ def main(argv=None) -> int:
         report.save(out, results)
         report.write(out, report.render(results, MODULES, machine.render(info), wall))
         chart.draw(results, out / "throughput.png")
+        chart.draw_latency(results, out / "latency.png")
     meter.stop()
     wall["total"] = time.perf_counter() - start
     path = report.write(out, report.render(results, MODULES, machine.render(info), wall))
     png = chart.draw(results, out / "throughput.png")
-    print(f"\nwrote {path}" + (f" and {png}" if png else "") + f" in {wall['total']:.0f} s", flush=True)
+    latency_png = chart.draw_latency(results, out / "latency.png")
+    print(f"\nwrote {path}" + (f" and {png}" if png else "") + (f" and {latency_png}" if latency_png else "")
+          + f" in {wall['total']:.0f} s", flush=True)
     return 0
 
 

@@ -31,6 +31,7 @@ import sys
 import time
 
 _HEAD_LIMIT = 1 << 20
+_LINGER_S = 10.0  # after the client closed, how long the server may take to finish and close
 
 
 class _Proxy:
@@ -40,29 +41,33 @@ class _Proxy:
         self.target_port = target_port
         self.delay_s = delay_ms / 1000.0
         self.requests = self.connections = self.bytes_down = 0
+        self._tasks: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        self._tasks.add(me)
         up_w = down = None
         try:
             up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port, limit=_HEAD_LIMIT)
             self.connections += 1
-            down = asyncio.create_task(self._responses(up_r, client_w))
+            down = asyncio.create_task(self._responses(up_r, client_w))  # referenced by this frame
             try:
                 await self._requests(client_r, up_w)
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
                 pass
             try:
-                up_w.write_eof()  # the client closed: let the server finish and close its side
+                up_w.write_eof()  # the client closed: let the server finish its response and close
             except OSError:
                 pass
-            await down
-        except (OSError, asyncio.CancelledError):  # cannot connect; or the proxy is stopping
+            await asyncio.wait_for(down, _LINGER_S)
+        except (OSError, asyncio.TimeoutError, asyncio.CancelledError):  # cannot connect; server lingers; stopping
             if down is not None:
                 down.cancel()
         finally:
             for w in (up_w, client_w):
                 if w is not None:
                     w.close()
+            self._tasks.discard(me)
 
     async def _requests(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         """Pass on each request ``delay`` after its head arrived (never before the previous one)."""
