@@ -9,8 +9,9 @@ thread decodes and transforms one sample at a time (``Dataset.decode``; one deco
 Reads start in the order the samples will be decoded (task by task, sample by sample), at most
 ``read_ahead`` samples beyond the next one to decode, so memory holds at most ``read_ahead``
 encoded files per worker. Fewer when reads are fast: the reader keeps about
-``2 * read latency / time per sample + 2`` reads outstanding (moving averages; all of
-``read_ahead`` until a read has been timed), which is plenty to hide the latency, while a local
+``4 * read latency / work per sample + 2`` reads outstanding (moving averages; all of
+``read_ahead`` until a read has been timed), which hides the latency with room for its tail,
+while a local
 disk's 30 us reads then keep one or two threads busy instead of waking 32 of them for every sample
 (measured: 32 threads contending for the GIL cost about 60-150 us of CPU per file, against 25 us
 for reading it). Only the worker's thread calls a ``SampleReader``; the I/O threads
@@ -52,10 +53,11 @@ class SampleReader:
     reads_in_flight: I/O threads, hence reads at once (>= 1). read_ahead: samples read (running
     or done) but not yet taken, at most (default ``4 * reads_in_flight``; >= reads_in_flight).
     Threads start on first use, so a worker serving only in-memory datasets starts none.
-    Raises ValueError for a bad setting.
+    clock: seconds, monotonic (tests pass their own). Raises ValueError for a bad setting.
     """
 
-    def __init__(self, reads_in_flight: int = DEFAULT_READS_IN_FLIGHT, read_ahead: int | None = None):
+    def __init__(self, reads_in_flight: int = DEFAULT_READS_IN_FLIGHT, read_ahead: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         if int(reads_in_flight) < 1:
             raise ValueError(f"reads_in_flight must be >= 1, got {reads_in_flight}")
         self.reads_in_flight = int(reads_in_flight)
@@ -65,23 +67,26 @@ class SampleReader:
         self._executor: ThreadPoolExecutor | None = None
         self._tasks: collections.OrderedDict[int, _Reads] = collections.OrderedDict()  # in decode order
         self._outstanding = 0  # reads started and not taken
+        self._clock = clock
         self._latency_s: float | None = None  # moving average of one read's wall time (I/O threads write it)
-        self._interval_s: float | None = None  # moving average of the time between two takes
-        self._last_take: float | None = None
+        self._work_s: float | None = None  # moving average of the worker's time between two takes (not waiting)
+        self._last_taken: float | None = None  # when the last take returned
 
     @property
     def target(self) -> int:
         """Reads to keep outstanding now: enough to hide the measured latency behind decoding,
-        between 2 and ``read_ahead``."""
-        lat, gap = self._latency_s, self._interval_s
-        if lat is None or gap is None or gap <= 0:
+        between 2 and ``read_ahead``. The work per sample is the worker's time from one take's
+        return to the next take, so time spent waiting for a late read never counts as work
+        (it would shrink the target just when reads fall behind)."""
+        lat, work = self._latency_s, self._work_s
+        if lat is None or work is None or work <= 0:
             return self.read_ahead
-        return max(2, min(self.read_ahead, math.ceil(2 * lat / gap) + 2))
+        return max(2, min(self.read_ahead, math.ceil(4 * lat / work) + 2))
 
     def _timed_read(self, read: Callable[[int], bytes], index: int) -> bytes:
-        t0 = time.perf_counter()
+        t0 = self._clock()
         data = read(index)
-        dt = time.perf_counter() - t0
+        dt = self._clock() - t0
         lat = self._latency_s  # a race between I/O threads only loses an observation
         self._latency_s = dt if lat is None else lat + _EWMA * (dt - lat)
         return data
@@ -103,22 +108,23 @@ class SampleReader:
         Raises what the read raised (e.g. SampleError); KeyError for a task that was never added
         (or was discarded)."""
         reads = self._tasks[task_id]
-        now = time.perf_counter()
-        if self._last_take is not None:
-            gap, last = now - self._last_take, self._interval_s
-            self._interval_s = gap if last is None else last + _EWMA * (gap - last)
-        self._last_take = now
-        future, reads.futures[k] = reads.futures[k], None
-        if future is None:
-            reads.started = max(reads.started, k + 1)
-            self._fill()
-            return reads.read(reads.indices[k])
-        self._outstanding -= 1
-        self._fill()  # keep the threads busy while this one waits or decodes
-        if while_waiting is not None and not future.done():
-            while not wait((future,), _WAIT_S).done:
-                while_waiting()
-        return future.result()
+        if self._last_taken is not None:
+            work, last = self._clock() - self._last_taken, self._work_s
+            self._work_s = work if last is None else last + _EWMA * (work - last)
+        try:
+            future, reads.futures[k] = reads.futures[k], None
+            if future is None:
+                reads.started = max(reads.started, k + 1)
+                self._fill()
+                return reads.read(reads.indices[k])
+            self._outstanding -= 1
+            self._fill()  # keep the threads busy while this one waits or decodes
+            if while_waiting is not None and not future.done():
+                while not wait((future,), _WAIT_S).done:
+                    while_waiting()
+            return future.result()
+        finally:
+            self._last_taken = self._clock()
 
     def forget(self, task_id: int, k: int) -> None:
         """Sample ``k`` of the task will not be taken (e.g. a cache hit): drop its read (not

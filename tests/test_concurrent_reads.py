@@ -242,3 +242,57 @@ def test_timed_out_worker_is_reaped_before_its_slot_is_released(make_server, tmp
     assert released, "the timed-out batch's slot was never released"
     assert not [name for name, alive in released if alive], \
         f"slots released while the killed worker (pid {pid}) still existed: {released}"
+
+
+class _Clock:
+    """A clock the test moves: ``now`` seconds, advanced by hand (thread-safe enough for reads)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stalled_read_does_not_shrink_the_reads_kept_outstanding():
+    """The reader sizes its read-ahead from read latency / the worker's work per sample. Time the
+    worker spends waiting for a late read is not work: counted as work (as before), one stall
+    made the reader keep fewer reads outstanding exactly when reads fell behind. A fake clock:
+    each read takes 10 ms, the worker works 1 ms per sample; then one read stalls for 2 s."""
+    from batchd.server.reader import SampleReader
+
+    clock = _Clock()
+    gates = {i: threading.Event() for i in range(40)}
+
+    def read(i: int) -> bytes:
+        gates[i].wait(30)
+        return bytes([i])
+
+    reader = SampleReader(reads_in_flight=16, read_ahead=32, clock=clock)
+    try:
+        reader.add(1, read, list(range(40)))
+        for i in range(20):  # steady state: reads done before they are needed
+            clock.now += 0.010
+            gates[i].set()
+            assert reader.take(1, i, lambda: None) == bytes([i])
+            clock.now += 0.001  # the worker decodes
+        steady = reader.target
+        assert steady >= 30, f"10 ms reads behind 1 ms of work need many reads in flight, got {steady}"
+
+        def stall():  # called every 20 ms while take waits for read 20: 2 s pass, then it arrives
+            clock.now += 0.5
+            if clock.now - start >= 2.0:
+                gates[20].set()
+
+        start = clock.now
+        assert reader.take(1, 20, stall) == bytes([20])
+        clock.now += 0.001
+        for i in range(21, 25):
+            gates[i].set()
+            assert reader.take(1, i, lambda: None) == bytes([i])
+            clock.now += 0.001
+        assert reader.target >= steady, f"a stall shrank the reads kept outstanding: {steady} -> {reader.target}"
+    finally:
+        for g in gates.values():
+            g.set()
+        reader.close()
