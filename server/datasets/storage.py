@@ -20,6 +20,7 @@ import os
 import pathlib
 import posixpath
 import re
+import stat
 import threading
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -46,12 +47,19 @@ def is_remote(location: str | os.PathLike[str]) -> bool:
 def read_local(path: str, start: int = 0, end: int | None = None) -> bytes:
     """Bytes ``[start, end)`` of a local file (to its end by default), in as few system calls as
     possible: open, fstat, pread until the range is read, close (``open(path, "rb").read()`` makes
-    about twice as many). Each call releases and retakes the GIL, which costs CPU when a worker's
+    about twice as many); pipes, devices and files of reported size 0 are read to their end. Each call releases and retakes the GIL, which costs CPU when a worker's
     32 I/O threads contend for it on slow storage. Raises OSError (FileNotFoundError for a missing
     file)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        stop = os.fstat(fd).st_size if end is None else end
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (end is None and st.st_size == 0):
+            # a pipe or device, or a file system that reports no size: read to the end, as open().read() does
+            with open(fd, "rb", closefd=False) as f:
+                if start:
+                    f.seek(start)
+                return f.read() if end is None else f.read(end - start)
+        stop = st.st_size if end is None else end
         parts, offset = [], start
         while offset < stop:
             chunk = os.pread(fd, stop - offset, offset)
