@@ -46,7 +46,7 @@ def run(s, log=print) -> dict:
     peers = tf_peer.METHODS if tf_peer.available() and tf_peer.PIPELINE in pipes else ()
     photo_paths = [str(data.PHOTOS / f) for f in data.photo_files()]
     photo_labels = [int(f.split("/")[0].split("_")[1]) for f in data.photo_files()]
-    tf_version = ""
+    tf_version, tf_isolated = "", False
     rates: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
     startup = {}
@@ -58,6 +58,7 @@ def run(s, log=print) -> dict:
         warmup = max(2, w)
         peer = tf_peer.TFPeer(photo_paths, photo_labels, w).start() if peers else None  # TF start-up not counted
         tf_version = peer.version if peer else tf_version
+        tf_isolated = peer.isolated if peer else tf_isolated
         t0 = time.perf_counter()
         srv = ServerProcess(datasets=common.server_datasets(photos=cfg), pipelines=presets, workers=w,
                             cache_dir=data.CACHE).start()
@@ -97,7 +98,7 @@ def run(s, log=print) -> dict:
                          "median": {m: median(v) for m, v in cell.items()},
                          "spread": {m: spread(v) for m, v in cell.items()}})
     return {"rows": rows, "batch_size": bs, "timed_images": timed * bs, "seq_images": seq_batches * bs,
-            "repeats": s.repeats, "startup_s": startup, "tf_version": tf_version,
+            "repeats": s.repeats, "startup_s": startup, "tf_version": tf_version, "tf_isolated": tf_isolated,
             "peers": "measured" if peers else tf_peer.SKIPPED if not tf_peer.available()
             else f"not run: no {tf_peer.PIPELINE} in this run"}
 

@@ -19,7 +19,10 @@ sample from (seed, position), so the work does not depend on the thread that doe
   server started in the peer process (``DispatchServer``/``WorkerServer``, port 0, stopped at
   the end), the consumer reading through ``distribute("parallel_epochs", compression=None)``
   over gRPC on localhost (batchd TCP is uncompressed too). TensorFlow binds these servers to
-  every interface (its configs choose the port only), not to 127.0.0.1 alone.
+  every interface (its configs choose the port only), so where it can (root, util-linux's
+  ``unshare`` and iproute2's ``ip``) the peer process runs in a network namespace of its own
+  with only loopback up: nothing outside that process can reach them. Elsewhere they listen on
+  every interface for the run, and the table says so.
 
 Each batch is handed over as torch tensors (``torch.from_numpy``: no copy), what a PyTorch
 training loop would read, and consumed like every other method's batches (``measure.consume``).
@@ -65,6 +68,21 @@ def available() -> bool:
     return importlib.util.find_spec("tensorflow") is not None
 
 
+def private_network_available() -> bool:
+    """Whether a process can be started in a network namespace of its own with loopback up
+    (root, ``unshare`` and ``ip`` on PATH; checked by doing it once)."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        return False
+    try:
+        probe = subprocess.run(["unshare", "--net", "--", "ip", "link", "set", "lo", "up"], capture_output=True,
+                               timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
 class TFPeer:
     """One peer subprocess for ``workers`` parallel calls; ``start()`` it, ``measure()``, ``stop()``.
 
@@ -80,6 +98,7 @@ class TFPeer:
         self.files, self.labels, self.workers, self.batch_size = files, labels, workers, batch_size
         self.proc: subprocess.Popen | None = None
         self.version = ""
+        self.isolated = False  # set by start(): the peer runs in a network namespace of its own
         self._tmp = tempfile.TemporaryDirectory(prefix="batchd-tf-peer-")
         self._log = pathlib.Path(self._tmp.name) / "peer.log"
 
@@ -87,10 +106,14 @@ class TFPeer:
         plan = pathlib.Path(self._tmp.name) / "files.json"
         plan.write_text(json.dumps({"files": self.files, "labels": self.labels}))
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+        command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--files", str(plan),
+                   "--workers", str(self.workers), "--batch-size", str(self.batch_size)]
+        self.isolated = private_network_available()
+        if self.isolated:  # unshare and sh exec in place: self.proc.pid is the peer's own pid
+            command = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', *command]
         with open(self._log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(pathlib.Path(__file__).resolve()), "--files", str(plan),
-                 "--workers", str(self.workers), "--batch-size", str(self.batch_size)],
+                command,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.version = self._reply(_START_S).get("tensorflow", "?")
         return self
@@ -279,7 +302,11 @@ def render(r: dict) -> str:
                          f"{c[k] * 1e3:.2f}" if k in c else "", fx(c[k] / c["batchd_shm"]) if k in c else ""])
     return ("\n**Peers: tf.data** (tensorflow-cpu " + r.get("tf_version", "?") + "; the same run, interleaved with the "
             "methods above; L3's work with TF ops, see bench/tf_peer.py; CPU summed over the peer process, its TF "
-            "threads and the tf.data service's dispatcher and worker)\n\n" + md_table(head, rows))
+            "threads and the tf.data service's dispatcher and worker; "
+            + ("the peer ran in a network namespace of its own with only loopback, since TensorFlow binds the "
+               "service's servers to every interface" if r.get("tf_isolated") else
+               "TensorFlow bound the service's servers to every interface of this host for the run")
+            + ")\n\n" + md_table(head, rows))
 
 
 def main(argv=None) -> int:
