@@ -234,6 +234,12 @@ class Storage:
 
             self._s3 = ObstoreS3(self.options.resolved(), max_attempts=self.options.max_attempts,
                                  timeout_s=self.options.timeout_s, fail=self._error)
+        self._http = None
+        if self.options.backend == "obstore":  # http(s) reads with retries (fsspec's have none)
+            from ._obstore_http import ObstoreHTTP
+
+            self._http = ObstoreHTTP({}, max_attempts=self.options.max_attempts,
+                                     timeout_s=self.options.timeout_s, fail=self._error)
         self._secrets = [v for v in self.options.secret_values() if len(v) >= 4]
 
     def _error(self, what: str, url: str, e: BaseException) -> "StorageError":
@@ -245,9 +251,12 @@ class Storage:
         return StorageError(f"cannot {what} {safe_url(url)}: {text}")
 
     def _obstore(self, location: str):
-        """The obstore backend if it serves ``location`` (an s3:// URL with the root's options)."""
+        """The obstore backend if it serves ``location``: an s3:// URL with the root's options, or an
+        http(s) URL without user info or query (unless ``backend: fsspec``)."""
         if self._s3 is not None and self.protocol(location) == self._root_protocol:
             return self._s3
+        if self._http is not None and self.protocol(location) in ("http", "https") and self._http.serves(location):
+            return self._http
         return None
 
     @staticmethod
@@ -313,7 +322,7 @@ class Storage:
 
         Raises FileNotFoundError if there is none, StorageError if listing fails.
         """
-        if (s3 := self._obstore(location)) is not None:
+        if (s3 := self._obstore(location)) is not None and s3 is self._s3:  # http(s): fsspec's link scraping
             out = s3.list_files(location)
         else:
             fs = self.filesystem(location)
