@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ._obstore import ObstoreS3, _BytesFile
+from ._obstore import ObstoreS3
 
 
 class ObstoreHTTP(ObstoreS3):
@@ -22,7 +22,7 @@ class ObstoreHTTP(ObstoreS3):
 
     ``read``, ``info``, ``open``, ``download`` as ``ObstoreS3``'s (FileNotFoundError ``no such
     object: URL`` on 404, the ``fail`` callable's exception for anything else after retries);
-    ``list_files`` raises StorageError-like ``fail`` (HTTP has no listing).
+    ``list_files`` raises the ``fail`` exception (HTTP has no listing; Storage keeps fsspec for it).
     """
 
     @staticmethod
@@ -74,4 +74,4 @@ class ObstoreHTTP(ObstoreS3):
         raise self._fail("list", url, ValueError("an http(s) URL cannot be listed; give a manifest or a list of shard URLs"))
 
 
-__all__ = ["ObstoreHTTP", "_BytesFile"]
+__all__ = ["ObstoreHTTP"]
