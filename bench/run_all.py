@@ -74,8 +74,6 @@ def main(argv=None) -> int:
     # client/shm.py's finalizer calls gRPC and takes locks, and run from a collection triggered
     # inside gRPC's own call creation it deadlocks the process (a client bug, reported with the suite).
     gc.disable()
-    # a hang anywhere prints every thread's stack and ends the run (servers die with us)
-    faulthandler.dump_traceback_later(300 if settings.quick else 1800, exit=True)
     start = time.perf_counter()
     info = machine.info()
     print(machine.render(info), flush=True)
@@ -87,6 +85,9 @@ def main(argv=None) -> int:
     noise.configure(budget_s=2.0 if settings.quick else 30.0)
     for m in args.tables:
         print(f"\n== {m.TITLE} ==", flush=True)
+        # a hang in a table prints every thread's stack and ends the run (servers die with us); the
+        # tables ran before it are saved. Re-armed per table: a whole run takes 30-40 minutes here.
+        faulthandler.dump_traceback_later(300 if settings.quick else 1200, exit=True)
         t0, n0 = time.perf_counter(), meter.seconds()
         r = m.run(settings, log=lambda msg: print(msg, flush=True))
         seconds = time.perf_counter() - t0

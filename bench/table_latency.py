@@ -290,9 +290,10 @@ def render(r: dict) -> str:
         "a DataLoader worker reads its batch's files one after another. On a shared machine the kernel shares the "
         "cores per process, so 16 DataLoader processes take more of them from other users' work than 2 batchd "
         "workers do. Memory at the end of the timed window (the largest over the repeats). The DataLoader workers "
-        "start from a forkserver that has already imported torch, OpenCV, albumentations, obstore and the dataset "
-        "code (what fork, Linux's default before Python 3.14, gives them), so those pages count once in their PSS; "
-        "workers that import torch themselves measured about 2.9 GB PSS for 16."
+        "start from a forkserver asked to preload torch, OpenCV, albumentations, obstore and the dataset code (what "
+        "fork, Linux's default before Python 3.14, gives them), so those pages count once in their PSS (about 0.6 GB "
+        "for 16 workers); the preload applies only when this table starts the forkserver, i.e. run alone: after "
+        "another table has started it, each worker imports torch itself (about 2.9-3.0 GB PSS for 16)."
     )
 
 
