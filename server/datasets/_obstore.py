@@ -31,6 +31,17 @@ class ObstoreS3:
         self._fail = fail  # (what, url, exception) -> exception to raise
         self._stores: dict[str, Any] = {}
 
+    def _client_options(self, allow_http: bool) -> dict[str, Any]:
+        """object_store's ClientConfig: ``timeout_s`` to connect and for a whole request."""
+        timeout = timedelta(seconds=self._timeout_s)
+        return {"connect_timeout": timeout, "timeout": timeout, **({"allow_http": True} if allow_http else {})}
+
+    def _retry_config(self) -> dict[str, Any]:
+        """object_store's RetryConfig: ``max_attempts - 1`` retries, exponential backoff with jitter
+        (200 ms initial, base 2, 15 s cap), all retries of a request within 4 x ``timeout_s`` (>= 60 s)."""
+        return {"max_retries": self._max_attempts - 1, "retry_timeout": timedelta(seconds=max(60.0, 4 * self._timeout_s)),
+                "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=15), "base": 2}}
+
     def _store(self, bucket: str):
         store = self._stores.get(bucket)
         if store is None:
@@ -49,13 +60,8 @@ class ObstoreS3:
             kw["region"] = o.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
             if o.get("anon"):
                 kw["skip_signature"] = True
-            timeout = timedelta(seconds=self._timeout_s)
-            client = {"connect_timeout": timeout, "timeout": timeout}
-            if str(o.get("endpoint_url") or "").startswith("http://"):
-                client["allow_http"] = True
-            retry = {"max_retries": self._max_attempts - 1, "retry_timeout": timedelta(seconds=max(60.0, 4 * self._timeout_s)),
-                     "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=15), "base": 2}}
-            store = S3Store(bucket, client_options=client, retry_config=retry, **kw)
+            client = self._client_options(str(o.get("endpoint_url") or "").startswith("http://"))
+            store = S3Store(bucket, client_options=client, retry_config=self._retry_config(), **kw)
             self._stores[bucket] = store  # a race makes two stores for one bucket: harmless
         return store
 

@@ -10,7 +10,6 @@ them, and the caller keeps fsspec for those (and for listing, which HTTP has not
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -37,11 +36,8 @@ class ObstoreHTTP(ObstoreS3):
         if store is None:
             from obstore.store import HTTPStore
 
-            timeout = timedelta(seconds=self._timeout_s)
-            client = {"connect_timeout": timeout, "timeout": timeout, "allow_http": origin.startswith("http://")}
-            retry = {"max_retries": self._max_attempts - 1, "retry_timeout": timedelta(seconds=max(60.0, 4 * self._timeout_s)),
-                     "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=15), "base": 2}}
-            store = HTTPStore.from_url(origin, client_options=client, retry_config=retry)
+            store = HTTPStore.from_url(origin, client_options=self._client_options(origin.startswith("http://")),
+                                       retry_config=self._retry_config())
             self._stores[origin] = store  # a race makes two stores for one origin: harmless
         return store
 
