@@ -188,8 +188,6 @@ class FuseOrS3Photos(PhotoDataset):
     def __getitem__(self, item):
         import obstore
 
-        from bench.common import decode_min_size
-
         pipe, index = item
         if not pipe.startswith(S3_TAG):
             return super().__getitem__(item)
@@ -197,15 +195,7 @@ class FuseOrS3Photos(PhotoDataset):
         ds = self._s3_open()
         bucket, _, key = ds.location(index).split("://", 1)[1].partition("/")
         raw = obstore.get(self._s3_store(bucket), key).bytes()
-        compose = min_size = None
-        if pipe:
-            entry = self._pipes.get(pipe)
-            if entry is None:
-                import albumentations as A
-
-                compose = A.from_dict(self.presets[pipe])
-                entry = self._pipes[pipe] = (compose, decode_min_size(compose))
-            compose, min_size = entry
+        compose, min_size = self.pipeline(pipe)
         image = ds.decode(index, raw, min_size)
         if compose is not None:
             image = compose(image=image)["image"]

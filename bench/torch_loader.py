@@ -40,20 +40,26 @@ class PhotoDataset(Dataset):
     def __len__(self) -> int:
         return self._len
 
+    def pipeline(self, pipe: str):
+        """(compose, decode min size) of preset ``pipe``, built once per worker; (None, None) for ""."""
+        if not pipe:
+            return None, None
+        entry = self._pipes.get(pipe)
+        if entry is None:
+            import albumentations as A
+
+            from bench.common import decode_min_size
+
+            compose = A.from_dict(self.presets[pipe])
+            entry = self._pipes[pipe] = (compose, decode_min_size(compose))
+        return entry
+
     def __getitem__(self, item):
-        from bench.common import decode_min_size, load_image
+        from bench.common import load_image
 
         pipe, index = item
         ds = self._open()
-        compose = min_size = None
-        if pipe:
-            entry = self._pipes.get(pipe)
-            if entry is None:
-                import albumentations as A
-
-                compose = A.from_dict(self.presets[pipe])
-                entry = self._pipes[pipe] = (compose, decode_min_size(compose))
-            compose, min_size = entry
+        compose, min_size = self.pipeline(pipe)
         image = load_image(ds, index, min_size)
         if compose is not None:
             image = compose(image=image)["image"]
