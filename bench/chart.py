@@ -56,6 +56,13 @@ def draw(results: dict, path: pathlib.Path) -> pathlib.Path | None:
         ax.set_title(f"Table 2: {t2['workers']} workers, {t2['pipeline']}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path: pathlib.Path) -> pathlib.Path:
+    """Write ``fig`` to ``path`` as PNG atomically (a temporary file, then a rename); close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp")
     fig.savefig(tmp, dpi=110, format="png")
@@ -104,9 +111,4 @@ def draw_latency(results: dict, path: pathlib.Path) -> pathlib.Path | None:
                  + (" (--quick)" if t9.get("quick") else ""))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7.5, loc="lower left")
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return _save(fig, path)
