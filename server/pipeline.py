@@ -91,33 +91,28 @@ class _GeneratorRandom(random.Random):
 
     ``random()``, ``getrandbits()`` and ``gauss()`` draw from the generator; every other method
     (``uniform``, ``randint``, ``choice``, ``sample``, ``shuffle``...) is built on those by
-    ``random.Random``. ``random()`` takes its doubles from blocks of ``_BLOCK`` drawn in one call
-    (a scalar numpy draw costs 0.47 us against 1.0 us for a block of 8 here, and Fashion-MNIST's
-    train preset makes 6.6 ``random()`` calls per sample); ``forget()`` drops the block, and
-    ``SampleRandom.start`` calls it, so re-keying the generator fully determines what this object
-    returns (``gauss`` caches no second value). Seeding it is a no-op.
-    """
+    ``random.Random``. ``random()`` is the generator's own ``random()``: one double from the
+    stream per call, no values held back, so re-keying the generator fully determines what this
+    object returns (``gauss`` caches no second value either). Seeding it is a no-op.
 
-    _BLOCK = 8
+    Speed: ``random`` is an instance attribute, the generator's bound C method, which shadows the
+    method below (CPython's ``uniform`` calls ``self.random()``): 0.45 us a draw, no Python frame.
+    Doubles drawn ahead in blocks cost less per draw but a new block iterator per sample, which
+    cost more in the worker's loop (bench/table_seeding.py; Fashion-MNIST's train preset makes
+    6.6 ``random()`` calls per sample).
+    """
 
     def __init__(self, generator: np.random.Generator):
         self._generator = generator
         self._raw = generator.bit_generator.random_raw
-        self._block: list[float] = []
         super().__init__()
-
-    def forget(self) -> None:
-        """Drop the doubles drawn ahead, so the next ``random()`` draws from the generator's state."""
-        self._block = []
+        self.random = generator.random
 
     def seed(self, a=None, version=2) -> None:  # random.Random.__init__ calls it; the generator is seeded elsewhere
         pass
 
-    def random(self) -> float:
-        if not self._block:
-            self._block = self._generator.random(self._BLOCK).tolist()
-            self._block.reverse()
-        return self._block.pop()
+    def random(self) -> float:  # shadowed per instance (see the class doc); here for calls through the class
+        return self._generator.random()
 
     def getrandbits(self, k: int) -> int:
         if k < 0:
@@ -150,9 +145,13 @@ class SampleRandom:
         self._bit_generator = np.random.Philox(key=0)
         self.generator = np.random.Generator(self._bit_generator)
         self.py_random = _GeneratorRandom(self.generator)
-        self._state = sample_stream_state(np.zeros(2, np.uint64), 0)
-        self._counter = self._state["state"]["counter"]
-        self._key = self._state["state"]["key"]
+        # sample_stream_state's dict with Python ints in lists: numpy's Philox state setter reads
+        # them item by item, 0.8 us a re-key against 2.0 us with uint64 arrays
+        state = sample_stream_state(np.zeros(2, np.uint64), 0)
+        state["state"] = {"counter": state["state"]["counter"].tolist(), "key": [0, 0]}
+        state["buffer"] = state["buffer"].tolist()
+        self._state = state
+        self._counter = state["state"]["counter"]
 
     def attach(self, compose: A.Compose) -> None:
         """Make every transform of ``compose`` (nested ones too) draw from this object's stream."""
@@ -165,8 +164,6 @@ class SampleRandom:
         """
         if not 0 <= position < 1 << 63:
             raise ValueError(f"sample position {position} is not in [0, 2**63)")
-        self._key[:] = key
+        self._state["state"]["key"] = key.tolist()
         self._counter[2] = position
-        self._state["buffer_pos"] = 4
-        self._bit_generator.state = self._state  # copies the values: the dict and arrays are reused
-        self.py_random.forget()
+        self._bit_generator.state = self._state  # numpy copies the values: the dict and lists are reused

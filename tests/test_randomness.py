@@ -32,7 +32,7 @@ BLUE = 40
 # Upper 0.001 critical values of the chi-square distribution by degrees of freedom, from the
 # NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.4 "Critical Values of the
 # Chi-Square Distribution" (https://www.itl.nist.gov/div898/handbook/eda/section3/eda3674.htm).
-CHI2_CRITICAL_001 = {1: 10.828, 3: 16.266, 4: 18.467, 7: 24.322, 8: 26.124, 64: 104.716}
+CHI2_CRITICAL_001 = {1: 10.828, 3: 16.266, 4: 18.467, 6: 22.458, 7: 24.322, 8: 26.124, 64: 104.716}
 
 FLIPS2 = A.Compose([A.Resize(32, 32), A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)])
 FLIPS3 = A.Compose([A.Resize(32, 32), A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5), A.InvertImg(p=0.5)])
@@ -209,3 +209,32 @@ def test_bytes_follow_the_documented_derivation(server):
     assert np.array_equal(rnd.generator.random(8), sample_stream(key, 12345).random(8))
     assert np.array_equal(sample_stream(key, 3).random(4), np.random.Generator(np.random.Philox(key=key).jumped(3)).random(4))
 
+
+
+def test_py_random_and_the_generator_are_one_stream():
+    """py_random.random() is the next double of the sample's numpy stream; the methods random.Random
+    builds on it (uniform, randint, choice, shuffle, gauss) work, stay in range and are re-keyed too."""
+    key = sample_key(seed=5, epoch=2)
+    rnd = SampleRandom()
+    rnd.start(key, 77)
+    mixed = [rnd.py_random.random(), rnd.generator.random(), rnd.py_random.random()]
+    assert mixed == sample_stream(key, 77).random(3).tolist()  # interleaved draws take turns in one stream
+
+    def draws():
+        r = rnd.py_random
+        return ([r.uniform(2.0, 3.0) for _ in range(200)], [r.randint(-3, 3) for _ in range(700)],
+                [r.choice("abcd") for _ in range(400)], r.sample(range(100), 10), r.gauss(1.0, 2.0),
+                r.getrandbits(130))
+
+    rnd.start(key, 78)
+    first = draws()
+    rnd.start(key, 78)
+    assert draws() == first, "re-keying must fully determine py_random (nothing held back)"
+    uniforms, ints, letters, picked, _, bits = first
+    assert all(2.0 <= u < 3.0 for u in uniforms) and max(uniforms) - min(uniforms) > 0.9
+    counts = np.bincount(np.array(ints) + 3, minlength=7)
+    chi2 = float(((counts - 100) ** 2 / 100).sum())
+    assert chi2 < CHI2_CRITICAL_001[6], f"randint(-3, 3) counts {counts.tolist()}"
+    assert set(letters) == set("abcd") and len(set(picked)) == 10 and 0 <= bits < 1 << 130
+    rnd.start(key, 79)
+    assert draws() != first, "another position must give another stream"
