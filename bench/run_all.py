@@ -69,10 +69,9 @@ def main(argv=None) -> int:
     out = args.out or (pathlib.Path("/tmp/batchd-bench-quick") if args.quick else ROOT / "bench" / "results")
     settings = Settings(quick=args.quick, repeats=args.repeats or (1 if args.quick else 3), out_dir=out)
     measure.pin_threads()
-    # Garbage collection runs only between measurements (bench/noise.py), as timeit does. This also
-    # keeps batchd's shared-memory lease finalizers from running inside GC at an arbitrary point:
-    # client/shm.py's finalizer calls gRPC and takes locks, and run from a collection triggered
-    # inside gRPC's own call creation it deadlocks the process (a client bug, reported with the suite).
+    # Garbage collection runs only between measurements (bench/noise.py), as timeit does, so that a
+    # collection's pause lands in no timed window. (The client's shared-memory lease finalizers are
+    # safe inside a collection: they only queue the lease, client/leases.py; a thread releases it.)
     gc.disable()
     start = time.perf_counter()
     info = machine.info()
