@@ -14,7 +14,7 @@ from bench.measure import median, spread, time_stream
 from bench.noise import measure
 from bench.report import fx, md_table
 from bench.server_proc import ServerProcess
-from bench.torch_loader import PhotoDataset, make_loader
+from bench.torch_loader import PhotoDataset, make_loader, time_loader
 
 NAME = "table2"
 TITLE = "Table 2: batch size (2 workers, L3)"
@@ -80,8 +80,7 @@ def _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed,
     if m == "sequential":
         return time_stream(sequential.batches(ds, compose, bs, seq_batches, seed), 0, seq_batches)
     if m == "dataloader":
-        plan.set(p, len(torch_ds), bs, warmup + timed, seed)
-        return time_stream(dl, warmup, timed)
+        return time_loader(dl, plan, p, len(torch_ds), bs, warmup, timed, seed)
     try:
         with common.remote(srv.address, "photos_x4", batch_size=bs, pipeline=p, workers=w, transport="shm",
                            seed=seed) as rl:

@@ -56,7 +56,7 @@ from bench.measure import median, smaps_rollup, time_stream  # noqa: E402
 from bench.noise import measure  # noqa: E402
 from bench.report import fx, md_table  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
-from bench.torch_loader import PhotoDataset, make_loader, worker_pids  # noqa: E402
+from bench.torch_loader import PhotoDataset, make_loader, time_loader, worker_pids  # noqa: E402
 
 NAME = "table9"
 TITLE = "Table 9: images/s against storage latency per file open (FUSE) and per S3 request (L3, batch 64)"
@@ -240,8 +240,8 @@ def _one(m: str, servers: dict[str, ServerProcess], loaders: dict, torch_ds, *, 
     def dl_end():
         if snapshot is not None:
             snapshot["workers_pss"], snapshot["workers_rss"] = _pss(worker_pids(dl))
-    plan.set((latency_s3.S3_TAG if m in latency_s3.METHODS else "") + PIPELINE, len(torch_ds), BATCH, warmup + timed, seed)
-    return time_stream(dl, warmup, timed, on_end=dl_end)
+    return time_loader(dl, plan, (latency_s3.S3_TAG if m in latency_s3.METHODS else "") + PIPELINE, len(torch_ds),
+                       BATCH, warmup, timed, seed, on_end=dl_end)
 
 
 def render(r: dict) -> str:

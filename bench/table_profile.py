@@ -30,7 +30,7 @@ from bench.measure import cpu_seconds, median, time_stream
 from bench.noise import measure
 from bench.report import fx, md_table
 from bench.server_proc import ServerProcess
-from bench.torch_loader import PhotoDataset, make_loader, worker_pids
+from bench.torch_loader import PhotoDataset, make_loader, time_loader, worker_pids
 
 NAME = "table5"
 TITLE = "Table 5: profile of a batch (L3, batch 64) and reduced JPEG decoding"
@@ -122,8 +122,6 @@ def _transport_one(m, dl, plan, torch_ds, srv, seed, warmup, timed) -> dict:
     """One timed stream of ``m``: wall and per-process CPU seconds per batch."""
     snap = {}
     if m == "dataloader":
-        plan.set(PIPELINE, len(torch_ds), BS, warmup + timed, seed)
-        source = iter(dl)
         pids, server_pid = worker_pids(dl), None
     else:
         source = common.remote(srv.address, "photos", batch_size=BS, pipeline=PIPELINE, workers=WORKERS,
@@ -135,11 +133,13 @@ def _transport_one(m, dl, plan, torch_ds, srv, seed, warmup, timed) -> dict:
         return (sum(cpu_seconds(p) for p in pids), cpu_seconds(server_pid) if server_pid else 0.0,
                 time.process_time())
 
-    try:
-        r = time_stream(source, warmup, timed, on_start=lambda: snap.__setitem__("a", cpu()),
-                        on_end=lambda: snap.__setitem__("b", cpu()))
-    finally:
-        if m != "dataloader":
+    marks = {"on_start": lambda: snap.__setitem__("a", cpu()), "on_end": lambda: snap.__setitem__("b", cpu())}
+    if m == "dataloader":
+        r = time_loader(dl, plan, PIPELINE, len(torch_ds), BS, warmup, timed, seed, **marks)
+    else:
+        try:
+            r = time_stream(source, warmup, timed, **marks)
+        finally:
             source.close()
             srv.wait_idle()  # the batches in flight when we stopped reading must not overlap the next measurement
     (wa, sa, ca), (wb, sb, cb) = snap["a"], snap["b"]

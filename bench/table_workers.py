@@ -22,7 +22,7 @@ from bench.measure import median, spread, time_stream
 from bench.noise import measure
 from bench.report import fx, md_table
 from bench.server_proc import ServerProcess
-from bench.torch_loader import PhotoDataset, make_loader
+from bench.torch_loader import PhotoDataset, make_loader, time_loader
 
 NAME = "table1"
 TITLE = "Table 1: workers x pipeline (batch 64)"
@@ -112,8 +112,7 @@ def _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed,
     if m == "sequential":
         return time_stream(sequential.batches(ds, compose, bs, seq_batches + 1, seed), 1, seq_batches)
     if m == "dataloader":
-        plan.set(p, len(torch_ds), bs, warmup + timed, seed)
-        return time_stream(dl, warmup, timed)
+        return time_loader(dl, plan, p, len(torch_ds), bs, warmup, timed, seed)
     transport = "inline" if m == "batchd_tcp" else "shm"
     try:
         with common.remote(srv.address, "photos", batch_size=bs, pipeline=p, workers=w, transport=transport,

@@ -103,6 +103,30 @@ def make_loader(dataset: PhotoDataset, workers: int, prefetch_factor: int = 2) -
     return loader, plan
 
 
+def time_loader(loader: DataLoader, plan: Plan, pipeline: str, num_samples: int, batch_size: int,
+                warmup: int, timed: int, seed: int, **time_kw):
+    """``bench.measure.time_stream`` over ``loader``, with its workers as busy at the end of the timed
+    window as at its start.
+
+    The plan holds ``workers x prefetch_factor`` batches more than ``warmup + timed`` (consumed
+    untimed afterwards, so the persistent workers are idle before the next measurement). Without
+    them the window would open with every worker's batches already under way and close with none:
+    up to a round of the workers' work done before the clock started, counted as if done inside
+    it (16 workers, 16 timed batches: up to half of them), while batchd's stream goes on past the
+    window as it goes on before it. ``time_kw``: ``on_start``/``on_end`` as ``time_stream`` takes.
+    """
+    from bench.measure import time_stream
+
+    tail = loader.num_workers * (loader.prefetch_factor or 2)
+    plan.set(pipeline, num_samples, batch_size, warmup + timed + tail, seed)
+    it = iter(loader)
+    try:
+        return time_stream(it, warmup, timed, **time_kw)
+    finally:
+        for batch in it:  # the tail, untimed
+            del batch
+
+
 def worker_pids(loader: DataLoader) -> list[int]:
     it = getattr(loader, "_iterator", None)
     return [w.pid for w in getattr(it, "_workers", [])]
