@@ -264,7 +264,11 @@ def _serve(args: argparse.Namespace) -> int:
         for line in sys.stdin:
             try:
                 cmd = json.loads(line)
-                need = (cmd["warmup"] + cmd["timed"]) * args.batch_size
+                # the order goes on past the timed batches (prefetch + a batch per thread, never
+                # consumed), so the pipeline is as full when the window closes as when it opened,
+                # as batchd's stream and bench.torch_loader.time_loader are
+                tail = max(2, 2 * args.workers) + args.workers
+                need = (cmd["warmup"] + cmd["timed"] + tail) * args.batch_size
                 rng = np.random.default_rng(cmd["seed"])  # a fresh shuffled order, as bench.torch_loader.Plan
                 n = len(plan["files"])
                 order = np.concatenate([rng.permutation(n) for _ in range(-(-need // n))])[:need]
