@@ -1,6 +1,8 @@
 """Where dataset files live: local paths or URLs (``s3://``, ``gs://``, ``http(s)://``, ``file://``).
 
-Everything remote goes through fsspec (s3fs for ``s3://``). ``StorageOptions`` is the
+``s3://`` and ``gs://`` roots go through obstore (``_obstore.py``, ``_obstore_gcs.py``; ``backend:
+fsspec`` for s3fs/gcsfs), ``http(s)://`` through obstore's HTTPStore, the rest through fsspec.
+``StorageOptions`` is the
 ``storage_options`` block of a dataset config: fsspec/s3fs's own names (``endpoint_url``,
 ``key``, ``secret``, ``token``, ``region``, ``anon``, and any other keyword the filesystem
 takes), credentials that may come from a file the config names, and batchd's retry and timeout
@@ -10,7 +12,8 @@ settings. Secrets are ``SecretStr`` (``repr``, logs and ``model_dump`` show ``**
 Retries are the storage library's own: for S3, botocore's ``standard`` retry mode
 (exponential backoff with full jitter on throttling, 5xx, and connection errors, up to
 ``max_attempts`` attempts) plus a connect and a read timeout per request (``timeout_s``); gcsfs
-retries on its own. A read that still fails raises ``StorageError`` with the URL (user info and
+retries on its own; obstore (``s3://``, ``gs://``, ``http(s)://``) retries with backoff and
+jitter too. A read that still fails raises ``StorageError`` with the URL (user info and
 query removed, so no credential) and the error's type and message.
 """
 
@@ -31,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # storage_options keys whose values are credentials (also among the extra, filesystem-specific keys)
 SECRET_KEYS = frozenset({"key", "secret", "token", "password", "session_token", "client_secret",
-                         "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key", "sas_token"})
+                         "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key", "sas_token",
+                         "service_account_key", "google_service_account_key", "bearer_token", "google_bearer_token"})
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -118,9 +122,12 @@ class StorageOptions(BaseModel):
         exponential backoff with jitter on throttling, 5xx and connection errors). Default 10
         (object_store's default; the retries of one request stop after 4 x timeout_s, at least 60 s).
     timeout_s: connect timeout and read timeout per request, seconds. Default 30.
-    backend: what reads ``s3://`` URLs: "obstore" (default; about 10x less latency and CPU per
-        object than s3fs, measured) or "fsspec" (s3fs, which takes any further s3fs keyword,
-        e.g. ``client_kwargs``). Other URLs always go through fsspec.
+    backend: what reads ``s3://`` and ``gs://`` URLs: "obstore" (default; about 10x less latency and
+        CPU per object than s3fs, measured) or "fsspec" (s3fs, which takes any further s3fs keyword,
+        e.g. ``client_kwargs``; gcsfs, not a batchd dependency). For ``gs://`` with obstore the
+        credential names are object_store's (``service_account`` file, ``service_account_key``,
+        ``application_credentials``, ``bearer_token``), gcsfs's ``token`` and ``anon``; see
+        ``_obstore_gcs.py``.
     Other keys go to the fsspec filesystem as they are (e.g. gcsfs's ``project``); those named
     like credentials (``SECRET_KEYS``) are kept as secrets too.
     """
@@ -228,12 +235,14 @@ class Storage:
         self._root_protocol = self.protocol(root)
         self._fs: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._s3 = None
-        if self._root_protocol in ("s3", "s3a") and self.options.backend == "obstore":
+        self._s3 = None  # the root's bucket store: ObstoreS3 for s3://, ObstoreGCS for gs://
+        if self._root_protocol in ("s3", "s3a", "gs", "gcs") and self.options.backend == "obstore":
             from ._obstore import ObstoreS3
+            from ._obstore_gcs import ObstoreGCS
 
-            self._s3 = ObstoreS3(self.options.resolved(), max_attempts=self.options.max_attempts,
-                                 timeout_s=self.options.timeout_s, fail=self._error)
+            bucket_store = ObstoreGCS if self._root_protocol in ("gs", "gcs") else ObstoreS3
+            self._s3 = bucket_store(self.options.resolved(), max_attempts=self.options.max_attempts,
+                                    timeout_s=self.options.timeout_s, fail=self._error)
         self._http = None
         if self.options.backend == "obstore":  # http(s) reads with retries (fsspec's have none)
             from ._obstore_http import ObstoreHTTP
@@ -251,8 +260,8 @@ class Storage:
         return StorageError(f"cannot {what} {safe_url(url)}: {text}")
 
     def _obstore(self, location: str):
-        """The obstore backend if it serves ``location``: an s3:// URL with the root's options, or an
-        http(s) URL without user info or query (unless ``backend: fsspec``)."""
+        """The obstore backend if it serves ``location``: an s3:// or gs:// URL with the root's
+        options, or an http(s) URL without user info or query (unless ``backend: fsspec``)."""
         if self._s3 is not None and self.protocol(location) == self._root_protocol:
             return self._s3
         if self._http is not None and self.protocol(location) in ("http", "https") and self._http.serves(location):
