@@ -250,6 +250,21 @@ def test_imagefolder_extensions_and_index_refresh(tmp_path):
     assert len(before) == 6 and before.source(0) == "cat/10.png"  # an open map keeps its old index
 
 
+def test_two_datasets_on_one_root_with_other_settings_keep_their_own_indexes(tmp_path):
+    """A server builds every dataset's index, then its workers open them: building the second must
+    not remove the first's (it did when the index name hashed the root alone: IndexMissingError)."""
+    make_folder(tmp_path / "img")
+    cache = tmp_path / "cache"
+    only_bmp = folder(tmp_path / "img", extensions=(".BMP",), allow_empty=True)
+    everything = folder(tmp_path / "img")
+    built = {name: len(open_dataset(name, cfg, cache, build=True))
+             for name, cfg in (("bmp", only_bmp), ("all", everything))}
+    assert built == {"bmp": 1, "all": 6}
+    assert len(open_dataset("bmp", only_bmp, cache, build=False)) == 1
+    assert len(open_dataset("all", everything, cache, build=False)) == 6
+    assert len(list(cache.glob("imagefolder-*.bidx"))) == 2
+
+
 def test_imagefolder_errors_when_opening(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a folder"):
         open_dataset("p", folder(tmp_path / "nope"), tmp_path / "cache", build=True)

@@ -59,13 +59,18 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def cache_path(cache_dir: str | os.PathLike[str], kind: str, source: str, fingerprint: Any) -> pathlib.Path:
-    """Where the index of ``source`` (a path) lives: ``{kind}-{basename}-{hash(source)}-{hash(fingerprint)}.bidx``.
+def cache_path(cache_dir: str | os.PathLike[str], kind: str, source: str, fingerprint: Any,
+               identity: Any = None) -> pathlib.Path:
+    """Where the index of ``source`` (a path or URL) lives:
+    ``{kind}-{basename}-{hash(kind, source, identity)}-{hash(fingerprint)}.bidx``.
 
-    Files sharing the first three parts are older versions of the same index (see remove_stale).
+    ``identity``: what else tells this dataset from another on the same source (the storage
+    endpoint, extensions, label field...: settings, not contents); ``fingerprint``: its contents'
+    version. Files sharing the first three parts are older versions of the same index (see
+    remove_stale), so two datasets on one source with other settings never remove each other's.
     """
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(source.rstrip("/\\")) or "root")[:40]
-    prefix = f"{kind}-{slug}-{_digest([kind, source])}"
+    prefix = f"{kind}-{slug}-{_digest([kind, source] if identity is None else [kind, source, identity])}"
     return pathlib.Path(cache_dir) / f"{prefix}-{_digest([FORMAT_VERSION, fingerprint])}{SUFFIX}"
 
 

@@ -160,7 +160,7 @@ class ImageFolder(FileDataset):
         key = {"root": root, "extensions": extensions, "allow_empty": allow_empty, "order": ORDER}
         if remote:
             key["storage"] = options.fingerprint_part()
-        out = cache_path(cache_dir, self.kind, root, key)
+        out = cache_path(cache_dir, self.kind, root, key, identity=key)
         if build:
             if remote:  # listed once, here; the index keeps the listing
                 files = Storage(root, options).list_files(root)

@@ -186,7 +186,8 @@ class Manifest(FileDataset):
                 fingerprint = file_fingerprint(table_path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{safe_url(table_path)}: manifest not found (dataset {name!r})") from None
-        out = cache_path(cache_dir, self.kind, safe_url(table_path), fingerprint)
+        out = cache_path(cache_dir, self.kind, safe_url(table_path), fingerprint,
+                         identity=options.fingerprint_part() if remote else None)
         index = None
         if build:
             try:

@@ -156,7 +156,8 @@ class WebDataset(FileDataset):
                 raise StorageError(f"dataset {name!r}: {e}") from None
         key = {"shards": [safe_url(s) for s in shards], "versions": versions, "extensions": image_exts,
                "label_field": label_field, "storage": options.fingerprint_part()}
-        out = cache_path(cache_dir, self.kind, safe_url(shards[0]), key)
+        identity = {k: v for k, v in key.items() if k != "versions"}  # versions change with the shards' contents
+        out = cache_path(cache_dir, self.kind, safe_url(shards[0]), key, identity=identity)
         index = None
         if build:
             try:
