@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # fsspec's HTTP filesystem logs every URL it fetches at DEBUG, query string included: a
+    # presigned URL's signature or token would reach the log with --log-level DEBUG
+    logging.getLogger("fsspec.http").setLevel(max(logging.INFO, logging.getLogger().level))
     return args.func(args)
 
 

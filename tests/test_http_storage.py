@@ -103,6 +103,39 @@ def test_http_rows_survive_503s_and_stream_as_local_files(images, make_server, t
         assert all(counts[f"/{p.relative_to(root).as_posix()}"] >= 3 for p in files)  # every path retried
 
 
+def test_presigned_rows_read_through_fsspec_survive_503s_too(images, make_server, tmp_path, caplog):
+    """URLs with a query string (presigned) or user info stay on fsspec's HTTP filesystem, which has
+    no retries of its own: batchd retries them (tenacity, server/datasets/_fsspec_retry.py)."""
+    root, files = images
+    with flaky_server(root, fail_first=2) as (base, counts):
+        opts = {"max_attempts": 4, "timeout_s": 5}
+        rows = [f"{base}/{p.relative_to(root).as_posix()}?X-Amz-Signature=s1gnatur3&X-Amz-Expires=600" for p in files]
+        rows[1] = rows[1].split("?")[0].replace("http://", "http://reader:pa55word@")
+        web = _manifest(tmp_path, "presigned.csv", rows)
+        local = _manifest(tmp_path, "local-presigned.csv", [str(p) for p in files])
+        ds = open_dataset("pre", ManifestConfig(kind="manifest", path=web, storage_options=opts), tmp_path, build=True)
+        assert ds.storage._obstore(rows[0]) is None and ds.storage._obstore(rows[1]) is None  # fsspec's path
+        assert bytes(ds.read_bytes(0)) == files[0].read_bytes()  # after two 503s
+        assert counts[f"/{files[0].relative_to(root).as_posix()}"] == 3
+        caplog.set_level(logging.DEBUG, logger="batchd")  # (fsspec.http logs URLs at DEBUG: batchd serve keeps it at INFO)
+        server = make_server(datasets={"local": {"kind": "manifest", "path": local},
+                                       "pre": {"kind": "manifest", "path": web, "storage_options": opts}})
+        with _loader(server, "local", batch_size=4) as a, _loader(server, "pre", batch_size=4) as b:
+            got_a, got_b = list(a), list(b)
+        assert [digest(x) for x in got_b] == [digest(x) for x in got_a]
+        assert all(counts[f"/{p.relative_to(root).as_posix()}"] >= 3 for p in files)  # every path retried
+    with flaky_server(root, fail_first=2) as (base, counts):  # one attempt: the 503 is the answer
+        url = f"{base}/{files[0].relative_to(root).as_posix()}?token=tok3nvalue"
+        one = _manifest(tmp_path, "presigned1.csv", [url])
+        ds = open_dataset("pre1", ManifestConfig(kind="manifest", path=one, storage_options={"max_attempts": 1}),
+                          tmp_path, build=True)
+        with pytest.raises(SampleError) as e:
+            ds.read_bytes(0)
+        assert "503" in e.value.reason and counts[f"/{files[0].relative_to(root).as_posix()}"] == 1
+    text = caplog.text + str(e.value)
+    assert "s1gnatur3" not in text and "pa55word" not in text and "tok3nvalue" not in text
+
+
 def test_http_rows_fail_after_the_retries_naming_dataset_index_and_url(images, make_server, tmp_path, caplog):
     root, files = images
     with flaky_server(root, fail_first=2) as (base, counts):

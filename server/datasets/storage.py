@@ -268,6 +268,15 @@ class Storage:
             return self._http
         return None
 
+    def _retried(self, location: str, fn):
+        """``fn()`` with retries for http(s) through fsspec (no retries of its own: _fsspec_retry);
+        other protocols' libraries retry themselves (botocore, gcsfs)."""
+        if self.protocol(location) not in ("http", "https"):
+            return fn()
+        from ._fsspec_retry import call
+
+        return call(fn, max_attempts=self.options.max_attempts, timeout_s=self.options.timeout_s)
+
     @staticmethod
     def protocol(location: str) -> str:
         return location.split("://", 1)[0].lower() if is_remote(location) else "file"
@@ -301,7 +310,7 @@ class Storage:
         if (s3 := self._obstore(location)) is not None:
             return s3.read(location, start, end)
         try:
-            return self.filesystem(location).cat_file(location, start=start, end=end)
+            return self._retried(location, lambda: self.filesystem(location).cat_file(location, start=start, end=end))
         except FileNotFoundError:
             raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
         except Exception as e:  # botocore/aiohttp errors have no common base
@@ -318,7 +327,7 @@ class Storage:
         if (s3 := self._obstore(location)) is not None:
             return s3.info(location)
         try:
-            info = self.filesystem(location).info(location)
+            info = self._retried(location, lambda: self.filesystem(location).info(location))
         except FileNotFoundError:
             raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
         except Exception as e:
@@ -369,7 +378,7 @@ class Storage:
         if (s3 := self._obstore(location)) is not None:
             return s3.download(location, os.fspath(dest))
         try:
-            self.filesystem(location).get_file(location, os.fspath(dest))
+            self._retried(location, lambda: self.filesystem(location).get_file(location, os.fspath(dest)))
         except FileNotFoundError:
             raise FileNotFoundError(f"no such object: {safe_url(location)}") from None
         except Exception as e:
