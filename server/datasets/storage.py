@@ -13,7 +13,8 @@ Retries are the storage library's own: for S3, botocore's ``standard`` retry mod
 (exponential backoff with full jitter on throttling, 5xx, and connection errors, up to
 ``max_attempts`` attempts) plus a connect and a read timeout per request (``timeout_s``); gcsfs
 retries on its own; obstore (``s3://``, ``gs://``, ``http(s)://``) retries with backoff and
-jitter too. A read that still fails raises ``StorageError`` with the URL (user info and
+jitter too; the http(s) reads left to fsspec (presigned URLs, user info), which has no retries,
+are retried with tenacity under the same policy (``_fsspec_retry.py``). A read that still fails raises ``StorageError`` with the URL (user info and
 query removed, so no credential) and the error's type and message.
 """
 
