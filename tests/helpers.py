@@ -44,3 +44,23 @@ def digest(batch) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+def assert_raise_names_then_skip_serves_the_rest(open_loader, missing: int, path: str) -> None:
+    """Through a server: dataset "rows" (``on_error: raise``) fails with a SampleError naming sample
+    ``missing`` and its ``path``; "rows-skip" serves every other sample once and lists ``missing``
+    as skipped. ``open_loader(name)`` returns a RemoteDataLoader on the server."""
+    import pytest
+
+    import batchd
+
+    with pytest.raises(batchd.SampleError, match=path) as e:
+        with open_loader("rows") as ld:
+            for _ in ld:
+                pass
+    assert e.value.dataset == "rows" and e.value.index == missing
+    with open_loader("rows-skip") as ld:
+        batches = list(ld)
+    served = np.concatenate([b["index"].numpy() for b in batches]).tolist()
+    skipped = [i for b in batches if "skipped" in b for i in b["skipped"].tolist()]
+    assert sorted(served) == list(range(missing)) and skipped == [missing]

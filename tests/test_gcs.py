@@ -25,7 +25,7 @@ from batchd.errors import SampleError
 from batchd.server.config import ImageFolderConfig, ManifestConfig
 from batchd.server.datasets import open_dataset
 from gcs_server import FakeGCS, fake_gcs_binary
-from helpers import digest, write_png
+from helpers import assert_raise_names_then_skip_serves_the_rest, digest, write_png
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,16 +181,8 @@ def test_manifest_on_a_bucket_missing_object_names_the_key(gcs, photos, server, 
     assert e.value.dataset == "rows" and e.value.index == missing and e.value.path == "cat/missing.png"
     assert "no such object: gs://batchd-test/photos/cat/missing.png" in e.value.reason
     # through the server: raise names the sample; skip leaves it out and serves the rest once
-    with pytest.raises(batchd.SampleError, match="cat/missing.png") as e:
-        with _loader(server, "rows", batch_size=4) as ld:
-            for _ in ld:
-                pass
-    assert e.value.dataset == "rows" and e.value.index == missing
-    with _loader(server, "rows-skip", batch_size=4) as ld:
-        batches = list(ld)
-    served = np.concatenate([b["index"].numpy() for b in batches]).tolist()
-    skipped = [i for b in batches if "skipped" in b for i in b["skipped"].tolist()]
-    assert sorted(served) == list(range(missing)) and skipped == [missing]
+    assert_raise_names_then_skip_serves_the_rest(lambda name: _loader(server, name, batch_size=4), missing,
+                                                 "cat/missing.png")
 
 
 def test_a_bucket_that_does_not_exist_is_a_clear_error(gcs, photos, tmp_path):

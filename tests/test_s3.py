@@ -18,7 +18,7 @@ from batchd.client.datasets import describe_dataset
 from batchd.errors import SampleError
 from batchd.server.config import ImageFolderConfig, ManifestConfig
 from batchd.server.datasets import open_dataset
-from helpers import digest, write_png
+from helpers import assert_raise_names_then_skip_serves_the_rest, digest, write_png
 from seaweed import DroppingProxy, seaweed  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.timeout(300)
@@ -102,16 +102,8 @@ def test_manifest_on_a_bucket_missing_object_names_the_key(seaweed, photos, make
         "rows-skip": {"kind": "manifest", "path": manifest, "storage_options": opts,
                       "on_error": "skip", "max_skipped_fraction": 0.5},
     })
-    with pytest.raises(batchd.SampleError, match="cat/missing.png") as e:
-        with _loader(server, "rows", batch_size=4) as ld:
-            for _ in ld:
-                pass
-    assert e.value.dataset == "rows" and e.value.index == missing
-    with _loader(server, "rows-skip", batch_size=4) as ld:
-        batches = list(ld)
-    served = np.concatenate([b["index"].numpy() for b in batches]).tolist()
-    skipped = [i for b in batches if "skipped" in b for i in b["skipped"].tolist()]
-    assert sorted(served) == list(range(missing)) and skipped == [missing]
+    assert_raise_names_then_skip_serves_the_rest(lambda name: _loader(server, name, batch_size=4), missing,
+                                                 "cat/missing.png")
 
 
 def test_full_urls_in_manifest_rows(seaweed, photos, tmp_path):  # noqa: F811
