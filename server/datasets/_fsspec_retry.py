@@ -5,7 +5,7 @@ URL's query string or user info, so presigned URLs (``?X-Amz-Signature=...``, ``
 read through fsspec. This wraps those calls in tenacity (a retry library, not a loop of ours) with
 the policy of the obstore paths (``_obstore.ObstoreS3``): exponential backoff with full jitter
 from 200 ms, capped at 15 s a wait, up to ``max_attempts`` attempts and at most
-``max(60, 4 * timeout_s)`` seconds in all; retried: HTTP 429 and 5xx answers, connection errors
+``max(60, 4 * timeout_s)`` seconds in all; retried: HTTP 408, 429 and 5xx answers, connection errors
 and timeouts. A 404 (FileNotFoundError) and other 4xx answers are not retried.
 """
 
