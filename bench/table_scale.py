@@ -141,11 +141,13 @@ def render(r: dict) -> str:
     before = next(p for p in r["states"]["fresh: workers started"] if p["role"] == "server")
     after = next(p for p in main if p["role"] == "server")
     grew = after["RssAnon"] - before["RssAnon"]
+    order_mb = r["rows"] * 8 / 1e6
+    kept = grew / 1e6 >= 0.5 * order_mb * r["streams_fresh"]
     out.append(
         f"\nThe server's RssAnon grew by {grew / 1e6:.0f} MB while the workers opened the index, over "
-        f"{r['streams_fresh']} failed stream(s); a stream's sample order is {r['rows'] * 8 / 1e6:.0f} MB (int64 per "
-        "row), and this version of the server keeps it after the stream fails on a missing file (measured "
-        "separately: +80 MB per failed stream on the 10M-row table, none for streams the client abandons)."
+        f"{r['streams_fresh']} failed stream(s); a stream's sample order is {order_mb:.0f} MB (int64 per row), "
+        + ("so the server seems to keep the orders of failed streams." if kept else
+           "so the failed streams' orders were freed with them.")
     )
     return "\n".join(out)
 
