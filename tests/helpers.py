@@ -64,3 +64,18 @@ def assert_raise_names_then_skip_serves_the_rest(open_loader, missing: int, path
     served = np.concatenate([b["index"].numpy() for b in batches]).tolist()
     skipped = [i for b in batches if "skipped" in b for i in b["skipped"].tolist()]
     assert sorted(served) == list(range(missing)) and skipped == [missing]
+
+
+def write_class_tree(root: pathlib.Path, classes: dict[str, int]) -> None:
+    """An image folder under ``root``: ``classes[c]`` random 12x16 PNGs per class folder ``c``,
+    the last one in a ``nested/`` subfolder (listed after the folder's own files), and a
+    ``cat/notes.txt`` that is not an image. Image ``k`` (counted over all classes from 1) is
+    ``np.random.default_rng(k).integers(0, 256, (12, 16, 3), uint8)``."""
+    seed = 0
+    for cls, n in classes.items():
+        for i in range(n):
+            seed += 1
+            sub = "nested/" if i == n - 1 else ""
+            write_png(root / cls / f"{sub}{i:02d}.png",
+                      np.random.default_rng(seed).integers(0, 256, (12, 16, 3), dtype=np.uint8))
+    (root / "cat" / "notes.txt").write_text("not an image")

@@ -25,7 +25,7 @@ from batchd.errors import SampleError
 from batchd.server.config import ImageFolderConfig, ManifestConfig
 from batchd.server.datasets import open_dataset
 from gcs_server import FakeGCS, fake_gcs_binary
-from helpers import assert_raise_names_then_skip_serves_the_rest, digest, write_png
+from helpers import assert_raise_names_then_skip_serves_the_rest, digest, write_class_tree
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,13 +51,7 @@ def gcs(tmp_path_factory):
 def photos(gcs, tmp_path_factory):
     """(local root, gs URL of the same folder, gs URL of a manifest of it whose last row is missing)."""
     root = tmp_path_factory.mktemp("photos") / "photos"
-    seed = 0
-    for cls, n in CLASSES.items():
-        for i in range(n):
-            seed += 1
-            sub = "nested/" if i == n - 1 else ""  # a subfolder: listed after the folder's own files
-            write_png(root / cls / f"{sub}{i:02d}.png", np.random.default_rng(seed).integers(0, 256, (12, 16, 3), dtype=np.uint8))
-    (root / "cat" / "notes.txt").write_text("not an image")
+    write_class_tree(root, CLASSES)
     gcs.upload_tree(root, "photos")
     rows = ["path,label"] + [f"{p.relative_to(root).as_posix()},{p.relative_to(root).parts[0]}" for p in sorted(root.rglob("*.png"))]
     rows.append("cat/missing.png,cat")

@@ -18,7 +18,7 @@ from batchd.client.datasets import describe_dataset
 from batchd.errors import SampleError
 from batchd.server.config import ImageFolderConfig, ManifestConfig
 from batchd.server.datasets import open_dataset
-from helpers import assert_raise_names_then_skip_serves_the_rest, digest, write_png
+from helpers import assert_raise_names_then_skip_serves_the_rest, digest, write_class_tree
 from seaweed import DroppingProxy, seaweed  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,21 +26,11 @@ pytestmark = pytest.mark.timeout(300)
 CLASSES = {"cat": 5, "dog": 4, "emu": 3}
 
 
-def _image(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (12, 16, 3), dtype=np.uint8)
-
-
 @pytest.fixture(scope="module")
 def photos(seaweed, tmp_path_factory):  # noqa: F811
     """(local root, s3 URL of the same folder, s3 URL of a manifest of it with a missing row)."""
     root = tmp_path_factory.mktemp("photos") / "photos"
-    seed = 0
-    for cls, n in CLASSES.items():
-        for i in range(n):
-            seed += 1
-            sub = "nested/" if i == n - 1 else ""  # a subfolder: listed after the folder's own files
-            write_png(root / cls / f"{sub}{i:02d}.png", _image(seed))
-    (root / "cat" / "notes.txt").write_text("not an image")
+    write_class_tree(root, CLASSES)
     seaweed.upload_tree(root, "photos")
     rows = ["path,label"] + [f"{p.relative_to(root).as_posix()},{p.parts[-2] if p.parent.name != 'nested' else p.parts[-3]}"
                              for p in sorted(root.rglob("*.png"))]
