@@ -74,18 +74,26 @@ def cache_path(cache_dir: str | os.PathLike[str], kind: str, source: str, finger
     return pathlib.Path(cache_dir) / f"{prefix}-{_digest([FORMAT_VERSION, fingerprint])}{SUFFIX}"
 
 
-def remove_stale(path: pathlib.Path) -> None:
-    """Delete older versions of the index at ``path`` (same source, other fingerprint).
+def legacy_prefix(kind: str, source: str) -> str:
+    """The name prefix indexes of ``source`` had before ``cache_path`` took an ``identity`` (the
+    source alone): what ``remove_stale`` also deletes, as an older batchd's versions."""
+    return cache_path(".", kind, source, None).name.rsplit("-", 1)[0] + "-"
+
+
+def remove_stale(path: pathlib.Path, legacy: str | None = None) -> None:
+    """Delete older versions of the index at ``path`` (same source and settings, other
+    fingerprint), and indexes named with the ``legacy`` prefix (``legacy_prefix``; pass it where
+    ``cache_path`` was given an identity).
 
     Processes that still map one keep reading it: unlinking does not invalidate a mapping.
     """
-    prefix = path.name[: path.name.rfind("-") + 1]
+    prefixes = (path.name[: path.name.rfind("-") + 1],) + ((legacy,) if legacy else ())
     try:
         entries = list(os.scandir(path.parent))
     except OSError:
         return
     for entry in entries:
-        if entry.name != path.name and entry.name.startswith(prefix) and entry.name.endswith(SUFFIX):
+        if entry.name != path.name and entry.name.startswith(prefixes) and entry.name.endswith(SUFFIX):
             try:
                 os.unlink(entry.path)
             except OSError:

@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from ._cache import ArrayFileWriter, cache_path, open_cached, remove_stale
+from ._cache import ArrayFileWriter, cache_path, legacy_prefix, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS, FileDataset, file_settings, pack_strings
 from ._fingerprint import file_list_fingerprint, listing_fingerprint
 from .storage import Storage, is_remote, local_path, safe_url
@@ -179,5 +179,5 @@ class ImageFolder(FileDataset):
                 w.add("path_offsets", offsets)
                 w.add("labels", np.asarray(labels, dtype=np.int64))
                 w.meta.update(kind=self.kind, root=safe_url(root), classes=classes, fingerprint=fingerprint)
-            remove_stale(out)
+            remove_stale(out, legacy_prefix(self.kind, root))
         self._attach(open_cached(out, what=f"dataset {name!r} ({self.kind}, {safe_url(root)})"), root)

@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 
-from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, open_cached, remove_stale
+from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, legacy_prefix, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS, FileDataset, file_settings
 from ._fingerprint import content_fingerprint
 from .storage import Storage, basename, is_remote, local_path, parent, safe_url
@@ -201,7 +201,7 @@ class Manifest(FileDataset):
                     _build_remote(storage, table_path, out, fingerprint)
                 else:
                     _build(table_path, out, fingerprint)
-                remove_stale(out)
+                remove_stale(out, legacy_prefix(self.kind, safe_url(table_path)) if remote else None)
         if index is None:
             index = open_cached(out, what=f"dataset {name!r} ({self.kind}, {safe_url(table_path)})")
         self._attach(index, root)

@@ -26,7 +26,7 @@ import tarfile
 
 import numpy as np
 
-from ._cache import ArrayFile, ArrayFileWriter, cache_path, open_cached, remove_stale
+from ._cache import ArrayFile, ArrayFileWriter, cache_path, legacy_prefix, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS, FileDataset, PackedStrings, file_settings, pack_strings
 from ._fingerprint import FINGERPRINT_CHARS
 from .storage import Storage, StorageError, is_remote, local_path, safe_url
@@ -164,7 +164,7 @@ class WebDataset(FileDataset):
                 index = ArrayFile(out)
             except (FileNotFoundError, ValueError):
                 self._build(storage, shards, image_exts, label_field, out)
-                remove_stale(out)
+                remove_stale(out, legacy_prefix(self.kind, safe_url(shards[0])))
         if index is None:
             index = open_cached(out, what=f"dataset {name!r} ({self.kind}, {safe_url(shards[0])}, ...)")
         self._shards = shards
