@@ -188,14 +188,17 @@ def _add_tls_arguments(parser: argparse.ArgumentParser, *, token: bool) -> None:
                             help="file holding the bearer token (default: the BATCHD_TOKEN environment variable)")
 
 
+def configure_logging(level: str) -> None:
+    """Log to stderr at ``level`` ("DEBUG", "INFO", "WARNING" or "ERROR"), except that fsspec's
+    HTTP filesystem never logs below INFO: at DEBUG it logs every URL it fetches, query string
+    included, so a presigned URL's signature or token would reach the log."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("fsspec.http").setLevel(max(logging.INFO, logging.getLevelName(level)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    # fsspec's HTTP filesystem logs every URL it fetches at DEBUG, query string included: a
-    # presigned URL's signature or token would reach the log with --log-level DEBUG
-    logging.getLogger("fsspec.http").setLevel(max(logging.INFO, logging.getLogger().level))
+    configure_logging(args.log_level)
     return args.func(args)
 
 

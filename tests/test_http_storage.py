@@ -185,3 +185,22 @@ def test_backend_fsspec_keeps_fsspec_for_http(images, tmp_path):
         assert Storage(base)._obstore(url) is not None
         assert Storage(base).read(url, 2, 10) == files[0].read_bytes()[2:10]
         assert Storage(base, StorageOptions(backend="fsspec")).read(url) == files[0].read_bytes()
+
+
+def test_batchd_serve_keeps_fsspec_url_logging_at_info_even_at_debug(monkeypatch):
+    """fsspec.http logs fetched URLs (query strings, i.e. presigned signatures) at DEBUG; the
+    server's logging setup keeps that logger at INFO whatever --log-level says."""
+    from batchd.cli import configure_logging
+
+    root, fsspec_http = logging.getLogger(), logging.getLogger("fsspec.http")
+    levels = root.level, fsspec_http.level
+    monkeypatch.setattr(root, "handlers", [])  # basicConfig configures only a root without handlers
+    try:
+        configure_logging("DEBUG")
+        assert root.isEnabledFor(logging.DEBUG)
+        assert not fsspec_http.isEnabledFor(logging.DEBUG) and fsspec_http.isEnabledFor(logging.INFO)
+        configure_logging("WARNING")
+        assert not fsspec_http.isEnabledFor(logging.INFO)
+    finally:
+        root.setLevel(levels[0])  # setLevel also clears the loggers' isEnabledFor caches
+        fsspec_http.setLevel(levels[1])

@@ -2,8 +2,7 @@
 
 ``s3://`` and ``gs://`` roots go through obstore (``_obstore.py``, ``_obstore_gcs.py``; ``backend:
 fsspec`` for s3fs/gcsfs), ``http(s)://`` through obstore's HTTPStore, the rest through fsspec.
-``StorageOptions`` is the
-``storage_options`` block of a dataset config: fsspec/s3fs's own names (``endpoint_url``,
+``StorageOptions`` is the ``storage_options`` block of a dataset config: fsspec/s3fs's own names (``endpoint_url``,
 ``key``, ``secret``, ``token``, ``region``, ``anon``, and any other keyword the filesystem
 takes), credentials that may come from a file the config names, and batchd's retry and timeout
 settings. Secrets are ``SecretStr`` (``repr``, logs and ``model_dump`` show ``**********``);
@@ -14,8 +13,9 @@ Retries are the storage library's own: for S3, botocore's ``standard`` retry mod
 ``max_attempts`` attempts) plus a connect and a read timeout per request (``timeout_s``); gcsfs
 retries on its own; obstore (``s3://``, ``gs://``, ``http(s)://``) retries with backoff and
 jitter too; the http(s) reads left to fsspec (presigned URLs, user info), which has no retries,
-are retried with tenacity under the same policy (``_fsspec_retry.py``). A read that still fails raises ``StorageError`` with the URL (user info and
-query removed, so no credential) and the error's type and message.
+are retried with tenacity under the same policy (``_fsspec_retry.py``). A read that still fails
+raises ``StorageError`` with the URL (user info and query removed, so no credential) and the
+error's type and message.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def is_remote(location: str | os.PathLike[str]) -> bool:
 def read_local(path: str, start: int = 0, end: int | None = None) -> bytes:
     """Bytes ``[start, end)`` of a local file (to its end by default), in as few system calls as
     possible: open, fstat, pread until the range is read, close (``open(path, "rb").read()`` makes
-    about twice as many); pipes, devices and files of reported size 0 are read to their end. Each call releases and retakes the GIL, which costs CPU when a worker's
-    32 I/O threads contend for it on slow storage. Raises OSError (FileNotFoundError for a missing
-    file)."""
+    about twice as many); pipes, devices and files of reported size 0 are read to their end. Each
+    call releases and retakes the GIL, which costs CPU when a worker's 32 I/O threads contend for
+    it on slow storage. Raises OSError (FileNotFoundError for a missing file)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
@@ -236,14 +236,14 @@ class Storage:
         self._root_protocol = self.protocol(root)
         self._fs: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._s3 = None  # the root's bucket store: ObstoreS3 for s3://, ObstoreGCS for gs://
+        self._bucket = None  # the root's bucket store: ObstoreS3 for s3://, ObstoreGCS for gs://
         if self._root_protocol in ("s3", "s3a", "gs", "gcs") and self.options.backend == "obstore":
             from ._obstore import ObstoreS3
             from ._obstore_gcs import ObstoreGCS
 
             bucket_store = ObstoreGCS if self._root_protocol in ("gs", "gcs") else ObstoreS3
-            self._s3 = bucket_store(self.options.resolved(), max_attempts=self.options.max_attempts,
-                                    timeout_s=self.options.timeout_s, fail=self._error)
+            self._bucket = bucket_store(self.options.resolved(), max_attempts=self.options.max_attempts,
+                                       timeout_s=self.options.timeout_s, fail=self._error)
         self._http = None
         if self.options.backend == "obstore":  # http(s) reads with retries (fsspec's have none)
             from ._obstore_http import ObstoreHTTP
@@ -263,8 +263,8 @@ class Storage:
     def _obstore(self, location: str):
         """The obstore backend if it serves ``location``: an s3:// or gs:// URL with the root's
         options, or an http(s) URL without user info or query (unless ``backend: fsspec``)."""
-        if self._s3 is not None and self.protocol(location) == self._root_protocol:
-            return self._s3
+        if self._bucket is not None and self.protocol(location) == self._root_protocol:
+            return self._bucket
         if self._http is not None and self.protocol(location) in ("http", "https") and self._http.serves(location):
             return self._http
         return None
@@ -341,7 +341,7 @@ class Storage:
 
         Raises FileNotFoundError if there is none, StorageError if listing fails.
         """
-        if (s3 := self._obstore(location)) is not None and s3 is self._s3:  # http(s): fsspec's link scraping
+        if (s3 := self._obstore(location)) is not None and s3 is self._bucket:  # http(s): fsspec's link scraping
             out = s3.list_files(location)
         else:
             fs = self.filesystem(location)
