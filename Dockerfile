@@ -7,7 +7,7 @@
 #     -v /usr/share/datasets/fashion-mnist:/usr/share/datasets/fashion-mnist:ro \
 #     batchd
 #
-# No torch and no tqdm: the server never imports them (tests/test_imports.py); they belong to the
+# No torch and no tqdm: the server never imports them (tests/deploy/test_imports.py); they belong to the
 # client extra (batchd[client]), which examples/Dockerfile.trainer installs.
 # docker-compose.yml runs this image together with the example trainer.
 

@@ -113,8 +113,8 @@ def _shards(args: argparse.Namespace) -> int:
     import tempfile
 
     from batchd.server.config import ImageFolderConfig, ManifestConfig
-    from batchd.server.datasets import open_dataset
-    from batchd.server.datasets.shardwriter import write_shards
+    from batchd.server.data.datasets import open_dataset
+    from batchd.server.data.datasets.shardwriter import write_shards
 
     source = args.source
     is_table = source.lower().endswith((".csv", ".parquet", ".pq"))

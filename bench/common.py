@@ -7,7 +7,7 @@ import itertools
 
 import batchd
 from batchd.server.config import ImageFolderConfig, ManifestConfig
-from batchd.server.datasets import open_dataset
+from batchd.server.data.datasets import open_dataset
 
 from bench import data
 
@@ -35,7 +35,7 @@ _unique = itertools.count(1)
 
 def decode_min_size(compose):
     """What batchd's workers pass to ``load_image`` for this pipeline (reduced JPEG decoding), or None."""
-    from batchd.server import pipeline as server_pipeline
+    from batchd.server.compute import pipeline as server_pipeline
 
     fn = getattr(server_pipeline, "decode_min_size", None)
     return fn(compose) if fn is not None else None

@@ -168,7 +168,7 @@ class FuseOrS3Photos(PhotoDataset):
 
     def _s3_open(self, build: bool = False):
         if self._s3 is None:
-            from batchd.server.datasets import open_dataset
+            from batchd.server.data.datasets import open_dataset
 
             self._s3 = open_dataset(self.name + "-s3", self.s3_cfg, self.cache_dir, build=build)
         return self._s3

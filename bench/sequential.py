@@ -1,6 +1,6 @@
 """The sequential baseline: read, decode, transform and stack batches in this one process.
 
-The same code as a batchd worker (``batchd.server.worker._Worker.run``): ``Dataset.load_image``
+The same code as a batchd worker (``batchd.server.compute.worker._Worker.run``): ``Dataset.load_image``
 (``read_rgb``: ``np.fromfile`` + ``cv2.imdecode`` + BGR->RGB, reduced JPEG decoding where the
 pipeline starts by resizing to at most half the size, as the worker asks for), the label, the
 pipeline seeded once per batch, and a copy into a preallocated [B, H, W, C] array; then torch

@@ -69,7 +69,7 @@ WORKERS = {"batchd": 2, "batchd_seq": 2, "dataloader2": 2, "dataloader16": 16, *
 SERIAL = ("batchd_seq", "dataloader2", "s3_dataloader2")  # one read at a time per worker, 2 workers: slow at 50 ms
 ONCE_MS = 50  # SERIAL rows are measured in the first repeat only at this latency (see measured_in)
 LOADER = {"dataloader2": 2, "dataloader16": 16, "s3_dataloader2": 2, "s3_dataloader16": 16}  # DataLoader per row
-FORKSERVER_PRELOAD = ["torch", "cv2", "albumentations", "obstore", "batchd.server.datasets.imagefolder",
+FORKSERVER_PRELOAD = ["torch", "cv2", "albumentations", "obstore", "batchd.server.data.datasets.imagefolder",
                       "bench.torch_loader", "bench.latency_s3"]
 PIPELINE = "L3"
 BATCH = 64

@@ -43,7 +43,7 @@ STAGES = ("read", "decode", "read_rgb checks", "pipeline", "copy")
 
 def _stages(ds, compose, indices) -> tuple[dict[str, float], dict[str, float]]:
     """Mean (wall, CPU) seconds per image of each stage over ``indices``."""
-    from batchd.server.datasets._files import read_rgb
+    from batchd.server.data.datasets._files import read_rgb
 
     wall = dict.fromkeys(STAGES, 0.0)
     cpu = dict.fromkeys(STAGES, 0.0)
@@ -166,7 +166,7 @@ def _larger_jpegs(n: int) -> list[np.ndarray]:
 
 def _decode_experiment(bufs: list[np.ndarray], repeats: int) -> dict:
     import albumentations as A
-    from batchd.server.datasets._files import image_size
+    from batchd.server.data.datasets._files import image_size
 
     resize = A.Resize(256, 256)
 
@@ -275,7 +275,7 @@ def render(r: dict) -> str:
                      rows), "",
             "Times are CPU time of the decoding thread per image (decode + BGR->RGB + A.Resize; OpenCV on 1 thread), "
             "median of the repeats. batchd's workers now decode reduced JPEGs themselves when the pipeline starts "
-            "with a Resize to at most half the size (server/datasets/_files.py read_rgb(min_size=...)); the "
+            "with a Resize to at most half the size (server/data/datasets/_files.py read_rgb(min_size=...)); the "
             "sequential loop and the DataLoader baseline call load_image the same way. The photo set is 400-520 px "
             "wide, so Resize(256, 256) shrinks most images by less than 2x: decoding at half size and then "
             "*upscaling* to 256 is faster but loses detail (the PSNR column), and a rule 'reduce only when the "

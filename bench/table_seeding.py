@@ -44,11 +44,11 @@ import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
 from batchd.sampler import global_positions, sample_key  # noqa: E402
-from batchd.server import pipeline as pipelines  # noqa: E402
+from batchd.server.compute import pipeline as pipelines  # noqa: E402
 from batchd.server.config import load_config  # noqa: E402
-from batchd.server.protocol import Task  # noqa: E402
-from batchd.server.shm import Segment  # noqa: E402
-from batchd.server.worker import _Worker  # noqa: E402
+from batchd.server.compute.protocol import Task  # noqa: E402
+from batchd.server.serve.shm import Segment  # noqa: E402
+from batchd.server.compute.worker import _Worker  # noqa: E402
 from bench import common, data  # noqa: E402
 from bench import pipelines as bench_pipelines  # noqa: E402
 from bench.measure import median  # noqa: E402

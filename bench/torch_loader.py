@@ -29,7 +29,7 @@ class PhotoDataset(Dataset):
 
     def _open(self, build: bool = False):
         if self._ds is None:
-            from batchd.server.datasets import open_dataset
+            from batchd.server.data.datasets import open_dataset
 
             self._ds = open_dataset(self.name, self.cfg, self.cache_dir, build=build)
         return self._ds

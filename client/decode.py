@@ -1,6 +1,6 @@
 """Decoding on the client: JPEG batches (``RemoteDataLoader(..., decode_on_client=True)``).
 
-The server then sends each sample's file as it is (``IMAGE_ENCODING_JPEG``, ``server/encoded.py``):
+The server then sends each sample's file as it is (``IMAGE_ENCODING_JPEG``, ``server/compute/encoded.py``):
 ``jpeg`` uint8 [total bytes], ``jpeg_offsets`` int64 [B + 1], ``jpeg_resize`` int64 [2] ((height,
 width) to resize to, (0, 0) for none), ``jpeg_reduce`` int64 [B] (the DCT scaling 1/n the server
 would have decoded each at) besides ``label``, ``index``, ``position``. Here they become

@@ -73,7 +73,7 @@ def philox4x32(counter: Sequence[torch.Tensor], key: tuple[int, int], rounds: in
 
     counter: four int64 tensors of one shape (any device), values in [0, 2**32); key: two ints
     in [0, 2**32). Returns the four output words, int64 in [0, 2**32), same shape and device.
-    Matches Random123's known-answer vectors (tests/test_finish.py). Integer ops only, so the
+    Matches Random123's known-answer vectors (tests/client/test_finish.py). Integer ops only, so the
     result is the same on every device.
     """
     c0, c1, c2, c3 = counter

@@ -28,9 +28,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from batchd.server.config import ServerConfig
 from batchd.server.loader import Loader
-from batchd.server.metrics import MetricsServer, metrics_host
-from batchd.server.security import AuthInterceptor, is_loopback
-from batchd.server.service import SERVICE, BatchLoaderService, add_to_server
+from batchd.server.serve.metrics import MetricsServer, metrics_host
+from batchd.server.serve.security import AuthInterceptor, is_loopback
+from batchd.server.serve.service import SERVICE, BatchLoaderService, add_to_server
 
 log = logging.getLogger("batchd.server")
 

@@ -21,7 +21,7 @@ import json
 import re
 from collections.abc import Mapping
 
-# what server/worker.py sets in every worker (cv2.setNumThreads): one worker per core
+# what server/compute/worker.py sets in every worker (cv2.setNumThreads): one worker per core
 WORKER_CV2_THREADS = 1
 FINGERPRINT_CHARS = 32
 _CODECS = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "tiff": "TIFF"}

@@ -14,20 +14,20 @@ import dataclasses
 
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
 from batchd.sampler import num_batches, shard_indices
-from batchd.server import allowlist
-from batchd.server import encoded
-from batchd.server import pipeline as pipelines
-from batchd.server import shm
+from batchd.server.compute import allowlist
+from batchd.server.compute import encoded
+from batchd.server.compute import pipeline as pipelines
+from batchd.server.serve import shm
 from batchd.server.build import build_fingerprint, server_build
-from batchd.server.cache import SharedCache
+from batchd.server.data.cache import SharedCache
 from batchd.server.config import ServerConfig
-from batchd.server.datasets import Dataset, open_dataset
-from batchd.server.leases import LeaseTable
-from batchd.server.pool import WorkerPool
-from batchd.server.stats import SENT, stream_outcome
-from batchd.server.protocol import StreamRequest
-from batchd.server.stream import Computation, Stream
-from batchd.server.transport import Transport
+from batchd.server.data.datasets import Dataset, open_dataset
+from batchd.server.serve.leases import LeaseTable
+from batchd.server.compute.pool import WorkerPool
+from batchd.server.serve.stats import SENT, stream_outcome
+from batchd.server.compute.protocol import StreamRequest
+from batchd.server.serve.stream import Computation, Stream
+from batchd.server.serve.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Loader:
         self._checked: dict[str, None] = {}  # pipeline keys already known to build
         self.owner = shm.Owner()
         self.slots = shm.SlotPool(max_slots=config.max_slots, prefix=self.owner.prefix)
-        self.cache = None  # the decoded-sample cache (server/cache/); workers attach to it by name
+        self.cache = None  # the decoded-sample cache (server/data/cache/); workers attach to it by name
         if config.cache.memory_bytes:
             c = config.cache
             self.cache = SharedCache.create(
@@ -74,7 +74,7 @@ class Loader:
         self._lock = threading.RLock()  # streams, counters, _computations; moving a stream between computations
         self.streams: dict[int, Stream] = {}
         self._computations: dict[tuple, list[Computation]] = {}  # request key -> running computations
-        # streams_started, and how closed streams ended + what they sent (server/stats.py); under _lock
+        # streams_started, and how closed streams ended + what they sent (server/serve/stats.py); under _lock
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
         self.draining = False  # set on shutdown: open streams end with UNAVAILABLE

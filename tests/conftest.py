@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
+import signal
 
 import pytest
 
 from batchd.server.app import Server
 from batchd.server.config import ServerConfig
+from procs import ServerProcess, alive, descendants
 
 FMNIST_ROOT = pathlib.Path("/usr/share/datasets/fashion-mnist")
 
@@ -63,3 +66,25 @@ def fmnist_server(fmnist_root, tmp_path_factory):
         pipelines={"flip": flip},
     ) as server:
         yield server
+
+
+@pytest.fixture
+def server_procs():
+    """Factory of ServerProcess objects; any still running at the end are killed, with their workers."""
+    made: list[ServerProcess] = []
+
+    def make(config: pathlib.Path, address: str) -> ServerProcess:
+        made.append(ServerProcess(config, address))
+        return made[-1]
+
+    yield make
+    for p in made:
+        if p.proc is not None and p.proc.poll() is None:
+            tree = descendants(p.pid)
+            p.kill()
+            for pid, start in tree.items():
+                if alive(pid, start):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass

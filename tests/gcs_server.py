@@ -8,7 +8,7 @@ names the address the client dials. Uploads here go through its JSON API with ur
 (``POST /upload/storage/v1/b/BUCKET/o?uploadType=media``): its XML ``PUT``, which obstore's
 ``put`` uses, is refused ("invalid uploadType"), and batchd only reads.
 
-No pytest here (the fixture is in tests/test_gcs.py).
+No pytest here (the fixture is in tests/data/test_gcs.py).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def _files(n: int = 12) -> list[bytes]:
 
 
 def _batch(files: list[bytes], resize: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:
-    """A JPEG batch as the client receives it (CPU tensors; see server/encoded.py)."""
+    """A JPEG batch as the client receives it (CPU tensors; see server/compute/encoded.py)."""
     offsets = np.cumsum([0, *map(len, files)]).astype(np.int64)
     n = len(files)
     return {"label": torch.zeros(n, dtype=torch.int64), "index": torch.arange(n), "position": torch.arange(n),

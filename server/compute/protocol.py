@@ -1,0 +1,195 @@
+"""The server's messages: a stream request as the loader sees it, and those to and from workers.
+
+A StreamBatches request is reshaped once: ``StreamRequest.from_proto`` decodes the protobuf
+message (the only place that reads it), ``Loader.open_stream`` validates it and fills in the
+resolved fields (``dataclasses.replace``, same type), and the computation turns each batch of it
+into a ``Task``.
+
+Each worker has one duplex pipe. Down it go ``Task`` and ``Shutdown``; up it come ``Ready``,
+``BatchDone`` and ``TaskFailed``. Workers never raise across the pipe: a failure is a
+``TaskFailed`` carrying the exception (pickled when possible) and the worker's formatted
+traceback, which the server re-raises with that traceback attached. Pixels never cross the pipe:
+a worker writes the batch into a shared-memory slot and sends only its layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchd.v1 import loader_pb2 as pb
+
+TRANSPORTS = {pb.TRANSPORT_INLINE: "inline", pb.TRANSPORT_SHARED_MEMORY: "shm"}
+COMPRESSIONS = {pb.COMPRESSION_NONE: "none", pb.COMPRESSION_LZ4: "lz4"}
+ENCODINGS = {pb.IMAGE_ENCODING_DECODED: "decoded", pb.IMAGE_ENCODING_JPEG: "jpeg"}
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRequest:
+    """One StreamBatches call's request (see ``loader.proto`` for every field).
+
+    As decoded, 0 still means "default" where the proto says so (world_size, prefetch,
+    batch_stride); ``Loader.open_stream`` returns a validated copy with those resolved and the
+    pipeline fields (``pipeline_name``, ``pipeline_key``, ``pipeline_json``) filled in.
+    transport: "shm" (shared memory: asked for, with a ``session``) or "inline"; compression: "none" or "lz4".
+    session: the client's shared-memory session ("" for none); with ``stream_tag`` it names this call.
+    stream_tag: the client's name for this call (ReleaseLeases: abandoned_stream, progress).
+    image_encoding: "decoded" (pixels) or "jpeg" (the files' bytes, decoded by the client: ``server/compute/encoded.py``).
+    peer: the client, as gRPC names it (logs and stats).
+    """
+
+    dataset: str
+    preset: str = ""
+    albumentations_json: str = ""
+    batch_size: int = 1
+    shuffle: bool = False
+    seed: int = 0
+    epoch: int = 0
+    drop_last: bool = False
+    rank: int = 0
+    world_size: int = 1
+    start_batch: int = 0
+    prefetch: int = 0
+    batch_stride: int = 0  # 0 or 1: every batch; else b with (b - start_batch) % batch_stride == batch_offset
+    batch_offset: int = 0
+    transport: str = "inline"
+    session: str = ""
+    compression: str = "none"
+    stream_tag: str = ""
+    image_encoding: str = "decoded"
+    peer: str = ""
+    # resolved by Loader.open_stream
+    pipeline_name: str = ""  # preset name, "none", or "custom:<key prefix>"
+    pipeline_key: str = ""
+    pipeline_json: str = ""
+
+    @classmethod
+    def from_proto(cls, msg: pb.StreamBatchesRequest, peer: str = "") -> "StreamRequest":
+        """Decode a ``StreamBatchesRequest``. Raises ValueError naming an unknown enum value
+        (``transport``, ``compression``, ``image_encoding``); the other fields are checked by ``Loader.open_stream``."""
+        if msg.transport not in TRANSPORTS:
+            raise ValueError(f"transport: unknown value {msg.transport} (known: "
+                             + ", ".join(f"{pb.Transport.Name(v)}={v}" for v in TRANSPORTS) + ")")
+        if msg.compression not in COMPRESSIONS:
+            raise ValueError(f"compression: unknown value {msg.compression} (known: "
+                             + ", ".join(f"{pb.Compression.Name(v)}={v}" for v in COMPRESSIONS) + ")")
+        if msg.image_encoding not in ENCODINGS:
+            raise ValueError(f"image_encoding: unknown value {msg.image_encoding} (known: "
+                             + ", ".join(f"{pb.ImageEncoding.Name(v)}={v}" for v in ENCODINGS) + ")")
+        which = msg.pipeline.WhichOneof("source") if msg.HasField("pipeline") else None
+        shared = msg.transport == pb.TRANSPORT_SHARED_MEMORY and bool(msg.session)
+        return cls(
+            dataset=msg.dataset,
+            preset=msg.pipeline.preset if which == "preset" else "",
+            albumentations_json=msg.pipeline.albumentations_json if which == "albumentations_json" else "",
+            batch_size=msg.batch_size, shuffle=msg.shuffle, seed=msg.seed, epoch=msg.epoch, drop_last=msg.drop_last,
+            rank=msg.rank, world_size=msg.world_size, start_batch=msg.start_batch, prefetch=msg.prefetch,
+            batch_stride=msg.batch_stride, batch_offset=msg.batch_offset,
+            transport="shm" if shared else "inline", session=msg.session,
+            compression=COMPRESSIONS[msg.compression], stream_tag=msg.stream_tag,
+            image_encoding=ENCODINGS[msg.image_encoding], peer=peer,
+        )
+
+    @property
+    def stride(self) -> int:
+        """Positions step by this (``batch_stride``, 0 meaning 1)."""
+        return self.batch_stride or 1
+
+    @property
+    def first_batch(self) -> int:
+        return self.start_batch + self.batch_offset
+
+    @property
+    def key(self) -> tuple:
+        """What determines the batches' bytes (and, for a strided stream, which batches): streams with
+        equal keys can share a computation. Meaningful once validated (pipeline_key resolved)."""
+        return (self.dataset, self.pipeline_key, self.batch_size, self.shuffle, self.seed, self.epoch,
+                self.drop_last, self.rank, self.world_size or 1, self.stride, self.first_batch % self.stride,
+                self.image_encoding)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where one tensor of a batch lies in its slot: ``nbytes`` bytes at ``offset``, C order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """Build one batch: load ``indices``, run the pipeline on each, stack into a slot.
+
+    task_id: unique per server. dataset: config name. pipeline_key/pipeline_json: the
+    albumentations pipeline ("" = none), cached per worker by key. indices: int64 [B].
+    random_key: uint64 [2], the epoch's key (``batchd.sampler.sample_key``). positions: int64 [B],
+    each sample's global position (``batchd.sampler.global_positions``): sample ``j`` is
+    augmented with the stream ``sample_stream(random_key, positions[j])``.
+    slot_name/slot_capacity: the shared-memory slot to write, bytes.
+    skip_bad_samples: leave out samples that raise SampleError instead of failing.
+    max_batch_bytes: fail with ResourceExhaustedError before writing a batch larger than this (0: no limit).
+    encoding: "decoded" (pixels through the pipeline) or "jpeg" (the files' bytes, ``server/compute/encoded.py``).
+    """
+
+    task_id: int
+    dataset: str
+    pipeline_key: str
+    pipeline_json: str
+    indices: np.ndarray
+    random_key: np.ndarray
+    positions: np.ndarray
+    slot_name: str
+    slot_capacity: int
+    skip_bad_samples: bool = False
+    max_batch_bytes: int = 0
+    encoding: str = "decoded"
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Finish and exit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Worker ``worker_id`` (process ``pid``) has started and takes tasks."""
+
+    worker_id: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDone:
+    """The batch is in ``slot_name`` (a new, larger segment when ``grown``), laid out as ``tensors``.
+
+    timings: seconds spent per stage ("load" = read + decode, "pipeline", "copy").
+    skipped: (index, file, reason) of samples left out under on_error: skip.
+    """
+
+    task_id: int
+    worker_id: int
+    slot_name: str
+    slot_capacity: int
+    grown: bool
+    tensors: tuple[TensorLayout, ...]
+    timings: dict[str, float] = field(default_factory=dict)
+    skipped: tuple[tuple[int, str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFailed:
+    """Building the batch raised. ``error`` is the exception if it pickles, else None."""
+
+    task_id: int
+    worker_id: int
+    error: BaseException | None
+    error_type: str
+    message: str
+    traceback: str

@@ -1,0 +1,130 @@
+"""The dataset kinds of the server's config (``datasets:`` in its YAML): one model per ``kind``.
+
+Example::
+
+    datasets:
+      fmnist-train: {kind: fashion-mnist, root: /usr/share/datasets/fashion-mnist, split: train}
+      photos:       {kind: imagefolder, root: /data/photos}
+      pets:         {kind: manifest, path: /data/pets.csv}
+      shards:       {kind: webdataset, shards: "/data/train-{000000..000099}.tar"}
+
+``DatasetConfig`` picks the model by ``kind``; server/data/datasets/ opens each.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BeforeValidator, Field, field_validator
+
+from .base import StrictModel
+from ..data.datasets.storage import StorageOptions, is_remote, is_url, local_path
+
+
+class _DatasetBase(StrictModel):
+    """What every dataset kind accepts.
+
+    on_error: "raise" (default) fails the stream at a sample that cannot be read or decoded,
+        naming dataset, index and file; "skip" leaves it out of its batch (the batch lists it
+        in ``skipped``) and logs it.
+    max_skipped_fraction: with "skip", the stream fails once more than this fraction of the
+        epoch's samples (of this shard) were skipped.
+    max_pixels: decoded images larger than this (width x height) are bad samples.
+    """
+
+    on_error: Literal["raise", "skip"] = "raise"
+    max_skipped_fraction: float = Field(default=0.01, ge=0.0, le=1.0)
+    max_pixels: int = Field(default=1 << 28, ge=1)
+
+
+class FashionMnistConfig(_DatasetBase):
+    """The four IDX ``.gz`` files of Fashion-MNIST (or MNIST) in ``root``."""
+
+    kind: Literal["fashion-mnist"]
+    root: pathlib.Path
+    split: Literal["train", "test"] = "train"
+
+
+class _ImageFilesBase(_DatasetBase):
+    """What dataset kinds of encoded image files accept, besides _DatasetBase's fields.
+
+    reduced_decode: decode a JPEG at 1/2, 1/4 or 1/8 size (in libjpeg, much faster) when the
+        pipeline starts by resizing it to at most that size anyway; off: always full size. The
+        pixels differ slightly, so it is part of the build fingerprint (DescribeDataset).
+    """
+
+    reduced_decode: bool = True
+    storage_options: StorageOptions = Field(default_factory=StorageOptions)
+
+
+def _location(v: Any) -> Any:
+    """A URL (``s3://``, ``gs://``, ``http(s)://``) stays a string; ``file://`` and plain paths become Paths."""
+    if isinstance(v, str) and is_url(v):
+        return v if is_remote(v) else pathlib.Path(local_path(v))
+    return pathlib.Path(v) if isinstance(v, str) else v
+
+
+# a local path or a URL (storage_options apply to URLs; see datasets/storage.py)
+Location = Annotated[Union[pathlib.Path, str], BeforeValidator(_location)]
+
+
+class ImageFolderConfig(_ImageFilesBase):
+    """One subfolder of ``root`` per class, listed exactly as ``torchvision.datasets.ImageFolder``.
+
+    Classes are the sorted folder names; a class's images are those found by
+    ``sorted(os.walk(class_folder, followlinks=True))`` then sorted file names, in that order.
+    extensions: file name endings that are images, any case (default: torchvision's
+        IMG_EXTENSIONS .jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp).
+    allow_empty: keep a class folder without images as a class with no samples; false (the
+        default, as in torchvision): such a folder is an error naming it.
+    """
+
+    kind: Literal["imagefolder"]
+    root: Location
+    extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+    allow_empty: bool = False
+
+    @field_validator("extensions")
+    @classmethod
+    def _check_extensions(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("give at least one extension, e.g. ['.jpg', '.png']")
+        for e in v:
+            if len(e) < 2 or not e.startswith("."):
+                raise ValueError(f"extension {e!r} must start with '.' and name a suffix, e.g. '.jpg'")
+        return tuple(e.lower() for e in v)
+
+
+class ManifestConfig(_ImageFilesBase):
+    """A CSV or Parquet table with columns ``path`` and ``label``; paths relative to its folder."""
+
+    kind: Literal["manifest"]
+    path: Location
+    root: Location | None = Field(default=None, description="where relative paths start; default: the table's folder")
+
+
+class WebDatasetConfig(_ImageFilesBase):
+    """Tar shards in WebDataset's layout (``000123.jpg`` + ``000123.cls`` or ``.json``).
+
+    shards: a list of paths or URLs, or one brace pattern (``/data/train-{000000..000099}.tar``).
+    extensions: member extensions that are the image (the sample's first such member).
+    label_field: the label's field in a sample's ``.json`` (used when it has no ``.cls``).
+    """
+
+    kind: Literal["webdataset"]
+    shards: Union[str, tuple[str, ...]]
+    extensions: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "pgm", "tif", "tiff")
+    label_field: str = Field(default="label", min_length=1)
+
+    @field_validator("shards")
+    @classmethod
+    def _check_shards(cls, v):
+        if not v or (not isinstance(v, str) and not all(v)):
+            raise ValueError("give shard paths or URLs, or one brace pattern such as /data/train-{000000..000099}.tar")
+        return v
+
+
+DatasetConfig = Annotated[
+    Union[FashionMnistConfig, ImageFolderConfig, ManifestConfig, WebDatasetConfig], Field(discriminator="kind")
+]

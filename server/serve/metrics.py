@@ -1,0 +1,177 @@
+"""The Prometheus endpoint (``metrics_port`` / ``batchd serve --metrics-port``).
+
+A custom collector turns ``stats.snapshot(loader)`` into metric families on each scrape: nothing
+is counted twice and no thread runs between scrapes. Names follow Prometheus conventions
+(``batchd_`` prefix, base units, ``_total`` for counters, ``_ratio`` for 0..1 gauges). Per-stream
+series carry the labels ``stream`` (its id), ``dataset``, ``pipeline``, ``rank`` and ``transport``;
+they disappear when the stream ends, and the server-wide ``batchd_*_total`` counters keep counting
+what closed streams sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.exposition import start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from batchd.server.serve import stats
+
+if TYPE_CHECKING:
+    from batchd.server.loader import Loader
+
+log = logging.getLogger(__name__)
+
+_STREAM_LABELS = ("stream", "dataset", "pipeline", "rank", "transport")
+
+# (name, help, StreamStats attribute) of the per-stream series
+_STREAM_COUNTERS = (
+    ("batchd_stream_batches_sent", "Batches handed to gRPC for the stream's client (gRPC buffers ahead).", "batches_sent"),
+    ("batchd_stream_samples_sent", "Samples (images) handed to gRPC for the stream's client.", "samples_sent"),
+    ("batchd_stream_bytes_sent", "gRPC message bytes sent to the stream's client.", "bytes_sent"),
+    ("batchd_stream_batches_taken", "Batches the stream's client handed to its training loop (as it reports).",
+     "batches_taken"),
+    ("batchd_stream_samples_taken", "Samples the stream's client handed to its training loop (as it reports).",
+     "samples_taken"),
+    ("batchd_stream_bytes_copied", "Batch bytes copied out of shared-memory slots for the stream (0: all lent).",
+     "bytes_copied"),
+    ("batchd_stream_samples_skipped", "Unreadable samples left out of the stream's batches.", "samples_skipped"),
+)
+_STREAM_GAUGES = (
+    ("batchd_stream_images_per_second", "Samples the client took per second, moving rate over about 10 s "
+     "(0 when the client reports nothing).", "images_per_second"),
+    ("batchd_stream_images_per_second_sent", "Samples handed to gRPC per second, moving rate over about 10 s.",
+     "images_per_second_sent"),
+    ("batchd_stream_batches_ahead", "Batches built or being built ahead of the client (<= prefetch).", "batches_ahead"),
+    ("batchd_stream_batches_in_flight", "Batches of the stream being built by workers.", "batches_in_flight"),
+    ("batchd_stream_batches_ready", "Built batches waiting in the stream's reorder buffer.", "batches_ready"),
+    ("batchd_stream_prefetch", "Batches the stream may have ahead.", "prefetch"),
+    ("batchd_stream_batches", "Batches in the stream's epoch (for its shard).", "num_batches"),
+    ("batchd_stream_next_batch", "The batch index the stream's client gets next.", "next_batch"),
+    ("batchd_stream_waiting_seconds", "How long the stream has been waiting for its next batch (0: not waiting).",
+     "waiting_seconds"),
+    ("batchd_stream_age_seconds", "Seconds since the stream opened.", "age_seconds"),
+)
+
+
+class StatsCollector(Collector):
+    """Builds every batchd metric from one ``snapshot(loader)`` per scrape."""
+
+    def __init__(self, loader: "Loader"):
+        self.loader = loader
+
+    def collect(self):
+        s = stats.snapshot(self.loader)
+        p, t = s.pool, s.totals
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("batchd_uptime_seconds", "Seconds since the server started.", s.uptime_seconds)
+        yield gauge("batchd_streams", "Open streams (StreamBatches calls).", len(s.streams))
+        yield gauge("batchd_streams_shared", "Open streams computed once for several identical clients.",
+                    sum(1 for st in s.streams if st.shared))
+        yield counter("batchd_streams_started", "Streams opened.", t.streams_started)
+        ended = CounterMetricFamily("batchd_streams_ended", "Streams closed, by outcome.", labels=["outcome"])
+        ended.add_metric(["finished"], t.streams_finished)
+        ended.add_metric(["failed"], t.streams_failed)
+        ended.add_metric(["cancelled"], t.streams_cancelled)
+        yield ended
+        yield counter("batchd_batches_sent", "Batches sent, all streams.", t.batches_sent)
+        yield counter("batchd_samples_sent", "Samples (images) sent, all streams.", t.samples_sent)
+        yield counter("batchd_bytes_sent", "gRPC message bytes of batches sent, all streams.", t.bytes_sent)
+        yield counter("batchd_samples_skipped", "Unreadable samples left out of batches, all streams.", t.samples_skipped)
+        copied = CounterMetricFamily("batchd_bytes_copied", "Batch bytes copied out of shared-memory slots, by the "
+                                     "stream's transport (shm: inline fallbacks; 0 while every batch is lent).",
+                                     labels=["transport"])
+        copied.add_metric(["shm"], t.bytes_copied_shm)
+        copied.add_metric(["inline"], t.bytes_copied_inline)
+        yield copied
+        yield gauge("batchd_computations", "Running computations (identical streams share one).", s.computations)
+        yield counter("batchd_computations_started", "Computations started.", s.computations_started)
+
+        yield gauge("batchd_workers", "Configured worker processes.", p.workers)
+        yield gauge("batchd_workers_ready", "Worker processes started and answering.", p.ready)
+        yield gauge("batchd_workers_busy", "Worker processes with a batch assigned now.", p.busy)
+        yield counter("batchd_worker_restarts", "Worker processes that died and were replaced.", p.restarts)
+        yield counter("batchd_worker_busy_seconds", "Seconds workers spent building batches (load, pipeline, copy).",
+                      p.busy_seconds)
+        yield gauge("batchd_worker_utilization_ratio",
+                    "Fraction of worker time spent building batches, moving over about 10 s.", p.utilization)
+        yield gauge("batchd_tasks_in_flight", "Batches sent to workers and not back yet (the work queue).",
+                    p.tasks_in_flight)
+        yield gauge("batchd_shm_slots_in_use", "Shared-memory slots holding a batch (lent slots not included).",
+                    p.slots_in_use)
+        yield gauge("batchd_shm_slots_max", "The cap on shared-memory slots (max_slots).", p.max_slots)
+        yield gauge("batchd_shm_bytes", "Bytes of shared-memory slots, held by the server or lent to clients.", p.shm_bytes)
+        yield gauge("batchd_leases_held", "Shared-memory slots lent to same-host clients.", p.leases_held)
+        yield gauge("batchd_sessions", "Open shared-memory sessions.", p.sessions)
+
+        yield from _cache_families(s.cache)
+
+        families = [CounterMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_COUNTERS]
+        families += [GaugeMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_GAUGES]
+        attrs = [a for _, _, a in _STREAM_COUNTERS + _STREAM_GAUGES]
+        for st in s.streams:
+            labels = [str(st.id), st.dataset, st.pipeline, str(st.rank), st.transport]
+            for family, attr in zip(families, attrs):
+                family.add_metric(labels, getattr(st, attr))
+        yield from families
+
+
+def _cache_families(cache):
+    """The decoded-sample cache, per dataset (tier: ram or disk). Nothing without a cache."""
+    if not cache:
+        return
+    hits = CounterMetricFamily("batchd_cache_hits", "Samples served from the cache, by tier.", labels=["dataset", "tier"])
+    size = GaugeMetricFamily("batchd_cache_bytes", "Bytes of cache entries, by tier.", labels=["dataset", "tier"])
+    misses = CounterMetricFamily("batchd_cache_misses", "Samples computed (not in the cache).", labels=["dataset"])
+    evicted = CounterMetricFamily("batchd_cache_evictions", "Cache entries dropped (found corrupt).", labels=["dataset"])
+    left = CounterMetricFamily("batchd_cache_not_admitted", "Computed samples the full cache did not take.",
+                               labels=["dataset"])
+    for c in cache:
+        hits.add_metric([c.dataset, "ram"], c.hits - c.hits_disk)
+        hits.add_metric([c.dataset, "disk"], c.hits_disk)
+        size.add_metric([c.dataset, "ram"], c.bytes_ram)
+        size.add_metric([c.dataset, "disk"], c.bytes_disk)
+        misses.add_metric([c.dataset], c.misses)
+        evicted.add_metric([c.dataset], c.evictions)
+        left.add_metric([c.dataset], c.not_admitted)
+    yield from (hits, misses, size, evicted, left)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one); ``address`` is the bound one.
+
+    Raises RuntimeError if the port cannot be bound.
+    """
+
+    def __init__(self, loader: "Loader", host: str, port: int):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StatsCollector(loader))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise RuntimeError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
+        bound = self._httpd.server_address[1]
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5.0)
+
+
+def metrics_host(grpc_address: str) -> str:
+    """The host to serve metrics on: the gRPC address's host, 127.0.0.1 for a unix: address."""
+    if grpc_address.startswith("unix:"):
+        return "127.0.0.1"
+    host = grpc_address.rpartition(":")[0]
+    return host.strip("[]") or "0.0.0.0"

@@ -1,0 +1,272 @@
+"""Live figures of a running server: ``snapshot(loader)``, read by the Stats RPC and by Prometheus.
+
+``snapshot`` only reads: the counters it reports are kept where the work happens (``Stream``:
+batches/samples/bytes sent, what the client took, bytes copied, samples skipped; ``WorkerPool``:
+restarts, worker seconds; ``Transport``: bytes copied per transport; ``Loader.counters``: streams
+started and ended, the sent figures of closed streams).
+
+Sent and taken. ``batches_sent``/``samples_sent`` count what was handed to gRPC, which buffers
+ahead of the client; ``batches_taken``/``samples_taken`` what the client's iterator handed to its
+training loop, as the client reports it (ReleaseLeasesRequest.progress), or, for a client that
+does not report, the shared-memory leases it released; 0 for a client that does neither. Nothing
+runs in the background and nothing is counted twice; a Prometheus scrape and ``batchd status``
+call the same function.
+
+Rates. ``images_per_second`` (per stream, samples taken), ``images_per_second_sent`` and ``utilization`` (per pool) are exponentially weighted
+moving rates over about ``RATE_WINDOW_S`` seconds (``RateMeter``), so they describe the last few
+seconds, not the whole life of a long stream. Prometheus users can also derive exact rates over
+any window from the counters (``rate(batchd_stream_samples_sent_total[1m])``,
+``rate(batchd_worker_busy_seconds_total[1m]) / batchd_workers``).
+
+Thread safety: the loader's lock is held while its streams and counters are read (so a stream
+closing at that moment is counted once, either as open or as closed); every other figure is an
+int/float attribute or a ``len()``, atomic under the GIL. Worker processes are never polled
+(``Process.is_alive`` from another thread would race the scheduler's own reaping).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchd.server.loader import Loader
+    from batchd.server.serve.stream import Stream
+
+RATE_WINDOW_S = 10.0
+
+
+class RateMeter:
+    """An exponentially weighted moving rate of events (e.g. images sent, worker seconds spent).
+
+    ``add(n)`` at time t adds ``n`` with weight ``exp(-(now - t) / window)``; ``rate()`` is the
+    weighted sum divided by the window, corrected for a meter younger than the window (so a
+    2-second-old stream reports its average over those 2 seconds, not a fifth of it). A steady
+    rate R reads R; a stopped one decays to 0 with time constant ``window``. Thread-safe.
+    """
+
+    __slots__ = ("window", "_start", "_t", "_value", "_lock")
+
+    def __init__(self, window: float = RATE_WINDOW_S, *, now: float | None = None):
+        self.window = window
+        self._start = self._t = time.monotonic() if now is None else now
+        self._value = 0.0  # the weighted sum of events, as of time _t
+        self._lock = threading.Lock()
+
+    def add(self, n: float, *, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._value = self._value * math.exp(-(now - self._t) / self.window) + n
+            self._t = max(self._t, now)
+
+    def rate(self, *, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            value = self._value * math.exp(-max(0.0, now - self._t) / self.window)
+            age = now - self._start
+        if age <= 0:
+            return 0.0
+        return value / (self.window * -math.expm1(-age / self.window))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStats:
+    """One open StreamBatches call."""
+
+    id: int
+    peer: str  # the client's address as gRPC reports it ("" if unknown)
+    dataset: str
+    pipeline: str  # preset name, "none", or "custom:<key prefix>"
+    batch_size: int
+    epoch: int
+    rank: int
+    world_size: int
+    transport: str  # "shm" (batches lent in shared memory; some may still go inline) or "inline"
+    shared: bool  # computed once for several identical streams
+    num_batches: int  # in this epoch for this shard
+    next_batch: int  # the batch the client gets next
+    batches_sent: int  # handed to gRPC (which buffers ahead of the client)
+    samples_sent: int
+    bytes_sent: int  # gRPC message bytes (a shared-memory batch sends only its place)
+    batches_taken: int  # the client handed to its training loop (as it reports; see the module doc)
+    samples_taken: int
+    bytes_copied: int  # batch bytes copied out of slots for this stream (0: every batch lent in place)
+    samples_skipped: int  # bad samples left out (dataset on_error: skip)
+    batches_in_flight: int  # being built by workers
+    batches_ready: int  # built, waiting in the reorder buffer
+    prefetch: int
+    age_seconds: float  # since the stream opened
+    images_per_second: float  # moving rate (RateMeter), samples taken per second (0: the client reports nothing)
+    images_per_second_sent: float  # moving rate, samples handed to gRPC per second
+    waiting_seconds: float  # how long the RPC has been waiting for its next batch now (0 if not waiting)
+
+    @property
+    def batches_ahead(self) -> int:
+        """Batches built or being built ahead of the client (at most ``prefetch``)."""
+        return self.batches_in_flight + self.batches_ready
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """The worker processes and the shared memory they write."""
+
+    workers: int  # configured worker processes
+    ready: int  # started and answering (a replacement counts once it said Ready)
+    busy: int  # workers with at least one batch assigned right now
+    restarts: int  # workers that died and were replaced
+    busy_seconds: float  # seconds workers spent building batches (load + pipeline + copy), all time
+    utilization: float  # moving fraction of worker time spent building batches, 0..1
+    tasks_in_flight: int  # batches sent to workers and not yet back (the work queue)
+    slots_in_use: int  # shared-memory slots holding a batch (not counting those lent to clients)
+    max_slots: int
+    shm_bytes: int  # bytes of shared-memory slots: the server's and those lent to clients
+    leases_held: int  # slots lent to same-host clients
+    sessions: int  # open shared-memory sessions
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Since the server started, over open and closed streams."""
+
+    streams_started: int
+    streams_finished: int  # sent their last batch
+    streams_failed: int  # ended with an error (bad sample, worker failure)
+    streams_cancelled: int  # ended early: client gone, or server shutting down
+    batches_sent: int
+    samples_sent: int
+    bytes_sent: int
+    samples_skipped: int
+    bytes_copied_shm: int  # batch bytes copied out of slots for shared-memory streams (inline fallbacks)
+    bytes_copied_inline: int  # ... for inline streams (every batch's bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The decoded-sample cache for one dataset, since the server started (server/data/cache/)."""
+
+    dataset: str
+    hits: int  # samples served from the cache, RAM + disk
+    hits_disk: int
+    misses: int  # samples computed
+    bytes_ram: int  # bytes of entries in shared memory
+    bytes_disk: int  # bytes of entry files in disk_dir
+    evictions: int  # entries dropped (found corrupt)
+    not_admitted: int  # computed samples the full cache did not take
+    errors: int  # cache failures that fell back to computing
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    uptime_seconds: float
+    version: str
+    streams: tuple[StreamStats, ...]
+    pool: PoolStats
+    totals: Totals
+    computations: int = 0  # running computations (identical streams share one); not in the proto
+    computations_started: int = 0
+    cache: tuple[CacheStats, ...] = ()  # per dataset; empty without a cache
+
+
+# Loader.counters keys, for the streams that have closed (open ones are added by snapshot).
+ENDED = ("streams_finished", "streams_failed", "streams_cancelled")
+SENT = ("batches_sent", "samples_sent", "bytes_sent", "samples_skipped")
+
+
+def stream_outcome(stream: "Stream") -> str:
+    """How a closed stream ended: one of ``ENDED``."""
+    if stream.finished:
+        return "streams_finished"
+    if stream.error is not None:
+        return "streams_failed"
+    return "streams_cancelled"
+
+
+def stream_stats(stream: "Stream", now: float) -> StreamStats:
+    req = stream.request
+    in_flight, ready = stream.backlog()
+    waiting_since = stream.waiting_since
+    return StreamStats(
+        id=stream.id,
+        peer=stream.peer,
+        dataset=req.dataset,
+        pipeline=req.pipeline_name,
+        batch_size=req.batch_size,
+        epoch=req.epoch,
+        rank=req.rank,
+        world_size=req.world_size,
+        transport=stream.transport,
+        shared=bool(stream.shared),
+        num_batches=stream.num_batches,
+        next_batch=stream.next_index,
+        batches_sent=stream.batches_sent,
+        samples_sent=stream.samples_sent,
+        bytes_sent=stream.bytes_sent,
+        batches_taken=stream.batches_taken,
+        samples_taken=stream.samples_taken,
+        bytes_copied=stream.bytes_copied,
+        samples_skipped=stream.samples_skipped,
+        batches_in_flight=in_flight,
+        batches_ready=ready,
+        prefetch=stream.prefetch,
+        age_seconds=max(0.0, now - stream.started),
+        images_per_second=stream.taken_meter.rate(now=now),
+        images_per_second_sent=stream.meter.rate(now=now),
+        waiting_seconds=0.0 if waiting_since is None else max(0.0, now - waiting_since),
+    )
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("batchd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def snapshot(loader: "Loader") -> ServerStats:
+    """Everything ``batchd status`` and the Prometheus endpoint show, read now."""
+    now = time.monotonic()
+    with loader._lock:  # streams move from `streams` to `counters` under this lock
+        streams = tuple(stream_stats(s, now) for s in sorted(loader.streams.values(), key=lambda s: s.id))
+        counters = dict(loader.counters)
+        computations = loader.computations
+    pool, slots, leases = loader.pool, loader.slots, loader.leases
+    load = pool.load()
+    pool_stats = PoolStats(
+        workers=pool.num_workers,
+        ready=load["ready"],
+        busy=load["busy"],
+        restarts=pool.restarts,
+        busy_seconds=pool.work_seconds,
+        utilization=min(1.0, pool.work_meter.rate(now=now) / max(1, pool.num_workers)),
+        tasks_in_flight=load["tasks_in_flight"],
+        slots_in_use=slots.in_use,
+        max_slots=slots.max_slots,
+        shm_bytes=slots.bytes_mapped,
+        leases_held=leases.held_total,
+        sessions=leases.sessions,
+    )
+    totals = Totals(
+        streams_started=counters.get("streams_started", 0),
+        **{k: counters.get(k, 0) for k in ENDED},
+        **{k: counters.get(k, 0) + sum(getattr(s, k) for s in streams) for k in SENT},
+        bytes_copied_shm=loader.transport.bytes_copied["shm"],
+        bytes_copied_inline=loader.transport.bytes_copied["inline"],
+    )
+    return ServerStats(
+        uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,
+        computations=computations, computations_started=counters.get("computations_started", 0),
+        cache=_cache_stats(loader),
+    )
+
+
+def _cache_stats(loader: "Loader") -> tuple[CacheStats, ...]:
+    cache = getattr(loader, "cache", None)
+    if cache is None:
+        return ()
+    fields = CacheStats.__dataclass_fields__
+    return tuple(CacheStats(dataset=ds, **{k: v for k, v in c.items() if k in fields})
+                 for ds, c in cache.stats().items())

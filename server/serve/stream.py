@@ -1,0 +1,140 @@
+"""Streams: one StreamBatches call's cursor into a (possibly shared) computation (``computation.py``),
+and what it sent and what its client took (for stats)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+
+from batchd.server.serve.computation import Computation, ReadyBatch, _Moved
+from batchd.server.compute.protocol import StreamRequest
+from batchd.server.serve.stats import RateMeter
+
+__all__ = ["Computation", "ReadyBatch", "Stream"]
+
+_stream_ids = itertools.count(1)
+
+
+class Stream:
+    """One StreamBatches call: a client's position in a (possibly shared) computation."""
+
+    def __init__(self, request: StreamRequest, num_batches: int):
+        self.id = next(_stream_ids)
+        self.request = request
+        self.num_batches = num_batches
+        self.prefetch = request.prefetch
+        self.position = request.first_batch  # the batch this client gets next (steps by request.stride)
+        self.computation: Computation | None = None
+        self.closed = False  # set by Loader.close_stream; a closed stream is never moved
+        self._from: Computation | None = None  # the computation of the batch being sent
+        self.started = time.monotonic()
+        self.batches_sent = 0
+        self.samples_sent = 0
+        # --- for stats (server/serve/stats.py) -----------------------------------------------------
+        self.bytes_sent = 0  # gRPC message bytes yielded
+        self.peer = request.peer  # the client, as grpc's context.peer() names it
+        self.transport = request.transport  # "shm" when batches are lent over a shared-memory session
+        self.was_shared = False  # read batches that another stream also read
+        self.waiting_since: float | None = None  # monotonic time the RPC began waiting for a batch
+        self.meter = RateMeter()  # samples sent per second, moving
+        self.bytes_copied = 0  # batch bytes copied out of slots for this stream (server/serve/transport.py)
+        # what the client took (progress reports, else leases it released): server/serve/transport.py
+        self.batches_taken = 0
+        self.samples_taken = 0
+        self.reports_progress = False  # the client reports progress: released leases no longer count
+        self.taken_meter = RateMeter()  # samples taken per second, moving
+        self._lock = threading.Lock()
+
+    @property
+    def shared(self) -> bool:
+        """Reading a computation together with other streams right now."""
+        c = self.computation
+        return c is not None and c.readers > 1
+
+    @property
+    def error(self) -> BaseException | None:
+        c = self.computation
+        return None if c is None else c.error
+
+    @property
+    def samples_skipped(self) -> int:
+        c = self.computation
+        return 0 if c is None else c.samples_skipped
+
+    @property
+    def indices(self) -> np.ndarray:
+        return self.computation.indices
+
+    def next(self, timeout: float) -> ReadyBatch | None:
+        """The next batch in order, or None if none came within ``timeout`` seconds or the stream is over.
+
+        Raises the computation's error (a worker's exception, re-raised with its traceback) once
+        the batches before it have been taken.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            computation = self.computation
+            try:
+                batch = computation.get(self, max(0.0, deadline - time.monotonic()))
+            except _Moved:
+                continue
+            if batch is not None:
+                self._from = computation  # where release() must return it
+                if computation.readers > 1:
+                    self.was_shared = True
+            return batch
+
+    @property
+    def next_index(self) -> int:
+        return self.position
+
+    @property
+    def finished(self) -> bool:
+        return self.position >= self.num_batches
+
+    @property
+    def batches_due(self) -> int:
+        """Batches this stream sends in all (every stride-th from its first one)."""
+        first, stride = self.request.first_batch, self.request.stride
+        return max(0, -(-(self.num_batches - first) // stride))
+
+    def release(self, batch: ReadyBatch, *, sent: bool = True) -> None:
+        """The batch was sent (copied into a message, or its slot lent under a lease that holds a
+        reference of its own), or will not be (``sent=False``): the computation drops it once no
+        reader needs it."""
+        self._from.put_back(batch)
+        if not sent:
+            return
+        n = batch.tensors[0].shape[0]
+        with self._lock:
+            self.batches_sent += 1
+            self.samples_sent += n
+        self.meter.add(n)
+
+    def took(self, batches: int, samples: int, *, reported: bool) -> None:
+        """The client took batches: ``reported`` totals from its progress reports (the first replaces
+        what released leases counted; later ones only raise it), else one more released lease
+        (``batches`` and ``samples`` added, until the client reports progress)."""
+        with self._lock:
+            if reported:
+                if not self.reports_progress:
+                    self.reports_progress = True
+                    self.batches_taken = self.samples_taken = 0
+                added = max(0, samples - self.samples_taken)
+                self.batches_taken = max(self.batches_taken, batches)
+                self.samples_taken = max(self.samples_taken, samples)
+            elif self.reports_progress:
+                return
+            else:
+                added = samples
+                self.batches_taken += batches
+                self.samples_taken += samples
+        if added:
+            self.taken_meter.add(added)
+
+    def backlog(self) -> tuple[int, int]:
+        """(batches being built, batches built and waiting) in this stream's computation."""
+        return self.computation.backlog(self.position) if self.computation is not None else (0, 0)

@@ -1,0 +1,133 @@
+"""How a batch reaches its client: its slot lent in place (same host), or its bytes copied inline.
+
+``Transport.encode`` makes the decision for each batch of a stream, beside the slots and leases it
+depends on (the gRPC servicer only yields what it returns):
+
+* shared memory (the stream asked for it and named an open session): the batch's own slot is lent
+  under a lease, whoever else holds it (the computation's reorder buffer and history, other
+  clients' leases: ``SlotPool`` counts references). Nothing is copied; the message carries the
+  slot's name and the tensors' offsets. Clients map slots copy-on-write (``MAP_PRIVATE``), so a
+  client writing into its tensors never reaches the slot or another reader.
+* inline (asked for, or the session holds ``max_leases_per_session`` already and does not give
+  one back within ``LEASE_WAIT_S``): the tensors are copied out of the slot into the message
+  (``batchd.wire.encode_batch``; LZ4-compressed if asked).
+
+Waiting at the lease cap. gRPC buffers small shared-memory messages far ahead of the client, so a
+server faster than its client's training loop reaches the session's lease cap in a few batches;
+copying every later batch inline (most of an epoch, measured) is what zero-copy must avoid. So at
+the cap ``encode(patient=True)`` waits for a lease to come back (the client still has every lent
+batch to consume meanwhile); the caller gives up after ``LEASE_WAIT_S``, the session is marked
+hoarding (``LeaseTable.hoarding``) and goes inline without waiting until it releases one.
+
+``bytes_copied`` counts the batch bytes copied out of slots, per stream transport ("shm" counts
+the batches of shared-memory streams that fell back to inline), since the server started;
+``Stream.bytes_copied`` the same per stream. LZ4 counts the uncompressed bytes it read.
+
+``Transport.release`` applies a ReleaseLeases request: leases the client freed, a call it
+abandoned (see ``LeaseTable.abandon``), and the progress it reports per call, which become the
+stream's ``batches_taken`` / ``samples_taken`` (``Stream.took``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import lz4.frame as lz4_frame
+
+from batchd import wire
+from batchd.server.serve.leases import LeaseTable
+from batchd.server.serve.shm import SlotPool
+from batchd.server.serve.stream import ReadyBatch, Stream
+from batchd.v1 import loader_pb2 as pb
+
+LEASE_WAIT_S = 2.0  # how long a stream at its session's lease cap waits for one to come back
+WAIT_SLICE_S = 0.25  # ... in slices, so that the caller sees a cancelled call
+
+
+class Transport:
+    """Lend or copy, and account for it. Thread-safe (RPC threads call every method)."""
+
+    def __init__(self, slots: SlotPool, leases: LeaseTable):
+        self.slots, self.leases = slots, leases
+        self._lock = threading.Lock()
+        self._open: dict[int, Stream] = {}  # stream id -> open stream
+        self._tags: dict[tuple[str, str], Stream] = {}  # (session, stream_tag) -> open stream
+        self.bytes_copied = {"shm": 0, "inline": 0}
+
+    def open(self, stream: Stream) -> None:
+        """Start accounting for ``stream`` (its progress reports and released leases count as taken)."""
+        r = stream.request
+        with self._lock:
+            self._open[stream.id] = stream
+            if r.stream_tag:
+                self._tags[(r.session, r.stream_tag)] = stream
+
+    def close(self, stream: Stream) -> None:
+        """``stream``'s call ended on the server: its leases still out stay (until released or abandoned)."""
+        r = stream.request
+        with self._lock:
+            self._open.pop(stream.id, None)
+            if r.stream_tag and self._tags.get((r.session, r.stream_tag)) is stream:
+                del self._tags[(r.session, r.stream_tag)]
+        if r.stream_tag and r.transport == "shm":
+            self.leases.call_ended(r.session, r.stream_tag)
+
+    def abandoned(self, stream: Stream) -> bool:
+        """The client said it stopped reading this call (ReleaseLeases.abandoned_stream)."""
+        r = stream.request
+        return bool(r.stream_tag) and r.transport == "shm" and self.leases.is_abandoned(r.session, r.stream_tag)
+
+    def encode(self, stream: Stream, batch: ReadyBatch, *, patient: bool = False) -> bytes | None:
+        """The serialized ``Batch`` for ``stream``'s client: lent if it can be, else inline.
+
+        patient: at the session's lease cap, wait up to ``WAIT_SLICE_S`` for a lease to come back and
+        return None (call again, patient until ``LEASE_WAIT_S`` has passed); not patient at the cap:
+        the session is marked hoarding and the batch goes inline.
+        The caller still holds ``batch`` (and releases it afterwards with ``stream.release``); a
+        lease takes a reference of its own on the slot.
+        """
+        r = stream.request
+        lease = None
+        if r.transport == "shm":
+            samples = batch.tensors[0].shape[0] if batch.tensors and batch.tensors[0].shape else 0
+            lease = self.leases.lend(r.session, batch.slot, tag=r.stream_tag, samples=samples, stream=stream.id)
+            if lease is None and self.leases.full(r.session):
+                if patient:
+                    self.leases.wait_for_room(r.session, WAIT_SLICE_S)
+                    return None
+                self.leases.hoarding(r.session)
+        if lease is not None:
+            tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset) for t in batch.tensors]
+            return wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, segment=batch.slot.name,
+                                     lease=lease, skipped=batch.skipped)
+        buf = batch.slot.buf
+        tensors, copied = [], 0
+        for t in batch.tensors:
+            data = buf[t.offset : t.offset + t.nbytes]
+            copied += t.nbytes
+            if r.compression == "lz4":
+                tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, lz4_frame.compress(data),
+                                               compression=pb.COMPRESSION_LZ4))
+            else:
+                tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, data))
+        data = wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, skipped=batch.skipped)
+        with self._lock:
+            self.bytes_copied[r.transport] += copied
+            stream.bytes_copied += copied
+        return data
+
+    def release(self, request: pb.ReleaseLeasesRequest) -> None:
+        """Apply a ReleaseLeases request (leases freed, a call abandoned, progress per call)."""
+        session = request.session
+        released = self.leases.release(session, request.leases) if request.leases else []
+        if request.abandoned_stream:
+            self.leases.abandon(session, request.abandoned_stream, request.received_leases)
+        with self._lock:
+            credited = [(self._open.get(lease.stream), lease.samples) for lease in released]
+            reported = [(self._tags.get((session, p.stream_tag)), p) for p in request.progress if p.stream_tag]
+        for stream, samples in credited:
+            if stream is not None:
+                stream.took(1, samples, reported=False)
+        for stream, p in reported:
+            if stream is not None:
+                stream.took(p.batches_taken, p.samples_taken, reported=True)

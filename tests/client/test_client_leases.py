@@ -1,0 +1,246 @@
+"""The client side of shared memory and leases, against real servers: copy-on-write mappings,
+abandoned calls naming the leases they received, retried releases, progress reports, and a
+reconnect that closes the old session.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import threading
+import uuid
+
+import grpc
+import pytest
+import torch
+
+import batchd
+from batchd.client import shm as client_shm
+from batchd.client.stats import get_stats
+from batchd.v1 import loader_pb2 as pb
+from helpers import free_port, wait_until
+from procs import write_server_config
+
+pytestmark = pytest.mark.timeout(120)
+
+KW = dict(batch_size=500, shuffle=True, seed=5, transform="flip")
+
+
+# --- 1. copy-on-write ---------------------------------------------------------------------------
+
+
+def test_a_write_into_a_mapped_segment_never_reaches_the_segment():
+    name = f"batchd-test-cow-{uuid.uuid4().hex}"
+    path = client_shm.SHM_DIR / name
+    path.write_bytes(bytes(range(256)) * 64)
+    try:
+        mm = client_shm.map_private(name, 4096)
+        view = memoryview(mm)
+        view[:16] = b"\xff" * 16  # writable, as DataLoader batches are
+        assert bytes(view[:16]) == b"\xff" * 16
+        with open(path, "rb") as f:
+            assert f.read(16) == bytes(range(16)), "the write reached the server's segment"
+        view.release()
+        mm.close()
+    finally:
+        path.unlink()
+
+
+def test_a_write_in_one_reader_is_not_seen_by_another_reader(fmnist_server):
+    """Two identical shared-memory streams share one computation: what one reader writes into its
+    batches stays in its process's copy of the pages, and a slot that comes back with a later
+    batch shows that batch's bytes, not the earlier write."""
+    with batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", transport="inline", **KW) as ref:
+        want = [b["image"].clone() for b in ref]
+    with batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", transport="shm", **KW) as a, \
+         batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", transport="shm", **KW) as b:
+        it_a, it_b = iter(a), iter(b)
+        for k, expected in enumerate(want):
+            batch = next(it_a)
+            assert torch.equal(batch["image"], expected), f"reader A, batch {k}: not the server's bytes"
+            batch["image"].fill_(255)  # in place, as a training loop may; then freed (the slot is reused)
+            del batch
+            assert torch.equal(next(it_b)["image"], expected), f"reader B, batch {k}: sees reader A's write"
+
+
+# --- 2. abandoned calls, retried releases, progress, reconnects --------------------------------
+
+
+@pytest.fixture
+def release_requests(monkeypatch):
+    """Every ReleaseLeasesRequest the servers started after this fixture receive (a copy), in
+    order; ``fail_first`` aborts the first one that releases leases with UNAVAILABLE."""
+    from batchd.server.serve.service import BatchLoaderService
+
+    class Seen(list):
+        state: dict
+
+    seen = Seen()
+    state = {"fail_first": False}
+    real = BatchLoaderService.ReleaseLeases
+
+    def spy(self, request, context):
+        copy = pb.ReleaseLeasesRequest()
+        copy.CopyFrom(request)
+        seen.append(copy)
+        if state["fail_first"] and request.leases:
+            state["fail_first"] = False
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the test drops this request")
+        return real(self, request, context)
+
+    monkeypatch.setattr(BatchLoaderService, "ReleaseLeases", spy)
+    seen.state = state
+    return seen
+
+
+def _server(make_server, fmnist_root, **config):
+    datasets = {"fmnist-test": {"kind": "fashion-mnist", "root": str(fmnist_root), "split": "test"}}
+    return make_server(workers=1, datasets=datasets, **config)
+
+
+def test_an_abandoned_call_names_every_lease_it_received(make_server, fmnist_root, release_requests):
+    server = _server(make_server, fmnist_root)
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=100, prefetch=6, transport="shm") as ld:
+        it = iter(ld)
+        held = [next(it), next(it)]
+        tag = ld.servers.connection.receiver.record.tag
+        session = ld._shm.session
+        it.close()  # the user breaks out: the call is cancelled and reported
+        assert wait_until(lambda: any(r.abandoned_stream == tag for r in release_requests), 10), release_requests
+        abandoned = next(r for r in release_requests if r.abandoned_stream == tag)
+        assert abandoned.session == session
+        received = set(abandoned.received_leases)
+        assert len(received) >= 2, "the two batches taken came on leases"
+        del held
+        gc.collect()
+        # every lease the call received comes back through ordinary releases: none is lost between
+        # "received" and "released", and the server can release all others
+        assert wait_until(lambda: received <= {x for r in release_requests for x in r.leases}, 10), (
+            received, [list(r.leases) for r in release_requests])
+
+
+def test_a_failed_release_is_retried(make_server, fmnist_root, release_requests):
+    server = _server(make_server, fmnist_root)
+    release_requests.state["fail_first"] = True
+    leases = server.loader.leases
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=1000, transport="shm") as ld:
+        batch = next(iter(ld))
+        session = ld._shm.session
+        assert wait_until(lambda: not server.loader.streams, 10)
+        del batch
+        gc.collect()
+        assert wait_until(lambda: leases.held(session) == 0, 15), "the lease was dropped, not retried"
+        tries = [list(r.leases) for r in release_requests if r.leases]
+        assert len(tries) >= 2 and set(tries[0]) <= {x for t in tries[1:] for x in t}, tries
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_progress_is_reported_while_reading(make_server, fmnist_root, release_requests, transport):
+    server = _server(make_server, fmnist_root)
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=100, transport=transport) as ld:
+        it = iter(ld)
+        taken = [next(it) for _ in range(3)]
+        tag = ld.servers.connection.receiver.record.tag
+        session = ld._shm.session if transport == "shm" else ""
+
+        def reported():
+            return [p for r in release_requests if r.session == session for p in r.progress if p.stream_tag == tag]
+
+        # while the iterator is open: at least every interval, not only when the call ends
+        assert wait_until(lambda: any(p.batches_taken == 3 for p in reported()), 10), reported()
+        p = next(p for p in reported() if p.batches_taken == 3)
+        assert p.samples_taken == 300 == sum(len(b["index"]) for b in taken)
+        next(it)
+        assert wait_until(lambda: any(p.batches_taken == 4 for p in reported()), 10), reported()
+        it.close()
+
+
+def test_a_reconnect_closes_the_old_session(make_server, fmnist_root):
+    server = _server(make_server, fmnist_root)
+    leases = server.loader.leases
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=500, transport="shm",
+                                 reconnect_timeout=30) as ld:
+        it = iter(ld)
+        held = next(it)
+        old = ld._shm.session
+        ld.servers.connection.receiver.call.cancel()  # the stream breaks; the loader reconnects
+        indices = [held["index"].clone()] + [next(it)["index"].clone() for _ in range(3)]
+        assert ld._shm.session != old
+        assert torch.cat(indices).unique().numel() == 2000, "a batch was lost or repeated across the reconnect"
+        sessions, old_held = leases.sessions, leases.held(old)
+        assert sessions == 2 and old_held >= 1  # the held batch keeps the old session open
+        del held
+        gc.collect()
+        assert wait_until(lambda: leases.sessions == 1, 10), "the old session was dropped, not closed"
+        it.close()
+
+
+def test_a_re_split_reports_the_abandoned_calls(make_server, fmnist_root, release_requests):
+    servers = [_server(make_server, fmnist_root) for _ in range(2)]
+    with batchd.RemoteDataLoader([s.address for s in servers], "fmnist-test", batch_size=100, prefetch=4,
+                                 transport="shm", probe_interval=60) as ld:
+        it = iter(ld)
+        [next(it) for _ in range(4)]
+        tags = {ld.servers._split.receivers[i].record.tag for i in (0, 1)}
+        ld.servers._rejoined.set()  # as when a server comes back: the next batch starts a new split
+        indices = [next(it)["index"] for _ in range(4)]
+        assert wait_until(lambda: tags <= {r.abandoned_stream for r in release_requests}, 10), release_requests
+        assert torch.cat(indices).tolist() == list(range(400, 800))
+        it.close()
+
+
+def test_a_survivors_leases_return_after_a_failover(server_procs, fmnist_root, tmp_path):
+    """SIGKILL one of two servers mid-epoch: the survivor's calls cancelled by the new split are
+    reported abandoned, so once the epoch is read and its batches freed it holds no lease, while
+    the loader (and its session) is still open."""
+    cfg = write_server_config(tmp_path, fmnist_root, workers=1)
+    procs = [server_procs(cfg, f"127.0.0.1:{free_port()}") for _ in range(2)]
+    for p in procs:
+        p.start()
+    with batchd.RemoteDataLoader([p.address for p in procs], "fmnist-test", batch_size=100, prefetch=4,
+                                 transport="shm", failover_timeout=1, probe_interval=60, timeout=60) as ld:
+        it = iter(ld)
+        indices = [next(it)["index"].clone() for _ in range(10)]
+        procs[1].signal(signal.SIGKILL)
+        procs[1].wait(10)
+        indices += [b["index"].clone() for b in it]
+        assert torch.cat(indices).sort().values.tolist() == list(range(10_000)), "a sample is missing or repeated"
+        assert [s["up"] for s in ld.server_stats()] == [True, False]
+        gc.collect()
+        assert wait_until(lambda: get_stats(procs[0].address).pool.leases_held == 0, 15), (
+            f"the survivor still lends {get_stats(procs[0].address).pool.leases_held} slots")
+        assert get_stats(procs[0].address).pool.sessions == 1
+
+
+class _StalledCall:
+    """Stands for a gRPC call whose next message arrives only once ``gate`` is set (a receiver
+    thread that outlives ``stop()``); no server can be made to stall this way on purpose."""
+
+    def __init__(self, messages, gate):
+        self.messages, self.gate = messages, gate
+
+    def __iter__(self):
+        for m in self.messages:
+            self.gate.wait(10)
+            yield m
+
+    def cancel(self):
+        pass
+
+
+def test_a_lease_arriving_after_the_call_was_abandoned_is_never_used():
+    from batchd.client.leases import CallRecord
+    from batchd.client.receiver import Receiver
+
+    gate, converted, reported = threading.Event(), [], []
+    message = pb.Batch(batch_index=0, segment="batchd-x-slot-1", lease=7).SerializeToString()
+    receiver = Receiver(_StalledCall([message], gate), "test", lambda raw, r: converted.append(raw.lease),
+                        CallRecord("tag-1", "session"), on_end=lambda r: reported.append(r.record.close(True)))
+    receiver.start()
+    receiver.stop()  # the thread is still waiting for the message: it outlives stop()
+    assert reported == [[]], "the abandoned call must name no lease: none was received"
+    gate.set()
+    receiver.join(10)
+    assert not receiver.is_alive()
+    assert converted == [], "a lease the server releases (not named as received) was mapped"
+    assert receiver.record.add(8) is False
