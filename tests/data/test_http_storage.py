@@ -176,7 +176,7 @@ def test_http_rows_fail_after_the_retries_naming_dataset_index_and_url(images, m
 
 
 def test_backend_fsspec_keeps_fsspec_for_http(images, tmp_path):
-    from server.datasets.storage import Storage, StorageOptions
+    from batchd.server.data.datasets.storage import Storage, StorageOptions
 
     root, files = images
     with flaky_server(root, fail_first=0) as (base, _):
