@@ -111,12 +111,18 @@ class StreamRequest:
 
 @dataclass(frozen=True, slots=True)
 class TensorLayout:
-    """Where one tensor of a batch lies in its slot: ``nbytes`` bytes at ``offset``, C order."""
+    """Where one field of a batch lies in its slot: ``nbytes`` bytes at ``offset``, C order.
+
+    Stacked (``sample_shapes`` None): ``shape`` is [B, ...]. Ragged (the samples' shapes differ):
+    ``shape`` is (total elements,), the samples' values back to back, and ``sample_shapes`` gives
+    each sample's shape (B tuples of one length); see ``Tensor`` in loader.proto.
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
+    sample_shapes: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def nbytes(self) -> int:

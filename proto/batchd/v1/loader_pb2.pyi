@@ -172,20 +172,26 @@ class StreamBatchesRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "data", "offset", "compression")
+    __slots__ = ("name", "dtype", "shape", "data", "offset", "compression", "sample_ndim", "sample_shapes", "sample_offsets")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NDIM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     offset: int
     compression: Compression
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    sample_ndim: int
+    sample_shapes: _containers.RepeatedScalarFieldContainer[int]
+    sample_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., sample_ndim: _Optional[int] = ..., sample_shapes: _Optional[_Iterable[int]] = ..., sample_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_index", "epoch", "num_batches", "tensors", "segment", "lease", "skipped_indices")
