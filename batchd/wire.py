@@ -10,12 +10,17 @@ test checks both functions against the generated ``loader_pb2`` classes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, fields
 from typing import Sequence
 
-# Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages), 5 segment, 6 lease
+# Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages), 5 segment, 6 lease,
+#        7 skipped_indices (packed int64), 8 timings (message)
 # Tensor: 1 name, 2 dtype (strings), 3 shape (packed int64), 4 data (bytes), 5 offset, 6 compression
-_WT_VARINT, _WT_LEN = 0, 2
+# BatchTimings: doubles (fixed64) but 10 cache_hits and 11 worker (uint32 varints)
+_WT_VARINT, _WT_FIXED64, _WT_LEN = 0, 1, 2
+_DOUBLE = struct.Struct("<d")
+_ZERO = _DOUBLE.pack(0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +36,31 @@ class WireTensor:
 
 
 @dataclass(frozen=True, slots=True)
+class WireTimings:
+    """``BatchTimings``: where a batch's time went on the server, in seconds (see loader.proto,
+    which documents every field); ``cache_hits`` and ``worker`` are counts, ``workers_busy_ratio``
+    a ratio in [0, 1]. Field names and numbers are the proto's."""
+
+    queued_seconds: float = 0.0
+    read_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    pipeline_seconds: float = 0.0
+    cache_seconds: float = 0.0
+    write_seconds: float = 0.0
+    reorder_seconds: float = 0.0
+    send_seconds: float = 0.0
+    read_io_seconds: float = 0.0
+    cache_hits: int = 0
+    worker: int = 0
+    workers_busy_ratio: float = 0.0
+
+
+# field number -> name, in WireTimings' order (1..12); the two ints are varints
+_TIMING_FIELDS = {i: f.name for i, f in enumerate(fields(WireTimings), start=1)}
+_TIMING_INTS = {10, 11}
+
+
+@dataclass(frozen=True, slots=True)
 class WireBatch:
     batch_index: int
     epoch: int
@@ -39,6 +69,7 @@ class WireBatch:
     segment: str = ""
     lease: int = 0
     skipped: tuple[int, ...] = ()  # samples left out of this batch (on_error: skip)
+    timings: WireTimings | None = None  # None: the server sent none (an older server)
 
 
 def _varint(n: int) -> bytes:
@@ -63,11 +94,27 @@ def _len_field(field: int, payload_len: int) -> bytes:
     return _key(field, _WT_LEN) + _varint(payload_len)
 
 
+def encode_timings(timings: WireTimings) -> bytes:
+    """The serialized ``BatchTimings`` (zero fields omitted, in field order, as protobuf writes them)."""
+    out = []
+    for number, name in _TIMING_FIELDS.items():
+        value = getattr(timings, name)
+        if number in _TIMING_INTS:
+            if value:
+                out += [_key(number, _WT_VARINT), _varint(value)]
+            continue
+        packed = _DOUBLE.pack(value)
+        if packed != _ZERO:  # protobuf omits +0.0 only (it writes -0.0)
+            out += [_key(number, _WT_FIXED64), packed]
+    return b"".join(out)
+
+
 def encode_batch(
     batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor], *, segment: str = "", lease: int = 0,
-    skipped: Sequence[int] = (),
+    skipped: Sequence[int] = (), timings: WireTimings | None = None,
 ) -> bytes:
-    """The serialized ``Batch``; each tensor's data is copied once, into the result."""
+    """The serialized ``Batch``; each tensor's data is copied once, into the result. ``timings``
+    (field 8) goes last, after the tensors, so a caller may time the encoding of the rest."""
     parts: list[bytes | memoryview] = []
     for field, value in ((1, batch_index), (2, epoch), (3, num_batches)):
         if value:
@@ -96,6 +143,9 @@ def encode_batch(
         if t.compression:
             tail += _key(6, _WT_VARINT) + _varint(t.compression)
         parts += [_len_field(4, len(head) + len(data_head) + len(data) + len(tail)), head, data_head, data, tail]
+    if timings is not None:
+        body = encode_timings(timings)
+        parts += [_len_field(8, len(body)), body]
     return b"".join(parts)
 
 
@@ -165,6 +215,29 @@ def _decode_tensor(buf: memoryview) -> WireTensor:
     return WireTensor(name, dtype, tuple(shape), data, offset, compression)
 
 
+def decode_timings(buf: memoryview) -> WireTimings:
+    """Parse a serialized ``BatchTimings`` (unknown fields skipped). Raises IndexError if truncated."""
+    values: dict[str, float | int] = {}
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        field, wt = key >> 3, key & 7
+        name = _TIMING_FIELDS.get(field)
+        if name is not None and field in _TIMING_INTS and wt == _WT_VARINT:
+            v, pos = _read_varint(buf, pos)
+            values[name] = v & 0xFFFFFFFF  # uint32: protobuf keeps the low 32 bits
+        elif name is not None and field not in _TIMING_INTS and wt == _WT_FIXED64:
+            if pos + 8 > end:
+                raise IndexError("truncated double")
+            values[name] = _DOUBLE.unpack_from(buf, pos)[0]
+            pos += 8
+        else:
+            pos = _skip(buf, pos, wt)
+    if pos != end:
+        raise IndexError("truncated BatchTimings")
+    return WireTimings(**values)
+
+
 def decode_batch(data: bytes | memoryview) -> WireBatch:
     """Parse a serialized ``Batch``; tensor data are memoryviews into ``data`` (no copy).
 
@@ -175,6 +248,7 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
     segment = ""
     skipped: list[int] = []
     tensors: list[WireTensor] = []
+    timings: WireTimings | None = None
     pos, end = 0, len(buf)
     try:
         while pos < end:
@@ -200,10 +274,17 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
             elif wt == _WT_VARINT and field == 7:
                 v, pos = _read_varint(buf, pos)
                 skipped.append(_signed(v))
+            elif wt == _WT_LEN and field == 8:  # (servers write it once)
+                n, pos = _read_varint(buf, pos)
+                if pos + n > end:
+                    raise IndexError("truncated timings")
+                timings = decode_timings(buf[pos : pos + n])
+                pos += n
             else:
                 pos = _skip(buf, pos, wt)
     except IndexError:
         raise ValueError("truncated Batch message") from None
     if pos != end:
         raise ValueError("truncated Batch message")
-    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6], tuple(skipped))
+    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6], tuple(skipped), timings)
+
