@@ -12,7 +12,14 @@ sentinels and a wake-up pipe, and in each round:
 4. dispatches new tasks: streams are served round robin, each stream at most ``prefetch``
    batches in flight or buffered; a worker is sent its next tasks before the current one
    finishes (at least one waiting, more while fewer than ``read_ahead`` samples wait, see
-   ``handles.WorkerHandle.wants_task``), so its reader reads their samples ahead.
+   ``handles.WorkerHandle.wants_task``), so its reader reads their samples ahead;
+5. with an ``Autoscaler`` (config ``workers: {min, max}``), starts a worker while clients wait for
+   data, or retires one after a cool-down (``server/compute/autoscale.py``): a retiring worker
+   gets no new task, is told to stop once its tasks are done, and is reaped when it has exited.
+
+Each finished batch's timings (``server/compute/stages.py``) gain ``queued`` (from sending its
+task until the worker began it) and ``worker``; the workers' stages of the moment are on a
+``StageBoard`` in shared memory.
 
 Workers are started from a ``forkserver`` context, created before any gRPC server exists, so no
 process is ever forked from a process running gRPC threads (grpc doc/fork_support.md).
@@ -27,10 +34,13 @@ import os
 import threading
 import time
 from multiprocessing.connection import Connection, wait
+from typing import Callable
 
 from batchd.errors import SampleError, WorkerError
+from batchd.server.compute.autoscale import Autoscaler, Demand
 from batchd.server.compute.handles import InFlight, WorkerHandle, describe_exit, reraisable
 from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
+from batchd.server.compute.stages import StageBoard, work_seconds
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT
 from batchd.server.serve.shm import SlotPool
 from batchd.server.serve.stats import RateMeter
@@ -41,6 +51,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
 _JOIN_S = 5.0
+_SCALE_EVERY_S = 0.25  # how often the autoscaler is asked
 
 
 class WorkerPool:
@@ -48,8 +59,10 @@ class WorkerPool:
 
     dataset_configs: name -> dataset config, opened by each worker. reads_in_flight: sample reads
     each worker keeps running on its I/O threads (``server/data/reader.py``); the scheduler keeps about
-    ``4 * reads_in_flight`` samples queued behind each worker's running task. Raises RuntimeError
-    if the workers do not all start within ``start_timeout`` seconds.
+    ``4 * reads_in_flight`` samples queued behind each worker's running task. autoscaler: sizes
+    the pool between ``autoscaler.min_workers`` (= ``num_workers``, started now) and
+    ``autoscaler.limit``, by ``demand()`` (the clients' wait, ``Loader.demand``); None: a fixed
+    pool. Raises RuntimeError if the workers do not all start within ``start_timeout`` seconds.
     """
 
     def __init__(
@@ -64,11 +77,19 @@ class WorkerPool:
         start_timeout: float = 60.0,
         max_batch_bytes: int = 0,
         reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
+        autoscaler: Autoscaler | None = None,
+        demand: Callable[[], Demand] = Demand,
     ):
         self.max_batch_bytes = max_batch_bytes
         self.reads_in_flight = reads_in_flight
         self.read_ahead = 4 * reads_in_flight  # samples queued behind a worker's running task
-        self.num_workers = num_workers
+        self.min_workers = num_workers
+        self.autoscaler = autoscaler
+        self.max_workers = max(num_workers, autoscaler.limit if autoscaler is not None else num_workers)
+        self._demand = demand
+        self.scaling: collections.Counter[tuple[str, str]] = collections.Counter()  # (direction, reason) -> times
+        self._scaled_at = 0.0
+        self._retired: list[WorkerHandle] = []  # told to stop (pool shrinking), not reaped yet
         self.slots = slots
         self.worker_timeout_s = worker_timeout_s
         self.max_task_retries = max_task_retries
@@ -91,6 +112,7 @@ class WorkerPool:
         self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
         self._workers: dict[int, WorkerHandle] = {}
         self._thread: threading.Thread | None = None  # started once every worker is ready
+        self.board = StageBoard.create(slots.prefix, self.max_workers)  # each worker's stage now (batchd top)
         for worker_id in range(num_workers):
             self._workers[worker_id] = self._start_worker(worker_id)
         self._await_ready(start_timeout)
@@ -121,6 +143,25 @@ class WorkerPool:
         except (BlockingIOError, OSError):  # full: a wake-up is already pending; closed: shutting down
             pass
 
+    @property
+    def num_workers(self) -> int:
+        """Worker processes running now (retiring ones included until they have stopped)."""
+        return len(self._workers)
+
+    def busy_ratio(self, now: float | None = None) -> float:
+        """Fraction of the workers' time spent building batches, moving over about 10 s: 0..1."""
+        return min(1.0, self.work_meter.rate(now=now) / max(1, len(self._workers)))
+
+    def workers(self, now: float | None = None) -> list[dict]:
+        """For stats, from any thread: per worker (by id) its id, pid, busy ratio (0..1, moving),
+        stage now ("starting", "retiring", "idle" or a stage of ``server/compute/stages.py``) and tasks."""
+        out = []
+        for w in sorted(list(self._workers.values()), key=lambda w: w.worker_id):
+            stage = "starting" if not w.ready else "retiring" if w.retiring else self.board.get(w.worker_id)
+            out.append({"id": w.worker_id, "pid": w.process.pid or 0, "busy_ratio": min(1.0, w.meter.rate(now=now)),
+                        "stage": stage, "tasks": len(w.tasks)})
+        return out
+
     def load(self) -> dict[str, int]:
         """For stats, from any thread: workers ready, workers with a batch assigned, batches out.
 
@@ -148,15 +189,16 @@ class WorkerPool:
             pass
         if self._thread is not None:
             self._thread.join(timeout)
-        for w in self._workers.values():
+        every = [*self._workers.values(), *self._retired]
+        for w in every:
             try:
                 w.conn.send(Shutdown())
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout
-        for w in self._workers.values():
+        for w in every:
             w.process.join(max(0.0, deadline - time.monotonic()))
-        for w in self._workers.values():
+        for w in every:
             if w.process.is_alive():
                 w.process.terminate()
                 w.process.join(1.0)
@@ -166,6 +208,7 @@ class WorkerPool:
             w.conn.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        self.board.close()
 
     # --- workers -----------------------------------------------------------------------------
 
@@ -237,6 +280,9 @@ class WorkerPool:
                     job.batch_index,
                 )
         w.conn.close()
+        if w.retiring:  # it was stopping anyway: the pool shrinks now
+            del self._workers[w.worker_id]
+            return
         self.restarts += 1
         self._workers[w.worker_id] = self._start_worker(w.worker_id)
 
@@ -270,6 +316,8 @@ class WorkerPool:
                 self._on_death(sentinels[obj])
         self._expire()
         self._dispatch()
+        self._retire_idle()
+        self._autoscale()
 
     def _receive(self, w: WorkerHandle) -> None:
         try:
@@ -289,12 +337,17 @@ class WorkerPool:
             return
         if isinstance(msg, BatchDone):
             self.batches_built += 1
-            work = sum(msg.timings.values())
+            work = work_seconds(msg.timings)
             self.work_seconds += work
             self.work_meter.add(work)
+            w.meter.add(work)
+            started = msg.timings.get("started", 0.0)
+            timings = {**msg.timings, "queued": max(0.0, started - job.started) if started else 0.0,
+                       "worker": msg.worker_id}
             slot = self.slots.adopt(job.slot, msg.slot_name) if msg.grown else job.slot
             job.stream.slot_hint = max(t.offset + t.nbytes for t in msg.tensors)
-            job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, msg.timings, tuple(i for i, _, _ in msg.skipped)))
+            job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, timings, tuple(i for i, _, _ in msg.skipped),
+                                       ready_at=time.monotonic()))
             if msg.skipped:
                 self._count_skipped(job, msg.skipped)
         elif isinstance(msg, TaskFailed):
@@ -385,3 +438,46 @@ class WorkerPool:
                 if stream in self._streams:
                     self._streams.remove(stream)
                     self._streams.append(stream)
+
+    # --- sizing (config workers: {min, max}) ---------------------------------------------------
+
+    def _autoscale(self) -> None:
+        """Ask the autoscaler (at most every ``_SCALE_EVERY_S``) and act: start a worker, or mark one retiring."""
+        a = self.autoscaler
+        now = time.monotonic()
+        if a is None or self._closing or now - self._scaled_at < _SCALE_EVERY_S:
+            return
+        self._scaled_at = now
+        active = [w for w in self._workers.values() if not w.retiring]
+        decision = a.decide(workers=len(active), starting=sum(1 for w in active if not w.ready),
+                            busy_ratio=self.busy_ratio(now), demand=self._demand(), now=now)
+        if decision is None:
+            return
+        self.scaling[(decision.direction, decision.reason)] += 1
+        if decision.direction == "up":
+            running = set(self._workers)
+            free = set(range(self.max_workers)) - running - {w.worker_id for w in self._retired}
+            worker_id = min(free or set(range(self.max_workers)) - running)  # ids of stopping workers last
+            self._workers[worker_id] = self._start_worker(worker_id)
+            log.info("workers: starting worker %d (%s): %s", worker_id, decision.reason, decision.why)
+        else:
+            w = max(active, key=lambda w: w.worker_id)
+            w.retiring = True
+            log.info("workers: retiring worker %d (%s): %s", w.worker_id, decision.reason, decision.why)
+
+    def _retire_idle(self) -> None:
+        """Tell each retiring worker whose tasks are done to stop; reap those that have stopped."""
+        for w in [w for w in self._workers.values() if w.retiring and not w.tasks]:
+            del self._workers[w.worker_id]
+            try:
+                w.conn.send(Shutdown())
+            except (OSError, ValueError):
+                pass
+            self._retired.append(w)
+        for w in list(self._retired):
+            if not w.process.is_alive():
+                w.process.join(0)
+                w.conn.close()
+                self._retired.remove(w)
+                log.info("workers: worker %d (pid %d) stopped; %d running", w.worker_id, w.process.pid,
+                         len(self._workers))

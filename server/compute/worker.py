@@ -23,7 +23,6 @@ import collections
 import os
 import pickle
 import signal
-import time
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -40,6 +39,7 @@ from batchd.server.data.cache import SharedCache, sample_key
 from batchd.server.data.datasets import Dataset, open_dataset
 from batchd.server.compute.layout import batch_layout, layout_nbytes, view
 from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed, TensorLayout
+from batchd.server.compute.stages import CACHE, DECODE, IDLE, PIPELINE, READ, WRITE, StageBoard, StageClock
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
 from batchd.server.serve.shm import Segment
 
@@ -67,6 +67,9 @@ class _Worker:
         self.cache = SharedCache.attach(f"{new_segment_prefix}cache", worker_id)
         self.splits: dict[str, prefixes.Split] = {}  # pipeline key -> its prefix and random rest
         self.builds: dict[str, str] = {}  # dataset name -> build fingerprint
+        # seconds per stage of the running batch (BatchDone.timings), and its stage on the server's board
+        self.clock = StageClock(StageBoard.attach(new_segment_prefix), worker_id)
+        self.cache_misses = 0  # samples of the running batch computed through the cache (not hits)
 
     def prefetch(self, task: Task) -> None:
         """Start reading ``task``'s samples (after those of the tasks before it), if its dataset
@@ -119,6 +122,7 @@ class _Worker:
         """Build ``task``'s batch in its slot (or a grown segment). Raises what building it raised:
         SampleError (unless skipped), ShapeMismatchError, ResourceExhaustedError, pipeline errors."""
         self._unadopted = None
+        self.clock.start(PIPELINE)  # (building or finding its pipeline; the samples' stages follow)
         try:
             return self._run(task)
         except BaseException:
@@ -130,16 +134,25 @@ class _Worker:
                 seg.unlink()
             raise
         finally:
+            self.clock.enter(IDLE)
             self.reader.discard(task.task_id)
+
+    def timings(self, task: Task, cache_lookups: int = 0) -> dict[str, float]:
+        """``BatchDone.timings`` of the batch ending now (see ``server/compute/stages.py``)."""
+        return {**self.clock.stop(), "read_io": self.reader.io_seconds(task.task_id), "started": self.clock.started,
+                "cache_hits": float(cache_lookups - self.cache_misses)}
 
     def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> np.ndarray:
         """Sample k of the task, decoded: its bytes from the reader if they are read ahead."""
-        if task.task_id not in self.reader:
+        if task.task_id not in self.reader:  # in memory: nothing to read
+            self.clock.enter(DECODE)
             return ds.load_image(index, min_size)
+        self.clock.enter(READ)
         self.between_samples()
         data = self.reader.take(task.task_id, k, self.between_samples)
         if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
             data = ds.read_bytes(index)
+        self.clock.enter(DECODE)
         return ds.decode(index, data, min_size)
 
     def _reads(self, task: Task, ds: Dataset):
@@ -165,7 +178,6 @@ class _Worker:
             compose = split.rest
         if compose is not None:
             self.random.attach(compose)  # its transforms draw in turn from one stream, re-keyed per sample
-        t_load = t_pipe = t_copy = 0.0
         capacity = len(task.indices)
         labels = np.empty(capacity, np.int64)
         kept = np.empty(capacity, np.int64)
@@ -175,12 +187,15 @@ class _Worker:
         seg = grown = layout = None
         n = 0  # samples in the batch so far
         self.prefetch(task)  # no-op if it came ahead of time
+        clock, self.cache_misses, lookups = self.clock, 0, 0
+        clock.enter(READ)
         for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
-            t0 = time.perf_counter()
             try:
                 if split is None:
                     image = self._load(ds, task, k, index, min_size)
                 else:
+                    clock.enter(CACHE)
+                    lookups += 1
                     key = sample_key(ds.fingerprint, index, split.canonical, self.builds[ds.name])
                     image = self.cache.get_or_compute(
                         ds.name, key, lambda: self._prefix(split, ds, self._load(ds, task, k, index, min_size), index))
@@ -190,7 +205,7 @@ class _Worker:
                     raise
                 skipped.append((index, e.path, e.reason))
                 continue
-            t1 = time.perf_counter()
+            clock.enter(PIPELINE)
             if compose is not None:
                 self.random.start(task.random_key, position)
                 try:
@@ -199,7 +214,7 @@ class _Worker:
                     e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
                     raise
             image = _as_hwc_array(image, ds.name, index)
-            t2 = time.perf_counter()
+            clock.enter(WRITE)
             if images is None:
                 first_shape, first_index = image.shape, index
                 layout = batch_layout(capacity, image.shape, image.dtype)
@@ -218,9 +233,7 @@ class _Worker:
             kept[n] = index
             kept_positions[n] = position
             n += 1
-            t_load += t1 - t0
-            t_pipe += t2 - t1
-            t_copy += time.perf_counter() - t2
+        clock.enter(WRITE)
         if layout is None:  # every sample was skipped: an empty batch
             spec = ds.sample_spec
             layout = batch_layout(capacity, tuple(max(d, 0) for d in spec.image_shape), np.dtype(spec.image_dtype))
@@ -231,16 +244,20 @@ class _Worker:
         view(seg.buf, layout[1])[:] = labels[:n]
         view(seg.buf, layout[2])[:] = kept[:n]
         view(seg.buf, layout[3])[:] = kept_positions[:n]
-        timings = {"load": t_load, "pipeline": t_pipe, "copy": t_copy}
+        timings = self.timings(task, lookups)
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings, tuple(skipped))
 
-    @staticmethod
-    def _prefix(split: prefixes.Split, ds: Dataset, image: np.ndarray, index: int) -> np.ndarray:
+    def _prefix(self, split: prefixes.Split, ds: Dataset, image: np.ndarray, index: int) -> np.ndarray:
+        """A cache miss: the pipeline's prefix on the decoded sample (then back to the cache, which stores it)."""
+        self.cache_misses += 1
+        self.clock.enter(PIPELINE)
         try:
             return split.apply_prefix(image)
         except Exception as e:
             e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
             raise
+        finally:
+            self.clock.enter(CACHE)
 
     def _split(self, key: str, compose, min_size, ds: Dataset) -> prefixes.Split | None:
         """The pipeline's prefix and rest when its samples go through the cache, else None."""

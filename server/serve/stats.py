@@ -103,6 +103,9 @@ class StreamStats:
     images_per_second: float  # moving rate (RateMeter), samples taken per second (0: the client reports nothing)
     images_per_second_sent: float  # moving rate, samples handed to gRPC per second
     waiting_seconds: float  # how long the RPC has been waiting for its next batch now (0 if not waiting)
+    wait_ratio: float = 0.0  # the client's training loop: fraction of its time waiting for data (as it reports), 0..1
+    verdict: str = ""  # the client's profile verdict ("" when it reports none)
+    reports_wait: bool = False  # the client reported a wait ratio
 
     @property
     def batches_ahead(self) -> int:
@@ -111,10 +114,21 @@ class StreamStats:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker process."""
+
+    id: int
+    pid: int
+    busy_ratio: float  # moving fraction of its time spent building batches, 0..1
+    stage: str  # now: idle, read, decode, pipeline, cache, write (server/compute/stages.py), starting, retiring
+    tasks: int  # batches assigned to it now
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStats:
     """The worker processes and the shared memory they write."""
 
-    workers: int  # configured worker processes
+    workers: int  # worker processes running now
     ready: int  # started and answering (a replacement counts once it said Ready)
     busy: int  # workers with at least one batch assigned right now
     restarts: int  # workers that died and were replaced
@@ -126,6 +140,12 @@ class PoolStats:
     shm_bytes: int  # bytes of shared-memory slots: the server's and those lent to clients
     leases_held: int  # slots lent to same-host clients
     sessions: int  # open shared-memory sessions
+    min_workers: int = 0  # the pool's bounds (equal for a fixed pool; max after the CPU limit)
+    max_workers: int = 0
+    cpu_quota: float = 0.0  # CPUs the workers may use (cgroup limit, else the CPUs available); 0: a fixed pool
+    scale_ups: int = 0  # workers started because clients waited for data
+    scale_downs: int = 0  # workers retired after a cool-down
+    worker_stats: tuple[WorkerStats, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +236,9 @@ def stream_stats(stream: "Stream", now: float) -> StreamStats:
         images_per_second=stream.taken_meter.rate(now=now),
         images_per_second_sent=stream.meter.rate(now=now),
         waiting_seconds=0.0 if waiting_since is None else max(0.0, now - waiting_since),
+        wait_ratio=stream.wait_ratio or 0.0,
+        verdict=stream.verdict,
+        reports_wait=stream.wait_ratio is not None,
     )
 
 
@@ -235,19 +258,26 @@ def snapshot(loader: "Loader") -> ServerStats:
         computations = loader.computations
     pool, slots, leases = loader.pool, loader.slots, loader.leases
     load = pool.load()
+    scaling = dict(pool.scaling)
     pool_stats = PoolStats(
         workers=pool.num_workers,
         ready=load["ready"],
         busy=load["busy"],
         restarts=pool.restarts,
         busy_seconds=pool.work_seconds,
-        utilization=min(1.0, pool.work_meter.rate(now=now) / max(1, pool.num_workers)),
+        utilization=pool.busy_ratio(now),
         tasks_in_flight=load["tasks_in_flight"],
         slots_in_use=slots.in_use,
         max_slots=slots.max_slots,
         shm_bytes=slots.bytes_mapped,
         leases_held=leases.held_total,
         sessions=leases.sessions,
+        min_workers=pool.min_workers,
+        max_workers=pool.max_workers,
+        cpu_quota=pool.autoscaler.cpu_quota if pool.autoscaler is not None else 0.0,
+        scale_ups=sum(n for (direction, _), n in scaling.items() if direction == "up"),
+        scale_downs=sum(n for (direction, _), n in scaling.items() if direction == "down"),
+        worker_stats=tuple(WorkerStats(**w) for w in pool.workers(now)),
     )
     totals = Totals(
         streams_started=counters.get("streams_started", 0),

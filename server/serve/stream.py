@@ -46,6 +46,12 @@ class Stream:
         self.samples_taken = 0
         self.reports_progress = False  # the client reports progress: released leases no longer count
         self.taken_meter = RateMeter()  # samples taken per second, moving
+        self.reorder_seconds = 0.0  # how long the batch being sent waited, built, in the reorder buffer
+        self.send_started: float | None = None  # perf_counter() when the servicer began sending it
+        # what the client reports of its training loop (StreamProgress): wait_ratio None until it does
+        self.wait_ratio: float | None = None
+        self.verdict = ""
+        self.wait_reported_at = 0.0  # time.monotonic() of the last report
         self._lock = threading.Lock()
 
     @property
@@ -83,6 +89,7 @@ class Stream:
                 continue
             if batch is not None:
                 self._from = computation  # where release() must return it
+                self.reorder_seconds = max(0.0, time.monotonic() - batch.ready_at) if batch.ready_at else 0.0
                 if computation.readers > 1:
                     self.was_shared = True
             return batch
@@ -134,6 +141,13 @@ class Stream:
                 self.samples_taken += samples
         if added:
             self.taken_meter.add(added)
+
+    def client_waits(self, wait_ratio: float, verdict: str) -> None:
+        """The client's report of its training loop (StreamProgress): the fraction of its time spent
+        waiting for this stream's batches (clipped to [0, 1]) and its profile verdict."""
+        self.wait_ratio = min(1.0, max(0.0, float(wait_ratio))) if wait_ratio == wait_ratio else 0.0  # NaN: 0
+        self.verdict = verdict[:32]
+        self.wait_reported_at = time.monotonic()
 
     def backlog(self) -> tuple[int, int]:
         """(batches being built, batches built and waiting) in this stream's computation."""
