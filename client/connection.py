@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -25,6 +26,7 @@ from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Received, Receiver, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
+from batchd.client.timings import BatchTimes, delivered
 from batchd.client.transfer import finish
 from batchd.v1 import loader_pb2 as pb
 
@@ -111,7 +113,10 @@ class ServerConnection:
         )
 
     def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
-        """Receiver thread: tensors of ``raw`` (on the device, finished by ``gpu_transform``)."""
+        """Receiver thread: tensors of ``raw`` (on the device, finished by ``gpu_transform``), and its
+        ``BatchTimes`` (unpack here; receive is the receiver's; copy and gpu_transform: CUDA events,
+        or the CPU time of gpu_transform)."""
+        times, t0 = BatchTimes(raw.timings), time.perf_counter()
         shm = self._shm if raw.segment else None
         if raw.segment and shm is None:
             raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
@@ -123,17 +128,23 @@ class ServerConnection:
         samples = int(batch["index"].shape[0]) if "index" in batch else 0
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
-        if encoded:  # JPEG files: decoded here (client/decode.py), then as below
+        if encoded:  # JPEG files: decoded here (client/decode.py), then as below; all of it is unpack
             batch, event = decode.decode_batch(batch, self.options, transfer, receiver.stopping, raw.epoch)
-            return Received(raw.batch_index, batch, event, samples)
+            times.unpack = time.perf_counter() - t0
+            return Received(raw.batch_index, batch, event, samples, times)
+        t1 = time.perf_counter()
+        times.unpack = t1 - t0
         gpu_transform = self.options.gpu_transform
         if transfer is not None:
+            marks: list = []
             batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=gpu_transform,
-                                              seed=self.options.seed, epoch=raw.epoch)
-            return Received(raw.batch_index, batch, event, samples)
+                                              seed=self.options.seed, epoch=raw.epoch, marks=marks)
+            times.events = (*marks, event)
+            return Received(raw.batch_index, batch, event, samples, times)
         if gpu_transform is not None:
             finish(batch, gpu_transform, self.options.seed, raw.epoch)
-        return Received(raw.batch_index, batch, None, samples)
+            times.gpu_transform = time.perf_counter() - t1
+        return Received(raw.batch_index, batch, None, samples, times)
 
     def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
         """Stream batches start_batch + offset, + stride, ... (every batch with the defaults).
@@ -191,4 +202,5 @@ def deliver(item: Received, receiver: Receiver, transfer: Any) -> dict[str, torc
     batch = item.batch if item.event is None else transfer.hand_over(item.batch, item.event)
     if receiver.record is not None:
         receiver.record.took(item.samples)
+    delivered(item.times, receiver.record)  # for the loader's LoopTimings (batchd.client.timings)
     return batch

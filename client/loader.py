@@ -18,11 +18,16 @@ from batchd.client.addresses import server_addresses
 from batchd.client.connection import ServerConnection, deliver
 from batchd.client.datasets import DatasetInfo, mismatches
 from batchd.client.options import TRANSPORTS, LoaderOptions  # noqa: F401  (TRANSPORTS: public name)
+from batchd.client.profile import Profile, make_profile
 from batchd.client.receiver import Receiver, _End
+from batchd.client.timings import LoopTimings, take_delivered, waiting
 from batchd.sampler import num_batches
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+_VERDICT_EVERY_S = 0.5  # how often the verdict reported to servers is recomputed
+
 
 class RemoteDataLoader:
     """Iterate batches of a dataset that a batchd server at ``address`` decodes and augments.
@@ -114,6 +119,10 @@ class RemoteDataLoader:
     Resume: ``state_dict()`` is a small dict (the settings and the position: epoch, next batch);
     ``load_state_dict(state)`` on a new loader makes its next iteration start at exactly that
     batch, computing nothing before it.
+
+    Profile: ``profile()`` says where this epoch's time went (each batch's stages on the server
+    and here, the loop's wait for data) and what bounds it (``batchd.client.profile``); the wait
+    shows as a ``batchd.wait`` range in PyTorch profiler traces (and NVTX on CUDA).
     """
 
     def __init__(self, address: Any, dataset: str, *, batch_size: int = 1, shuffle: bool = False, seed: int = 0,
@@ -151,6 +160,8 @@ class RemoteDataLoader:
         self.epoch = 0
         self._resume_batch = 0  # where the next iteration starts (load_state_dict)
         self._position: tuple[int, int] | None = None  # (epoch, next batch) of the current iteration
+        self.timings = LoopTimings()  # this epoch's stages and waits (batchd.client.timings)
+        self._verdict, self._verdict_at = "", 0.0  # reported to the servers with the progress
 
     # the settings, as attributes (read-only but for _pipeline, which tests may swap)
     dataset = property(lambda self: self.options.dataset)
@@ -207,15 +218,48 @@ class RemoteDataLoader:
     def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
         total = len(self)
         b = start_batch
-        for batch in self.servers.batches(epoch, start_batch, total):
-            b += 1
-            self._position = (epoch, b)
-            yield batch
+        timings, cuda = self.timings, self.options.device.type == "cuda"
+        timings.begin(epoch)
+        batches = self.servers.batches(epoch, start_batch, total)
+        handed = None  # perf_counter() when the loop got the previous batch
+        try:
+            while True:
+                asked = time.perf_counter()
+                step = asked - handed if handed is not None else 0.0
+                batch = waiting(lambda: next(batches, None), cuda)
+                if batch is None:
+                    if handed is not None:
+                        timings.finished_step(step)
+                    break
+                handed = time.perf_counter()
+                times, record = take_delivered()
+                wait = timings.add(handed - asked, step, times)
+                if record is not None:
+                    record.loop_waited(wait, step, self._current_verdict(handed))
+                b += 1
+                self._position = (epoch, b)
+                yield batch
+        finally:
+            batches.close()
         if b != total:
             raise RuntimeError(f"the server ended epoch {epoch} after {b} of {total} batches")
         if self.epoch == epoch:
             self.epoch = epoch + 1
         self._position = (self.epoch, 0)
+
+    def profile(self) -> Profile:
+        """Where this epoch's time went, and what bounds it: a dict (``verdict``, ``advice``,
+        ``evidence``, ``wait_ratio``, ``stages`` {stage: seconds}, ``shares``, ...) that prints as
+        a table. See ``batchd.client.profile`` for the stages, the rules and their thresholds."""
+        return make_profile(self.timings.snapshot())
+
+    def _current_verdict(self, now: float) -> str:
+        """The verdict reported to the servers, recomputed at most every ``_VERDICT_EVERY_S``."""
+        if now - self._verdict_at >= _VERDICT_EVERY_S:
+            self._verdict_at = now
+            verdict = make_profile(self.timings)["verdict"]  # (pending CUDA times are not waited for)
+            self._verdict = "" if verdict == "unknown" else verdict
+        return self._verdict
 
     def close(self) -> None:
         """Cancel any stream in progress and close the channels (a shared-memory session ends once

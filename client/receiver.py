@@ -38,12 +38,14 @@ class _Failed:
 
 class Received(NamedTuple):
     """One batch as the receiver thread queues it: ``batch`` is the dict of tensors (on the
-    device, then ``event`` is the CUDA event its copy records, else None); ``samples`` its size."""
+    device, then ``event`` is the CUDA event its copy records, else None); ``samples`` its size;
+    ``times`` its ``batchd.client.timings.BatchTimes`` (server and client stages)."""
 
     batch_index: int
     batch: dict[str, torch.Tensor]
     event: Any
     samples: int
+    times: Any = None
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -101,8 +103,13 @@ class Receiver(threading.Thread):
 
     def run(self) -> None:
         try:
-            for message in self.call:
-                if not self._handle(message):
+            messages = iter(self.call)
+            while True:
+                t0 = time.perf_counter()
+                message = next(messages, None)
+                if message is None:
+                    break
+                if not self._handle(message, time.perf_counter() - t0):
                     return
                 # (no batch stays a local of this frame: a failed call's traceback keeps the frame)
                 message = None  # noqa: F841
@@ -114,9 +121,12 @@ class Receiver(threading.Thread):
         except BaseException as e:  # never raise in the thread: hand it to the consumer
             self._put(_Failed(e))
 
-    def _handle(self, message: bytes) -> bool:
-        """Convert and queue one batch; False once the receiver is stopping."""
+    def _handle(self, message: bytes, received: float = 0.0) -> bool:
+        """Convert and queue one batch (``received``: seconds its message took to come); False once
+        the receiver is stopping."""
+        t0 = time.perf_counter()
         raw = wire.decode_batch(message)
+        parsed = time.perf_counter() - t0
         if raw.segment and self.record is not None and not self.record.add(raw.lease):
             return False  # stopped and reported: the server releases this lease, never touch it
         try:
@@ -125,6 +135,9 @@ class Receiver(threading.Thread):
             if raw.segment and self._release is not None:
                 self._release(raw.lease)
             raise
+        if item.times is not None:
+            item.times.receive = received
+            item.times.unpack += parsed
         return self._put(item)
 
     def _put(self, item: Any) -> bool:

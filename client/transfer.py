@@ -121,12 +121,14 @@ class CudaTransfer:
 
     def to_device(self, batch: dict[str, torch.Tensor], stopping: threading.Event | None = None, *,
                   registered: bool = False, finish: Callable[..., torch.Tensor] | None = None, seed: int = 0,
-                  epoch: int = 0) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+                  epoch: int = 0, marks: list | None = None) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
         """Start copying ``batch`` to the device; returns the device tensors and the copy's event.
 
         registered: the tensors lie in registered host memory (``register``): copied directly and
         ``batch`` is kept until the copy completes. finish: a ``gpu_transform`` run on the side
-        stream after the copy (see ``finish``). Raises TransferStopped if ``stopping`` is set.
+        stream after the copy (see ``finish``). marks: a list to which the timing events recorded
+        before and after the copy are appended (the returned event then records timing too), for
+        ``batchd.client.timings``. Raises TransferStopped if ``stopping`` is set.
         """
         # receiver threads start on device 0: switch first, or CUDA makes a context there (DDP ranks)
         with self._lock, torch.cuda.device(self.device):
@@ -134,11 +136,14 @@ class CudaTransfer:
                 raise TransferStopped("the receiver was stopped")
             self._collect()
             out = {}
+            timed = marks is not None
             if registered:
                 with torch.cuda.stream(self.stream):
+                    self._mark(marks)
                     for name, t in batch.items():
                         out[name] = t.to(self.device, non_blocking=True)
-                    event = self._finish_and_record(out, finish, seed, epoch)
+                    self._mark(marks)
+                    event = self._finish_and_record(out, finish, seed, epoch, timed)
                 self._holding.append((event, batch))
                 return out, event
             k = self._next
@@ -146,18 +151,26 @@ class CudaTransfer:
             if self._events[k] is not None:
                 self._events[k].synchronize()  # the copy out of this pinned slot has finished
             with torch.cuda.stream(self.stream):
+                self._mark(marks)
                 for name, t in batch.items():
                     pinned = self._pinned_view(k, name, t)
                     pinned.copy_(t)
                     out[name] = pinned.to(self.device, non_blocking=True)
-                event = self._events[k] = self._finish_and_record(out, finish, seed, epoch)
+                self._mark(marks)
+                event = self._events[k] = self._finish_and_record(out, finish, seed, epoch, timed)
             return out, event
 
+    def _mark(self, marks: list | None) -> None:
+        if marks is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.stream)
+            marks.append(event)
+
     def _finish_and_record(self, out: dict[str, torch.Tensor], gpu_transform, seed: int,
-                           epoch: int) -> torch.cuda.Event:
+                           epoch: int, timed: bool = False) -> torch.cuda.Event:
         if gpu_transform is not None:
             finish(out, gpu_transform, seed, epoch)
-        event = torch.cuda.Event(blocking=True)
+        event = torch.cuda.Event(blocking=True, enable_timing=timed)
         event.record(self.stream)
         return event
 
