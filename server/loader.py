@@ -156,6 +156,7 @@ class Loader:
             pipeline_name=name, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text,
         )
         stream = Stream(request, n)
+        stream.busy_mark = self.pool.busy_totals()  # the pool's busy ratio while it is open (BatchTimings)
         indices = None  # this shard's order, computed outside the lock when no computation can be joined
         while True:
             with self._lock:  # join a running computation or register a new one: one decision, one lock
@@ -255,9 +256,11 @@ class Loader:
                 waiting += 1
         return Demand(waiting, ratio)
 
-    def _busy_ratio(self) -> float:
-        pool = getattr(self, "pool", None)
-        return 0.0 if pool is None else pool.busy_ratio()
+    def _busy_ratio(self, stream: Stream) -> float:
+        """The fraction of the workers' time with a batch to build since ``stream`` opened, 0..1."""
+        busy, alive = self.pool.busy_totals()
+        busy0, alive0 = stream.busy_mark
+        return min(1.0, max(0.0, (busy - busy0) / (alive - alive0))) if alive > alive0 else 0.0
 
     def _release_slot(self, slot) -> None:
         self.slots.release(slot)

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server.compute.protocol import TaskFailed
 from batchd.server.serve.shm import Segment
-from batchd.server.serve.stats import RateMeter
+from batchd.server.serve.stats import BusyClock
 from batchd.server.serve.stream import Computation
 
 MIN_DEPTH = 2  # tasks per worker: one running, one waiting, so a worker never idles
@@ -46,7 +46,7 @@ class WorkerHandle:
     unless it was sent later. killed: the scheduler killed it (task timeout); it gets no new
     task, and ``held_slots`` (its expired tasks' slots) are released only after it is reaped.
     retiring: the pool is shrinking (``server/compute/autoscale.py``): it gets no new task and
-    stops once its tasks are done. meter: its seconds building batches, as a moving rate (its busy ratio).
+    stops once its tasks are done. busy: whether it has a batch to build, over time (its busy ratio).
     """
 
     worker_id: int
@@ -58,7 +58,7 @@ class WorkerHandle:
     killed: bool = False
     held_slots: list[Segment] = field(default_factory=list)
     retiring: bool = False
-    meter: RateMeter = field(default_factory=RateMeter)
+    busy: BusyClock = field(default_factory=BusyClock)
 
     def running(self, in_flight: dict[int, InFlight]) -> tuple[int, float] | None:
         """(task id, when it started running) of the task this worker is on, or None if idle."""

@@ -43,7 +43,6 @@ from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, Tas
 from batchd.server.compute.stages import StageBoard, work_seconds
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT
 from batchd.server.serve.shm import SlotPool
-from batchd.server.serve.stats import RateMeter
 from batchd.server.serve.stream import Computation, ReadyBatch
 from batchd.server.compute.worker import worker_main
 
@@ -90,6 +89,7 @@ class WorkerPool:
         self.scaling: collections.Counter[tuple[str, str]] = collections.Counter()  # (direction, reason) -> times
         self._scaled_at = 0.0
         self._retired: list[WorkerHandle] = []  # told to stop (pool shrinking), not reaped yet
+        self._gone = [0.0, 0.0]  # busy and alive seconds of workers no longer in _workers
         self.slots = slots
         self.worker_timeout_s = worker_timeout_s
         self.max_task_retries = max_task_retries
@@ -109,7 +109,6 @@ class WorkerPool:
         self.restarts = 0
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
-        self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
         self._workers: dict[int, WorkerHandle] = {}
         self._thread: threading.Thread | None = None  # started once every worker is ready
         self.board = StageBoard.create(slots.prefix, self.max_workers)  # each worker's stage now (batchd top)
@@ -149,8 +148,26 @@ class WorkerPool:
         return len(self._workers)
 
     def busy_ratio(self, now: float | None = None) -> float:
-        """Fraction of the workers' time spent building batches, moving over about 10 s: 0..1."""
-        return min(1.0, self.work_meter.rate(now=now) / max(1, len(self._workers)))
+        """Fraction of the workers' time with a batch to build, moving over about 10 s: 0..1."""
+        workers = list(self._workers.values())
+        return sum(w.busy.ratio(now=now) for w in workers) / len(workers) if workers else 0.0
+
+    def busy_totals(self, now: float | None = None) -> tuple[float, float]:
+        """(seconds workers had a batch to build, seconds workers were alive), summed over every
+        worker since the pool started: the pool's busy ratio between two calls is the ratio of the
+        differences (``Loader``: per stream, ``BatchTimings.workers_busy_ratio``)."""
+        now = time.monotonic() if now is None else now
+        busy, alive = self._gone
+        for w in list(self._workers.values()):
+            busy += w.busy.busy_seconds(now=now)
+            alive += w.busy.alive_seconds(now=now)
+        return busy, alive
+
+    def _forget_worker(self, w: WorkerHandle) -> None:
+        """``w`` leaves ``_workers``: keep its busy and alive seconds in the pool's totals."""
+        now = time.monotonic()
+        self._gone[0] += w.busy.busy_seconds(now=now)
+        self._gone[1] += w.busy.alive_seconds(now=now)
 
     def workers(self, now: float | None = None) -> list[dict]:
         """For stats, from any thread: per worker (by id) its id, pid, busy ratio (0..1, moving),
@@ -158,7 +175,7 @@ class WorkerPool:
         out = []
         for w in sorted(list(self._workers.values()), key=lambda w: w.worker_id):
             stage = "starting" if not w.ready else "retiring" if w.retiring else self.board.get(w.worker_id)
-            out.append({"id": w.worker_id, "pid": w.process.pid or 0, "busy_ratio": min(1.0, w.meter.rate(now=now)),
+            out.append({"id": w.worker_id, "pid": w.process.pid or 0, "busy_ratio": w.busy.ratio(now=now),
                         "stage": stage, "tasks": len(w.tasks)})
         return out
 
@@ -280,6 +297,7 @@ class WorkerPool:
                     job.batch_index,
                 )
         w.conn.close()
+        self._forget_worker(w)
         if w.retiring:  # it was stopping anyway: the pool shrinks now
             del self._workers[w.worker_id]
             return
@@ -333,14 +351,13 @@ class WorkerPool:
         job = self._in_flight.pop(msg.task_id, None)
         w.tasks.discard(msg.task_id)
         w.last_done = time.monotonic()  # its next task starts running now
+        w.busy.set(bool(w.tasks), now=w.last_done)
         if job is None:
             return
         if isinstance(msg, BatchDone):
             self.batches_built += 1
             work = work_seconds(msg.timings)
             self.work_seconds += work
-            self.work_meter.add(work)
-            w.meter.add(work)
             started = msg.timings.get("started", 0.0)
             timings = {**msg.timings, "queued": max(0.0, started - job.started) if started else 0.0,
                        "worker": msg.worker_id}
@@ -383,6 +400,7 @@ class WorkerPool:
             w.process.kill()
             w.killed = True
             w.tasks.discard(task_id)
+            w.busy.set(bool(w.tasks))
             w.held_slots.append(job.slot)
             job.stream.fail(
                 WorkerError(
@@ -428,6 +446,7 @@ class WorkerPool:
             )
             self._in_flight[task.task_id] = InFlight(stream, b, slot, w.worker_id, time.monotonic(), len(task.indices))
             w.tasks.add(task.task_id)
+            w.busy.set(True)
             try:
                 w.conn.send(task)
             except (OSError, ValueError):
@@ -469,6 +488,7 @@ class WorkerPool:
         """Tell each retiring worker whose tasks are done to stop; reap those that have stopped."""
         for w in [w for w in self._workers.values() if w.retiring and not w.tasks]:
             del self._workers[w.worker_id]
+            self._forget_worker(w)
             try:
                 w.conn.send(Shutdown())
             except (OSError, ValueError):

@@ -49,8 +49,9 @@ WAIT_SLICE_S = 0.25  # ... in slices, so that the caller sees a cancelled call
 class Transport:
     """Lend or copy, and account for it. Thread-safe (RPC threads call every method)."""
 
-    def __init__(self, slots: SlotPool, leases: LeaseTable, busy_ratio: Callable[[], float] = lambda: 0.0):
-        """busy_ratio: the workers' busy ratio now (0..1), written into each batch's timings."""
+    def __init__(self, slots: SlotPool, leases: LeaseTable, busy_ratio: Callable[[Stream], float] = lambda s: 0.0):
+        """busy_ratio(stream): the workers' busy ratio while ``stream`` has been open (0..1), written
+        into each of its batches' timings."""
         self.slots, self.leases = slots, leases
         self.busy_ratio = busy_ratio
         self._lock = threading.Lock()
@@ -135,7 +136,7 @@ class Transport:
             write_seconds=t.get("write", 0.0), reorder_seconds=stream.reorder_seconds,
             send_seconds=time.perf_counter() - start, read_io_seconds=t.get("read_io", 0.0),
             cache_hits=int(t.get("cache_hits", 0)), worker=int(t.get("worker", 0)),
-            workers_busy_ratio=min(1.0, max(0.0, self.busy_ratio())))
+            workers_busy_ratio=min(1.0, max(0.0, self.busy_ratio(stream))))
 
     def release(self, request: pb.ReleaseLeasesRequest) -> None:
         """Apply a ReleaseLeases request (leases freed, a call abandoned, progress per call)."""
