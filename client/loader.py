@@ -254,8 +254,8 @@ class RemoteDataLoader:
         return make_profile(self.timings.snapshot())
 
     def _current_verdict(self, now: float) -> str:
-        """The verdict reported to the servers, recomputed at most every ``_VERDICT_EVERY_S``."""
-        if now - self._verdict_at >= _VERDICT_EVERY_S:
+        """The verdict reported to the servers, recomputed at most every ``_VERDICT_EVERY_S`` once there is one."""
+        if not self._verdict or now - self._verdict_at >= _VERDICT_EVERY_S:
             self._verdict_at = now
             verdict = make_profile(self.timings)["verdict"]  # (pending CUDA times are not waited for)
             self._verdict = "" if verdict == "unknown" else verdict

@@ -181,8 +181,8 @@ class PoolStats:
     ready: int  # started and answering (a replacement counts once it said Ready)
     busy: int  # workers with at least one batch assigned right now
     restarts: int  # workers that died and were replaced
-    busy_seconds: float  # seconds workers spent building batches (load + pipeline + copy), all time
-    utilization: float  # moving fraction of worker time spent building batches, 0..1
+    busy_seconds: float  # seconds workers spent building batches (read, decode, pipeline, cache, write), all time
+    utilization: float  # moving fraction of worker time with a batch to build, 0..1
     tasks_in_flight: int  # batches sent to workers and not yet back (the work queue)
     slots_in_use: int  # shared-memory slots holding a batch (not counting those lent to clients)
     max_slots: int
@@ -238,6 +238,14 @@ class ServerStats:
     computations: int = 0  # running computations (identical streams share one); not in the proto
     computations_started: int = 0
     cache: tuple[CacheStats, ...] = ()  # per dataset; empty without a cache
+    stage_seconds: dict[str, float] | None = None  # BatchTimings stage -> seconds over all batches sent; not in the proto
+    scaling: dict[tuple[str, str], int] | None = None  # (direction, reason) -> workers started/retired; not in the proto
+
+    @property
+    def trainer_data_wait_ratio(self) -> float:
+        """The mean wait ratio the open streams' clients report (0..1; 0 when none reports)."""
+        reported = [s.wait_ratio for s in self.streams if s.reports_wait]
+        return sum(reported) / len(reported) if reported else 0.0
 
 
 # Loader.counters keys, for the streams that have closed (open ones are added by snapshot).
@@ -338,7 +346,7 @@ def snapshot(loader: "Loader") -> ServerStats:
     return ServerStats(
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,
         computations=computations, computations_started=counters.get("computations_started", 0),
-        cache=_cache_stats(loader),
+        cache=_cache_stats(loader), stage_seconds=dict(loader.transport.stage_seconds), scaling=scaling,
     )
 
 

@@ -42,6 +42,7 @@ from batchd.server.serve.shm import SlotPool
 from batchd.server.serve.stream import ReadyBatch, Stream
 from batchd.v1 import loader_pb2 as pb
 
+STAGE_FIELDS = {name[: -len("_seconds")]: name for name in wire.WireTimings.__slots__ if name.endswith("_seconds")}
 LEASE_WAIT_S = 2.0  # how long a stream at its session's lease cap waits for one to come back
 WAIT_SLICE_S = 0.25  # ... in slices, so that the caller sees a cancelled call
 
@@ -58,6 +59,8 @@ class Transport:
         self._open: dict[int, Stream] = {}  # stream id -> open stream
         self._tags: dict[tuple[str, str], Stream] = {}  # (session, stream_tag) -> open stream
         self.bytes_copied = {"shm": 0, "inline": 0}
+        # seconds per BatchTimings stage, summed over every batch sent (batchd_batch_stage_seconds_total)
+        self.stage_seconds = dict.fromkeys(STAGE_FIELDS, 0.0)
 
     def open(self, stream: Stream) -> None:
         """Start accounting for ``stream`` (its progress reports and released leases count as taken)."""
@@ -130,13 +133,17 @@ class Transport:
         after (``encode_batch`` joins them), so it is not in ``send`` (about 0.1 ms per MB)."""
         t = batch.timings
         start = t0 if stream.send_started is None else stream.send_started
-        return wire.WireTimings(
+        timings = wire.WireTimings(
             queued_seconds=t.get("queued", 0.0), read_seconds=t.get("read", 0.0), decode_seconds=t.get("decode", 0.0),
             pipeline_seconds=t.get("pipeline", 0.0), cache_seconds=t.get("cache", 0.0),
             write_seconds=t.get("write", 0.0), reorder_seconds=stream.reorder_seconds,
             send_seconds=time.perf_counter() - start, read_io_seconds=t.get("read_io", 0.0),
             cache_hits=int(t.get("cache_hits", 0)), worker=int(t.get("worker", 0)),
             workers_busy_ratio=min(1.0, max(0.0, self.busy_ratio(stream))))
+        with self._lock:
+            for stage, name in STAGE_FIELDS.items():
+                self.stage_seconds[stage] += getattr(timings, name)
+        return timings
 
     def release(self, request: pb.ReleaseLeasesRequest) -> None:
         """Apply a ReleaseLeases request (leases freed, a call abandoned, progress per call)."""
