@@ -6,13 +6,13 @@ the pool sees each round (the clock is passed in), so its rules are tested witho
 
 * **Up** (``clients_waiting``): some client is waiting for data (``Demand``: the wait ratio its
   training loop reports is at least ``WAIT_UP``, or, for a client that reports nothing, the
-  stream's RPC has waited ``RPC_WAIT_UP_S`` for its next batch), the workers are busy
-  (``busy_ratio >= BUSY_UP``: more batches need more workers, not a faster client), fewer than
-  ``limit`` workers run, and the last change has settled (``SETTLE_S``, and every worker started
-  is ready).
+  stream's RPC has waited ``RPC_WAIT_UP_S`` for its next batch), the workers were busy at least
+  ``BUSY_UP`` of the last ``UP_WINDOW_S`` seconds (more batches need more workers, not a faster
+  client or network), fewer than ``limit`` workers run, the last change is ``UP_WINDOW_S`` old
+  and every worker started is ready.
 * **Down** (``idle``): no client has waited for ``cool_down_s`` seconds, more than ``min``
-  workers run, the last change is ``cool_down_s`` old, and one worker fewer would be busy at most
-  ``BUSY_DOWN`` of its time at the current load.
+  workers run, the last change is ``cool_down_s`` old, and one worker fewer would have been busy
+  at most ``BUSY_DOWN`` of the cool-down at that load.
 
 ``limit`` is ``max`` capped by the CPUs the workers may use (``cpu_budget``: the container's
 cgroup CPU limit, cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, else the CPUs this process may
@@ -23,6 +23,7 @@ run on; never below ``min``), so a sidecar never takes the trainer's cores. The 
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import pathlib
@@ -30,9 +31,9 @@ from dataclasses import dataclass
 
 WAIT_UP = 0.1  # a client whose loop waits this fraction of its time (or more) wants more workers
 RPC_WAIT_UP_S = 0.5  # a stream whose client reports nothing: its RPC waiting this long for a batch
-BUSY_UP = 0.75  # workers busy at least this fraction of their time: adding one helps
-BUSY_DOWN = 0.6  # retire one if the others would then be busy at most this fraction
-SETTLE_S = 2.0  # after starting a worker, wait this long (and for it to be ready) before another
+BUSY_UP = 0.75  # workers busy at least this fraction of the last UP_WINDOW_S: adding one helps
+UP_WINDOW_S = 2.0  # ... measured over this window; also the least time between two starts
+BUSY_DOWN = 0.6  # retire one if the others would have been busy at most this fraction of the cool-down
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,10 @@ class Autoscaler:
     """When to start or retire a worker, between ``min_workers`` and ``limit``.
 
     cpu_quota: CPUs the workers may use (None: ``cpu_budget()``). cool_down_s: seconds without a
-    waiting client before a worker is retired, and between two retirements.
+    waiting client before a worker is retired, and between a change and a retirement.
+    The workers' busy fraction over a window is the ratio of the differences of the pool's
+    cumulative (busy, alive) worker-seconds (``WorkerPool.busy_totals``) across it, so it follows
+    the load within the window (a moving average over 10 s would lag it by tens of seconds).
     Raises ValueError if min_workers < 1 or max_workers < min_workers.
     """
 
@@ -72,31 +76,51 @@ class Autoscaler:
         self.cool_down_s = cool_down_s
         self.last_change = now
         self.last_demand = now
+        self._history: collections.deque[tuple[float, float, float]] = collections.deque()  # (now, busy, alive)
 
     @property
     def fixed(self) -> bool:
         return self.min_workers == self.limit
 
-    def decide(self, *, workers: int, starting: int, busy_ratio: float, demand: Demand, now: float) -> Decision | None:
-        """One round: ``workers`` running (``starting`` of them not ready yet), their busy ratio
-        (0..1, moving), the clients' ``demand``; ``now`` in seconds (monotonic)."""
+    def busy_over(self, window: float) -> float | None:
+        """The workers' busy fraction over the last ``window`` seconds of history (at least half of
+        it must be there; None otherwise)."""
+        if not self._history:
+            return None
+        now, busy, alive = self._history[-1]
+        old = next((h for h in self._history if h[0] >= now - window), self._history[0])
+        if now - old[0] < 0.5 * window or alive <= old[2]:
+            return None
+        return min(1.0, max(0.0, (busy - old[1]) / (alive - old[2])))
+
+    def decide(self, *, workers: int, starting: int, busy_seconds: float, alive_seconds: float, demand: Demand,
+               now: float) -> Decision | None:
+        """One round: ``workers`` running (``starting`` of them not ready yet), the pool's cumulative
+        busy and alive worker-seconds, the clients' ``demand``; ``now`` in seconds (monotonic)."""
+        self._history.append((now, busy_seconds, alive_seconds))
+        keep = max(UP_WINDOW_S, self.cool_down_s) + 1.0
+        while self._history[0][0] < now - keep:
+            self._history.popleft()
         if demand.waiting:
             self.last_demand = now
         if self.fixed:
             return None
-        if (demand.waiting and busy_ratio >= BUSY_UP and workers < self.limit and not starting
-                and now - self.last_change >= SETTLE_S):
+        busy = self.busy_over(UP_WINDOW_S)
+        if (demand.waiting and busy is not None and busy >= BUSY_UP and workers < self.limit and not starting
+                and now - self.last_change >= UP_WINDOW_S):
             self.last_change = now
             return Decision("up", "clients_waiting", (
                 f"{demand.waiting} stream(s) waiting for data (client wait ratio up to {demand.wait_ratio:.0%}), "
-                f"workers {busy_ratio:.0%} busy; {workers} -> {workers + 1} of at most {self.limit} "
-                f"(max {self.max_workers}, cpu quota {self.cpu_quota:g})"))
+                f"workers {busy:.0%} busy over {UP_WINDOW_S:g} s; {workers} -> {workers + 1} of at most "
+                f"{self.limit} (max {self.max_workers}, cpu quota {self.cpu_quota:g})"))
         quiet = now - self.last_demand
-        if (workers > self.min_workers and quiet >= self.cool_down_s and now - self.last_change >= self.cool_down_s
-                and busy_ratio * workers <= BUSY_DOWN * (workers - 1)):
+        if workers <= self.min_workers or quiet < self.cool_down_s or now - self.last_change < self.cool_down_s:
+            return None
+        busy = self.busy_over(self.cool_down_s)
+        if busy is not None and busy * workers <= BUSY_DOWN * (workers - 1):
             self.last_change = now
             return Decision("down", "idle", (
-                f"no client waited for data in {quiet:.0f} s and workers were {busy_ratio:.0%} busy; "
+                f"no client waited for data in {quiet:.0f} s and workers were {busy:.0%} busy over it; "
                 f"{workers} -> {workers - 1} (min {self.min_workers})"))
         return None
 

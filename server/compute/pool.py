@@ -468,8 +468,9 @@ class WorkerPool:
             return
         self._scaled_at = now
         active = [w for w in self._workers.values() if not w.retiring]
-        decision = a.decide(workers=len(active), starting=sum(1 for w in active if not w.ready),
-                            busy_ratio=self.busy_ratio(now), demand=self._demand(), now=now)
+        busy, alive = self.busy_totals(now)
+        decision = a.decide(workers=len(active), starting=sum(1 for w in active if not w.ready), busy_seconds=busy,
+                            alive_seconds=alive, demand=self._demand(), now=now)
         if decision is None:
             return
         self.scaling[(decision.direction, decision.reason)] += 1
