@@ -43,6 +43,7 @@ CLIENT_STAGES = ("receive", "unpack", "copy", "gpu_transform")  # the receiver t
 LOOP_STAGES = ("wait", "step")  # the training loop
 STAGES = (*LOOP_STAGES, *SERVER_STAGES, *CLIENT_STAGES)
 WINDOW_S = 10.0  # time constant of the moving wait ratio reported to servers (seconds)
+_SERVER_ATTRS = tuple((stage, f"{stage}_seconds") for stage in SERVER_STAGES)
 
 
 @dataclass(slots=True)
@@ -76,7 +77,7 @@ class BatchTimes:
     def stages(self) -> dict[str, float]:
         """{stage: seconds} of ``SERVER_STAGES`` and ``CLIENT_STAGES`` (server stages 0 without timings)."""
         s = self.server
-        out = {name: getattr(s, f"{name}_seconds") if s is not None else 0.0 for name in SERVER_STAGES}
+        out = {stage: getattr(s, attr) if s is not None else 0.0 for stage, attr in _SERVER_ATTRS}
         out.update(receive=self.receive, unpack=self.unpack, copy=self.copy, gpu_transform=self.gpu_transform)
         return out
 
@@ -169,8 +170,14 @@ class LoopTimings:
         self.totals["step"] += step
 
     def _count(self, times: BatchTimes) -> None:
-        for name, seconds in times.stages().items():
-            self.totals[name] += seconds
+        totals, s = self.totals, times.server
+        if s is not None:
+            for stage, attr in _SERVER_ATTRS:
+                totals[stage] += getattr(s, attr)
+        totals["receive"] += times.receive
+        totals["unpack"] += times.unpack
+        totals["copy"] += times.copy
+        totals["gpu_transform"] += times.gpu_transform
 
     def _resolve(self, wait: bool = False) -> None:
         """Add the CUDA times of batches whose copies have completed."""

@@ -144,15 +144,19 @@ class _Worker:
 
     def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> np.ndarray:
         """Sample k of the task, decoded: its bytes from the reader if they are read ahead."""
+        clock = self.clock  # (its enter calls only for timed samples: clock.on)
         if task.task_id not in self.reader:  # in memory: nothing to read
-            self.clock.enter(DECODE)
+            if clock.on:
+                clock.enter(DECODE)
             return ds.load_image(index, min_size)
-        self.clock.enter(READ)
+        if clock.on:
+            clock.enter(READ)
         self.between_samples()
         data = self.reader.take(task.task_id, k, self.between_samples)
         if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
             data = ds.read_bytes(index)
-        self.clock.enter(DECODE)
+        if clock.on:
+            clock.enter(DECODE)
         return ds.decode(index, data, min_size)
 
     def _reads(self, task: Task, ds: Dataset):
@@ -188,13 +192,18 @@ class _Worker:
         n = 0  # samples in the batch so far
         self.prefetch(task)  # no-op if it came ahead of time
         clock, self.cache_misses, lookups = self.clock, 0, 0
-        clock.enter(READ)
+        clock.begin_samples()  # samples timed one in clock.every (the rest: their share of the loop's time)
+        every, on = clock.every, False
         for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
+            if on:
+                clock.pause()
+            on = clock.on = not k % every
             try:
                 if split is None:
                     image = self._load(ds, task, k, index, min_size)
                 else:
-                    clock.enter(CACHE)
+                    if on:
+                        clock.enter(CACHE)
                     lookups += 1
                     key = sample_key(ds.fingerprint, index, split.canonical, self.builds[ds.name])
                     image = self.cache.get_or_compute(
@@ -205,7 +214,8 @@ class _Worker:
                     raise
                 skipped.append((index, e.path, e.reason))
                 continue
-            clock.enter(PIPELINE)
+            if on:
+                clock.enter(PIPELINE)
             if compose is not None:
                 self.random.start(task.random_key, position)
                 try:
@@ -214,7 +224,8 @@ class _Worker:
                     e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
                     raise
             image = _as_hwc_array(image, ds.name, index)
-            clock.enter(WRITE)
+            if on:
+                clock.enter(WRITE)
             if images is None:
                 first_shape, first_index = image.shape, index
                 layout = batch_layout(capacity, image.shape, image.dtype)
@@ -233,7 +244,9 @@ class _Worker:
             kept[n] = index
             kept_positions[n] = position
             n += 1
-        clock.enter(WRITE)
+        if on:
+            clock.pause()
+        clock.end_samples(capacity, WRITE)
         if layout is None:  # every sample was skipped: an empty batch
             spec = ds.sample_spec
             layout = batch_layout(capacity, tuple(max(d, 0) for d in spec.image_shape), np.dtype(spec.image_dtype))
@@ -250,14 +263,17 @@ class _Worker:
     def _prefix(self, split: prefixes.Split, ds: Dataset, image: np.ndarray, index: int) -> np.ndarray:
         """A cache miss: the pipeline's prefix on the decoded sample (then back to the cache, which stores it)."""
         self.cache_misses += 1
-        self.clock.enter(PIPELINE)
+        clock = self.clock
+        if clock.on:
+            clock.enter(PIPELINE)
         try:
             return split.apply_prefix(image)
         except Exception as e:
             e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
             raise
         finally:
-            self.clock.enter(CACHE)
+            if clock.on:
+                clock.enter(CACHE)
 
     def _split(self, key: str, compose, min_size, ds: Dataset) -> prefixes.Split | None:
         """The pipeline's prefix and rest when its samples go through the cache, else None."""

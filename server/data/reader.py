@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -73,7 +72,6 @@ class SampleReader:
         self._latency_s: float | None = None  # moving average of one read's wall time (I/O threads write it)
         self._work_s: float | None = None  # moving average of the worker's time between two takes (not waiting)
         self._last_taken: float | None = None  # when the last take returned
-        self._io_lock = threading.Lock()  # io_seconds sums (I/O threads add to them)
 
     @property
     def target(self) -> int:
@@ -96,9 +94,9 @@ class SampleReader:
             self._latency_s = dt if lat is None else lat + _EWMA * (dt - lat)
             self._add_io(reads, dt)
 
-    def _add_io(self, reads: _Reads, seconds: float) -> None:
-        with self._io_lock:
-            reads.io_seconds += seconds
+    @staticmethod
+    def _add_io(reads: _Reads, seconds: float) -> None:
+        reads.io_seconds += seconds  # (a race between I/O threads only loses an observation, as above)
 
     def io_seconds(self, task_id: int) -> float:
         """Seconds the reads of a task's samples took, summed over the threads that ran them (they
