@@ -47,6 +47,7 @@ from bench.report import md_table  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
 NAME = "table11"
+NEEDS_PHOTOS = False  # Fashion-MNIST only (bench/run_all.py)
 TITLE = "Table 11: the cost of per-batch timings (CPU per batch, against a batch's own)"
 TARGET = 0.01  # of throughput
 FMNIST = {"kind": "fashion-mnist", "root": "/usr/share/datasets/fashion-mnist", "split": "train"}

@@ -149,7 +149,7 @@ class WorkerPool:
 
     def busy_ratio(self, now: float | None = None) -> float:
         """Fraction of the workers' time with a batch to build, moving over about 10 s: 0..1."""
-        workers = list(self._workers.values())
+        workers = [w for w in list(self._workers.values()) if w.ready]
         return sum(w.busy.ratio(now=now) for w in workers) / len(workers) if workers else 0.0
 
     def busy_totals(self, now: float | None = None) -> tuple[float, float]:
@@ -159,12 +159,15 @@ class WorkerPool:
         now = time.monotonic() if now is None else now
         busy, alive = self._gone
         for w in list(self._workers.values()):
-            busy += w.busy.busy_seconds(now=now)
-            alive += w.busy.alive_seconds(now=now)
+            if w.ready:  # (a starting worker's time is neither busy nor idle)
+                busy += w.busy.busy_seconds(now=now)
+                alive += w.busy.alive_seconds(now=now)
         return busy, alive
 
     def _forget_worker(self, w: WorkerHandle) -> None:
         """``w`` leaves ``_workers``: keep its busy and alive seconds in the pool's totals."""
+        if not w.ready:
+            return
         now = time.monotonic()
         self._gone[0] += w.busy.busy_seconds(now=now)
         self._gone[1] += w.busy.alive_seconds(now=now)
@@ -175,7 +178,8 @@ class WorkerPool:
         out = []
         for w in sorted(list(self._workers.values()), key=lambda w: w.worker_id):
             stage = "starting" if not w.ready else "retiring" if w.retiring else self.board.get(w.worker_id)
-            out.append({"id": w.worker_id, "pid": w.process.pid or 0, "busy_ratio": w.busy.ratio(now=now),
+            out.append({"id": w.worker_id, "pid": w.process.pid or 0,
+                        "busy_ratio": w.busy.ratio(now=now) if w.ready else 0.0,
                         "stage": stage, "tasks": len(w.tasks)})
         return out
 
@@ -257,7 +261,7 @@ class WorkerPool:
                     except (EOFError, OSError):
                         continue  # it died while starting: its sentinel says how
                     if isinstance(msg, Ready):
-                        pending.pop(conn).ready = True
+                        pending.pop(conn).became_ready()
                 else:
                     dead = next((w for w in pending.values() if w.process.sentinel == conn), None)
                     if dead is None:  # it had already said Ready
@@ -346,7 +350,7 @@ class WorkerPool:
 
     def _handle(self, w: WorkerHandle, msg) -> None:
         if isinstance(msg, Ready):
-            w.ready = True
+            w.became_ready()
             return
         job = self._in_flight.pop(msg.task_id, None)
         w.tasks.discard(msg.task_id)

@@ -181,7 +181,10 @@ def test_a_waiting_client_grows_the_pool_and_it_shrinks_back_after(make_server, 
             for b, batch in enumerate(loader):  # as fast as it comes: the loop waits for data
                 got[b] = batch["image"].numpy().copy()
                 indices += batch["index"].tolist()
-                if grew_at is None and get_stats(server.address).pool.workers == 2:
+                pool = get_stats(server.address).pool
+                # a worker gets batches only once it is ready: none waits behind one still starting
+                assert all(w.tasks == 0 for w in pool.worker_stats if w.stage == "starting"), pool.worker_stats
+                if grew_at is None and pool.workers == 2:
                     grew_at = b
                 if grew_at is not None and b >= grew_at + 12:  # some batches built by two workers
                     break
