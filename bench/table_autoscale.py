@@ -5,19 +5,18 @@
 One ``batchd serve`` per pool (bench/server_proc.py): ``workers: 1``, ``workers: {min: 1, max: 2,
 cool_down_s: COOL_DOWN_S}`` and ``workers: 2``, over Fashion-MNIST's training split with a
 CPU-heavy pipeline (``PIPELINE``: resize to 256 x 256, Gaussian and median blurs, brightness and
-contrast: milliseconds a sample; batch 64),
-read through shared memory by one loader, two kinds of training loop:
+contrast: milliseconds a sample; batch 64), read through shared memory by one loader, with two
+kinds of training loop:
 
 * ``data-bound``: no training step (the loop always waits for data: the pool should grow);
 * ``trainer-bound``: a step of ``SLOW_STEP`` x one worker's time per batch (slower than one
   worker: the pool should stay at one).
 
-Each measurement opens a fresh stream on a pool that has shrunk back to ``min`` (the sized pool
-is given the cool-down and a margin to retire its extra worker first), reads ``timed`` batches
-and reports images/s over that whole read (the ramp included), CPU seconds per image of the
-server's process tree and this client over the same window, and, for the sized pool, when its
-second worker started (from Stats) and the workers it ran on average (``batchd_workers`` sampled
-every 0.25 s).
+Each measurement opens a fresh stream once every pool is back at its minimum (the sized pool
+retires its extra worker ``COOL_DOWN_S`` after its client stops), reads ``timed`` batches and
+reports images/s over that whole read (the ramp included) and over its second half, CPU seconds
+per image of the measured server's process tree and this client over the same window, and the
+workers it ran on average (Stats' worker count sampled every 0.25 s).
 """
 
 from __future__ import annotations
@@ -69,22 +68,30 @@ def _read(srv: ServerProcess, timed: int, step_s: float, seed: int) -> dict:
                 pass
 
     sampler = threading.Thread(target=sample, daemon=True)
-    t0, c0 = time.perf_counter(), tree_cpu_seconds()
+
+    def cpu() -> float:  # this server's tree and this client (another server's retired worker is not ours)
+        return tree_cpu_seconds(srv.pid) + time.process_time()
+
+    t0, c0 = time.perf_counter(), cpu()
     with common.remote(srv.address, "fmnist", batch_size=BATCH, pipeline="heavy", workers=2, transport="shm",
                        seed=seed) as rl:
         sampler.start()
         it = iter(rl)
-        for _ in range(timed):
+        half = None
+        for i in range(timed):
             next(it)
+            if i + 1 == timed // 2:
+                half = time.perf_counter()
             if step_s:
                 time.sleep(step_s)
-        t1, c1 = time.perf_counter(), tree_cpu_seconds()
+        t1, c1 = time.perf_counter(), cpu()
         stop.set()
         it.close()
         p = rl.profile()
     sampler.join(5)
     pool = get_stats(srv.address).pool
-    return {"rate": timed * BATCH / (t1 - t0), "cpu_per_image": (c1 - c0) / (timed * BATCH),
+    return {"rate": timed * BATCH / (t1 - t0), "late_rate": (timed - timed // 2) * BATCH / (t1 - half),
+            "cpu_per_image": (c1 - c0) / (timed * BATCH),
             "workers_mean": sum(workers) / len(workers) if workers else float("nan"),
             "scale_ups": pool.scale_ups, "wait_ratio": p["wait_ratio"], "verdict": p["verdict"]}
 
@@ -102,7 +109,7 @@ def _wait_for_min(srv: ServerProcess, timeout: float = 60.0) -> None:
 
 
 def run(s, log=print) -> dict:
-    timed = s.pick(60, 30)
+    timed = s.pick(160, 80)
     presets = {"heavy": A.to_dict(PIPELINE)}
     servers = {name: ServerProcess(datasets={"fmnist": FMNIST}, pipelines=presets, workers=workers,
                                    cache_dir=data.CACHE) for name, workers in POOLS}
@@ -118,7 +125,8 @@ def run(s, log=print) -> dict:
         for rep in range(s.repeats):
             for loop, step_s in loops:
                 for name, srv in servers.items():
-                    _wait_for_min(srv)
+                    for other in servers.values():  # every pool at its minimum: no retiring worker runs meanwhile
+                        _wait_for_min(other)
                     srv.wait_idle()
                     r = measure(lambda: _read(srv, timed, step_s, seed=100 * rep + len(results)))
                     results.setdefault((loop, name), []).append(r)
@@ -130,6 +138,7 @@ def run(s, log=print) -> dict:
     rows = []
     for (loop, name), rs in results.items():
         rows.append({"loop": loop, "pool": name, "rate": median(r["rate"] for r in rs),
+                     "late_rate": median(r["late_rate"] for r in rs),
                      "cpu_per_image": median(r["cpu_per_image"] for r in rs),
                      "workers_mean": median(r["workers_mean"] for r in rs),
                      "wait_ratio": median(r["wait_ratio"] for r in rs), "verdict": rs[-1]["verdict"]})
@@ -138,10 +147,12 @@ def run(s, log=print) -> dict:
 
 
 def render(r: dict) -> str:
-    head = ["training loop", "pool", "images/s", "vs fixed 1", "CPU / image", "workers on average",
-            "loop's wait", "verdict"]
+    head = ["training loop", "pool", "images/s (whole read)", "vs fixed 1", "images/s, second half", "vs fixed 1",
+            "CPU / image", "workers on average", "loop's wait", "verdict"]
     base = {row["loop"]: row["rate"] for row in r["rows"] if row["pool"] == "fixed 1"}
+    late = {row["loop"]: row["late_rate"] for row in r["rows"] if row["pool"] == "fixed 1"}
     table = [[row["loop"], row["pool"], f"{row['rate']:,.0f}", f"{row['rate'] / base[row['loop']]:.2f}x",
+              f"{row['late_rate']:,.0f}", f"{row['late_rate'] / late[row['loop']]:.2f}x",
               f"{row['cpu_per_image'] * 1e3:.2f} ms", f"{row['workers_mean']:.2f}", f"{row['wait_ratio']:.0%}",
               row["verdict"]] for row in r["rows"]]
     return md_table(head, table) + (
@@ -158,8 +169,10 @@ def targets(r: dict) -> list[dict]:
     sized, one, two = (rows[("data-bound", p)] for p in ("{min: 1, max: 2}", "fixed 1", "fixed 2"))
     slow = rows[("trainer-bound", "{min: 1, max: 2}")]
     return [
-        {"name": "a data-bound loop: the sized pool beats one worker (>= 1.2x)", "passed": sized["rate"] >= 1.2 * one["rate"],
-         "detail": f"{sized['rate']:.0f} vs {one['rate']:.0f} img/s (fixed 2: {two['rate']:.0f})"},
+        {"name": "a data-bound loop, once grown: the sized pool beats one worker (>= 1.2x, second half)",
+         "passed": sized["late_rate"] >= 1.2 * one["late_rate"],
+         "detail": f"{sized['late_rate']:.0f} vs {one['late_rate']:.0f} img/s (fixed 2: {two['late_rate']:.0f}); "
+                   f"whole read {sized['rate']:.0f} vs {one['rate']:.0f} (fixed 2: {two['rate']:.0f})"},
         {"name": "a trainer-bound loop: the sized pool stays near one worker (<= 1.25 on average)",
          "passed": slow["workers_mean"] <= 1.25, "detail": f"{slow['workers_mean']:.2f} workers on average"},
     ]

@@ -20,7 +20,7 @@ from batchd.client.datasets import DatasetInfo, mismatches
 from batchd.client.options import TRANSPORTS, LoaderOptions  # noqa: F401  (TRANSPORTS: public name)
 from batchd.client.profile import Profile, make_profile
 from batchd.client.receiver import Receiver, _End
-from batchd.client.timings import LoopTimings, take_delivered, waiting
+from batchd.client.timings import LoopTimings, timed
 from batchd.sampler import num_batches
 from batchd.v1 import loader_pb2 as pb
 
@@ -218,24 +218,11 @@ class RemoteDataLoader:
     def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
         total = len(self)
         b = start_batch
-        timings, cuda = self.timings, self.options.device.type == "cuda"
-        timings.begin(epoch)
-        batches = self.servers.batches(epoch, start_batch, total)
-        handed = None  # perf_counter() when the loop got the previous batch
+        self.timings.begin(epoch)
+        batches = timed(self.servers.batches(epoch, start_batch, total), self.timings,
+                        cuda=self.options.device.type == "cuda", verdict=self._current_verdict)
         try:
-            while True:
-                asked = time.perf_counter()
-                step = asked - handed if handed is not None else 0.0
-                batch = waiting(lambda: next(batches, None), cuda)
-                if batch is None:
-                    if handed is not None:
-                        timings.finished_step(step)
-                    break
-                handed = time.perf_counter()
-                times, record = take_delivered()
-                wait = timings.add(handed - asked, step, times)
-                if record is not None:
-                    record.loop_waited(wait, step, self._current_verdict(handed))
+            for batch in batches:
                 b += 1
                 self._position = (epoch, b)
                 yield batch

@@ -28,7 +28,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -224,3 +224,27 @@ def waiting(take: Callable[[], T], cuda: bool) -> T:
             torch.cuda.nvtx.range_pop()
         if rf is not None:
             rf.__exit__(None, None, None)
+
+
+def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Callable[[float], str]) -> Iterator[T]:
+    """``batches`` as the training loop takes them, timed: each ``next`` is a wait (``waiting``), the
+    time between two is a step; both go to ``timings`` and to the batch's call record (its
+    progress reports them), with ``verdict(now)``. Closing it closes ``batches``."""
+    handed = None  # perf_counter() when the loop got the previous batch
+    try:
+        while True:
+            asked = time.perf_counter()
+            step = asked - handed if handed is not None else 0.0
+            batch = waiting(lambda: next(batches, None), cuda)
+            if batch is None:
+                if handed is not None:
+                    timings.finished_step(step)
+                return
+            handed = time.perf_counter()
+            times, record = take_delivered()
+            wait = timings.add(handed - asked, step, times)
+            if record is not None:
+                record.loop_waited(wait, step, verdict(handed))
+            yield batch
+    finally:
+        batches.close()

@@ -4,7 +4,6 @@ back once it stops, with the same bytes, every sample once."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import albumentations as A
