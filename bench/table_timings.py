@@ -149,7 +149,7 @@ def _client_cost() -> float:
         waiting(lambda: None, cuda=False)
         handed = time.perf_counter()
         times, rec = take_delivered()
-        wait = loop.add(handed - asked, 1e-3, times)
+        wait = loop.add(handed - asked, 1e-3, times, rec)
         rec.loop_waited(wait, 1e-3, "trainer-bound")
 
     return _best(batch)

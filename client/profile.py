@@ -6,7 +6,7 @@ verdict from five rules, applied in order (the thresholds are the constants belo
 1. **trainer-bound**: the training loop waited for data less than ``TRAINER_BOUND_WAIT`` (5%)
    of its time (``wait_ratio``). Nothing to do: the model is the slow part.
 2. **storage-bound**: the workers were busy at least ``WORKERS_BUSY`` (85%) of their time
-   (``BatchTimings.workers_busy_ratio``, averaged over the batches) and waiting for storage
+   since the stream opened (``BatchTimings.workers_busy_ratio`` of its latest batch) and waiting for storage
    (``read``) took at least ``READ_SHARE`` (50%) of their time on these batches.
 3. **cpu-bound**: the workers were that busy, and reads took less: decoding, the pipeline,
    the cache or writing kept them busy.

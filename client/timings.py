@@ -122,15 +122,15 @@ class WaitMeter:
 @dataclass
 class LoopTimings:
     """Totals for the epoch so far (``begin`` with another epoch starts over): seconds per stage
-    (``STAGES``), batches counted, the first batch's wait (``startup``), the mean of the workers'
-    busy ratio the batches carried, and the moving wait ratio. Used from the consumer's thread."""
+    (``STAGES``), batches counted, the first batch's wait (``startup``), the workers' busy ratio
+    the latest batch of each call carried (each is the pool's since that call's stream opened),
+    and the moving wait ratio. Used from the consumer's thread."""
 
     epoch: int | None = None
     batches: int = 0
     startup: float = 0.0
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
-    busy_sum: float = 0.0  # sum of BatchTimings.workers_busy_ratio
-    busy_batches: int = 0  # batches that carried one
+    busy: dict[int, float] = field(default_factory=dict)  # id(call) -> its latest BatchTimings.workers_busy_ratio
     moving: WaitMeter = field(default_factory=WaitMeter)
     _pending: list[BatchTimes] = field(default_factory=list)  # CUDA times not read yet
     _first: bool = True
@@ -141,10 +141,11 @@ class LoopTimings:
             self.__init__(epoch=epoch)  # type: ignore[misc]
         self._first = True
 
-    def add(self, wait: float, step: float, times: BatchTimes | None) -> float:
+    def add(self, wait: float, step: float, times: BatchTimes | None, call: object = None) -> float:
         """One batch taken: the loop waited ``wait`` seconds in ``__next__`` after a step of ``step``
-        seconds (since the previous batch was handed over); ``times``: its stages. Returns the
-        wait counted (0 for an iteration's first batch: its wait is ``startup``)."""
+        seconds (since the previous batch was handed over); ``times``: its stages; ``call``: the
+        StreamBatches call it came on (its server). Returns the wait counted (0 for an iteration's
+        first batch: its wait is ``startup``)."""
         first, self._first = self._first, False
         if first:
             self.startup += wait
@@ -156,9 +157,8 @@ class LoopTimings:
         self.batches += 1
         if times is None:
             return wait
-        if times.server is not None and not first:  # (the first batch's ratio is the pool's warm-up)
-            self.busy_sum += times.server.workers_busy_ratio
-            self.busy_batches += 1
+        if times.server is not None:
+            self.busy[id(call)] = times.server.workers_busy_ratio
         if times.events is not None:
             self._pending.append(times)
         self._count(times)
@@ -198,14 +198,14 @@ class LoopTimings:
 
     @property
     def workers_busy_ratio(self) -> float:
-        """The mean of the servers' worker busy ratio over the batches (0..1; 0 without timings)."""
-        return self.busy_sum / self.busy_batches if self.busy_batches else 0.0
+        """How busy the servers' workers were (0..1; 0 without timings): the mean over the calls of
+        this epoch of what each one's latest batch says."""
+        return sum(self.busy.values()) / len(self.busy) if self.busy else 0.0
 
     def snapshot(self) -> "LoopTimings":
         """A copy with every completed CUDA time read (waiting for those in flight)."""
         self._resolve(wait=True)
-        return LoopTimings(self.epoch, self.batches, self.startup, dict(self.totals), self.busy_sum,
-                           self.busy_batches)
+        return LoopTimings(self.epoch, self.batches, self.startup, dict(self.totals), dict(self.busy))
 
 
 def waiting(take: Callable[[], T], cuda: bool) -> T:
@@ -242,7 +242,7 @@ def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Ca
                 return
             handed = time.perf_counter()
             times, record = take_delivered()
-            wait = timings.add(handed - asked, step, times)
+            wait = timings.add(handed - asked, step, times, record)
             if record is not None:
                 record.loop_waited(wait, step, verdict(handed))
             yield batch

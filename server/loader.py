@@ -156,7 +156,6 @@ class Loader:
             pipeline_name=name, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text,
         )
         stream = Stream(request, n)
-        stream.busy_mark = self.pool.busy_totals()  # the pool's busy ratio while it is open (BatchTimings)
         indices = None  # this shard's order, computed outside the lock when no computation can be joined
         while True:
             with self._lock:  # join a running computation or register a new one: one decision, one lock
@@ -257,8 +256,13 @@ class Loader:
         return Demand(waiting, ratio)
 
     def _busy_ratio(self, stream: Stream) -> float:
-        """The fraction of the workers' time with a batch to build since ``stream`` opened, 0..1."""
+        """The fraction of the workers' time with a batch to build since ``stream`` sent its first
+        batch (0..1; 0 for the first batch): its BatchTimings.workers_busy_ratio. (From the first batch
+        on, not from the stream's opening: building the first batches is work for any client.)"""
         busy, alive = self.pool.busy_totals()
+        if stream.busy_mark is None:
+            stream.busy_mark = (busy, alive)
+            return 0.0
         busy0, alive0 = stream.busy_mark
         return min(1.0, max(0.0, (busy - busy0) / (alive - alive0))) if alive > alive0 else 0.0
 

@@ -48,7 +48,7 @@ class Stream:
         self.taken_meter = RateMeter()  # samples taken per second, moving
         self.reorder_seconds = 0.0  # how long the batch being sent waited, built, in the reorder buffer
         self.send_started: float | None = None  # perf_counter() when the servicer began sending it
-        self.busy_mark = (0.0, 0.0)  # the pool's (busy, alive) worker-seconds when it opened (Loader)
+        self.busy_mark: tuple[float, float] | None = None  # the pool's (busy, alive) worker-seconds at its first batch
         # what the client reports of its training loop (StreamProgress): wait_ratio None until it does
         self.wait_ratio: float | None = None
         self.verdict = ""

@@ -55,28 +55,35 @@ def test_a_sleeping_training_step_is_trainer_bound(make_server, fmnist_root):
     server = make_server(datasets=fmnist(fmnist_root))
     with batchd.RemoteDataLoader(server.address, "fmnist", batch_size=100, prefetch=4) as loader:
         it = iter(loader)
-        t0 = time.perf_counter()
+        steps = 0.0  # from a batch in hand to the next call: what the loader counts as step
+        t0 = asked = time.perf_counter()
         for i in range(30):
             next(it)
-            got_last = time.perf_counter()
+            got = time.perf_counter()
+            time.sleep(0.03)
+            asked_next = time.perf_counter()
             if i < 29:
-                time.sleep(0.03)
+                steps += asked_next - got
+            asked = asked_next
         p = loader.profile()
-        # the client reports its wait and verdict to the server with its progress (every 0.5 s)
-        assert wait_until(lambda: (s := get_stats(server.address).streams) and s[0].verdict == "trainer-bound",
-                          timeout=5)
-        st = get_stats(server.address).streams[0]
-        assert st.reports_wait and 0 <= st.wait_ratio < 0.2
-        it.close()
         assert p["verdict"] == "trainer-bound", p.table()
         assert p["wait_ratio"] < TRAINER_BOUND_WAIT
-        # the loop's step is the 29 sleeps between batches (and a little of the loop itself)
-        assert 29 * 0.03 <= p["stages"]["step"] <= 29 * 0.03 + 0.1
-        # from the first call to the 30th batch: its waits (the first one is startup) and its steps
-        assert p["stages"]["wait"] + p["stages"]["step"] + p["startup_seconds"] == pytest.approx(got_last - t0, abs=0.01)
+        # the loop's step is the sleeps between batches (and the loader's own accounting, under 1 ms a
+        # batch); from the first call to the 30th batch: its waits (the first one is startup) and steps
+        assert steps <= p["stages"]["step"] <= steps + 0.03 and steps >= 29 * 0.03
+        assert p["stages"]["wait"] + p["stages"]["step"] + p["startup_seconds"] == pytest.approx(got - t0, abs=0.01)
         # batches waited, built, in the reorder buffer: the server was ahead of this loop
         assert p["stages"]["reorder"] > p["stages"]["pipeline"]
         assert_consistent(p, 30)
+        # the client reports its wait and verdict to the server with its progress (every 0.5 s)
+        for _ in range(60):
+            next(it)
+            time.sleep(0.03)
+            st = get_stats(server.address).streams[0]
+            if st.verdict == "trainer-bound":
+                break
+        assert st.verdict == "trainer-bound" and st.reports_wait and 0 <= st.wait_ratio < 0.2, st
+        it.close()
 
 
 def test_a_heavy_pipeline_on_one_worker_is_cpu_bound(make_server, fmnist_root):
@@ -116,8 +123,8 @@ def test_a_throttled_link_is_transport_bound(make_server, fmnist_root):
     proxy = ThrottledProxy(server.address, bytes_per_second=2_000_000)  # 2 MB/s; a batch is 200 kB
     try:
         with batchd.RemoteDataLoader(proxy.address, "fmnist", batch_size=256, transport="inline",
-                                     prefetch=4) as loader:
-            read(loader, 12)
+                                     prefetch=2) as loader:
+            read(loader, 16)
             p = loader.profile()
     finally:
         proxy.close()
@@ -125,7 +132,7 @@ def test_a_throttled_link_is_transport_bound(make_server, fmnist_root):
     assert p["workers_busy_ratio"] < WORKERS_BUSY and p["wait_ratio"] > 0.5
     # the server had the batches ready; the loop got them late, waiting on the network
     assert p["stages"]["reorder"] + p["stages"]["receive"] > 10 * (p["stages"]["pipeline"] + p["stages"]["decode"])
-    assert_consistent(p, 12)
+    assert_consistent(p, 16)
 
 
 def test_the_wait_shows_in_a_pytorch_profiler_trace(make_server, fmnist_root):
@@ -170,5 +177,5 @@ def test_the_rules_and_their_thresholds(wait, busy, read, copy, verdict):
     # one batch-second of loop per batch (wait + step = 1 s), one second of worker time per batch
     n = 10
     t = _timings(n, wait=wait * n, step=(1 - wait) * n, read=read * n, pipeline=(1 - read) * n, copy=copy * n)
-    t.busy_sum, t.busy_batches = busy * n, n
+    t.busy = {1: busy}
     assert judge(t)[0] == verdict
