@@ -139,7 +139,7 @@ class ServerConnection:
             marks: list = []
             batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=gpu_transform,
                                               seed=self.options.seed, epoch=raw.epoch, marks=marks)
-            times.events = (*marks, event)
+            times.events = (*marks, event) if len(marks) == 2 else None  # (device times from CUDA events)
             return Received(raw.batch_index, batch, event, samples, times)
         if gpu_transform is not None:
             finish(batch, gpu_transform, self.options.seed, raw.epoch)

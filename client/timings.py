@@ -24,6 +24,7 @@ totals into ``loader.profile()``'s verdict.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -210,20 +211,32 @@ class LoopTimings:
 
 def waiting(take: Callable[[], T], cuda: bool) -> T:
     """``take()`` inside a ``torch.profiler.record_function(WAIT_RANGE)`` range while a profiler
-    runs (about 30 us a call, so not otherwise), and an NVTX range of that name when ``cuda``
-    (Nsight Systems shows it)."""
+    runs (about 30 us a call, so not otherwise), and an NVTX range of that name when ``cuda`` and
+    torch has NVTX (Nsight Systems shows it)."""
     rf = torch.profiler.record_function(WAIT_RANGE) if torch.autograd._profiler_enabled() else None
     if rf is not None:
         rf.__enter__()
-    if cuda:
+    nvtx = cuda and _nvtx()
+    if nvtx:
         torch.cuda.nvtx.range_push(WAIT_RANGE)
     try:
         return take()
     finally:
-        if cuda:
+        if nvtx:
             torch.cuda.nvtx.range_pop()
         if rf is not None:
             rf.__exit__(None, None, None)
+
+
+@functools.cache
+def _nvtx() -> bool:
+    """Whether this torch can mark NVTX ranges (a CPU build cannot)."""
+    try:
+        torch.cuda.nvtx.range_push(WAIT_RANGE)
+        torch.cuda.nvtx.range_pop()
+        return True
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Callable[[float], str]) -> Iterator[T]:
