@@ -9,10 +9,11 @@ A worker's time on a batch is split into ``STAGES`` (the ``BatchTimings`` fields
 * ``write``: writing samples, labels, indices and positions into the batch's slot.
 
 ``StageClock`` measures them with one ``perf_counter`` call per stage change: the worker calls
-``enter(STAGE)`` where its work changes, and each interval goes to the stage it was in. The
-same call marks the worker's current stage on the ``StageBoard``, one byte per worker in a small
-shared-memory segment the server reads (``batchd top``: a worker's current stage) without a
-message.
+``enter(STAGE)`` where its work changes, and each interval goes to the stage it was in; for
+samples too cheap to time each one, it times one in ``every`` and shares the rest of the loop's
+time out in their proportions (see ``StageClock``). The same call marks the worker's current
+stage on the ``StageBoard``, one byte per worker in a small shared-memory segment the server
+reads (``batchd top``: a worker's current stage) without a message.
 
 ``BatchDone.timings`` (``server/compute/protocol.py``) carries the clock's seconds per stage, plus
 ``read_io`` (the I/O threads' own read time, which overlaps the rest), ``started`` (the

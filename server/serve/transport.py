@@ -51,8 +51,8 @@ class Transport:
     """Lend or copy, and account for it. Thread-safe (RPC threads call every method)."""
 
     def __init__(self, slots: SlotPool, leases: LeaseTable, busy_ratio: Callable[[Stream], float] = lambda s: 0.0):
-        """busy_ratio(stream): the workers' busy ratio while ``stream`` has been open (0..1), written
-        into each of its batches' timings."""
+        """busy_ratio(stream): the workers' busy ratio since ``stream``'s first batch (0..1, ``Loader``),
+        written into each of its batches' timings."""
         self.slots, self.leases = slots, leases
         self.busy_ratio = busy_ratio
         self._lock = threading.Lock()
