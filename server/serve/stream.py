@@ -16,6 +16,8 @@ from batchd.server.serve.stats import RateMeter
 __all__ = ["Computation", "ReadyBatch", "Stream"]
 
 _stream_ids = itertools.count(1)
+# what a client's profile may report (StreamProgress.verdict; batchd.client.profile.VERDICTS)
+VERDICTS = frozenset({"trainer-bound", "storage-bound", "cpu-bound", "transport-bound", "copy-bound"})
 
 
 class Stream:
@@ -145,9 +147,10 @@ class Stream:
 
     def client_waits(self, wait_ratio: float, verdict: str) -> None:
         """The client's report of its training loop (StreamProgress): the fraction of its time spent
-        waiting for this stream's batches (clipped to [0, 1]) and its profile verdict."""
+        waiting for this stream's batches (clipped to [0, 1]) and its profile verdict (one of
+        ``VERDICTS``; anything else is kept as "")."""
         self.wait_ratio = min(1.0, max(0.0, float(wait_ratio))) if wait_ratio == wait_ratio else 0.0  # NaN: 0
-        self.verdict = verdict[:32]
+        self.verdict = verdict if verdict in VERDICTS else ""
         self.wait_reported_at = time.monotonic()
 
     def backlog(self) -> tuple[int, int]:

@@ -85,3 +85,25 @@ def test_promtool_accepts_the_exposition(make_server, fmnist_root):
         text = scrape_text(server.metrics_address)
     res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_what_a_client_reports_is_checked(make_server, fmnist_root):
+    """A report's wait ratio is clipped to [0, 1] (NaN: 0) and its verdict kept only if it is one of
+    the five: a client cannot put arbitrary text into Stats or the metrics."""
+    from batchd.server.compute.protocol import StreamRequest
+    from batchd.server.serve.stats import snapshot
+    from batchd.v1 import loader_pb2 as pb
+
+    server = make_server(datasets={"fmnist": {"kind": "fashion-mnist", "root": str(fmnist_root), "split": "test"}})
+    loader = server.loader
+    stream = loader.open_stream(StreamRequest(dataset="fmnist", batch_size=100, stream_tag="t1"))
+    try:
+        for ratio, verdict, want in ((0.25, "cpu-bound", (0.25, "cpu-bound")), (7.0, "<script>", (1.0, "")),
+                                     (float("nan"), "storage-bound", (0.0, "storage-bound")),
+                                     (-1.0, "trainer-bound", (0.0, "trainer-bound"))):
+            loader.transport.release(pb.ReleaseLeasesRequest(progress=[pb.StreamProgress(
+                stream_tag="t1", batches_taken=1, samples_taken=100, wait_ratio=ratio, verdict=verdict)]))
+            (st,) = snapshot(loader).streams
+            assert (st.wait_ratio, st.verdict, st.reports_wait) == (*want, True)
+    finally:
+        loader.close_stream(stream, "test")
