@@ -75,13 +75,6 @@ class BatchTimes:
         self.events = None
         return True
 
-    def stages(self) -> dict[str, float]:
-        """{stage: seconds} of ``SERVER_STAGES`` and ``CLIENT_STAGES`` (server stages 0 without timings)."""
-        s = self.server
-        out = {stage: getattr(s, attr) if s is not None else 0.0 for stage, attr in _SERVER_ATTRS}
-        out.update(receive=self.receive, unpack=self.unpack, copy=self.copy, gpu_transform=self.gpu_transform)
-        return out
-
 
 _delivered = threading.local()
 
