@@ -9,8 +9,8 @@ table4 (memory with a 10M-row manifest; alias: scale), table5 (per-batch profile
 JPEG decoding; alias: profile), table6 (one loader over 1-3 servers; alias: scaleout), table7
 (several experiments on one loader; alias: sharing), table8 (cost of per-sample random
 streams; alias: seeding), table9 (images/s against storage latency through FUSE and S3; alias: latency), table10
-(the decoded-sample cache over 3 epochs; alias: cache), table11 (the cost of per-batch timings; alias: timings),
-table12 (workers sized to demand vs fixed pools; alias: autoscale). Results: ``results.json`` (raw numbers; a run replaces the tables
+(the decoded-sample cache over 3 epochs; alias: cache), table13 (the cost of per-batch timings; alias: timings),
+table14 (workers sized to demand vs fixed pools; alias: autoscale). Results: ``results.json`` (raw numbers; a run replaces the tables
 it ran and keeps the others), ``results.md`` (tables and PASS/FAIL targets), ``throughput.png`` and
 ``latency.png`` (Table 9)
 in ``--out`` (default bench/results; for --quick, /tmp/batchd-bench-quick, so that a smoke run never
@@ -43,7 +43,7 @@ MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile
            table_seeding, table_latency, table_cache, table_timings, table_autoscale)
 ALIASES = {"workers": "table1", "batch": "table2", "overlap": "table3", "scale": "table4", "profile": "table5",
            "scaleout": "table6", "sharing": "table7",
-           "seeding": "table8", "latency": "table9", "cache": "table10", "timings": "table11", "autoscale": "table12"}
+           "seeding": "table8", "latency": "table9", "cache": "table10", "timings": "table13", "autoscale": "table14"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     info = machine.info()
     print(machine.render(info), flush=True)
-    if any(getattr(m, "NEEDS_PHOTOS", True) for m in args.tables):  # (tables 11-12 read Fashion-MNIST only)
+    if any(getattr(m, "NEEDS_PHOTOS", True) for m in args.tables):  # (tables 13-14 read Fashion-MNIST only)
         data.ensure_photos()
     results = report.load(out)
     wall = {}
