@@ -95,10 +95,10 @@ class ServerConnection:
             self._shm.close()
         self._shm, self._shm_tried = None, False
 
-    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0,
-                tag: str = "") -> pb.StreamBatchesRequest:
-        """The StreamBatches request for these batches (``stream_tag`` = ``tag``); opens the
-        shared-memory session on first use (see ``shared_memory``)."""
+    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, tag: str = "", *,
+                start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> pb.StreamBatchesRequest:
+        """The StreamBatches request for these batches (``stream_tag`` = ``tag``; the other fields
+        as in loader.proto); opens the shared-memory session on first use (see ``shared_memory``)."""
         o, shm = self.options, self.shared_memory()
         return pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
@@ -108,6 +108,7 @@ class ServerConnection:
             session=shm.session if shm is not None else "", compression=o.compression,
             batch_stride=stride if stride > 1 else 0, batch_offset=offset, stream_tag=tag,
             image_encoding=pb.IMAGE_ENCODING_JPEG if o.decode_on_client else pb.IMAGE_ENCODING_DECODED,
+            start_position=start_position, end_batch=end_batch, hedge=hedge,
         )
 
     def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
@@ -135,15 +136,18 @@ class ServerConnection:
             finish(batch, gpu_transform, self.options.seed, raw.epoch)
         return Received(raw.batch_index, batch, None, samples)
 
-    def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
-        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults).
+    def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, *,
+                    start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> Receiver:
+        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults) of the
+        epoch's remainder from global position ``start_position``, up to ``end_batch`` (0: the end).
 
         The call is tagged (``stream_tag``); stopping its receiver before the end reports it
-        abandoned with the leases received on it. Raises ConnectionError and the errors of
-        ``translate``.
+        abandoned with the leases received on it. A ``hedge`` call (one late batch asked again)
+        does not become ``self.receiver``. Raises ConnectionError and the errors of ``translate``.
         """
         tag = f"{self._tag_prefix}-{next(self._tags)}"
-        request = self.request(epoch, start_batch, stride, offset, tag)
+        request = self.request(epoch, start_batch, stride, offset, tag, start_position=start_position,
+                               end_batch=end_batch, hedge=hedge)
         record = CallRecord(tag, request.session)
         try:
             call = self._stream_batches(request)
@@ -151,10 +155,12 @@ class ServerConnection:
             raise translate(e, self.address) from None
         self.reporter.open_call(record)
         shm = self._shm if request.session else None
-        receiver = self.receiver = Receiver(
+        receiver = Receiver(
             call, self.address, self._convert, record,
             on_end=lambda r: self.reporter.end_call(r.record, abandoned=not r.finished),
             release=shm.release_unused if shm is not None else None)
+        if not hedge:
+            self.receiver = receiver
         receiver.start()
         return receiver
 
@@ -165,6 +171,16 @@ class ServerConnection:
             return True
         except grpc.FutureTimeoutError:
             return False
+
+    def serving(self, timeout: float) -> bool:
+        """Whether the server's gRPC health service says SERVING (not draining) within ``timeout`` s."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def stop_stream(self) -> None:
         if self.receiver is not None:
