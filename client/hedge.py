@@ -15,7 +15,7 @@ When (``HedgePolicy``): a batch is late once the training loop has waited for it
 ``max(min_delay, factor * percentile of that server's recent waits)``, counting only waits that
 ended without a hedge, and only once the server delivered ``warmup`` batches. Chasing: once a
 hedge won a server's batch and that server's own copy has not come, its next batch is hedged at
-once (the server is most likely still stalled). Budget: a token bucket that gains
+once (the server is most likely still stalled), and so on until anything comes from it. Budget: a token bucket that gains
 ``max_fraction`` per batch yielded (at most ``burst``) and pays 1 per hedge, so hedges issued
 never exceed ``max_fraction`` x batches yielded. Counters: ``hedges_issued``, ``hedges_won``,
 ``hedges_wasted`` in ``loader.stats()`` (``batchd.client.loader_stats``).
@@ -97,6 +97,7 @@ class _Hedge:
     batch: int
     server: Any  # the multi loader's _Server asked for it
     receiver: Receiver
+    chased: bool  # asked before its batch was late (its server was behind)
 
 
 class Hedger:
@@ -153,8 +154,9 @@ class Hedger:
             waits = self._waits[address] = collections.deque(maxlen=self.policy.window)
         waits.append(wait)
 
-    def issue(self, b: int, candidates: list[Any]) -> bool:
-        """Ask one of ``candidates`` (servers other than b's) for batch b, if the budget allows."""
+    def issue(self, b: int, candidates: list[Any], chased: bool = False) -> bool:
+        """Ask one of ``candidates`` (servers other than b's) for batch b, if the budget allows
+        (``chased``: b is not late yet, its server is behind)."""
         if b in self._hedges or self._open is None or self._tokens < 1.0:
             return False
         candidates = [s for s in candidates if s.address not in self._behind]
@@ -169,7 +171,7 @@ class Hedger:
             log.debug("could not hedge batch %d on %s: %s", b, server.address, e)
             return False
         self._tokens -= 1.0
-        self._hedges[b] = _Hedge(b, server, receiver)
+        self._hedges[b] = _Hedge(b, server, receiver, chased)
         self.stats.count("hedges_issued")
         log.debug("batch %d is late; asked %s for it too", b, server.address)
         return True
@@ -240,10 +242,13 @@ class Hedger:
         self.stats.count("hedges_won")
         self._won.add(b)  # b's own copy is dropped when it comes
         if not receiver.queue.empty():
-            return  # it came meanwhile: the server is not behind
-        self._behind.add(server.address)
-        if self.policy.chase and next_of_server is not None:
-            self.issue(next_of_server, [s for s in candidates() if s is not server])
+            self._behind.discard(server.address)  # it came meanwhile: the server is not behind
+            return
+        if not hedge.chased:  # b was late and its own copy is still not here: the server is behind
+            self._behind.add(server.address)
+        # (a chased hedge that won keeps the server behind only while its late batch is missing)
+        if self.policy.chase and next_of_server is not None and server.address in self._behind:
+            self.issue(next_of_server, [s for s in candidates() if s is not server], chased=True)
 
     def _cancel(self, b: int) -> None:
         hedge = self._hedges.pop(b, None)
