@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import json
 
 import albumentations as A
@@ -121,7 +122,8 @@ def server(tmp_path_factory):
     for i in range(N):
         write_png(root / f"c{i % 3}" / f"{i:03d}.png", rng.integers(0, 256, (12, 16, 3), dtype=np.uint8))
     with running_server(workers=2, cache_dir=tmp_path_factory.mktemp("elastic-cache"),
-                        datasets={"pics": {"kind": "imagefolder", "root": str(root)}}) as s:
+                        datasets={"pics": {"kind": "imagefolder", "root": str(root)}},
+                        pipelines={"aug": A.to_dict(AUG)}) as s:
         yield s
 
 
@@ -246,3 +248,44 @@ def test_a_resumed_stream_is_shared_only_with_the_same_remainder(server):
     finally:
         for s in streams:
             server.loader.close_stream(s, "cancelled by the test")
+
+
+# --- the example: torchrun on the CPU, 4 processes then 3 ------------------------------------------
+
+
+@pytest.mark.slow
+def test_elastic_resume_example_with_torchrun(server, tmp_path):
+    """examples/elastic_resume.py: 4 gloo processes train 3 steps and checkpoint, then 3 resume
+    the epoch from rank 0's checkpoint; together they read every sample once."""
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "elastic_resume.py"
+    ckpt = tmp_path / "ckpt.pt"
+
+    def torchrun(nproc, *args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(example), "--address", server.address, "--dataset", "pics", "--transform", "aug",
+               "--batch-size", "8",
+               "--checkpoint", str(ckpt), *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "NO_ALBUMENTATIONS_UPDATE": "1"})
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    torchrun(4, "--steps", "3", "--record", str(tmp_path / "first"))
+    assert ckpt.exists()
+    out = torchrun(3, "--resume", "--record", str(tmp_path / "second"))
+    assert out.count("loader at epoch 1, position 0") == 3, out
+    runs = {}
+    for name, world in (("first", 4), ("second", 3)):
+        records = [json.loads((tmp_path / name / f"{r}.json").read_text()) for r in range(world)]
+        assert all(r["world_size"] == world for r in records)
+        runs[name] = [tuple(pair) for r in records for pair in r["seen"]]
+    assert len(runs["first"]) == 4 * 3 * 8
+    order = epoch_order(N, shuffle=True, seed=0, epoch=0)
+    every = runs["first"] + runs["second"]
+    assert all(index == order[p % N] for p, index in every)
+    real = sorted(p for p, _ in every if p < N)
+    assert real == list(range(N)), "not every sample once across the two jobs"
