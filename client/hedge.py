@@ -11,9 +11,12 @@ stream carries that server's later batches too, so it goes on). Batch b's bytes 
 function of the request, so they are the same whichever server won, and each batch is yielded
 once.
 
-When (``HedgePolicy``): a batch is late once the training loop has waited for it longer than
-``max(min_delay, factor * percentile of that server's recent waits)``, counting only waits that
-ended without a hedge, and only once the server delivered ``warmup`` batches. Chasing: once a
+When (``HedgePolicy``): a server's lag is how long the loop waited for its batch after another
+server's next batch was already there (so the server was behind its peers; a server whose batch
+keeps the loop waiting while the others' are not there yet is only as slow as they are). A batch
+is late once that lag exceeds ``max(min_delay, factor * percentile of the server's recent
+lags)``, counting only batches that came without a hedge, and only once the server delivered
+``warmup`` batches. Chasing: once a
 hedge won a server's batch and that server's own copy has not come, its next batch is hedged at
 once (the server is most likely still stalled), and so on until anything comes from it. Budget: a token bucket that gains
 ``max_fraction`` per batch yielded (at most ``burst``) and pays 1 per hedge, so hedges issued
@@ -40,16 +43,18 @@ log = logging.getLogger(__name__)
 
 _RACE_S = 0.001  # each copy's queue is polled this long in turn while two are outstanding
 _SLICE_S = 0.1  # otherwise the stream's queue is waited on in slices of this (to notice a dead receiver)
+_PEERS_S = 0.005  # ... or of this, while watching whether another server's next batch is there
 
 
 @dataclass(frozen=True, slots=True)
 class HedgePolicy:
     """When a several-servers loader asks a second server for a late batch, and how often.
 
-    percentile, factor, min_delay: a batch is late once the loop has waited for it more than
-        ``max(min_delay, factor * the percentile-th percentile of that server's recent waits)``
-        seconds (defaults: the 95th, x2, at least 0.05 s).
-    window: recent waits kept per server (batches; default 100).
+    percentile, factor, min_delay: a batch is late once the loop has waited for it, after
+        another server's next batch was there, more than ``max(min_delay, factor * the
+        percentile-th percentile of that server's recent such lags)`` seconds (defaults: the
+        95th, x2, at least 0.05 s).
+    window: recent lags kept per server (batches; default 100).
     warmup: batches a server delivers before its own are hedged (default 10; the first ones
         include connecting and the workers' start).
     max_fraction: the budget: hedges issued never exceed ``max_fraction`` x batches yielded
@@ -178,34 +183,42 @@ class Hedger:
 
     # --- waiting ----------------------------------------------------------------------------------
 
-    def wait(self, b: int, server: Any, receiver: Receiver, timeout: float, what: str,
+    def wait(self, b: int, server: Any, receiver: Receiver, peers: list[Receiver], timeout: float, what: str,
              candidates: Callable[[], list[Any]]) -> tuple[Any, Receiver, Any]:
         """Batch b from ``server``'s ``receiver``, or from a hedge: (item, the receiver it came on,
-        the server that sent it). Raises the primary's errors, and TimeoutError after ``timeout``
-        seconds without batch b."""
+        the server that sent it). ``peers``: the other servers' streams of the split. Raises the
+        primary's errors, and TimeoutError after ``timeout`` seconds without batch b."""
         start = time.monotonic()
         deadline = start + timeout
         delay = self.delay(server.address)
-        hedge_at = math.inf if delay is None else start + delay
+        ready_at: float | None = None  # when a peer's next batch was there: b's server is behind them since
         hedged = b in self._hedges
         while True:
             now = time.monotonic()
             if now >= deadline:
                 raise TimeoutError(f"no batch from {server.address} for {timeout:g} s ({what})")
+            if ready_at is None and any(not p.queue.empty() for p in peers):
+                ready_at = now
             hedge = self._hedges.get(b)
+            hedge_at = math.inf if delay is None or ready_at is None or hedged else ready_at + delay
             if hedge is None and now >= hedge_at:
-                hedge_at = math.inf
-                hedged = self.issue(b, candidates()) or hedged
+                hedged = self.issue(b, candidates()) or True  # (once per batch, even without budget)
                 continue
-            item = _poll(receiver, _RACE_S if hedge is not None else min(hedge_at, deadline, now + _SLICE_S) - now, what)
+            if hedge is not None:
+                slice_s = _RACE_S
+            elif ready_at is None and delay is not None and peers:
+                slice_s = _PEERS_S  # watching for a peer's batch
+            else:
+                slice_s = min(hedge_at, deadline, now + _SLICE_S) - now
+            item = _poll(receiver, slice_s, what)
             if item is not None:
                 self._behind.discard(server.address)
                 if not isinstance(item, _End) and item.batch_index < b and item.batch_index in self._won:
                     self._won.discard(item.batch_index)  # the late copy of a batch a hedge delivered
                     continue
                 self._delivered[server.address] += 1
-                if not hedged:
-                    self._record(server.address, time.monotonic() - start)
+                if not hedged:  # (a late batch's lag is not recorded: a stall would raise the delay)
+                    self._record(server.address, 0.0 if ready_at is None else time.monotonic() - ready_at)
                 return item, receiver, server
             if hedge is not None and (got := self._poll_hedge(hedge)) is not None:
                 return got, hedge.receiver, hedge.server

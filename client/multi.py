@@ -249,7 +249,8 @@ class MultiServerLoader(ServerSet):
                     if hedger is None:
                         item, source, sender = receiver.get(self.options.timeout, f"{what}, batch {b}"), receiver, server
                     else:
-                        item, source, sender = hedger.wait(b, server, receiver, self.options.timeout,
+                        peers = [r for j, r in split.receivers.items() if j != i]
+                        item, source, sender = hedger.wait(b, server, receiver, peers, self.options.timeout,
                                                            f"{what}, batch {b}", others)
                 except ConnectionError as e:
                     e.__traceback__ = None  # its frames would keep this generator's last batch (and lease)
