@@ -53,16 +53,18 @@ PERIOD_S = 8.0
 
 class Stalls:
     """Stop process ``pid`` for ``stall_s`` seconds every ``period_s`` seconds (the first stop
-    ``period_s - stall_s`` seconds in), from a thread, until the block ends; counts the stops."""
+    ``first_s`` seconds in), from a thread, until the block ends; counts the stops."""
 
-    def __init__(self, pid: int, stall_s: float, period_s: float):
-        self.pid, self.stall_s, self.period_s = pid, stall_s, period_s
+    def __init__(self, pid: int, stall_s: float, period_s: float, first_s: float = 2.0):
+        self.pid, self.stall_s, self.period_s, self.first_s = pid, stall_s, period_s, first_s
         self.stops = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-stalls", daemon=True)
 
     def _run(self) -> None:
-        while not self._done.wait(self.period_s - self.stall_s):
+        pause = self.first_s
+        while not self._done.wait(pause):
+            pause = self.period_s - self.stall_s
             os.kill(self.pid, signal.SIGSTOP)
             self.stops += 1
             self._done.wait(self.stall_s)
