@@ -106,14 +106,14 @@ class _Hedge:
 
 
 class Hedger:
-    """The hedges of one several-servers loader: each server's recent waits, the budget, the hedges
+    """The hedges of one several-servers loader: each server's recent lags, the budget, the hedges
     in flight. Servers are the multi loader's ``_Server`` objects (``address``, ``conn``). Used from
     the consumer's thread only."""
 
     def __init__(self, policy: HedgePolicy, stats: LoaderStats):
         self.policy = policy
         self.stats = stats
-        self._waits: dict[str, collections.deque[float]] = {}
+        self._lags: dict[str, collections.deque[float]] = {}  # seconds, per server address
         self._delivered: collections.Counter[str] = collections.Counter()
         self._tokens = 0.0
         self._hedges: dict[int, _Hedge] = {}  # batch index -> the hedge asked for it
@@ -147,17 +147,18 @@ class Hedger:
     # --- when -----------------------------------------------------------------------------------
 
     def delay(self, address: str) -> float | None:
-        """Seconds after which a batch of ``address`` is late; None before its warmup."""
-        waits = self._waits.get(address)
-        if waits is None or self._delivered[address] < self.policy.warmup:
+        """Seconds of lag (module docstring) after which a batch of ``address`` is late; None
+        before its warmup."""
+        lags = self._lags.get(address)
+        if lags is None or self._delivered[address] < self.policy.warmup:
             return None
-        return max(self.policy.min_delay, self.policy.factor * float(np.percentile(waits, self.policy.percentile)))
+        return max(self.policy.min_delay, self.policy.factor * float(np.percentile(lags, self.policy.percentile)))
 
-    def _record(self, address: str, wait: float) -> None:
-        waits = self._waits.get(address)
-        if waits is None:
-            waits = self._waits[address] = collections.deque(maxlen=self.policy.window)
-        waits.append(wait)
+    def _record(self, address: str, lag: float) -> None:
+        lags = self._lags.get(address)
+        if lags is None:
+            lags = self._lags[address] = collections.deque(maxlen=self.policy.window)
+        lags.append(lag)
 
     def issue(self, b: int, candidates: list[Any], chased: bool = False) -> bool:
         """Ask one of ``candidates`` (servers other than b's) for batch b, if the budget allows
@@ -192,7 +193,7 @@ class Hedger:
         deadline = start + timeout
         delay = self.delay(server.address)
         ready_at: float | None = None  # when a peer's next batch was there: b's server is behind them since
-        hedged = b in self._hedges
+        attempted = b in self._hedges  # (a chased hedge, or one asked before a re-split)
         while True:
             now = time.monotonic()
             if now >= deadline:
@@ -200,9 +201,10 @@ class Hedger:
             if ready_at is None and any(not p.queue.empty() for p in peers):
                 ready_at = now
             hedge = self._hedges.get(b)
-            hedge_at = math.inf if delay is None or ready_at is None or hedged else ready_at + delay
+            hedge_at = math.inf if delay is None or ready_at is None or attempted else ready_at + delay
             if hedge is None and now >= hedge_at:
-                hedged = self.issue(b, candidates()) or True  # (once per batch, even without budget)
+                self.issue(b, candidates())
+                attempted = True  # once per batch, whether the budget allowed it or not
                 continue
             if hedge is not None:
                 slice_s = _RACE_S
@@ -217,7 +219,7 @@ class Hedger:
                     self._won.discard(item.batch_index)  # the late copy of a batch a hedge delivered
                     continue
                 self._delivered[server.address] += 1
-                if not hedged:  # (a late batch's lag is not recorded: a stall would raise the delay)
+                if not attempted:  # (a late batch's lag is not recorded: a stall would raise the delay)
                     self._record(server.address, 0.0 if ready_at is None else time.monotonic() - ready_at)
                 return item, receiver, server
             if hedge is not None and (got := self._poll_hedge(hedge)) is not None:
@@ -232,7 +234,7 @@ class Hedger:
                 return None
             item = _Failed(RuntimeError("the receiver thread ended"))
         if isinstance(item, (_Failed, _End)) or item.batch_index != hedge.batch:
-            why = item.error if isinstance(item, _Failed) else "no such batch"
+            why = item.error if isinstance(item, _Failed) else "it ended without its batch"
             log.debug("the hedge for batch %d on %s failed: %s", hedge.batch, hedge.server.address, why)
             self._cancel(hedge.batch)
             return None

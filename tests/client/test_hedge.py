@@ -46,7 +46,7 @@ class _Server:
         self.address, self.conn = address, None
 
 
-def test_the_delay_follows_the_servers_waits_and_the_budget_bounds_hedges():
+def test_the_delay_follows_the_servers_lags_and_the_budget_bounds_hedges():
     hedger = Hedger(HedgePolicy(warmup=5, min_delay=0.01, factor=2.0, percentile=95, max_fraction=0.1, burst=3),
                     LoaderStats())
     fast = _Server("a")
@@ -67,12 +67,57 @@ def test_the_delay_follows_the_servers_waits_and_the_budget_bounds_hedges():
 
 
 class _FakeReceiver:
-    def __init__(self):
+    """What the hedger reads of a stream: its queue (items put by the test), alive, stop()."""
+
+    def __init__(self, address="fake"):
         import queue
-        self.queue = queue.Queue()
+        self.queue, self.address, self.stopped = queue.Queue(), address, False
+
+    def is_alive(self):
+        return True
 
     def stop(self):
-        pass
+        self.stopped = True
+
+
+def _item(b):
+    from batchd.client.receiver import Received
+
+    return Received(b, {"b": b}, None, 1)
+
+
+def test_a_batch_is_late_only_behind_its_peers_and_one_copy_is_yielded():
+    """No peer batch there: the server is as slow as the others, no hedge however long. A peer's
+    batch there for longer than the delay: a hedge; its copy wins, the late copy is dropped."""
+    hedger = Hedger(HedgePolicy(warmup=1, min_delay=0.05, max_fraction=1.0), LoaderStats())
+    slow, other = _Server("slow"), _Server("other")
+    own, peer = _FakeReceiver("slow"), _FakeReceiver("other")
+    asked = {}
+    hedger.begin(lambda server, b: asked.setdefault(b, _FakeReceiver(server.address)))
+    for b in range(4):  # warm up: lag 0 (every batch there at once)
+        own.queue.put(_item(b))
+        assert hedger.wait(b, slow, own, [peer], 5, "t", lambda: [other])[0].batch_index == b
+        hedger.settled(b, False, slow, own, None, lambda: [other])
+    assert hedger.delay("slow") == 0.05
+    threading.Timer(0.3, own.queue.put, (_item(4),)).start()  # 0.3 s late, but no peer is ahead
+    t0 = time.monotonic()
+    item, source, sender = hedger.wait(4, slow, own, [peer], 5, "t", lambda: [other])
+    assert (item.batch_index, source, sender) == (4, own, slow) and time.monotonic() - t0 >= 0.25 and not asked
+    hedger.settled(4, False, slow, own, None, lambda: [other])
+    peer.queue.put(_item(5))  # the next server's batch is there; batch 4's server is behind it
+    threading.Timer(0.2, lambda: asked[6].queue.put(_item(6))).start()
+    item, source, sender = hedger.wait(6, slow, own, [peer], 5, "t", lambda: [other])
+    assert (item.batch_index, source, sender) == (6, asked[6], other), "not hedged, or the hedge's copy lost"
+    hedger.settled(6, True, slow, own, 8, lambda: [other])
+    assert asked[6].stopped and 8 in asked, "the slow server's next batch was not chased"
+    own.queue.put(_item(6))  # the late copy
+    own.queue.put(_item(8))
+    item, source, _ = hedger.wait(8, slow, own, [peer], 5, "t", lambda: [other])
+    assert (item.batch_index, source) == (8, own)  # batch 6's late copy dropped; 8 came first: its hedge ...
+    hedger.settled(8, False, slow, own, None, lambda: [other])
+    assert asked[8].stopped  # ... is cancelled
+    figures = hedger.stats.snapshot({})
+    assert (figures["hedges_issued"], figures["hedges_won"], figures["hedges_wasted"]) == (2, 1, 1)
 
 
 @pytest.fixture(scope="module")
