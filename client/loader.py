@@ -90,9 +90,10 @@ class RemoteDataLoader:
             and readings of the address (a DNS name, a ``file:`` list); a server that answers gets
             work from the next batch not yet asked of the others, one no longer named gets none.
         hedge: with several servers, ask a second server for a batch that is late from its own
-            (the first copy wins; same bytes): True (default: ``batchd.client.hedge.HedgePolicy()``,
-            late = over max(0.05 s, 2 x the 95th percentile of that server's recent waits), at
-            most 5% of batches hedged), False, or a ``HedgePolicy``.
+            (the first copy wins; same bytes): True (default: ``batchd.client.hedge.HedgePolicy()``:
+            late = the loop waited for it, after another server's next batch was there, over
+            max(0.05 s, 2 x the 95th percentile of that server's recent such lags); at most 5% of
+            batches hedged), False, or a ``HedgePolicy``.
         tls, tls_ca, tls_cert, tls_key: TLS to the server: ``tls_ca`` is the PEM file of the CA
             that signed the server's certificate, ``tls_cert`` + ``tls_key`` a client certificate
             (mutual TLS); or ``tls=True`` (system roots) / a ``batchd.client.channel.TLS`` / a dict
