@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
 
 import batchd
 from batchd.client.addresses import AddressSource, may_grow, read_address_file, server_addresses
@@ -61,8 +62,13 @@ def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_serve
                 time.sleep(0.01)  # a training step
 
         take(20)
+        b.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # (as while it starts or drains)
         with listed.open("a") as f:
             f.write(f"{b.address}\n")
+        assert wait_until(lambda: "SERVING" in ld.server_stats()[-1]["error"], 10), ld.server_stats()
+        take(5)
+        assert not ld.server_stats()[1]["up"], "a server whose health is not SERVING was given work"
+        b.health.set("", health_pb2.HealthCheckResponse.SERVING)
         assert wait_until(lambda: [s["up"] for s in ld.server_stats()] == [True, True], 10), ld.server_stats()
         joined_at = len(digests)
         take(30)
