@@ -42,8 +42,9 @@ class _Server:
 
 class ServerSet:
     """The servers and the prober of a ``MultiServerLoader``, which sets ``options``, ``_source``,
-    ``_address_source``, ``_lock``, ``_probe_lock``, ``_closed``, ``_servers``, ``_rejoined``,
-    ``_retired`` and ``_stop_probing``, and calls ``_open_all`` then ``start_probing``."""
+    ``_address_source``, ``_lock``, ``_probe_lock``, ``_closed``, ``_servers``, ``_split``,
+    ``_next_split``, ``_rejoined``, ``_retired`` and ``_stop_probing``, and calls ``_open_all``
+    then ``start_probing``."""
 
     @property
     def addresses(self) -> list[str]:
@@ -154,6 +155,7 @@ class ServerSet:
         current = self._address_source.current()  # None: unknown now, or never changes
         if current is not None:
             self._follow(current)
+        self._let_go_of_retired()
         down = [s for s in self._servers if not s.up and not s.retired]
         if not down or self._closed or self._stop_probing.is_set():
             return
@@ -184,6 +186,21 @@ class ServerSet:
                     if s.up:
                         self._retired.set()
 
+    def _let_go_of_retired(self) -> None:
+        """Close the connections of retired servers that no split reads any more (a job that
+        outlives many replicas keeps no channel to those gone); named again, they are probed
+        afresh."""
+        reading = {id(s) for split in (self._split, self._next_split) if split is not None for s in split.servers}
+        with self._lock:
+            done = [s for s in self._servers if s.retired and s.conn is not None and id(s) not in reading]
+            for s in done:
+                s.up, s.error = False, "no longer named by the address"
+            conns = [s.conn for s in done]
+            for s in done:
+                s.conn = None
+        for conn in conns:
+            conn.close()
+
     def _mark_down(self, server: _Server, error: BaseException) -> None:
         with self._lock:
             server.up, server.error = False, str(error)
@@ -201,7 +218,7 @@ class ServerSet:
         self._prober.start()
 
 
-def _probe_loop(ref: "weakref.ref[MultiServerLoader]", stop: threading.Event) -> None:
+def _probe_loop(ref: "weakref.ref[ServerSet]", stop: threading.Event) -> None:
     """Every probe_interval seconds, probe the down servers (holding the loader only meanwhile)."""
     while True:
         loader = ref()

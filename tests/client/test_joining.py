@@ -42,6 +42,28 @@ def test_address_files(tmp_path):
         server_addresses("file:/no/such/file")
 
 
+def test_a_dns_name_is_resolved_again_each_time(monkeypatch):
+    import socket
+
+    from batchd.client import addresses as addr_mod
+
+    records = {"batchd.svc.test": ["10.0.0.1"]}
+
+    def fake(host, port, family=0, type=0, *args):
+        if host not in records or not records[host] or family != socket.AF_INET:
+            raise socket.gaierror("no such name")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in records[host]]
+
+    monkeypatch.setattr(addr_mod.socket, "getaddrinfo", fake)
+    source = AddressSource("dns:///batchd.svc.test:50051")
+    assert source.current() == ["10.0.0.1:50051"]  # one address: IP:PORT all the same (others may join)
+    records["batchd.svc.test"] = ["10.0.0.2", "10.0.0.1"]
+    assert source.current() == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    records["batchd.svc.test"] = []
+    assert source.current() is None  # does not resolve now: keep the servers known
+    assert server_addresses("dns:///batchd.svc.test:50051", keep_single_name=False) == ["dns:///batchd.svc.test:50051"]
+
+
 def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_server, fmnist_root, tmp_path):
     a, b = (make_server(workers=1, datasets=fmnist_test_config(fmnist_root)) for _ in range(2))
     with batchd.RemoteDataLoader(a.address, "fmnist-test", **KW) as ld:
@@ -83,6 +105,9 @@ def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_serve
             digests.append(digest(batch))
             indices.append(batch["index"].numpy().copy())
         stats = ld.stats()
+        # no split reads the retired server any more: its connection is closed
+        assert wait_until(lambda: ld.servers._servers[0].conn is None, 10), ld.server_stats()
+        assert ld.server_stats()[0]["error"] == "no longer named by the address"
     assert digests == reference, "the bytes differ from a single server's"
     assert np.array_equal(np.sort(np.concatenate(indices)), np.arange(10_000)), "a sample is missing or repeated"
     per_server = stats["batches_per_server"]
