@@ -129,8 +129,7 @@ class RemoteDataLoader:
     the global position reached, every remaining sample once with the same bytes
     (``batchd.client.elastic``).
 
-    Figures: ``stats()`` (``batchd.client.loader_stats``): batches, samples, the time the loop
-    waited for them, batches per server, reconnects, failovers and hedges.
+    Figures: ``stats()``.
     """
 
     def __init__(self, address: Any, dataset: str, *, batch_size: int = 1, shuffle: bool = False, seed: int = 0,
@@ -245,12 +244,10 @@ class RemoteDataLoader:
         self._position = (self.epoch, self._start_position, 0)
 
     def stats(self) -> dict[str, Any]:
-        """This loader's figures as a plain dict (``batchd.client.loader_stats``): ``batches`` and
-        ``samples`` yielded; ``wait_seconds`` (total time the training loop spent in ``__next__``),
-        ``wait_p50_seconds``/``wait_p95_seconds``/``wait_p99_seconds`` (per batch, the last 10,000
-        batches), ``wall_seconds`` and ``wait_fraction`` (wait / wall, in [0, 1]);
-        ``batches_per_server`` {address: batches}; ``reconnects``, ``failovers``,
-        ``hedges_issued``, ``hedges_won``, ``hedges_wasted``."""
+        """This loader's figures as a plain dict: batches and samples yielded, the time the loop
+        waited in ``__next__`` (total and p50/p95/p99 per batch, seconds; the wait fraction of
+        wall time), batches per server, reconnects, failovers and hedges. Keys and units:
+        ``batchd.client.loader_stats``."""
         per_server = getattr(self.servers, "server_stats", None)
         if per_server is not None:
             counts = {s["address"]: s["batches"] for s in per_server()}
