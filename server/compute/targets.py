@@ -22,7 +22,9 @@ untouched; ``area`` is not recomputed.
 
 **Params.** A Compose's own ``bbox_params`` / ``keypoint_params`` are used (a client's are
 allowlisted, ``allowlist_fields.bbox_params``) with their ``label_fields`` replaced by the object
-number (each name given must be a per-object field of the sample). Without them, a sample with
+number (each name given must be a per-object field of the sample), and ``min_width`` /
+``min_height`` at least ``MIN_SIDE`` (albumentations keeps boxes cropped to zero width, and a
+later rotation widens them again over none of their object's pixels). Without them, a sample with
 boxes gets ``BboxParams(format="pascal_voc")`` and one with keypoints ``KeypointParams(format="xy",
 remove_invisible=False)``. A bbox ``format`` other than pascal_voc (coco, yolo, albumentations):
 the boxes are converted into it before the Compose (albumentations' own conversions) and come out
@@ -41,6 +43,7 @@ BOX_OBJECT = "batchd_box_object"  # internal label fields: each box's / keypoint
 KEYPOINT_OBJECT = "batchd_keypoint_object"
 GEOMETRIC = ("boxes", "keypoints")  # fields that need a processor (bbox_params / keypoint_params)
 _BOX_FORMATS = ("pascal_voc", "coco", "yolo", "albumentations")
+MIN_SIDE = 0.01  # pixels: a box thinner than this after a transform was cut away (its object is dropped)
 
 
 def has_geometry(sample: dict) -> bool:
@@ -213,6 +216,10 @@ def _bbox_params(given: dict | None) -> dict:
     if params.get("format") not in _BOX_FORMATS:
         raise ValueError(f"bbox_params format must be one of {list(_BOX_FORMATS)}, got {params.get('format')!r}")
     params["label_fields"] = [BOX_OBJECT]
+    # albumentations keeps a box cropped to zero width or height (min_width 0), which a rotation
+    # then widens again over no pixels of its object; such an object is gone: drop it
+    for side in ("min_width", "min_height"):
+        params[side] = max(float(params.get(side) or 0.0), MIN_SIDE)
     return params
 
 

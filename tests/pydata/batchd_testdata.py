@@ -19,16 +19,20 @@ class Rectangles:
 
     Sample i (a pure function of seed and i): image uint8 [size, size, 3] (black background),
     boxes float32 [N, 4] xyxy pixels (the rectangle covers columns x0..x1-1, rows y0..y1-1),
-    labels int64 [N] (distinct: the colour index), masks uint8 [N, size, size], mask int64
-    [size, size] (label + 1 inside each rectangle, 0 outside), iscrowd int64 [N], area float32
+    labels int64 [N] (distinct: the colour index), masks uint8 [N, size, size], mask
+    ``mask_dtype`` [size, size] (label + 1 inside each rectangle, 0 outside; uint8 as in VOC's
+    PNGs by default: OpenCV warps int32 masks with other rounding than uint8 images, by a pixel
+    here and there), iscrowd int64 [N], area float32
     [N] (pixels), ids int64 [N] (i * 100 + object number: a per-object field of our own),
+    keypoints float32 [N, 4, 3] (the corners (x0, y0), (x1, y0), (x1, y1), (x0, y1), visibility 2),
     name str, label int (N). N is 0 to max_objects (0 for every seventh sample).
     """
 
     classes = [f"colour{k}" for k in range(len(PALETTE))]
 
-    def __init__(self, n: int = 600, size: int = 64, seed: int = 0, max_objects: int = 4):
+    def __init__(self, n: int = 600, size: int = 64, seed: int = 0, max_objects: int = 4, mask_dtype: str = "uint8"):
         self.n, self.size, self.seed, self.max_objects = n, size, seed, max_objects
+        self.mask_dtype = np.dtype(mask_dtype)
 
     def __len__(self) -> int:
         return self.n
@@ -53,17 +57,22 @@ class Rectangles:
         labels = labels[:len(boxes)].astype(np.int64)
         image = np.zeros((s, s, 3), np.uint8)
         masks = np.zeros((len(boxes), s, s), np.uint8)
-        mask = np.zeros((s, s), np.int64)
+        mask = np.zeros((s, s), self.mask_dtype)
         for k, ((x0, y0, x1, y1), label) in enumerate(zip(boxes, labels)):
             image[y0:y1, x0:x1] = PALETTE[label]
             masks[k, y0:y1, x0:x1] = 1
             mask[y0:y1, x0:x1] = label + 1
         box_array = np.array(boxes, np.float32).reshape(-1, 4)
+        x0, y0, x1, y1 = box_array.T
+        corners = np.stack([np.stack([x0, y0], -1), np.stack([x1, y0], -1), np.stack([x1, y1], -1),
+                            np.stack([x0, y1], -1)], 1)
+        keypoints = np.concatenate([corners, np.full((len(boxes), 4, 1), 2, np.float32)], -1).astype(np.float32)
         return {
             "image": image, "boxes": box_array, "labels": labels, "masks": masks, "mask": mask,
             "iscrowd": np.zeros(len(boxes), np.int64),
             "area": ((box_array[:, 2] - box_array[:, 0]) * (box_array[:, 3] - box_array[:, 1])).astype(np.float32),
-            "ids": i * 100 + np.arange(len(boxes), dtype=np.int64), "name": f"rect-{i}", "label": len(boxes),
+            "ids": i * 100 + np.arange(len(boxes), dtype=np.int64), "keypoints": keypoints.reshape(-1, 4, 3),
+            "name": f"rect-{i}", "label": len(boxes),
         }
 
 
