@@ -80,10 +80,13 @@ class Mixed:
     """Fields of every kind: image uint8 [8, 8, 3] (or [8 + i % 3, 8, 3] with ``ragged_images``),
     label int, weight float, flag bool, name str, raw bytes, vec float32 [3], boxes float32 [i % 3, 4],
     torch tensor ``t`` (float32 [2]) when torch imports, and ``odd`` int in even samples and float
-    in odd ones when ``mixed_dtype``."""
+    in odd ones when ``mixed_dtype``. ``only``: keep these fields alone. Sample ``fail_at`` raises
+    ZeroDivisionError in ``_broken``."""
 
-    def __init__(self, n: int = 12, ragged_images: bool = False, mixed_dtype: bool = False, fail_at: int = -1):
+    def __init__(self, n: int = 12, ragged_images: bool = False, mixed_dtype: bool = False, fail_at: int = -1,
+                 only: list | None = None):
         self.n, self.ragged_images, self.mixed_dtype, self.fail_at = n, ragged_images, mixed_dtype, fail_at
+        self.only = only
 
     def __len__(self) -> int:
         return self.n
@@ -92,24 +95,33 @@ class Mixed:
         if i == self.fail_at:
             return self._broken(i)
         h = 8 + i % 3 if self.ragged_images else 8
-        image = np.full((h, 8, 3), i, np.uint8)
+        image = np.full((h, 8, 3), i % 256, np.uint8)
         sample = {
             "image": image, "label": i % 4, "weight": i / 4, "flag": i % 2 == 0, "name": f"sample-{i}-é",
             "raw": bytes(range(i % 5)), "vec": np.arange(3, dtype=np.float32) + i,
             "boxes": np.arange(4 * (i % 3), dtype=np.float32).reshape(-1, 4) + i,
         }
-        try:
-            import torch
-            sample["t"] = torch.tensor([i, -i], dtype=torch.float32)
-        except ImportError:
-            pass
+        if self.only is None or "t" in self.only:
+            try:
+                import torch
+                sample["t"] = torch.tensor([i, -i], dtype=torch.float32)
+            except ImportError:
+                pass
         if self.mixed_dtype:
             sample["odd"] = i if i % 2 == 0 else float(i)
-        return sample
+        return sample if self.only is None else {k: v for k, v in sample.items() if k in self.only}
 
     def _broken(self, i: int) -> dict:
         ratio = i / (self.fail_at - i)  # ZeroDivisionError: the user's own line
         return {"image": np.zeros((8, 8, 3), np.uint8), "ratio": ratio}
+
+
+class Declared(Mixed):
+    """Mixed with its fields declared (``fields``) instead of read from sample 0."""
+
+    fields = {"image": ("uint8", (8, 8, 3)), "label": ("int64", ()), "weight": ("float64", ()), "flag": ("bool", ()),
+              "name": ("str", ()), "raw": ("bytes", ()), "vec": ("float32", (3,)),
+              "boxes": {"dtype": "float32", "shape": (-1, 4)}, "t": ("float32", (2,))}
 
 
 class Versioned(Mixed):

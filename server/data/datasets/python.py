@@ -106,8 +106,10 @@ class PythonDataset(Dataset):
         try:
             sample = self.obj[index]
         except Exception as e:
-            user = traceback.TracebackException(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
-            raise self.sample_error(index, f"{type(e).__name__}: {e}\n{''.join(user.format()).rstrip()}") from None
+            frames = traceback.extract_tb(e.__traceback__)[1:]  # the dataset's own, from its __getitem__ on
+            where = "".join(traceback.format_list(frames)).rstrip()
+            raise self.sample_error(index, f"{type(e).__name__}: {e}\nin the dataset (most recent call last):\n{where}") \
+                from None
         if not isinstance(sample, Mapping):
             raise self.sample_error(index, f"__getitem__ returned a {type(sample).__name__}, not a dict of fields")
         out = {}
