@@ -247,3 +247,53 @@ def test_an_entry_of_the_image_only_format_is_refused_not_misread():
     buf[:4] = b"BDC1"  # what an older batchd wrote (one image)
     with pytest.raises(entry.CorruptEntry):
         entry.decode(bytes(buf), key)
+
+
+@pytest.mark.parametrize("params, field, words", [
+    ({"bbox_params": {"format": "xyxy"}}, "bbox_params", "key 'format': expected one of 'pascal_voc'"),
+    ({"bbox_params": {"format": "coco", "min_visibility": 1.5}}, "bbox_params", "key 'min_visibility'"),
+    ({"bbox_params": {"format": "coco", "label_fields": ["../labels"]}}, "bbox_params", "key 'label_fields'"),
+    ({"bbox_params": {"format": "coco", "read_from": "/etc"}}, "bbox_params", "key 'read_from' is not one"),
+    ({"keypoint_params": {"format": "xy", "remove_invisible": True}}, "keypoint_params", "must be false"),
+    ({"keypoint_params": {"format": "yx"}}, "keypoint_params", "key 'format'"),
+])
+def test_a_clients_bbox_and_keypoint_params_are_checked_field_by_field(testdata, make_server, params, field, words):
+    import grpc
+
+    from batchd.v1 import loader_pb2 as pb
+    from rawclient import RawSession
+
+    server = make_server(python_path=[str(PYDATA)], workers=1, datasets={"rect": rectangles(8)})
+    spec = A.to_dict(A.Compose([A.HorizontalFlip()]))
+    spec["transform"].update(params)
+    with grpc.insecure_channel(server.address) as channel:
+        session = RawSession(channel)
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                next(iter(session.stream(dataset="rect", batch_size=2,
+                                         pipeline=pb.Pipeline(albumentations_json=json.dumps(spec)))))
+        finally:
+            session.close()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"field {field!r}" in e.value.details() and words in e.value.details(), e.value.details()
+
+
+def test_decode_on_client_refuses_a_dataset_with_targets(tmp_path):
+    from batchd.server.compute import encoded
+    from batchd.server.config import ImageFolderConfig
+    from batchd.server.data.datasets import FieldSpec
+    from batchd.server.data.datasets.imagefolder import ImageFolder
+    from helpers import write_png
+
+    write_png(tmp_path / "photos" / "a" / "0.png", np.zeros((8, 8, 3), np.uint8))
+
+    class WithBoxes(ImageFolder):  # a kind of encoded files whose samples carry boxes (as COCO's)
+        @property
+        def fields(self):
+            return (*super().fields, FieldSpec("boxes", "float32", (-1, 4)))
+
+    cfg = ImageFolderConfig(kind="imagefolder", root=tmp_path / "photos")
+    plain = ImageFolder("photos", cfg, tmp_path, build=True)
+    assert encoded.check_request(plain, "jpeg", "") == (0, 0)
+    with pytest.raises(ValueError, match=r"dataset 'photos' has targets or other fields \(boxes\)"):
+        encoded.check_request(WithBoxes("photos", cfg, tmp_path, build=True), "jpeg", "")
