@@ -65,14 +65,20 @@ def as_value(name: str, value: Any) -> tuple[np.ndarray, str]:
 
 
 class _Field:
-    __slots__ = ("name", "dtype", "shape", "ndim", "first", "ragged", "region", "offset", "values", "per_object")
+    __slots__ = ("name", "dtype", "np_dtype", "shape", "ndim", "first", "ragged", "region", "offset", "values",
+                 "per_object", "scalar")
 
     def __init__(self, name: str, dtype: str, value: np.ndarray, first: int, ragged: bool, per_object: bool):
         self.name, self.dtype, self.shape, self.ndim = name, dtype, value.shape, value.ndim
+        self.np_dtype = storage_dtype(dtype)
         self.first, self.ragged, self.per_object = first, ragged, per_object
+        self.scalar = _SCALARS_OF.get(dtype)  # the Python type written as it is into a stacked scalar field
         self.region: np.ndarray | None = None  # stacked: [capacity, *shape] on the slot
         self.offset = 0
         self.values: list[np.ndarray] = []  # ragged: each sample's value
+
+
+_SCALARS_OF = {"int64": int, "float64": float, "bool": bool}
 
 
 class BatchWriter:
@@ -100,38 +106,47 @@ class BatchWriter:
 
     def add(self, sample: dict, index: int, position: int) -> None:
         """Write one sample's fields. Raises ShapeMismatchError, TypeError (see the module docstring)."""
-        values = {}
-        for name, value in sample.items():
-            if name in RESERVED:
-                raise ValueError(f"{self._where(index)}: field {name!r} is reserved (batchd adds index, position "
-                                 "and skipped to every batch); rename it")
-            values[name] = as_value(name, value)
         if self.buf is None:
-            self._start(values, index)
-        elif values.keys() != self.fields.keys():
-            self._missing(values, index)
+            self._start(sample, index)
+        elif sample.keys() != self.fields.keys():
+            self._missing(sample, index)
         n = self.n
-        for name, (value, dtype) in values.items():
-            f = self.fields[name]
-            if dtype != f.dtype or (f.ragged and value.ndim != f.ndim):
-                raise ShapeMismatchError(
-                    f"{self._where(index)}: field {name!r} is {dtype}{list(value.shape)} but in "
-                    f"{self.describe(f.first)} it is {f.dtype}{list(f.shape)}; a field must have one dtype "
-                    f"{'and number of dimensions ' if f.ragged else ''}in every sample of a batch")
-            if f.ragged:
-                f.values.append(value)
-            elif value.shape == f.shape:
-                f.region[n] = value
-            elif value.ndim != f.ndim:
-                raise ShapeMismatchError(
-                    f"{self._where(index)}: field {name!r} is {dtype}{list(value.shape)} but in "
-                    f"{self.describe(f.first)} it is {f.dtype}{list(f.shape)}; samples of different shapes come "
-                    "as a list, but they must have the same number of dimensions")
-            else:  # the rare path: shapes differ, the field becomes a list of arrays
-                f.values = [np.array(v) for v in f.region[:n]] + [value]
-                f.ragged, f.region = True, None
+        for f in self.fields.values():
+            value = sample[f.name]
+            if f.region is not None:  # the fast path: stacked so far, a value like the first sample's
+                if type(value) is np.ndarray:
+                    if value.shape == f.shape and value.dtype == f.np_dtype:
+                        f.region[n] = value
+                        continue
+                elif type(value) is f.scalar:
+                    try:
+                        f.region[n] = value
+                    except OverflowError:
+                        raise TypeError(f"{self._where(index)}: field {f.name!r}: {value} does not fit in int64") from None
+                    continue
+            self._write(f, *as_value(f.name, value), n, index)
         self.index[n], self.position[n] = index, position
         self.n = n + 1
+
+    def _write(self, f: _Field, value: np.ndarray, dtype: str, n: int, index: int) -> None:
+        """One value that is not a stacked field's like-shaped array: checked, then written or kept."""
+        if dtype != f.dtype or (f.ragged and value.ndim != f.ndim):
+            raise ShapeMismatchError(
+                f"{self._where(index)}: field {f.name!r} is {dtype}{list(value.shape)} but in "
+                f"{self.describe(f.first)} it is {f.dtype}{list(f.shape)}; a field must have one dtype "
+                f"{'and number of dimensions ' if f.ragged else ''}in every sample of a batch")
+        if f.ragged:
+            f.values.append(value)
+        elif value.shape == f.shape:
+            f.region[n] = value
+        elif value.ndim != f.ndim:
+            raise ShapeMismatchError(
+                f"{self._where(index)}: field {f.name!r} is {dtype}{list(value.shape)} but in "
+                f"{self.describe(f.first)} it is {f.dtype}{list(f.shape)}; samples of different shapes come "
+                "as a list, but they must have the same number of dimensions")
+        else:  # the rare path: shapes differ, the field becomes a list of arrays
+            f.values = [np.array(v) for v in f.region[:n]] + [value]
+            f.ragged, f.region = True, None
 
     def finish(self) -> tuple[TensorLayout, ...]:
         """The batch's layouts (index, position, then the fields in the first sample's order), after
@@ -170,12 +185,17 @@ class BatchWriter:
 
     # -- inside ---------------------------------------------------------------------------------
 
-    def _start(self, values: dict[str, tuple[np.ndarray, str]], index: int) -> None:
+    def _start(self, sample: dict, index: int) -> None:
         """Plan the slot from the first sample: index, position, then each stacked field [capacity, ...];
         room for the ragged fields estimated as capacity x the first sample's."""
+        for name in sample:
+            if name in RESERVED:
+                raise ValueError(f"{self._where(index)}: field {name!r} is reserved (batchd adds index, position "
+                                 "and skipped to every batch); rename it")
         offset = 2 * align(8 * self.capacity)
         estimate = 0
-        for name, (value, dtype) in values.items():
+        for name, raw in sample.items():
+            value, dtype = as_value(name, raw)
             per_object = self.per_object(name)
             f = _Field(name, dtype, value, index, ragged=per_object or dtype in _STRINGS, per_object=per_object)
             if f.ragged:
@@ -195,6 +215,7 @@ class BatchWriter:
                 f.region = np.ndarray((self.capacity, *f.shape), storage_dtype(f.dtype), self.buf, f.offset)
 
     def _missing(self, values: dict, index: int) -> None:
+        """Raise ShapeMismatchError naming a field one sample has and another lacks."""
         lacks = sorted(self.fields.keys() - values.keys())
         extra = sorted(values.keys() - self.fields.keys())
         first = next(iter(self.fields.values())).first
