@@ -33,6 +33,7 @@ in it. Targets keep their dtype (albumentations returns float64 boxes and may wi
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 import albumentations as A
@@ -149,6 +150,14 @@ class Prefix:
                 self._compose = TargetPipeline.of_transforms(self.transforms, self.like)
             return self._compose(sample, per_object)
         return apply(self._chain, sample, per_object)
+
+    def params_name(self) -> str:
+        """The bbox and keypoint params the prefix applies to samples with boxes or keypoints, as
+        canonical text ("" when it has no transforms or the pipeline gives none): part of a cache
+        entry's name, since a crop under ``min_visibility`` keeps other boxes than one without."""
+        if not self.transforms or self.like is None or (self.like.bbox_params is None and self.like.keypoint_params is None):
+            return ""
+        return "|targets:" + json.dumps([self.like.bbox_params, self.like.keypoint_params], sort_keys=True, default=str)
 
     def _chain(self, **data):
         for t in self.transforms:

@@ -103,6 +103,7 @@ class _Worker:
         if python_pipeline.is_python(text):
             plan = _Plan(fn=python_pipeline.build(text, self.python_pipelines))
             plan.split = prefixes.Split((), None, None, prefixes.canonical((), None))  # the cache holds the dataset's samples
+            plan.cache_name = plan.split.canonical
         else:
             compose = pipelines.build(text)
             plan = _Plan(compose=compose, min_size=pipelines.decode_min_size(compose) if self.reduced_decode else None)
@@ -117,6 +118,7 @@ class _Worker:
                 self.random.attach(rest)  # its transforms draw in turn from one stream, re-keyed per sample
             if plan.split is not None:
                 plan.prefix = targets.Prefix(plan.split.prefix, whole)
+                plan.cache_name = plan.split.canonical + plan.prefix.params_name()
         self.pipelines[key] = plan
         if len(self.pipelines) > _CACHED_PIPELINES:
             self.pipelines.popitem(last=False)
@@ -186,7 +188,7 @@ class _Worker:
         build = self.builds.get(ds.name)
         if build is None:
             build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings))
-        return sample_key(ds.fingerprint, index, plan.split.canonical, build)
+        return sample_key(ds.fingerprint, index, plan.cache_name, build)
 
     def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: "_Plan") -> dict:
         """Sample k of the task after decode and the pipeline's deterministic prefix: from the
@@ -297,6 +299,7 @@ class _Plan:
     split: prefixes.Split | None = None
     prefix: targets.Prefix | None = None
     rest: targets.TargetPipeline | None = None
+    cache_name: str = ""  # what the prefix's output depends on: its canonical text (+ target params)
 
 
 def _as_hwc_array(image: Any, dataset: str, index: int) -> np.ndarray:

@@ -227,6 +227,11 @@ def test_the_cache_gives_the_same_bytes_with_targets(testdata, tmp_path):
                 assert got == want, f"{attempt}: other bytes than without the cache"
             stats = cache.stats()["rect"]
             assert stats["misses"] == 40 and stats["hits"] == 40, stats
+            # the same prefix transforms under other bbox_params keep other boxes: entries of their own
+            strict = A.Compose(pipe.transforms, bbox_params=A.BboxParams(format="pascal_voc", min_visibility=0.9))
+            want = [flat(b) for b in plain.epoch("rect", 40, 8, strict, seed=9)]
+            assert want != [flat(b) for b in plain.epoch("rect", 40, 8, pipe, seed=9)], "a test of nothing"
+            assert [flat(b) for b in cached.epoch("rect", 40, 8, strict, seed=9)] == want
     finally:
         cache.close()
 
