@@ -19,7 +19,8 @@ copied once, after the last sample.
 
 Errors: ``ShapeMismatchError`` (a ValueError) when a field's dtype (or number of dimensions)
 differs between samples, or a field is missing from some samples, naming the field and both
-samples; TypeError for a value of another type (list, dict, None...), naming the field.
+samples; ValueError when a sample's per-object fields disagree on N; TypeError for a value of
+another type (list, dict, None...), naming the field.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class BatchWriter:
         self.fields: dict[str, _Field] = {}
         self.buf: memoryview | None = None
         self.end = 0  # bytes of the slot used by index, position and the stacked regions
+        self._objects: tuple[str, int] | None = None
 
     def add(self, sample: dict, index: int, position: int) -> None:
         """Write one sample's fields. Raises ShapeMismatchError, TypeError (see the module docstring)."""
@@ -111,6 +113,7 @@ class BatchWriter:
         elif sample.keys() != self.fields.keys():
             self._missing(sample, index)
         n = self.n
+        self._objects = None  # (field, N) of the sample's first per-object field
         for f in self.fields.values():
             value = sample[f.name]
             if f.region is not None:  # the fast path: stacked so far, a value like the first sample's
@@ -135,6 +138,8 @@ class BatchWriter:
                 f"{self._where(index)}: field {f.name!r} is {dtype}{list(value.shape)} but in "
                 f"{self.describe(f.first)} it is {f.dtype}{list(f.shape)}; a field must have one dtype "
                 f"{'and number of dimensions ' if f.ragged else ''}in every sample of a batch")
+        if f.per_object:
+            self._check_objects(f.name, value, index)
         if f.ragged:
             f.values.append(value)
         elif value.shape == f.shape:
@@ -213,6 +218,18 @@ class BatchWriter:
         for f in self.fields.values():
             if not f.ragged:
                 f.region = np.ndarray((self.capacity, *f.shape), storage_dtype(f.dtype), self.buf, f.offset)
+
+    def _check_objects(self, name: str, value: np.ndarray, index: int) -> None:
+        """Per-object fields of one sample must agree on N, their first dimension (ValueError)."""
+        if not value.ndim:
+            raise ValueError(f"{self._where(index)}: per-object field {name!r} has no first dimension (one entry per "
+                             f"object), it is a scalar")
+        if self._objects is None:
+            self._objects = (name, value.shape[0])
+        elif value.shape[0] != self._objects[1]:
+            first, n = self._objects
+            raise ValueError(f"{self._where(index)}: per-object fields disagree on the number of objects: {first!r} has "
+                             f"{n}, {name!r} has {value.shape[0]} ({list(value.shape)})")
 
     def _missing(self, values: dict, index: int) -> None:
         """Raise ShapeMismatchError naming a field one sample has and another lacks."""

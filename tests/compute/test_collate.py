@@ -141,3 +141,12 @@ def test_a_batch_whose_every_sample_was_skipped_has_the_dataset_fields(pydata_pa
     assert lay["image"].shape == (0, 8, 8, 3) and lay["label"].shape == (0,) and lay["vec"].shape == (0, 3)
     assert lay["boxes"].sample_shapes == () and lay["name"].sample_shapes == ()  # lists of 0 samples
     assert all(t.nbytes == 0 for t in done.tensors)
+
+
+def test_per_object_fields_of_one_sample_must_agree_on_n(pydata_path, tmp_path):
+    """Without a pipeline too: a sample whose boxes are [1, 4] and whose vec (declared per-object) has 3 entries."""
+    cfg = {"kind": "python", "factory": "batchd_testdata:Mixed", "args": {}, "per_object_fields": ["boxes", "vec"]}
+    with InWorker({"m": cfg}, tmp_path) as w:
+        with pytest.raises(ValueError, match=r"sample 4 \(#4\): per-object fields disagree on the number of objects: "
+                                             r"'vec' has 3, 'boxes' has 1"):
+            w.batch("m", [4])
