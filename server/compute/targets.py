@@ -33,6 +33,7 @@ in it. Targets keep their dtype (albumentations returns float64 boxes and may wi
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Callable
 
@@ -81,8 +82,9 @@ class TargetPipeline:
     """
 
     def __init__(self, spec: dict[str, Any], compose: A.Compose | None = None,
-                 attach: Callable[[A.Compose], None] | None = None):
+                 attach: Callable[[A.Compose], None] | None = None, force_apply: bool = False):
         self.spec = spec
+        self.force_apply = force_apply  # run without the Compose's own p draw (a prefix: p is 1)
         top = spec["transform"]
         self.bbox_params = top.get("bbox_params") or None
         self.keypoint_params = top.get("keypoint_params") or None
@@ -96,18 +98,21 @@ class TargetPipeline:
         return cls(A.to_dict(compose), compose, attach)
 
     @classmethod
-    def of_transforms(cls, transforms, like: "TargetPipeline | None") -> "TargetPipeline":
-        """A Compose (p=1, fixed seed) of ``transforms`` with ``like``'s bbox and keypoint params:
-        a cacheable prefix applied to samples with boxes or keypoints (its transforms draw nothing)."""
+    def of_transforms(cls, transforms, like: "TargetPipeline | None",
+                      seal: Callable[[A.Compose], None]) -> "TargetPipeline":
+        """A Compose of ``transforms`` with ``like``'s bbox and keypoint params, run with
+        ``force_apply`` (no draw for its p): a cacheable prefix applied to samples with boxes or
+        keypoints. ``seal(compose)`` gives it the random state it may not draw from."""
         top = {"__class_fullname__": "Compose", "p": 1.0, "transforms": [t.to_dict()["transform"] for t in transforms]}
         if like is not None:
             top["bbox_params"], top["keypoint_params"] = like.bbox_params, like.keypoint_params
-        return cls({"transform": top}, attach=lambda c: c.set_random_seed(0))
+        return cls({"transform": top}, attach=seal, force_apply=True)
 
     def __call__(self, sample: dict, per_object: Callable[[str], bool]) -> dict:
         """The sample after the Compose (see ``apply``)."""
         compose = self._variant("boxes" in sample, "keypoints" in sample, sample, per_object)
-        return apply(compose, sample, per_object, (self.bbox_params or {}).get("format", "pascal_voc"))
+        call = functools.partial(compose, force_apply=True) if self.force_apply else compose
+        return apply(call, sample, per_object, (self.bbox_params or {}).get("format", "pascal_voc"))
 
     def _variant(self, boxes: bool, keypoints: bool, sample: dict, per_object: Callable[[str], bool]) -> A.Compose:
         """The Compose for a sample with (or without) boxes and keypoints, built once each."""
@@ -138,8 +143,10 @@ class Prefix:
     transform at a time to image, mask and masks (as ``Split.apply_prefix`` does to an image), or,
     for a sample with boxes or keypoints, as a Compose with the pipeline's params (``like``)."""
 
-    def __init__(self, transforms, like: TargetPipeline | None):
-        self.transforms, self.like = tuple(transforms), like
+    def __init__(self, transforms, like: TargetPipeline | None, seal: Callable[[A.Compose], None]):
+        """seal(compose): the random state of the Compose built for samples with boxes or keypoints
+        (its transforms draw nothing: a generator no one else uses, or one that raises if drawn from)."""
+        self.transforms, self.like, self.seal = tuple(transforms), like, seal
         self._compose: TargetPipeline | None = None
 
     def __call__(self, sample: dict, per_object: Callable[[str], bool]) -> dict:
@@ -147,7 +154,7 @@ class Prefix:
             return sample
         if has_geometry(sample):
             if self._compose is None:
-                self._compose = TargetPipeline.of_transforms(self.transforms, self.like)
+                self._compose = TargetPipeline.of_transforms(self.transforms, self.like, self.seal)
             return self._compose(sample, per_object)
         return apply(self._chain, sample, per_object)
 

@@ -117,7 +117,7 @@ class _Worker:
                 plan.rest = targets.TargetPipeline.of(rest, attach=self.random.attach)
                 self.random.attach(rest)  # its transforms draw in turn from one stream, re-keyed per sample
             if plan.split is not None:
-                plan.prefix = targets.Prefix(plan.split.prefix, whole)
+                plan.prefix = targets.Prefix(plan.split.prefix, whole, seal=_seal_prefix)
                 plan.cache_name = plan.split.canonical + plan.prefix.params_name()
         self.pipelines[key] = plan
         if len(self.pipelines) > _CACHED_PIPELINES:
@@ -285,6 +285,11 @@ class _Worker:
             previous.unlink()
         self.segments[seg.name] = seg
         return seg, True
+
+
+def _seal_prefix(compose) -> None:
+    """The random state of a prefix Compose: its own (its transforms draw nothing, prefix.py)."""
+    compose.set_random_seed(0)
 
 
 @dataclass(slots=True)
