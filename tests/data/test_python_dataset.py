@@ -211,3 +211,18 @@ def test_python_path_finds_the_factory(tmp_path):
     code, log = _serve(tmp_path, "batchd_testdata:Mixed", "--python-path", str(PYDATA), args={"only": ["image"]})
     assert code is None, log
     assert "dataset 'mine': python, 12 samples" in log, log
+
+
+def test_torch_tensors_and_pil_images_become_numpy_arrays():
+    """What torchvision-style datasets return, as the collate test reads them back (torch) and here (PIL)."""
+    import torch
+    from PIL import Image
+
+    from batchd.server.data.datasets.python import to_numpy
+
+    rgb = np.arange(4 * 3 * 3, dtype=np.uint8).reshape(3, 4, 3)
+    assert np.array_equal(to_numpy(Image.fromarray(rgb)), rgb)
+    t = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    assert to_numpy(t).dtype == np.int32 and np.array_equal(to_numpy(t), t.numpy())
+    assert to_numpy(t.requires_grad_(False).float().requires_grad_()).dtype == np.float32  # detached
+    assert to_numpy(5) == 5 and to_numpy("x") == "x"
