@@ -254,6 +254,15 @@ def test_an_entry_of_the_image_only_format_is_refused_not_misread():
         entry.decode(bytes(buf), key)
 
 
+@pytest.fixture(scope="module")
+def rect_server(testdata, tmp_path_factory):
+    from conftest import running_server
+
+    with running_server(python_path=[str(PYDATA)], workers=1, cache_dir=tmp_path_factory.mktemp("rect"),
+                        datasets={"rect": rectangles(8)}) as s:
+        yield s
+
+
 @pytest.mark.parametrize("params, field, words", [
     ({"bbox_params": {"format": "xyxy"}}, "bbox_params", "key 'format': expected one of 'pascal_voc'"),
     ({"bbox_params": {"format": "coco", "min_visibility": 1.5}}, "bbox_params", "key 'min_visibility'"),
@@ -262,13 +271,13 @@ def test_an_entry_of_the_image_only_format_is_refused_not_misread():
     ({"keypoint_params": {"format": "xy", "remove_invisible": True}}, "keypoint_params", "must be false"),
     ({"keypoint_params": {"format": "yx"}}, "keypoint_params", "key 'format'"),
 ])
-def test_a_clients_bbox_and_keypoint_params_are_checked_field_by_field(testdata, make_server, params, field, words):
+def test_a_clients_bbox_and_keypoint_params_are_checked_field_by_field(rect_server, params, field, words):
     import grpc
 
     from batchd.v1 import loader_pb2 as pb
     from rawclient import RawSession
 
-    server = make_server(python_path=[str(PYDATA)], workers=1, datasets={"rect": rectangles(8)})
+    server = rect_server
     spec = A.to_dict(A.Compose([A.HorizontalFlip()]))
     spec["transform"].update(params)
     with grpc.insecure_channel(server.address) as channel:
