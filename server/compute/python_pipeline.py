@@ -15,7 +15,7 @@ No client code runs on the server: a stream carries such a pipeline as ``preset_
 object whose only key is ``MARKER``), and a worker runs only the presets of the server's own
 config, looked up by name (``build(text, presets)``). A client may name the preset; a client
 that sends a pipeline of its own is held to the albumentations allowlist, which refuses any
-top-level field but ``transform`` and ``__version__`` (tests/compute/test_python.py).
+top-level field but ``transform`` and ``__version__`` (tests/compute/test_python_pipeline.py).
 """
 
 from __future__ import annotations
