@@ -97,16 +97,17 @@ def unpack(t: pb.Tensor, data: bytes) -> list[Any]:
     return out
 
 
-def detection_samples(indices, seed: int = 0, *, fixed_size: bool = False) -> list[dict[str, Any]]:
+def detection_samples(indices, seed: int = 0, *, fixed_size: bool = False, objects: int | None = None
+                      ) -> list[dict[str, Any]]:
     """One sample per dataset index: image uint8 [H, W, 3] (H, W vary unless ``fixed_size``), boxes
-    float32 [N, 4] (xyxy, N in 0..3, so N = 0 occurs), labels int64 [N], masks uint8 [N, H, W],
-    label int64 [] (a class), name str (non-ASCII among them), blob bytes, index int64 []. A pure
-    function of (index, seed)."""
+    float32 [N, 4] (xyxy, N = index % 4 unless ``objects`` fixes it, so N = 0 occurs), labels int64
+    [N], masks uint8 [N, H, W], label int64 [] (a class), name str (non-ASCII among them), blob
+    bytes, index int64 []. A pure function of (index, seed)."""
     out = []
     for i in indices:
         rng = np.random.default_rng([seed, int(i)])
         h, w = (6, 8) if fixed_size else (int(rng.integers(4, 9)), int(rng.integers(4, 9)))
-        n = int(i) % 4
+        n = int(i) % 4 if objects is None else objects
         x0 = rng.uniform(0, w / 2, n)
         y0 = rng.uniform(0, h / 2, n)
         boxes = np.stack([x0, y0, x0 + rng.uniform(1, w / 2, n), y0 + rng.uniform(1, h / 2, n)], axis=1)
@@ -121,3 +122,41 @@ def detection_samples(indices, seed: int = 0, *, fixed_size: bool = False) -> li
             "index": np.int64(i),
         })
     return out
+
+
+def assert_batch_holds(batch: dict[str, Any], samples: list[dict[str, Any]]) -> None:
+    """A loader's dict batch holds exactly ``samples``, field by field: a field whose samples agree
+    in shape is a tensor [B, ...] of their dtype; otherwise a list of B tensors, views of one buffer
+    (the same storage, at the offsets of the samples' sizes); str / bytes fields are lists of B
+    str / bytes. Every value equal to the sample's."""
+    import torch
+
+    b = len(samples)
+    for name in samples[0]:
+        value, want = batch[name], [s[name] for s in samples]
+        if isinstance(want[0], str | bytes):
+            assert value == want, name
+            continue
+        want = [np.asarray(w) for w in want]
+        dtype = getattr(torch, want[0].dtype.name)
+        if len({w.shape for w in want}) == 1:
+            assert isinstance(value, torch.Tensor), f"{name}: samples of one shape must be stacked"
+            assert value.dtype == dtype and tuple(value.shape) == (b, *want[0].shape), name
+            for i, w in enumerate(want):
+                np.testing.assert_array_equal(value[i].cpu().numpy(), w, err_msg=f"{name}[{i}]")
+            continue
+        assert isinstance(value, list) and len(value) == b, f"{name}: ragged samples must be a list of {b} tensors"
+        for i, (v, w) in enumerate(zip(value, want)):
+            assert v.dtype == dtype and tuple(v.shape) == w.shape, f"{name}[{i}]"
+            np.testing.assert_array_equal(v.cpu().numpy(), w, err_msg=f"{name}[{i}]")
+        assert_views_of_one_buffer(name, value)
+
+
+def assert_views_of_one_buffer(name: str, views: list) -> None:
+    """The per-sample tensors of a ragged field are views of one storage, back to back in order."""
+    storages = {v.untyped_storage().data_ptr() for v in views}
+    assert len(storages) == 1, f"{name}: the samples lie in {len(storages)} buffers, not one"
+    expected = views[0].storage_offset()
+    for i, v in enumerate(views):
+        assert v.is_contiguous() and v.storage_offset() == expected, f"{name}[{i}] is not where the flat buffer puts it"
+        expected += v.numel()
