@@ -124,6 +124,18 @@ def detection_samples(indices, seed: int = 0, *, fixed_size: bool = False, objec
     return out
 
 
+def torch_sample(i: int, **kw) -> dict[str, Any]:
+    """``detection_samples([i], **kw)[0]`` as a torch ``Dataset`` would return it (for DataLoader
+    oracles): tensors (0-d for numbers), str and bytes as they are, plus ``position`` int64 [] = i
+    (the server's position with no shuffle and one rank)."""
+    import torch
+
+    (sample,) = detection_samples([i], **kw)
+    out = {k: v if isinstance(v, str | bytes) else torch.from_numpy(np.array(v)) for k, v in sample.items()}
+    out["position"] = torch.tensor(i)
+    return out
+
+
 def assert_batch_holds(batch: dict[str, Any], samples: list[dict[str, Any]]) -> None:
     """A loader's dict batch holds exactly ``samples``, field by field: a field whose samples agree
     in shape is a tensor [B, ...] of their dtype; otherwise a list of B tensors, views of one buffer

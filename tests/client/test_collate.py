@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import threading
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -36,10 +35,7 @@ class Samples(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        (sample,) = batches.detection_samples([i], **self.kw)
-        out = {k: v if isinstance(v, str | bytes) else torch.from_numpy(np.array(v)) for k, v in sample.items()}
-        out["position"] = torch.tensor(i)  # the server's position: no shuffle, one rank
-        return out
+        return batches.torch_sample(i, **self.kw)
 
 
 class ImageTarget(Samples):
