@@ -11,7 +11,9 @@
 * the i-th str / bytes of a str / bytes field.
 
 So ``torch.utils.data.default_collate`` rebuilds the dict batch wherever shapes agree, and
-``lambda x: tuple(zip(*x))`` gives torchvision's detection references their tuple of samples.
+``lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))`` gives torchvision's detection models
+their (images, targets), as ``tuple(zip(*x))`` does over its references' (image, target) samples
+(``tuple(zip(*x))`` over dict samples gives the dicts' keys, with DataLoader too).
 A batch's ``skipped`` indices (dataset ``on_error: skip``) are not a sample: ``fn`` gets the
 B - K samples that were read.
 """

@@ -83,15 +83,17 @@ class RemoteDataLoader:
             DataLoader's: ``samples`` is the batch's B samples in order, each a dict of its fields
             (row i of each stacked field, so ``label``, ``index`` and ``position`` are 0-d int64
             tensors; the i-th tensor of each ragged field; the i-th str / bytes), and the loop gets
-            what fn returns: ``collate_fn=lambda x: tuple(zip(*x))`` as in torchvision's detection
-            references; ``torch.utils.data.default_collate`` gives the dict batch back where shapes
-            agree. ``skipped`` is not a sample: fn gets the B - K samples that were read. fn runs in
-            the receiver thread, overlapping the training step as DataLoader's workers do (with
-            several servers, in several threads at once); with a CUDA ``device`` it runs in the
-            iterating thread once the copy is waited for, so GPU work in it is queued in order on
-            the loop's current stream. The samples' tensors are on ``device`` (str / bytes stay
-            Python objects) and, over shared memory, keep the slot lent until they are all freed.
-            What fn raises, iteration raises.
+            what fn returns, exactly as DataLoader's collate_fn over a Dataset of those dicts:
+            ``torch.utils.data.default_collate`` gives the dict batch back where shapes agree, and
+            ``lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))`` gives torchvision's
+            detection models their (images, targets) as ``tuple(zip(*x))`` does over its
+            references' (image, target) samples. ``skipped`` is not a sample: fn gets the B - K
+            samples that were read. fn runs in the receiver thread, overlapping the training step
+            as DataLoader's workers do (with several servers, in several threads at once); with a
+            CUDA ``device`` it runs in the iterating thread once the copy is waited for, so GPU
+            work in it is queued in order on the loop's current stream. The samples' tensors are
+            on ``device`` (str / bytes stay Python objects) and, over shared memory, keep the slot
+            lent until they are all freed. What fn raises, iteration raises.
         decode_on_client: the server sends each sample's JPEG file as it is and this loader decodes
             it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision loads
             (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU (the
@@ -129,8 +131,8 @@ class RemoteDataLoader:
     are views of a server slot lent to this client, mapped copy-on-write (a write stays in this
     process); the slot goes back when the last tensor on it is freed. Inline, they are views of
     the received message. On a CUDA device, each field is copied once (a ragged field as one
-    buffer, then split into views there); str / bytes stay Python objects. Either way a batch stays valid as long as it is referenced, and may
-    be modified in place, as with DataLoader.
+    buffer, then split into views there); str / bytes stay Python objects. Either way a batch
+    stays valid as long as it is referenced, and may be modified in place, as with DataLoader.
 
     Raises (at construction): ValueError for bad arguments, ConnectionError if no server
     answers, DatasetNotFoundError if the server has no such dataset. Iteration raises

@@ -6,8 +6,9 @@ StreamBatches and ReleaseLeases as batchd's server does. Its batches are not com
 batch b holds the samples ``samples_of(indices)`` returns (dicts of numpy arrays, ints, str, bytes)
 for sample indices ``b * B .. (b + 1) * B - 1``, laid out by ``tests/batches.py`` (stacked where
 the samples' shapes agree, else ragged) into a real shared-memory slot (64-byte aligned fields,
-then ``index`` and ``position`` int64 [B], the sample indices, unless the samples have them) and sent by the real ``Transport``: the slot lent
-under a lease over a shared-memory session, or copied inline (LZ4 if asked). So the client is
+then ``index`` and ``position`` int64 [B], the sample indices, unless the samples have them) and
+sent by the real ``Transport``: the slot lent under a lease over a shared-memory session, or
+copied inline (LZ4 if asked). So the client is
 tested against batchd's wire and transport code with any samples, before any dataset kind makes
 them. ``skip`` leaves samples out as ``on_error: skip`` does; ``messages`` replaces the batches
 by raw ``Batch`` bytes (malformed ones). ``layouts`` records each batch's ``TensorLayout``s.

@@ -70,7 +70,8 @@ def pad_images(samples: list[dict]) -> dict:
     images = torch.zeros((len(samples), h, w, 3), dtype=torch.uint8)
     for i, s in enumerate(samples):
         images[i, :s["image"].shape[0], :s["image"].shape[1]] = s["image"]
-    return {"image": images, "boxes": [s["boxes"] for s in samples], "label": torch.stack([s["label"] for s in samples])}
+    return {"image": images, "boxes": [s["boxes"] for s in samples],
+            "label": torch.stack([s["label"] for s in samples])}
 
 
 COLLATE = {

@@ -366,5 +366,6 @@ def test_unpacked_repeated_ragged_fields_decode_too():
     raw = _varint(4 << 3 | 2) + _varint(len(inner)) + inner
     m = pb.Batch.FromString(raw)
     (t,) = wire.decode_batch(raw).tensors
-    assert (t.sample_shapes, t.sample_offsets) == (tuple(m.tensors[0].sample_shapes), tuple(m.tensors[0].sample_offsets))
+    (mt,) = m.tensors
+    assert (t.sample_shapes, t.sample_offsets) == (tuple(mt.sample_shapes), tuple(mt.sample_offsets))
     assert t.sample_offsets == (0, 1, 2)
