@@ -35,6 +35,19 @@ from batchd.server.serve.transport import Transport
 from batchd.v1 import loader_pb2 as pb
 
 
+def ready_batch(slots: SlotPool, b: int, fields: list[batches.Field], skipped: tuple[int, ...] = ()) -> ReadyBatch:
+    """Batch b as a worker leaves it: ``fields`` written into a slot of ``slots`` at 64-byte aligned
+    offsets, their ``TensorLayout``s (ragged ones with their sample shapes)."""
+    layouts, offset = [], 0
+    for f in fields:
+        layouts.append(TensorLayout(f.name, f.dtype, f.shape, offset, f.sample_shapes))
+        offset = align(offset + len(f.values))
+    slot = slots.acquire(offset)
+    for f, t in zip(fields, layouts):
+        slot.buf[t.offset:t.offset + len(f.values)] = f.values
+    return ReadyBatch(b, slot, tuple(layouts), skipped=skipped)
+
+
 class BatchServer:
     """See the module docstring. ``address``; ``close()`` (or a ``with`` block) stops it."""
 
@@ -79,15 +92,9 @@ class BatchServer:
         fields = batches.pack(samples) if samples else []
         fields += [batches.Field(name, "int64", (len(kept),), np.asarray(kept, np.int64).tobytes())
                    for name in ("index", "position") if name not in {f.name for f in fields}]
-        layouts, offset = [], 0
-        for f in fields:
-            layouts.append(TensorLayout(f.name, f.dtype, f.shape, offset, f.sample_shapes))
-            offset = align(offset + len(f.values))
-        slot = self.slots.acquire(offset)
-        for f, t in zip(fields, layouts):
-            slot.buf[t.offset:t.offset + len(f.values)] = f.values
-        self.layouts[b] = tuple(layouts)
-        return ReadyBatch(b, slot, tuple(layouts), skipped=tuple(i for i in indices if i in self.skip))
+        batch = ready_batch(self.slots, b, fields, skipped=tuple(i for i in indices if i in self.skip))
+        self.layouts[b] = batch.tensors
+        return batch
 
     # --- the RPCs (as batchd.server.serve.service.BatchLoaderService) ----------------------------------
 

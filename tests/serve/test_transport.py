@@ -13,6 +13,7 @@ import torch
 
 import batchd
 import batches
+from batch_server import ready_batch
 from batchd.client import shm as client_shm
 from batchd.v1 import loader_pb2 as pb
 from helpers import wait_until
@@ -137,25 +138,10 @@ def _stream(transport, how: str):
     return stream
 
 
-def _ready(transport, samples):
-    from batchd.server.compute.layout import align
-    from batchd.server.compute.protocol import TensorLayout
-    from batchd.server.serve.stream import ReadyBatch
-
-    fields, layouts, offset = batches.pack(samples), [], 0
-    for f in fields:
-        layouts.append(TensorLayout(f.name, f.dtype, f.shape, offset, f.sample_shapes))
-        offset = align(offset + len(f.values))
-    slot = transport.slots.acquire(offset)
-    for f, t in zip(fields, layouts):
-        slot.buf[t.offset:t.offset + len(f.values)] = f.values
-    return ReadyBatch(0, slot, tuple(layouts))
-
-
 @pytest.mark.parametrize("how", ["inline", "lz4", "shm"])
 def test_ragged_layouts_travel_with_their_shapes_and_offsets(transport, how):
     samples = batches.detection_samples([3, 4, 5])  # ragged image, boxes (N = 3, 0, 1), masks; str, bytes
-    ready = _ready(transport, samples)
+    ready = ready_batch(transport.slots, 0, batches.pack(samples))
     stream = _stream(transport, how)
     m = pb.Batch.FromString(transport.encode(stream, ready))
     assert bool(m.segment) == (how == "shm")
