@@ -26,7 +26,7 @@ from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Received, Receiver, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
-from batchd.client.transfer import finish
+from batchd.client.transfer import check_finishable, finish
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
@@ -129,6 +129,8 @@ class ServerConnection:
         if encoded:  # JPEG files: decoded here (client/decode.py), then as below
             batch, event = decode.decode_batch(batch, o, transfer, receiver.stopping, raw.epoch)
         elif transfer is not None:
+            if o.gpu_transform is not None:
+                check_finishable(batch)  # before the copy: a failed finish must not leave one in flight
             batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=o.gpu_transform,
                                               seed=o.seed, epoch=raw.epoch)
         elif o.gpu_transform is not None:

@@ -41,6 +41,18 @@ class TransferStopped(RuntimeError):
     """The receiver thread that asked for a copy was stopped: its batch is dropped."""
 
 
+def check_finishable(batch: dict[str, fields.Field]) -> None:
+    """Raise ValueError unless ``gpu_transform`` can run on ``batch``: it needs "position" and stacked
+    images (called before a batch is copied to a device, so a copy is never left in flight)."""
+    if "position" not in batch:
+        raise ValueError("gpu_transform needs batch['position'] (each sample's place in the epoch's order), "
+                         "which this server does not send; upgrade the server or drop gpu_transform")
+    if not isinstance(batch.get("image"), torch.Tensor):
+        what = "images of different sizes" if isinstance(batch.get("image"), fields.Ragged) else "no 'image' field"
+        raise ValueError(f"gpu_transform works on a batch's stacked images uint8 [B, H, W, C], but this batch has "
+                         f"{what}; resize the images to one size on the server (transform) or drop gpu_transform")
+
+
 def finish(batch: dict[str, fields.Field], gpu_transform: Callable[..., torch.Tensor], seed: int, epoch: int) -> None:
     """Replace ``batch["image"]`` by ``gpu_transform(image, position, seed=seed, epoch=epoch)``.
 
@@ -49,13 +61,7 @@ def finish(batch: dict[str, fields.Field], gpu_transform: Callable[..., torch.Te
     the batch has no "position" tensor (the server does not send it) or no stacked "image" (its
     images have different sizes: a ragged field), TypeError if the result is not a tensor.
     """
-    if "position" not in batch:
-        raise ValueError("gpu_transform needs batch['position'] (each sample's place in the epoch's order), "
-                         "which this server does not send; upgrade the server or drop gpu_transform")
-    if not isinstance(batch.get("image"), torch.Tensor):
-        what = "images of different sizes" if isinstance(batch.get("image"), fields.Ragged) else "no 'image' field"
-        raise ValueError(f"gpu_transform works on a batch's stacked images uint8 [B, H, W, C], but this batch has "
-                         f"{what}; resize the images to one size on the server (transform) or drop gpu_transform")
+    check_finishable(batch)
     out = gpu_transform(batch["image"], batch["position"], seed=seed, epoch=epoch)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"gpu_transform must return a tensor, got {type(out).__name__}")
