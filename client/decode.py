@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from batchd import wire
+from batchd.client import fields
 from batchd.client.transfer import TransferStopped, finish
 from batchd.errors import SampleError, ShapeMismatchError
 
@@ -225,7 +226,8 @@ def decode_batch(batch: dict[str, torch.Tensor], options: Any, transfer: Any, st
         with torch.cuda.device(transfer.device), torch.cuda.stream(transfer.stream):
             if stopping is not None and stopping.is_set():
                 raise TransferStopped("the receiver was stopped")
-            out = {k: v.to(transfer.device, non_blocking=True) for k, v in rest.items()}
+            out = {k: fields.map_values(v, lambda t: t.to(transfer.device, non_blocking=True))
+                   for k, v in rest.items()}
             out["image"] = decode_gpu(batch, transfer.device, options.dataset)
             if gpu_transform is not None:
                 finish(out, gpu_transform, seed, epoch)

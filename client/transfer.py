@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from batchd.client import fields
+
 log = logging.getLogger(__name__)
 
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_READ_ONLY = 0x01, 0x08  # cudaHostRegister flags
@@ -39,17 +41,27 @@ class TransferStopped(RuntimeError):
     """The receiver thread that asked for a copy was stopped: its batch is dropped."""
 
 
-def finish(batch: dict[str, torch.Tensor], gpu_transform: Callable[..., torch.Tensor], seed: int, epoch: int) -> None:
+def check_finishable(batch: dict[str, fields.Field]) -> None:
+    """Raise ValueError unless ``gpu_transform`` can run on ``batch``: it needs "position" and stacked
+    images (called before a batch is copied to a device, so a copy is never left in flight)."""
+    if "position" not in batch:
+        raise ValueError("gpu_transform needs batch['position'] (each sample's place in the epoch's order), "
+                         "which this server does not send; upgrade the server or drop gpu_transform")
+    if not isinstance(batch.get("image"), torch.Tensor):
+        what = "images of different sizes" if isinstance(batch.get("image"), fields.Ragged) else "no 'image' field"
+        raise ValueError(f"gpu_transform works on a batch's stacked images uint8 [B, H, W, C], but this batch has "
+                         f"{what}; resize the images to one size on the server (transform) or drop gpu_transform")
+
+
+def finish(batch: dict[str, fields.Field], gpu_transform: Callable[..., torch.Tensor], seed: int, epoch: int) -> None:
     """Replace ``batch["image"]`` by ``gpu_transform(image, position, seed=seed, epoch=epoch)``.
 
     image: the batch's uint8 [B, H, W, C] tensor (on the device after the copy, or on CPU);
     position: int64 [B], each sample's position in the epoch's global order. Raises ValueError if
-    the batch has no "position" tensor (the server does not send it), TypeError if the result is
-    not a tensor.
+    the batch has no "position" tensor (the server does not send it) or no stacked "image" (its
+    images have different sizes: a ragged field), TypeError if the result is not a tensor.
     """
-    if "position" not in batch:
-        raise ValueError("gpu_transform needs batch['position'] (each sample's place in the epoch's order), "
-                         "which this server does not send; upgrade the server or drop gpu_transform")
+    check_finishable(batch)
     out = gpu_transform(batch["image"], batch["position"], seed=seed, epoch=epoch)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"gpu_transform must return a tensor, got {type(out).__name__}")
@@ -119,10 +131,14 @@ class CudaTransfer:
         while self._holding and self._holding[0][0].query():
             self._holding.popleft()
 
-    def to_device(self, batch: dict[str, torch.Tensor], stopping: threading.Event | None = None, *,
+    def to_device(self, batch: dict[str, fields.Field], stopping: threading.Event | None = None, *,
                   registered: bool = False, finish: Callable[..., torch.Tensor] | None = None, seed: int = 0,
-                  epoch: int = 0) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
-        """Start copying ``batch`` to the device; returns the device tensors and the copy's event.
+                  epoch: int = 0) -> tuple[dict[str, fields.Field], torch.cuda.Event]:
+        """Start copying ``batch`` to the device; returns the device fields and the copy's event.
+
+        Each stacked tensor, and each ragged field's flat values, is copied as one tensor (a
+        ragged field is split into per-sample views on the device afterwards, ``fields.unpack``);
+        lists of str / bytes stay on the CPU.
 
         registered: the tensors lie in registered host memory (``register``): copied directly and
         ``batch`` is kept until the copy completes. finish: a ``gpu_transform`` run on the side
@@ -136,8 +152,8 @@ class CudaTransfer:
             out = {}
             if registered:
                 with torch.cuda.stream(self.stream):
-                    for name, t in batch.items():
-                        out[name] = t.to(self.device, non_blocking=True)
+                    for name, t in batch.items():  # a ragged field's flat values in one copy; str stays
+                        out[name] = fields.map_values(t, lambda v: v.to(self.device, non_blocking=True))
                     event = self._finish_and_record(out, finish, seed, epoch)
                 self._holding.append((event, batch))
                 return out, event
@@ -147,11 +163,15 @@ class CudaTransfer:
                 self._events[k].synchronize()  # the copy out of this pinned slot has finished
             with torch.cuda.stream(self.stream):
                 for name, t in batch.items():
-                    pinned = self._pinned_view(k, name, t)
-                    pinned.copy_(t)
-                    out[name] = pinned.to(self.device, non_blocking=True)
+                    out[name] = fields.map_values(t, lambda v, name=name: self._pinned_copy(k, name, v))
                 event = self._events[k] = self._finish_and_record(out, finish, seed, epoch)
             return out, event
+
+    def _pinned_copy(self, k: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the device, through pinned slot k's buffer for ``name`` (on the current stream)."""
+        pinned = self._pinned_view(k, name, t)
+        pinned.copy_(t)
+        return pinned.to(self.device, non_blocking=True)
 
     def _finish_and_record(self, out: dict[str, torch.Tensor], gpu_transform, seed: int,
                            epoch: int) -> torch.cuda.Event:

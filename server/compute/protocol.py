@@ -126,7 +126,16 @@ class TensorLayout:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        """Bytes of the values ("str" and "bytes" are uint8 values)."""
+        itemsize = 1 if self.dtype in ("str", "bytes") else np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
+
+    @property
+    def samples(self) -> int:
+        """B: ``shape[0]`` stacked, the number of sample shapes ragged."""
+        if self.sample_shapes is not None:
+            return len(self.sample_shapes)
+        return self.shape[0] if self.shape else 0
 
 
 @dataclass(frozen=True, slots=True)
