@@ -124,7 +124,8 @@ class ServerConnection:
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
         if encoded:  # JPEG files: decoded here (client/decode.py), then as below
-            batch, event = decode.decode_batch(batch, self.options, transfer, receiver.stopping, raw.epoch)
+            batch, event = decode.decode_batch(batch, self.options, transfer, receiver.stopping, raw.epoch,
+                                               self.info.on_error)
             return Received(raw.batch_index, batch, event, samples)
         gpu_transform = self.options.gpu_transform
         if transfer is not None:
