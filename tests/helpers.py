@@ -112,6 +112,15 @@ def picture(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
+def fine_detail(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """Fine stripes and noise over a flat patch, uint8 [h, w, 3]: detail that a downscale without
+    a filter aliases."""
+    y, x = np.mgrid[0:h, 0:w]
+    img = 128 + 60 * np.sin(x * 0.9 + y * 0.3)[..., None] + rng.normal(0, 25, (h, w, 3))
+    img[h // 6 : h // 2, w // 4 : w // 2] = rng.integers(0, 256, 3)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
 def without_quantisation_tables(data: bytes) -> bytes:
     """A JPEG file with its DQT segments cut out: its headers still pass the server's check
     (``check_jpeg``), but no decoder can decode it (libjpeg: "Quantization table 0x00 was not

@@ -19,7 +19,7 @@ import torch
 from batchd.client import decode
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
-from helpers import jpeg_bytes, opencv_as_nvjpeg
+from helpers import fine_detail, jpeg_bytes, opencv_as_nvjpeg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,14 +54,6 @@ def test_the_gpu_extra_names_the_torchvision_the_decoder_needs():
     assert "torchvision>=%d.%d" % decode.TORCHVISION_MIN in extras["gpu"]
 
 
-def _textured(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
-    """Fine stripes and noise over a flat patch: detail a downscale without a filter aliases."""
-    y, x = np.mgrid[0:h, 0:w]
-    img = 128 + 60 * np.sin(x * 0.9 + y * 0.3)[..., None] + rng.normal(0, 25, (h, w, 3))
-    img[h // 6 : h // 2, w // 4 : w // 2] = rng.integers(0, 256, 3)
-    return np.clip(img, 0, 255).astype(np.uint8)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from conftest import running_server
@@ -71,7 +63,7 @@ def server(tmp_path_factory):
     for i, (h, w, orientation) in enumerate([(240, 320, 0), (300, 300, 0), (481, 353, 0), (322, 246, 3)]):
         path = root / "a" / f"{i}.jpg"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(jpeg_bytes(_textured(rng, h, w), orientation=orientation, quality=92))
+        path.write_bytes(jpeg_bytes(fine_detail(rng, h, w), orientation=orientation, quality=92))
     datasets = {"reduced": {"kind": "imagefolder", "root": str(root)},  # reduced_decode on (the default)
                 "full": {"kind": "imagefolder", "root": str(root), "reduced_decode": False}}
     with running_server(cache_dir=tmp_path_factory.mktemp("idx"), datasets=datasets, workers=1) as s:
