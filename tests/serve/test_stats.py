@@ -170,8 +170,8 @@ def test_stats_status_and_metrics_while_a_loader_is_mid_epoch(server):
     assert metrics[("batchd_streams", ())] == 0
     assert not any(name.startswith("batchd_stream_") for name, _ in metrics)  # the stream's series are gone
     for name in ("batchd_workers", "batchd_worker_restarts_total", "batchd_batches_rebuilt_total",
-                 "batchd_worker_utilization_ratio", "batchd_tasks_in_flight", "batchd_shm_slots_in_use", "batchd_shm_bytes", "batchd_leases_held",
-                 "batchd_uptime_seconds", "batchd_worker_busy_seconds_total"):
+                 "batchd_worker_utilization_ratio", "batchd_tasks_in_flight", "batchd_shm_slots_in_use",
+                 "batchd_shm_bytes", "batchd_leases_held", "batchd_uptime_seconds", "batchd_worker_busy_seconds_total"):
         assert (name, ()) in metrics, name
     assert metrics[("batchd_workers", ())] == 2
     assert 0 <= metrics[("batchd_worker_utilization_ratio", ())] <= 1
