@@ -268,7 +268,7 @@ def test_too_many_skipped_samples_fail_the_stream(bad_files_server):
 # --- 3. exact resume --------------------------------------------------------------------------
 
 
-def test_resume_from_state_dict_mid_epoch(fmnist_server):
+def test_resume_from_state_dict_mid_epoch(fmnist_server, make_server, fmnist_root):
     kw = dict(batch_size=500, shuffle=True, seed=77, transform="flip")
     with loader(fmnist_server, **kw) as ld:
         ld.set_epoch(2)
@@ -284,11 +284,16 @@ def test_resume_from_state_dict_mid_epoch(fmnist_server):
     assert first == clean[:k]
     assert (state["epoch"], state["next_batch"]) == (2, k)
 
-    with loader(fmnist_server, **kw) as ld:
+    # resumed on a fresh server (as after a restart): no computation of the old loader to join, so
+    # batches k.. are computed from start_batch, and nothing before them
+    fresh = make_server(workers=2, datasets=fmnist_test_config(fmnist_root),
+                        pipelines={"flip": A.to_dict(A.Compose([A.HorizontalFlip(p=0.5)]))})
+    with loader(fresh, **kw) as ld:
         ld.load_state_dict(state)
         rest = [digest(b) for b in ld]
         assert ld.epoch == 3, "finishing the resumed epoch did not advance the epoch"
     assert rest == clean[k:], "the resumed loader did not continue with exactly the remaining batches"
+    assert fresh.loader.pool.batches_built == len(clean) - k, "the resumed epoch computed batches before start_batch"
 
     # a state saved by a loader with other settings is refused, naming the setting
     for other, key in [(dict(kw, seed=78), "seed"), (dict(kw, batch_size=400), "batch_size"),
