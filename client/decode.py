@@ -248,8 +248,9 @@ def reduce_like_libjpeg(image: torch.Tensor, n: int) -> torch.Tensor:
     ceil(W/n)], each pixel the mean of its n x n block (partial blocks at the edges), rounded.
 
     A downscale that follows ``jpeg_reduce`` keeps the server's scale of detail: from a full decode,
-    a bilinear resize to a quarter aliases (mean |diff| from the server's bytes 27 of 255 on a
-    textured photo, 9 with ``antialias=True``, 0.7 reduced so; tests/client/test_client_decode.py).
+    a bilinear resize to a quarter aliases (mean |diff| from the server's bytes 12-35 of 255 on
+    finely textured images, about 9 with ``antialias=True``, 0.7-2.2 reduced so first;
+    tests/client/test_decode_gpu_path.py).
     """
     if n == 1:
         return image
