@@ -122,12 +122,12 @@ class ServerConnection:
             batch, registered = shm.host_tensors(raw, transfer.register)  # copied straight from the slot
         else:
             batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
-        samples = int(batch["index"].shape[0]) if isinstance(batch.get("index"), torch.Tensor) else 0
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
         o, event = self.options, None
         if encoded:  # JPEG files: decoded here (client/decode.py), then as below
-            batch, event = decode.decode_batch(batch, o, transfer, receiver.stopping, raw.epoch)
+            batch, event = decode.decode_batch(batch, o, transfer, receiver.stopping, raw.epoch,
+                                               self.info.on_error)
         elif transfer is not None:
             if o.gpu_transform is not None:
                 check_finishable(batch)  # before the copy: a failed finish must not leave one in flight
@@ -137,6 +137,8 @@ class ServerConnection:
             finish(batch, o.gpu_transform, o.seed, raw.epoch)
         copies = fields.tensors(batch) if event is not None else None
         batch = fields.unpack(batch)  # ragged fields: B views of their one (device) buffer
+        # (after decode_on_client, which may leave out files under on_error: skip)
+        samples = int(batch["index"].shape[0]) if isinstance(batch.get("index"), torch.Tensor) else 0
         if o.collate_fn is None:
             return Received(raw.batch_index, batch, event, samples, copies)
         if event is not None:  # on the device: collated once the consumer's stream waits for the copy

@@ -95,12 +95,14 @@ class RemoteDataLoader:
             on ``device`` (str / bytes stay Python objects) and, over shared memory, keep the slot
             lent until they are all freed. What fn raises, iteration raises.
         decode_on_client: the server sends each sample's JPEG file as it is and this loader decodes
-            it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision loads
-            (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU (the
-            same bytes as the server's decode at full size). Less server CPU and fewer bytes on
-            the network. The transform must then be None or exactly one ``A.Resize(h, w)`` (the
+            it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision >= 0.19
+            loads (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU
+            (the same bytes as the server's decode). Less server CPU and fewer bytes on the
+            network. The transform must then be None or exactly one ``A.Resize(h, w)`` (the
             loader redoes it; other transforms belong in ``gpu_transform``), the dataset's files
-            baseline/progressive JPEGs; otherwise iteration raises ValueError / SampleError.
+            baseline/progressive JPEGs; otherwise iteration raises ValueError / SampleError. A
+            file the loader cannot decode follows the dataset's ``on_error`` (SampleError, or
+            left out and named in ``skipped``).
         prefetch: batches the server computes ahead of the one being read (>= 1).
         timeout: seconds without a batch before iteration raises TimeoutError.
         connect_timeout: seconds to find the server before raising ConnectionError.

@@ -35,7 +35,7 @@ _POLL_S = 0.25
 
 
 def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
-    """DescribeDataset's answer: size, classes, sample spec, and the dataset and build fingerprints."""
+    """DescribeDataset's answer: size, classes, sample spec, the dataset and build fingerprints, on_error."""
     ds = loader.dataset(name)
     spec = ds.sample_spec
     parts = build.build_parts(ds.decode_settings)
@@ -53,6 +53,7 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
         fingerprint=ds.fingerprint,
         build_fingerprint=build.build_fingerprint(parts),
         build=parts,
+        on_error=loader.config.datasets[name].on_error,
     )
 
 
