@@ -1,0 +1,61 @@
+"""Noise from the sample's stream with full entropy: no two samples share their noise.
+
+albumentations seeds OpenCV's generator with ``integers(0, 2**16)`` for GaussNoise, so over
+3,000 samples about 3000^2 / 2 / 65536 = 69 pairs got byte-identical noise; ISONoise,
+CoarseDropout and GridDropout (random fill) seed a numpy Generator with 32 bits. The server
+widens them (server/compute/entropy.py). The data here is one 16x16 PNG (fixed noise in
+[64, 192)) listed 3,000 times in a manifest, so any two equal outputs are equal noise.
+"""
+
+from __future__ import annotations
+
+import albumentations as A
+import numpy as np
+import pytest
+from helpers import write_png
+
+import batchd
+from conftest import running_server
+
+N = 3000
+SIDE = 16
+IMAGE = np.random.default_rng(5).integers(64, 192, (SIDE, SIDE, 3), np.uint8)
+
+# every allowlisted transform whose randomness albumentations narrows, with settings under which
+# two samples give equal bytes exactly when their noise (or fill) is equal
+NARROW = {
+    "GaussNoise": A.GaussNoise(std_range=(0.1, 0.1), p=1),
+    "GaussNoise-shared": A.GaussNoise(std_range=(0.1, 0.1), per_channel=False, p=1),
+    "GaussNoise-scaled": A.GaussNoise(std_range=(0.1, 0.1), noise_scale_factor=0.5, p=1),
+    "ISONoise": A.ISONoise(color_shift=(0.05, 0.05), intensity=(0.5, 0.5), p=1),
+    "CoarseDropout": A.CoarseDropout(num_holes_range=(1, 1), hole_height_range=(16, 16),
+                                     hole_width_range=(16, 16), fill="random", p=1),
+    "GridDropout": A.GridDropout(ratio=0.5, unit_size_range=(8, 9), random_offset=False, fill="random", p=1),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("same")
+    write_png(root / "one.png", IMAGE)
+    (root / "same.csv").write_text("path,label\n" + "one.png,0\n" * N)
+    with running_server(workers=2, cache_dir=tmp_path_factory.mktemp("idx"),
+                        datasets={"same": {"kind": "manifest", "path": str(root / "same.csv")}}) as s:
+        yield s
+
+
+def _images(server, transform) -> np.ndarray:
+    """uint8 [N, SIDE, SIDE, 3]: one epoch, in sample order."""
+    with batchd.RemoteDataLoader(server.address, "same", batch_size=500, transform=A.Compose([transform]),
+                                 seed=7, timeout=120) as loader:
+        return np.concatenate([b["image"].numpy() for b in loader])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(NARROW))
+def test_no_two_samples_get_the_same_noise(server, name):
+    images = _images(server, NARROW[name])
+    assert images.shape == (N, SIDE, SIDE, 3)
+    distinct = len({im.tobytes() for im in images})
+    assert (images != IMAGE).mean() > 0.02  # the noise (or fill) is there
+    assert distinct == N, f"{name}: {N - distinct} samples repeat another's noise among {N}"
