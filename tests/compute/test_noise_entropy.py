@@ -15,6 +15,7 @@ import pytest
 from helpers import write_png
 
 import batchd
+from batchd.server.compute import pipeline as pipelines
 from conftest import running_server
 
 N = 3000
@@ -59,3 +60,53 @@ def test_no_two_samples_get_the_same_noise(server, name):
     distinct = len({im.tobytes() for im in images})
     assert (images != IMAGE).mean() > 0.02  # the noise (or fill) is there
     assert distinct == N, f"{name}: {N - distinct} samples repeat another's noise among {N}"
+
+
+def _built(transform):
+    """``transform`` as the server builds it (widened), drawing from a SampleRandom."""
+    compose = pipelines.build(pipelines.canonical_json(A.to_dict(A.Compose([transform]))))
+    random = pipelines.SampleRandom()
+    random.attach(compose)
+    return compose, random
+
+
+@pytest.mark.parametrize("name", ["ISONoise", "CoarseDropout", "GridDropout"])
+def test_the_seeds_carry_128_bits_of_the_stream(name):
+    """A 32-bit seed would repeat among ~77,000 samples; these are 128 bits, all distinct."""
+    compose, random = _built(NARROW[name])
+    seeds = []
+    for position in range(N):
+        random.start(np.array([3, 4], np.uint64), position)
+        compose(image=IMAGE)
+        params = compose.transforms[0].params
+        seeds.append(params["random_seed"] if "random_seed" in params else params["seed"])
+    assert len(set(seeds)) == N
+    bits = np.array([s.bit_length() for s in seeds])
+    assert bits.max() == 128 and np.median(bits) >= 127  # uniform on [0, 2**128): half the seeds have bit 127 set
+
+
+@pytest.mark.parametrize("kwargs", [{"std_range": (0.1, 0.1)}, {"std_range": (0.05, 0.2), "mean_range": (-0.1, 0.1)},
+                                    {"std_range": (0.1, 0.1), "per_channel": False},
+                                    {"std_range": (0.1, 0.1), "noise_scale_factor": 0.25}], ids=str)
+def test_gauss_noise_keeps_albumentations_statistics(kwargs):
+    """Ours (numpy normal deviates) against albumentations' own (OpenCV's), 300 samples each of
+    a float32 0.5-grey 32x32 image: mean and spread of the per-sample noise mean and std, the
+    correlation between channels and between neighbouring pixels."""
+    image = np.full((32, 32, 3), 0.5, np.float32)
+    compose, random = _built(A.GaussNoise(p=1, **kwargs))
+    theirs = A.Compose([A.GaussNoise(p=1, **kwargs)], seed=0)
+    ours_noise, their_noise = [], []
+    for position in range(300):
+        random.start(np.array([5, 6], np.uint64), position)
+        ours_noise.append(compose(image=image)["image"] - 0.5)
+        their_noise.append(theirs(image=image)["image"] - 0.5)
+
+    def figures(noise):
+        noise = np.stack(noise).astype(np.float64)
+        means, stds = noise.mean(axis=(1, 2, 3)), noise.std(axis=(1, 2, 3))
+        channels = np.corrcoef(noise[..., 0].ravel(), noise[..., 1].ravel())[0, 1]
+        neighbours = np.corrcoef(noise[:, :, :-1].ravel(), noise[:, :, 1:].ravel())[0, 1]
+        return np.array([means.mean(), means.std(), stds.mean(), stds.std(), channels, neighbours])
+
+    ours, theirs_ = figures(ours_noise), figures(their_noise)
+    assert np.allclose(ours, theirs_, atol=0.01, rtol=0.1), f"ours {ours.round(4)} vs albumentations {theirs_.round(4)}"
