@@ -11,7 +11,7 @@ by a list of rules (``PREFIX_RULES`` names the rule; it is part of the build fin
 2. A copy of it is *sealed*: its numpy Generator and its ``random.Random`` (what
    ``set_random_state`` hands every albumentations transform, and what its unseeded generators
    of its own are replaced by) raise ``RandomDrawn`` on any use. It is run, twice, on probe
-   images (``PROBES``: 3x5, 29x37 and 480x640, one and three channels; each probe is the
+   images (``PROBE_SIZES``: 3x5, 29x37 and 480x640, one and three channels; each probe is the
    previous transform's output). It is deterministic if no probe drew, the two runs agreed
    (an unseeded generator created on the fly would make them differ), numpy's and Python's
    module-level generators and OpenCV's are left as they were, and at least one probe was
@@ -26,8 +26,8 @@ draws only for some inputs (a random pad position, needed only below the crop si
 the whole pipeline and the sample's own stream, uncached (server/compute/worker.py). An entry in
 the cache is therefore always the output of a prefix that drew nothing *on that very sample*.
 Module-level generators are checked on the probes only: no ``CACHEABLE`` type, nor any function
-of the installed albumentations it calls, uses them (tests/compute/test_prefix.py
-``test_no_cacheable_transform_reads_a_module_level_generator`` scans the source).
+of the installed albumentations it calls, uses them (tests/compute/test_rng_audit.py
+``test_no_cacheable_transform_reads_a_module_level_generator`` reads the source).
 
 Bytes do not change: albumentations' ``Compose.__call__`` draws one ``random()`` before its
 transforms (even at ``p=1``) and a prefix transform draws none for the sample, so applying the
@@ -104,7 +104,7 @@ def probes(sizes: Sequence[tuple[int, int]] = PROBE_SIZES, channels: Sequence[in
 
 class _ModuleGenerators:
     """Whether numpy's, Python's or OpenCV's module-level generator was drawn from between
-    ``__init__`` and ``drawn()`` (state comparison, thread-safe; ~0.1 ms)."""
+    ``__init__`` and ``drawn()`` (by comparing their states; ~0.1 ms)."""
 
     def __init__(self):
         self.cv2 = _cv2_first_draw()

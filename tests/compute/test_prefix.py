@@ -139,3 +139,18 @@ def test_a_prefix_that_draws_only_for_some_inputs_raises_on_those():
     assert s.apply_prefix(np.zeros((5, 4, 3), np.uint8)).shape == (3, 3, 3)
     with pytest.raises(prefix.RandomDrawn, match="drew from its random.Random"):
         s.apply_prefix(np.zeros((2, 2, 3), np.uint8))
+
+
+@pytest.mark.parametrize("transform", [
+    A.Resize(20, 30), A.LongestMaxSize(40), A.SmallestMaxSize(16), A.CenterCrop(20, 20),
+    A.CenterCrop(90, 90, pad_if_needed=True), A.PadIfNeeded(90, 90), A.ToGray(p=1),
+], ids=repr)
+def test_the_prefix_never_writes_its_input(transform):
+    """The worker runs the whole pipeline on the decoded image after a prefix raised RandomDrawn
+    part way (server/compute/worker.py ``_through_cache``): the prefix must have left it as it was."""
+    s = prefix.split(_compose(transform, A.HorizontalFlip())[1], None)
+    assert len(s.prefix) == 1
+    image = np.random.default_rng(1).integers(0, 256, (60, 70, 3), np.uint8)
+    before = image.copy()
+    s.apply_prefix(image)
+    assert np.array_equal(image, before)

@@ -218,8 +218,8 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
     Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
     alpha is dropped, 16-bit images are scaled to 8 bits, and EXIF orientation is applied.
     With ``min_size`` (height, width), a JPEG at least twice that size in both dimensions (once
-    upright: ``jpeg_orientation``) is decoded reduced by 2, 4 or 8 (the pipeline downsizes it anyway; measured here: a
-    1000x750 JPEG decodes about 2x faster at 1/2).
+    upright: ``jpeg_orientation``) is decoded reduced by 2, 4 or 8 (the pipeline downsizes it
+    anyway; measured here: a 1000x750 JPEG decodes about 2x faster at 1/2).
 
     Raises ImageReadError whose reason is one of: ``empty file (0 bytes)``, ``truncated JPEG:
     ...``, ``not a decodable image (N bytes)``, ``image too large: WxH = P pixels > max_pixels M``.
