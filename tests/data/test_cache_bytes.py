@@ -7,7 +7,9 @@ by random transforms, goes through both for 2 epochs (the second served from the
 every batch's bytes must be equal. The configurations include the ones the old rule list let
 through: ``LongestMaxSize(max_size=[32])`` (albumentations draws ``choice`` from a one-element
 list) and ``CenterCrop(pad_if_needed=True, pad_position="random")`` (its pad offset drawn from
-the transform's own unseeded generator).
+the transform's own unseeded generator). Then every client-allowlisted transform, alone and
+after a cached Resize, and a transform that draws only for some samples (those are built
+uncached).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from conftest import running_server
 SIZES = [(24, 30), (30, 24), (50, 70), (70, 50), (96, 128), (128, 96), (120, 160), (160, 120), (45, 45),
          (200, 150), (150, 200), (64, 64)]
 TINY = [(2, 2), (6, 6), (2, 5), (8, 4), (5, 2), (3, 3)]  # three need a pad to reach 3x3
+SMALL = [(24, 30), (40, 33), (64, 48), (33, 40), (48, 64), (36, 36)]
 RANDOM_REST = [A.HorizontalFlip(), A.RandomBrightnessContrast(p=1), A.VerticalFlip()]
 
 # (id, transform, expected prefix length when alone: 1 deterministic, 0 draws)
@@ -71,9 +74,10 @@ def _write_jpegs(root, sizes, seed: int):
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(uncached, cached) servers, one worker each, over "sized" (SIZES) and "tiny" (TINY)."""
+    """(uncached, cached) servers, one worker each, over "sized" (SIZES), "tiny" (TINY), "small" (SMALL)."""
     datasets = {"sized": {"kind": "imagefolder", "root": str(_write_jpegs(tmp_path_factory.mktemp("sized"), SIZES, 3))},
-                "tiny": {"kind": "imagefolder", "root": str(_write_jpegs(tmp_path_factory.mktemp("tiny"), TINY, 4))}}
+                "tiny": {"kind": "imagefolder", "root": str(_write_jpegs(tmp_path_factory.mktemp("tiny"), TINY, 4))},
+                "small": {"kind": "imagefolder", "root": str(_write_jpegs(tmp_path_factory.mktemp("small"), SMALL, 5))}}
     index = tmp_path_factory.mktemp("idx")
     with running_server(datasets=datasets, workers=1, cache_dir=index) as plain, \
             running_server(datasets=datasets, workers=1, cache_dir=index, cache={"memory_bytes": "16MiB"}) as cached:
@@ -81,12 +85,12 @@ def servers(tmp_path_factory):
         yield plain, cached
 
 
-def _batches(server, transform, dataset: str = "sized") -> list[np.ndarray]:
-    """Every image of 2 shuffled epochs (batch 1: output sizes may vary), in order."""
+def _batches(server, transform, dataset: str = "sized", epochs: int = 2) -> list[np.ndarray]:
+    """Every image of ``epochs`` shuffled epochs (batch 1: output sizes may vary), in order."""
     out = []
     with batchd.RemoteDataLoader(server.address, dataset, batch_size=1, shuffle=True, seed=11,
                                  transform=transform, timeout=60) as loader:
-        for _ in range(2):
+        for _ in range(epochs):
             out.extend(b["image"].numpy().copy() for b in loader)
     return out
 
@@ -124,3 +128,28 @@ def test_a_sample_for_which_the_prefix_would_draw_runs_the_whole_pipeline_uncach
     assert len(want) == 2 * len(TINY) and all(np.array_equal(a, b) for a, b in zip(want, got))
     s = cached.loader.cache.stats()["tiny"]
     assert (s["misses"], s["hits"]) == (len(TINY) + 3, 3), s
+
+
+def _allowlisted():
+    from batchd.server.compute.allowlist import ALLOWED, COMPOSITIONS
+
+    required = {"Resize": dict(height=24, width=24), "RandomCrop": dict(height=16, width=16),
+                "CenterCrop": dict(height=16, width=16), "RandomResizedCrop": dict(size=(16, 16)),
+                "RandomSizedCrop": dict(min_max_height=(8, 16), size=(16, 16)), "SmallestMaxSize": dict(max_size=24),
+                "LongestMaxSize": dict(max_size=24)}
+    return [(name, getattr(A, name)(**required.get(name, {}))) for name in sorted(ALLOWED - COMPOSITIONS)]
+
+
+@pytest.mark.timeout(300)
+def test_every_allowlisted_transform_gives_the_same_bytes_with_and_without_the_cache(servers):
+    """Each client-allowlisted transform (defaults), alone and after a cached Resize, one epoch of
+    the six SMALL images through both servers: the same bytes, or the same error."""
+    plain, cached = servers
+    transforms = _allowlisted()
+    assert len(transforms) > 50
+    for name, transform in transforms:
+        for pipeline in (A.Compose([transform]), A.Compose([A.Resize(32, 32), transform, A.HorizontalFlip()])):
+            want, got = _batches(plain, pipeline, "small", epochs=1), _batches(cached, pipeline, "small", epochs=1)
+            assert len(want) == len(got) == len(SMALL)
+            differ = sum(a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(want, got))
+            assert not differ, f"{pipeline}: {differ} of {len(want)} samples differ from the uncached server"
