@@ -14,7 +14,8 @@ decodes and transforms them one at a time, in order (so bytes and order do not c
 Datasets whose samples are in memory (no ``read_bytes``) are read on this thread. With a
 server cache (config ``cache:``), a sample's decode and its pipeline's deterministic prefix
 (``server/compute/prefix.py``) come from the shared cache (``server/data/cache/``) or are computed and stored
-there; the pipeline's random rest runs here as before.
+there; the pipeline's random rest runs here as before. A sample for which the prefix would draw a
+random number (``prefix.RandomDrawn``) is built by the whole pipeline instead, and not cached.
 """
 
 from __future__ import annotations
@@ -160,9 +161,12 @@ class _Worker:
             return encoded.build_batch(self, task)
         ds = self.dataset(task.dataset)
         compose, min_size = self.pipeline(task.pipeline_key, task.pipeline_json)
+        whole = compose
         split = self._split(task.pipeline_key, compose, min_size, ds)
         if split is not None:  # decode + prefix come from the cache; the random rest runs here
             compose = split.rest
+            if whole is not None:
+                self.random.attach(whole)  # for samples whose prefix would draw (_through_cache)
         if compose is not None:
             self.random.attach(compose)  # its transforms draw in turn from one stream, re-keyed per sample
         t_load = t_pipe = t_copy = 0.0
@@ -177,24 +181,22 @@ class _Worker:
         self.prefetch(task)  # no-op if it came ahead of time
         for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
             t0 = time.perf_counter()
+            pipeline = compose
             try:
                 if split is None:
                     image = self._load(ds, task, k, index, min_size)
                 else:
-                    key = sample_key(ds.fingerprint, index, split.canonical, self.builds[ds.name])
-                    image = self.cache.get_or_compute(
-                        ds.name, key, lambda: self._prefix(split, ds, self._load(ds, task, k, index, min_size), index))
-                    self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
+                    image, pipeline = self._through_cache(split, whole, ds, task, k, index)
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise
                 skipped.append((index, e.path, e.reason))
                 continue
             t1 = time.perf_counter()
-            if compose is not None:
+            if pipeline is not None:
                 self.random.start(task.random_key, position)
                 try:
-                    image = compose(image=image)["image"]
+                    image = pipeline(image=image)["image"]
                 except Exception as e:
                     e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
                     raise
@@ -234,6 +236,24 @@ class _Worker:
         timings = {"load": t_load, "pipeline": t_pipe, "copy": t_copy}
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings, tuple(skipped))
 
+    def _through_cache(self, split: prefixes.Split, whole, ds: Dataset, task: Task, k: int, index: int):
+        """(image, pipeline to run on it) for sample k: its prefix output from the cache (computed
+        and stored on a miss) and ``split.rest``; or, if the prefix would draw a random number for
+        this sample, its decoded image and the ``whole`` pipeline (nothing stored)."""
+        decoded = []
+
+        def compute() -> np.ndarray:
+            decoded.append(self._load(ds, task, k, index, split.min_size))
+            return self._prefix(split, ds, decoded[0], index)
+
+        key = sample_key(ds.fingerprint, index, split.canonical, self.builds[ds.name])
+        try:
+            image = self.cache.get_or_compute(ds.name, key, compute)
+        except prefixes.RandomDrawn:
+            return decoded[0], whole  # the prefix transforms do not write their input
+        self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
+        return image, split.rest
+
     @staticmethod
     def _prefix(split: prefixes.Split, ds: Dataset, image: np.ndarray, index: int) -> np.ndarray:
         try:
@@ -247,7 +267,7 @@ class _Worker:
         if self.cache is None or not ds.fingerprint:
             return None
         if ds.name not in self.builds:
-            self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings))
+            self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
         split = self.splits.get(key)
         if split is None:
             if len(self.splits) >= _CACHED_PIPELINES:

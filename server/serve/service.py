@@ -38,7 +38,7 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
     """DescribeDataset's answer: size, classes, sample spec, the dataset and build fingerprints, on_error."""
     ds = loader.dataset(name)
     spec = ds.sample_spec
-    parts = build.build_parts(ds.decode_settings)
+    parts = build.build_parts(ds.decode_settings, cache=loader.cache is not None)
     return pb.DatasetInfo(
         name=name,
         kind=ds.kind,
