@@ -79,3 +79,16 @@ def write_class_tree(root: pathlib.Path, classes: dict[str, int]) -> None:
             write_png(root / cls / f"{sub}{i:02d}.png",
                       np.random.default_rng(seed).integers(0, 256, (12, 16, 3), dtype=np.uint8))
     (root / "cat" / "notes.txt").write_text("not an image")
+
+
+def load_example(name: str):
+    """The module ``examples/<name>.py`` (the examples are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up here
+    spec.loader.exec_module(module)
+    return module
