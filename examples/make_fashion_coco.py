@@ -27,6 +27,7 @@ how many are made. Needs numpy, OpenCV, Pillow and pycocotools (``pip install 'b
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import pathlib
@@ -59,9 +60,10 @@ def voc_palette() -> list[int]:
     return palette
 
 
+@functools.lru_cache(maxsize=4)
 def read_fashion_mnist(root: pathlib.Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     """(images uint8 [n, 28, 28], labels uint8 [n]) of Fashion-MNIST's train (``split`` "train")
-    or test ("val") IDX files."""
+    or test ("val") IDX files (read-only arrays, read once per process)."""
     images_file, labels_file = FILES[split]
     with gzip.open(root / images_file, "rb") as f:
         images = np.frombuffer(f.read(), dtype=np.uint8, offset=16).reshape(-1, 28, 28)
@@ -80,11 +82,14 @@ def uncompressed_rle(mask: np.ndarray) -> list[int]:
     return runs if flat[0] == 0 else [0] + runs
 
 
-def polygons(mask: np.ndarray) -> list[list[float]]:
+def polygons(mask: np.ndarray) -> list[list[float]] | None:
     """The outer contours of a 0/1 mask as COCO polygons [x1, y1, x2, y2, ...] (pixel centres
-    + 0.5), one per visible piece with at least 3 points."""
+    + 0.5), one per visible piece; None if a piece has fewer than 3 corners (a line or a dot,
+    which a polygon cannot outline)."""
     contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
-    return [[float(v) + 0.5 for v in c.reshape(-1).tolist()] for c in contours if len(c) >= 3]
+    if any(len(c) < 3 for c in contours):
+        return None
+    return [[float(v) + 0.5 for v in c.reshape(-1).tolist()] for c in contours]
 
 
 def background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
@@ -132,7 +137,7 @@ def annotate(rng: np.random.Generator, instances: np.ndarray, categories: list[i
         kind = rng.random()
         segmentation = None
         if not crowd and kind < 0.6:
-            segmentation = polygons(mask) or None
+            segmentation = polygons(mask)
         if segmentation is None and not crowd and kind < 0.8:
             counts = mask_utils.encode(np.asfortranarray(mask))["counts"].decode("ascii")
             segmentation = {"size": list(mask.shape), "counts": counts}
