@@ -151,3 +151,21 @@ def test_fingerprint_follows_both_folders(folders, tmp_path):
     write_palette_png(masks / "b.png", np.ones((5, 5)))
     b = seg_dataset(images, masks, tmp_path / "cache").fingerprint
     assert b != a
+
+
+def test_config_names_a_typo_and_checks_ignore_index(tmp_path):
+    from pydantic import ValidationError
+
+    from batchd.server.config import ServerConfig
+
+    ok = {"kind": "segmentation", "images": "/i", "masks": "/m"}
+    assert ServerConfig.model_validate({"datasets": {"voc": ok}}).datasets["voc"].ignore_index == 255
+    with pytest.raises(ValidationError, match="split_files"):
+        ServerConfig.model_validate({"datasets": {"voc": {**ok, "split_files": "/s.txt"}}})
+    with pytest.raises(ValidationError, match="ignore_index"):
+        ServerConfig.model_validate({"datasets": {"voc": {**ok, "ignore_index": 256}}})
+    with pytest.raises(ValidationError, match="mask_extensions"):
+        ServerConfig.model_validate({"datasets": {"voc": {**ok, "mask_extensions": ["png"]}}})
+    with pytest.raises(ValidationError, match="skip_emtpy"):
+        ServerConfig.model_validate({"datasets": {"det": {"kind": "coco", "images": "/i", "annotations": "/a.json",
+                                                          "skip_emtpy": True}}})
