@@ -3,7 +3,6 @@ COCO annotations agree with its pixels and with its VOC-style masks."""
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 
@@ -114,4 +113,3 @@ def test_voc_palette_is_pascal_voc(gen):
     assert palette[:4].tolist() == [[0, 0, 0], [128, 0, 0], [0, 128, 0], [128, 128, 0]]
     assert palette[15].tolist() == [192, 128, 128] and palette[255].tolist() == [224, 224, 192]
     assert len({tuple(c) for c in palette}) == 256
-    json.dumps(gen.voc_palette())

@@ -14,8 +14,9 @@ worker that maps the index reads the same value. What each kind hashes:
 * fashion-mnist: the content of the split's two ``.gz`` files (about 30 MB for train).
 * coco: the annotation JSON's content (which lists the images), with the settings that change
   the samples (``masks``, ``skip_empty``). As for a manifest, the image files are not read.
-* segmentation: both file lists as imagefolder's (relative path, size, mtime; for object
-  stores, size and ETag), then the ``split_file``'s content if there is one.
+* segmentation: the image list and the mask list, each as imagefolder's (relative path, size,
+  mtime; for object stores, size and ETag) in sample order, so a ``split_file``'s choice and
+  order of stems are in it too.
 
 A fingerprint is ``FINGERPRINT_CHARS`` lowercase hex characters of a SHA-256.
 """
