@@ -26,7 +26,7 @@ from pycocotools.coco import COCO
 from batchd.errors import SampleError
 from batchd.server.config import CocoConfig
 from batchd.server.data.datasets import open_dataset
-from batchd.server.data.datasets.coco_index import rle_string_counts
+from batchd.server.data.datasets.coco_segments import rle_string_counts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +94,7 @@ def test_generated_dataset_matches_pycocotools(fashion_coco, tmp_path):
     assert ds.classes[1:] == [c["name"] for c in coco.dataset["categories"]] and ds.classes[0] == ""
     # a worker maps the index the server built: arrays on the mapped file, no per-annotation objects
     worker = coco_dataset(images, json_path, tmp_path, build=False, masks=True)
-    assert isinstance(worker._boxes.base, mmap.mmap) and isinstance(worker._segs.data.base, mmap.mmap)
+    assert isinstance(worker._boxes.base, mmap.mmap) and isinstance(worker._segments.coords.base, mmap.mmap)
     for i in (0, len(ds) - 1):
         for name, value in ds.load_sample(i).items():
             np.testing.assert_array_equal(worker.load_sample(i)[name], value)
@@ -307,7 +307,7 @@ def test_compressed_rle_strings_decode_to_pycocotools_runs():
             mask[:] = trial % 2  # one run, or a first run of zero zeros
         runs = column_runs(mask)
         counts = mask_utils.encode(np.asfortranarray(mask))["counts"].decode()
-        assert rle_string_counts(counts) == runs
+        assert rle_string_counts(counts).tolist() == runs
         # and pycocotools agrees that these runs are the mask
         uncompressed = mask_utils.frPyObjects({"size": [h, w], "counts": runs}, h, w)
         np.testing.assert_array_equal(mask_utils.decode(uncompressed), mask)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 
 import numpy as np
 
 from ._cache import ArrayFile, cache_path, file_fingerprint, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, PackedStrings
+from ._files import DEFAULT_MAX_PIXELS, FileDataset
 from ._fingerprint import content_fingerprint, with_settings
 from .base import FieldSpec
 from .coco_index import build_index
+from .coco_segments import Segmentations
 from .storage import Storage, StorageOptions, is_remote, local_copy, local_path, safe_url
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class Coco(FileDataset):
         self._ann_ids = index["ann_ids"]
         self._boxes, self._labels_n = index["ann_boxes"], index["ann_labels"]
         self._iscrowd, self._area = index["ann_iscrowd"], index["ann_area"]
-        self._segs = PackedStrings(index["ann_seg_bytes"], index["ann_seg_offsets"]) if self.masks else None
+        self._segments = Segmentations(index) if self.masks else None
         self._counts = dict(index.meta["counts"])
         if build and (self._counts["dropped_zero_size"] or self._counts["dropped_outside_image"]):
             ids = index.meta["dropped_ids"]
@@ -167,12 +167,5 @@ class Coco(FileDataset):
         """uint8 [len(rows), h, w]: pycocotools' ``annToRLE`` + ``decode`` of each annotation."""
         masks = np.empty((len(rows), h, w), dtype=np.uint8)
         for k, row in enumerate(rows):
-            segm = json.loads(self._segs[row])
-            if isinstance(segm, list):  # polygons, possibly several parts: one mask
-                rle = self._mask.merge(self._mask.frPyObjects(segm, h, w))
-            elif isinstance(segm["counts"], list):  # uncompressed RLE
-                rle = self._mask.frPyObjects(segm, h, w)
-            else:
-                rle = segm
-            masks[k] = self._mask.decode(rle)
+            masks[k] = self._mask.decode(self._segments.rle(row, h, w, self._mask))
         return masks

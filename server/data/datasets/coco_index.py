@@ -10,8 +10,7 @@ kept, the ``.bidx`` file (see ``_cache``) holds:
   of the per-annotation arrays, in the JSON's order (pycocotools' ``getAnnIds(imgIds=id)``);
 * ``ann_ids`` int64 [M]; ``ann_boxes`` float32 [M, 4] (x1, y1, x2, y2 in pixels); ``ann_labels``
   int64 [M] (category ids); ``ann_iscrowd`` int64 [M]; ``ann_area`` float32 [M] (the JSON's ``area``);
-* with masks: ``ann_seg_bytes`` / ``ann_seg_offsets``: each annotation's ``segmentation`` as compact
-  JSON text, decoded per sample (a polygon's float coordinates keep their exact value).
+* with masks: each annotation's ``segmentation``, checked and packed by ``coco_segments``.
 
 and in ``meta``: ``classes`` (category names indexed by category id, "" for unused ids),
 ``counts`` (annotations kept, dropped of zero size or outside their image, empty images) and
@@ -33,6 +32,7 @@ import numpy as np
 
 from ._cache import ArrayFileWriter
 from ._files import pack_strings
+from .coco_segments import SegmentationPacker, finite_numbers, short_json
 
 MAX_CATEGORY_ID = (1 << 20) - 1  # class_names has one entry per id up to the largest
 DROPPED_IDS_KEPT = 10  # the first ids of dropped annotations, for the server's log
@@ -47,84 +47,6 @@ def _num(v) -> bool:
     return (type(v) is int or type(v) is float) and math.isfinite(v)
 
 
-def _got(v) -> str:
-    text = json.dumps(v, default=repr)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def rle_string_counts(s: str) -> list[int]:
-    """The run lengths of a compressed COCO RLE ``counts`` string (pycocotools' ``rleFrString``,
-    maskApi.c: 5-bit groups offset by 48, a continuation bit, sign extension, each count from
-    the third on stored as the difference to the count two before it).
-
-    Raises ValueError (the reason, without the annotation) for a character outside '0'..'o', a
-    string that ends inside a count, or a count that is negative or does not fit 32 bits (where
-    pycocotools would silently wrap it and then write outside its mask).
-    """
-    counts: list[int] = []
-    p, n = 0, len(s)
-    while p < n:
-        x = k = 0
-        more = True
-        while more:
-            if p >= n:
-                raise ValueError("the string ends inside a count")
-            c = ord(s[p]) - 48
-            if not 0 <= c < 64:
-                raise ValueError(f"character {s[p]!r} at position {p} is not in '0'..'o'")
-            x |= (c & 0x1F) << (5 * k)
-            more = bool(c & 0x20)
-            p += 1
-            k += 1
-            if not more and c & 0x10:
-                x |= -1 << (5 * k)
-        if len(counts) > 2:
-            x += counts[-2]
-        if not 0 <= x < 1 << 32:
-            raise ValueError(f"run {len(counts)} has length {x}")
-        counts.append(x)
-    return counts
-
-
-def check_segmentation(where: str, seg, height: int, width: int) -> None:
-    """Raise ValueError naming ``where`` (file and annotation) and the field unless ``seg`` is
-    what pycocotools' ``annToMask`` reads correctly for an image of ``height`` x ``width``:
-    polygons (a non-empty list of parts, each an even count >= 6 of finite numbers: a part of
-    4 would be taken for a box by ``frPyObjects``), or RLE ``{"size": [height, width],
-    "counts": ...}`` whose runs (a list of non-negative ints, or a compressed string) add up to
-    height x width (more would make pycocotools write past the end of its mask)."""
-    if type(seg) is list:
-        if not seg:
-            raise ValueError(f"{where}: field 'segmentation': an empty list (no polygon)")
-        for j, part in enumerate(seg):
-            if type(part) is not list or len(part) < 6 or len(part) % 2 or not all(_num(v) for v in part):
-                raise ValueError(f"{where}: field 'segmentation[{j}]': expected a polygon [x1, y1, x2, y2, x3, y3, ...] "
-                                 f"(an even count >= 6 of finite numbers), got {_got(part)}")
-        return
-    if type(seg) is not dict:
-        raise ValueError(f"{where}: field 'segmentation': expected polygons (a list) or RLE (an object), got {_got(seg)}")
-    size, counts = seg.get("size"), seg.get("counts")
-    if type(size) is not list or [type(v) for v in size] != [int, int] or size != [height, width]:
-        raise ValueError(f"{where}: field 'segmentation.size': {_got(size)}, but the image is "
-                         f"[height, width] = [{height}, {width}]")
-    if type(counts) is list:
-        if not all(type(v) is int and 0 <= v < 1 << 32 for v in counts):
-            bad = next(v for v in counts if not (type(v) is int and 0 <= v < 1 << 32))
-            raise ValueError(f"{where}: field 'segmentation.counts': run length {_got(bad)} is not an integer in [0, 2**32)")
-        runs = counts
-    elif type(counts) is str:
-        try:
-            runs = rle_string_counts(counts)
-        except ValueError as e:
-            raise ValueError(f"{where}: field 'segmentation.counts': not a valid compressed RLE string: {e}") from None
-    else:
-        raise ValueError(f"{where}: field 'segmentation.counts': expected a list of run lengths or a compressed "
-                         f"string, got {_got(counts)}")
-    if sum(runs) != height * width:
-        raise ValueError(f"{where}: field 'segmentation.counts': the runs cover {sum(runs)} pixels, "
-                         f"the image {height} x {width} = {height * width}")
-
-
 def _load(path: str, shown: str) -> dict:
     try:
         with open(path, "rb") as f:
@@ -137,7 +59,7 @@ def _load(path: str, shown: str) -> dict:
         raise ValueError(f"{shown}: expected a JSON object with 'images', 'annotations' and 'categories'")
     for key in ("images", "annotations", "categories"):
         if type(data.get(key)) is not list:
-            raise ValueError(f"{shown}: field {key!r}: expected a list, got {_got(data.get(key))}")
+            raise ValueError(f"{shown}: field {key!r}: expected a list, got {short_json(data.get(key))}")
     return data
 
 
@@ -147,12 +69,12 @@ def _categories(data: dict, shown: str) -> dict[int, str]:
     for k, cat in enumerate(data["categories"]):
         cid = cat.get("id") if type(cat) is dict else None
         if type(cid) is not int or not 0 <= cid <= MAX_CATEGORY_ID:
-            raise ValueError(f"{shown}: categories[{k}]: field 'id': {_got(cid)}; expected an integer in [0, {MAX_CATEGORY_ID}]")
+            raise ValueError(f"{shown}: categories[{k}]: field 'id': {short_json(cid)}; expected an integer in [0, {MAX_CATEGORY_ID}]")
         if cid in names:
             raise ValueError(f"{shown}: category id {cid}: two categories have this id")
         name = cat.get("name")
         if type(name) is not str:
-            raise ValueError(f"{shown}: category id {cid}: field 'name': {_got(name)}; expected a string")
+            raise ValueError(f"{shown}: category id {cid}: field 'name': {short_json(name)}; expected a string")
         names[cid] = name
     return names
 
@@ -172,31 +94,32 @@ def _images(data: dict, shown: str) -> tuple[list[dict], dict[int, int]]:
     for k, img in enumerate(data["images"]):
         iid = img.get("id") if type(img) is dict else None
         if not _id(iid):
-            raise ValueError(f"{shown}: images[{k}]: field 'id': {_got(iid)}; expected an integer")
+            raise ValueError(f"{shown}: images[{k}]: field 'id': {short_json(iid)}; expected an integer")
         if iid in by_id:
             raise ValueError(f"{shown}: image id {iid}: two images have this id")
         name = img.get("file_name")
         if type(name) is not str or not name:
-            raise ValueError(f"{shown}: image id {iid}: field 'file_name': {_got(name)}; expected a non-empty string")
+            raise ValueError(f"{shown}: image id {iid}: field 'file_name': {short_json(name)}; expected a non-empty string")
         for field in ("height", "width"):
             v = img.get(field)
             if type(v) is not int or not 0 < v < 1 << 31:
-                raise ValueError(f"{shown}: image id {iid}: field {field!r}: {_got(v)}; expected a positive integer")
+                raise ValueError(f"{shown}: image id {iid}: field {field!r}: {short_json(v)}; expected a positive integer")
         by_id[iid] = img
     images = [by_id[i] for i in sorted(by_id)]
     return images, {img["id"]: pos for pos, img in enumerate(images)}
 
 
 def _annotations(data: dict, shown: str, images: list[dict], positions: dict[int, int], cats: dict[int, str],
-                 masks: bool) -> dict:
-    """Every annotation checked, as lists: id, image position, category, bbox, iscrowd, area, and
-    (masks) the segmentation's JSON text. Raises ValueError naming the file, annotation id and field."""
-    out = {"id": [], "pos": [], "cat": [], "bbox": [], "iscrowd": [], "area": [], "seg": []}
+                 segments: SegmentationPacker | None) -> dict:
+    """Every annotation checked, as lists: id, image position, category, bbox, iscrowd, area; its
+    segmentation checked and packed into ``segments`` if given. Raises ValueError naming the
+    file, annotation id and field."""
+    out = {"id": [], "pos": [], "cat": [], "bbox": [], "iscrowd": [], "area": []}
     seen: set[int] = set()
     for k, ann in enumerate(data["annotations"]):
         aid = ann.get("id") if type(ann) is dict else None
         if not _id(aid):
-            raise ValueError(f"{shown}: annotations[{k}]: field 'id': {_got(aid)}; expected an integer")
+            raise ValueError(f"{shown}: annotations[{k}]: field 'id': {short_json(aid)}; expected an integer")
         if aid in seen:
             raise ValueError(f"{shown}: annotation id {aid}: two annotations have this id")
         seen.add(aid)
@@ -204,25 +127,23 @@ def _annotations(data: dict, shown: str, images: list[dict], positions: dict[int
         iid = ann.get("image_id")
         pos = positions.get(iid) if _id(iid) else None
         if pos is None:
-            raise ValueError(f"{where}: field 'image_id': {_got(iid)} is not the id of an image in 'images'")
+            raise ValueError(f"{where}: field 'image_id': {short_json(iid)} is not the id of an image in 'images'")
         cid = ann.get("category_id")
         if type(cid) is not int or cid not in cats:
-            raise ValueError(f"{where}: field 'category_id': {_got(cid)} is not the id of a category in 'categories'")
+            raise ValueError(f"{where}: field 'category_id': {short_json(cid)} is not the id of a category in 'categories'")
         bbox = ann.get("bbox")
-        if type(bbox) is not list or len(bbox) != 4 or not all(_num(v) for v in bbox):
-            raise ValueError(f"{where}: field 'bbox': expected [x, y, width, height] (4 finite numbers), got {_got(bbox)}")
+        if type(bbox) is not list or len(bbox) != 4 or not finite_numbers(bbox):
+            raise ValueError(f"{where}: field 'bbox': expected [x, y, width, height] (4 finite numbers), got {short_json(bbox)}")
         if bbox[2] < 0 or bbox[3] < 0:
-            raise ValueError(f"{where}: field 'bbox': negative width or height in {_got(bbox)}")
+            raise ValueError(f"{where}: field 'bbox': negative width or height in {short_json(bbox)}")
         iscrowd = ann.get("iscrowd")
         if type(iscrowd) is not int or iscrowd not in (0, 1):
-            raise ValueError(f"{where}: field 'iscrowd': {_got(iscrowd)}; expected 0 or 1")
+            raise ValueError(f"{where}: field 'iscrowd': {short_json(iscrowd)}; expected 0 or 1")
         area = ann.get("area")
         if not _num(area) or area < 0:
-            raise ValueError(f"{where}: field 'area': {_got(area)}; expected a finite number >= 0")
-        if masks:
-            seg = ann.get("segmentation")
-            check_segmentation(where, seg, images[pos]["height"], images[pos]["width"])
-            out["seg"].append(json.dumps(seg, separators=(",", ":")))
+            raise ValueError(f"{where}: field 'area': {short_json(area)}; expected a finite number >= 0")
+        if segments is not None:
+            segments.add(where, ann.get("segmentation"), images[pos]["height"], images[pos]["width"])
         out["id"].append(aid)
         out["pos"].append(pos)
         out["cat"].append(cid)
@@ -252,12 +173,13 @@ def build_index(json_path: str, shown: str, out: pathlib.Path, *, masks: bool, s
 
     Raises FileNotFoundError if the file is missing; ValueError naming the file, and the entry
     (image, category or annotation id) and field, for anything malformed (see ``_annotations``,
-    ``check_segmentation``); ValueError if no image is left.
+    ``coco_segments``); ValueError if no image is left.
     """
     data = _load(json_path, shown)
     cats = _categories(data, shown)
     images, positions = _images(data, shown)
-    anns = _annotations(data, shown, images, positions, cats, masks)
+    segments = SegmentationPacker() if masks else None
+    anns = _annotations(data, shown, images, positions, cats, segments)
     del data
     n = len(images)
     heights = np.array([img["height"] for img in images], dtype=np.int32)
@@ -296,8 +218,6 @@ def build_index(json_path: str, shown: str, out: pathlib.Path, *, masks: bool, s
         w.add("ann_labels", np.asarray(anns["cat"], dtype=np.int64)[order])
         w.add("ann_iscrowd", np.asarray(anns["iscrowd"], dtype=np.int64)[order])
         w.add("ann_area", np.asarray(anns["area"], dtype=np.float32)[order])
-        if masks:
-            seg_bytes, seg_offsets = pack_strings([anns["seg"][i] for i in order])
-            w.add("ann_seg_bytes", seg_bytes)
-            w.add("ann_seg_offsets", seg_offsets)
+        if segments is not None:
+            segments.write(w, order)
         w.meta.update(kind="coco", classes=class_names(cats), counts=counts, dropped_ids=dropped_ids, fingerprint=fingerprint, source=source)
