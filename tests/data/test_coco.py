@@ -94,7 +94,7 @@ def test_generated_dataset_matches_pycocotools(fashion_coco, tmp_path):
     assert ds.classes[1:] == [c["name"] for c in coco.dataset["categories"]] and ds.classes[0] == ""
     # a worker maps the index the server built: arrays on the mapped file, no per-annotation objects
     worker = coco_dataset(images, json_path, tmp_path, build=False, masks=True)
-    assert isinstance(worker._boxes.base, mmap.mmap) and isinstance(worker._segments.coords.base, mmap.mmap)
+    assert isinstance(worker._ann_boxes.base, mmap.mmap) and isinstance(worker._segments.coords.base, mmap.mmap)
     for i in (0, len(ds) - 1):
         for name, value in ds.load_sample(i).items():
             np.testing.assert_array_equal(worker.load_sample(i)[name], value)

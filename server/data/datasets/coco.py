@@ -100,16 +100,20 @@ class Coco(FileDataset):
         self._heights, self._widths = index["heights"], index["widths"]
         self._ann_offsets = index["ann_offsets"]
         self._ann_ids = index["ann_ids"]
-        self._boxes, self._labels_n = index["ann_boxes"], index["ann_labels"]
-        self._iscrowd, self._area = index["ann_iscrowd"], index["ann_area"]
+        self._ann_boxes, self._ann_labels = index["ann_boxes"], index["ann_labels"]
+        self._ann_iscrowd, self._ann_area = index["ann_iscrowd"], index["ann_area"]
         self._segments = Segmentations(index) if self.masks else None
         self._counts = dict(index.meta["counts"])
-        if build and (self._counts["dropped_zero_size"] or self._counts["dropped_outside_image"]):
-            ids = index.meta["dropped_ids"]
+        if build:
+            self._warn_dropped(shown, index.meta["dropped_ids"])
+
+    def _warn_dropped(self, shown: str, ids: list[int]) -> None:
+        """Log (warning) the annotations the index left out, with the first ``ids``, if any."""
+        zero, outside = self._counts["dropped_zero_size"], self._counts["dropped_outside_image"]
+        if zero or outside:
             log.warning("dataset %r: dropped %d annotation(s) of zero width or height and %d wholly outside their "
-                        "image (%s: annotation ids %s%s)", name, self._counts["dropped_zero_size"],
-                        self._counts["dropped_outside_image"], shown, ", ".join(map(str, ids)),
-                        ", ..." if sum(self._counts[k] for k in ("dropped_zero_size", "dropped_outside_image")) > len(ids) else "")
+                        "image (%s: annotation ids %s%s)", self.name, zero, outside, shown,
+                        ", ".join(map(str, ids)), ", ..." if zero + outside > len(ids) else "")
 
     def label(self, index: int) -> int:
         raise TypeError(f"dataset {self.name!r} ({self.kind}) has no per-sample label: its samples carry "
@@ -153,10 +157,10 @@ class Coco(FileDataset):
         start, end = int(self._ann_offsets[index]), int(self._ann_offsets[index + 1])
         sample = {
             "image": image,
-            "boxes": self._boxes[start:end].copy(),
-            "labels": self._labels_n[start:end].copy(),
-            "iscrowd": self._iscrowd[start:end].copy(),
-            "area": self._area[start:end].copy(),
+            "boxes": self._ann_boxes[start:end].copy(),
+            "labels": self._ann_labels[start:end].copy(),
+            "iscrowd": self._ann_iscrowd[start:end].copy(),
+            "area": self._ann_area[start:end].copy(),
             "image_id": int(self._image_ids[index]),
         }
         if self.masks:
