@@ -249,6 +249,7 @@ MALFORMED = [
     (_set(3, "image_id", 99), 3, "image_id"),
     (_set(3, "iscrowd", 2), 3, "iscrowd"),
     (_set(3, "area", KeyError), 3, "area"),
+    (_set(3, "area", 10**400), 3, "area"),  # no float holds it
     (_set(3, "segmentation", [[1, 2, 3, 4]]), 3, r"segmentation\[0\]"),  # pycocotools would read a box
     (_set(3, "segmentation", [_square(1, 1, 4, 5), [1, 2, 3, 4, 5, 6, 7]]), 3, r"segmentation\[1\]"),
     (_set(3, "segmentation", []), 3, "segmentation"),

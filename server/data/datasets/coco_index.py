@@ -25,7 +25,6 @@ zero width or height, or none left after clipping, is dropped with its annotatio
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 
 import numpy as np
@@ -41,10 +40,6 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 def _id(v) -> bool:
     return type(v) is int and _INT64[0] <= v <= _INT64[1]
-
-
-def _num(v) -> bool:
-    return (type(v) is int or type(v) is float) and math.isfinite(v)
 
 
 def _load(path: str, shown: str) -> dict:
@@ -140,7 +135,7 @@ def _annotations(data: dict, shown: str, images: list[dict], positions: dict[int
         if type(iscrowd) is not int or iscrowd not in (0, 1):
             raise ValueError(f"{where}: field 'iscrowd': {short_json(iscrowd)}; expected 0 or 1")
         area = ann.get("area")
-        if not _num(area) or area < 0:
+        if not finite_numbers([area]) or area < 0:
             raise ValueError(f"{where}: field 'area': {short_json(area)}; expected a finite number >= 0")
         if segments is not None:
             segments.add(where, ann.get("segmentation"), images[pos]["height"], images[pos]["width"])
