@@ -83,6 +83,7 @@ def test_order_subfolders_classes_and_worker_open(folders, tmp_path):
         assert a["mask"].shape == a["image"].shape[:2]
     with pytest.raises(TypeError, match="no per-sample label"):
         ds.label(0)
+    np.testing.assert_array_equal(ds.load_image(2), ds.load_sample(2)["image"])
 
 
 def test_unpaired_stems_are_errors_naming_them(folders, tmp_path):

@@ -218,12 +218,17 @@ class Segmentation(FileDataset):
         mask_location = join(self.mask_root, self._mask_paths[index])
         return image, self.read_file(index, self.mask_storage, mask_location, self.mask_source(index))
 
+    def decode(self, index: int, data, min_size: tuple[int, int] | None = None) -> np.ndarray:
+        """The image alone, uint8 [H, W, 3] RGB at full size, from ``data`` = (image bytes, mask
+        bytes) as ``read_bytes`` returns them (so ``load_image`` works). Raises SampleError."""
+        return super().decode(index, data[0])
+
     def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None) -> dict:
         """``{"image", "mask"}`` from ``data`` = (image bytes, mask bytes); raises SampleError
         naming the image or the mask file."""
         index = self._check(index)
-        image_data, mask_data = data
-        image = self.decode(index, image_data)
+        image = self.decode(index, data)
+        mask_data = data[1]
         try:
             mask = decode_mask(mask_data, self.max_pixels)
         except ImageReadError as e:
