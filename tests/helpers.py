@@ -166,3 +166,16 @@ def opencv_as_nvjpeg(files, mode, device):
             raise RuntimeError("Error while decoding JPEG images: nvjpegDecode failed (stand-in)")
         out.append(torch.from_numpy(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)).permute(2, 0, 1).to(device))
     return out
+
+
+def load_example(name: str):
+    """The module ``examples/<name>.py`` (the examples are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up here
+    spec.loader.exec_module(module)
+    return module

@@ -31,11 +31,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from .base import StrictModel
 from .cache import CacheConfig
 from .datasets import (
+    CocoConfig,
     DatasetConfig,
     FashionMnistConfig,
     ImageFolderConfig,
     Location,
     ManifestConfig,
+    SegmentationConfig,
     WebDatasetConfig,
 )
 from .security import MIN_TOKEN_CHARS, AuthConfig, PipelineLimits, TlsConfig, TokenConfig
@@ -43,6 +45,7 @@ from .security import MIN_TOKEN_CHARS, AuthConfig, PipelineLimits, TlsConfig, To
 __all__ = [
     "AuthConfig",
     "CacheConfig",
+    "CocoConfig",
     "ConfigError",
     "DatasetConfig",
     "FashionMnistConfig",
@@ -52,6 +55,7 @@ __all__ = [
     "ManifestConfig",
     "MiB",
     "PipelineLimits",
+    "SegmentationConfig",
     "ServerConfig",
     "TlsConfig",
     "TokenConfig",

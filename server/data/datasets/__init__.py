@@ -17,7 +17,7 @@ __all__ = ["Dataset", "FieldSpec", "SampleSpec", "open_dataset"]
 
 def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int | None = None) -> Dataset:
     """Open dataset ``name`` described by ``cfg`` (a FashionMnistConfig, ImageFolderConfig,
-    ManifestConfig or WebDatasetConfig), keeping its index in ``cache_dir``.
+    ManifestConfig, WebDatasetConfig, CocoConfig or SegmentationConfig), keeping its index in ``cache_dir``.
 
     build=True (the server): build the index, or refresh it if its source changed (an
     imagefolder is rescanned every time). build=False (workers): map the index the server
@@ -37,9 +37,13 @@ def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pi
         from .manifest import Manifest as cls
     elif kind == "webdataset":
         from .webdataset import WebDataset as cls
+    elif kind == "coco":
+        from .coco import Coco as cls
+    elif kind == "segmentation":
+        from .segmentation import Segmentation as cls
     else:
         raise ValueError(f"dataset {name!r}: unknown kind {kind!r} "
-                         "(expected fashion-mnist, imagefolder, manifest or webdataset)")
+                         "(expected fashion-mnist, imagefolder, manifest, webdataset, coco or segmentation)")
     if max_pixels is None:
         max_pixels = getattr(cfg, "max_pixels", DEFAULT_MAX_PIXELS)
     return cls(name, cfg, pathlib.Path(cache_dir), build=build, max_pixels=max_pixels)

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import cv2
 import numpy as np
 
+from batchd.errors import SampleError
+
 from .base import Dataset, SampleSpec
 from .storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 
@@ -268,18 +270,19 @@ class FileDataset(Dataset):
         self.storage_options = storage_options if storage_options is not None else StorageOptions()
 
     def _attach(self, index, root: str) -> None:
-        """Use ``index`` (an ``_cache.ArrayFile``) with paths relative to ``root`` (a path or URL)."""
+        """Use ``index`` (an ``_cache.ArrayFile``) with paths relative to ``root`` (a path or URL).
+        Its ``labels`` array is optional (kinds whose samples have no single label omit it)."""
         self.storage = Storage(root, self.storage_options)
         self._index = index  # keeps the mapping alive
         self._paths = PackedStrings(index["path_bytes"], index["path_offsets"])
-        self._labels = index["labels"]
+        self._labels = index.arrays.get("labels")
         self._classes = list(index.meta["classes"])
         self.root = root
-        if len(self._labels) != len(self._paths):
+        if self._labels is not None and len(self._labels) != len(self._paths):
             raise ValueError(f"{index.path}: {len(self._paths)} paths but {len(self._labels)} labels")
 
     def __len__(self) -> int:
-        return len(self._labels)
+        return len(self._paths)
 
     @property
     def classes(self) -> list[str]:
@@ -320,16 +323,22 @@ class FileDataset(Dataset):
         after the storage library's retries; the URL without credentials).
         """
         index = self._check(index)
-        location = self.location(index)
+        return self.read_file(index, self.storage, self.location(index), self.source(index))
+
+    def read_file(self, index: int, storage: Storage, location: str, shown: str) -> bytes:
+        """The bytes at ``location`` (read through ``storage``) for sample ``index``; raises
+        SampleError naming ``shown`` (a path relative to a root, or a URL without credentials)
+        with ``read_bytes``'s reasons."""
         try:
-            return self.storage.read(location)
+            return storage.read(location)
         except FileNotFoundError as e:
             reason = str(e) if is_remote(location) else f"cannot read file: [Errno 2] {e.strerror or 'No such file or directory'}"
-            raise self.sample_error(index, reason) from None
+            raise SampleError(dataset=self.name, index=index, path=shown, reason=reason) from None
         except StorageError as e:
-            raise self.sample_error(index, str(e)) from None
+            raise SampleError(dataset=self.name, index=index, path=shown, reason=str(e)) from None
         except OSError as e:
-            raise self.sample_error(index, f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
+            raise SampleError(dataset=self.name, index=index, path=shown,
+                              reason=f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
 
     def decode(self, index: int, data, min_size: tuple[int, int] | None = None) -> np.ndarray:
         """Decode ``data`` (what ``read_bytes(index)`` returned): uint8 [H, W, 3] RGB.
