@@ -19,7 +19,7 @@ from batchd.server.compute import encoded
 from batchd.server.compute import python_pipeline
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.serve import shm
-from batchd.server.build import build_fingerprint, server_build
+from batchd.server.build import build_fingerprint, build_parts
 from batchd.server.data.cache import SharedCache
 from batchd.server.config import ServerConfig
 from batchd.server.data.datasets import Dataset, open_dataset
@@ -70,7 +70,7 @@ class Loader:
             c = config.cache
             self.cache = SharedCache.create(
                 f"{self.owner.prefix}cache", memory_bytes=int(c.memory_bytes), datasets=list(config.datasets),
-                workers=config.workers, build=build_fingerprint(server_build()), disk_dir=c.disk_dir,
+                workers=config.workers, build=build_fingerprint(build_parts(cache=True)), disk_dir=c.disk_dir,
                 disk_bytes=int(c.disk_bytes), compress=c.compress, disk_max_idle_s=c.disk_max_idle_s)
         self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
         self.transport = Transport(self.slots, self.leases)  # lend or copy each batch sent

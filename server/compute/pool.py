@@ -91,6 +91,7 @@ class WorkerPool:
         os.set_blocking(self._wake_w, False)
         self._closing = False
         self.restarts = 0
+        self.batches_rebuilt = 0  # batches in flight on a worker that died, queued again for another
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
         self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
@@ -241,6 +242,8 @@ class WorkerPool:
                     ),
                     job.batch_index,
                 )
+            elif not job.stream.closed:  # queued again (retry), for the next free worker
+                self.batches_rebuilt += 1
         w.conn.close()
         self.restarts += 1
         self._workers[w.worker_id] = self._start_worker(w.worker_id)

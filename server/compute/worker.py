@@ -14,7 +14,8 @@ decodes and transforms them one at a time, in order (so bytes and order do not c
 Datasets whose samples are in memory (no ``read_bytes``) are read on this thread. With a
 server cache (config ``cache:``), a sample's decode and its pipeline's deterministic prefix
 (``server/compute/prefix.py``) come from the shared cache (``server/data/cache/``) or are computed and stored
-there; the pipeline's random rest runs here as before.
+there; the pipeline's random rest runs here as before. A sample for which the prefix would draw a
+random number (``prefix.RandomDrawn``) is built by the whole pipeline instead, and not cached.
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class _Worker:
             if plan.split is not None:
                 plan.prefix = targets.Prefix(plan.split.prefix, whole, seal=_seal_prefix)
                 plan.cache_name = plan.split.canonical + plan.prefix.params_name()
+                if plan.split.prefix:  # for samples whose prefix would draw a random number (_sample)
+                    plan.whole = targets.TargetPipeline.of(compose, attach=self.random.attach)
+                    self.random.attach(compose)
         self.pipelines[key] = plan
         if len(self.pipelines) > _CACHED_PIPELINES:
             self.pipelines.popitem(last=False)
@@ -187,24 +191,33 @@ class _Worker:
             return None
         build = self.builds.get(ds.name)
         if build is None:
-            build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings))
+            build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
         return sample_key(ds.fingerprint, index, plan.cache_name, build)
 
-    def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: "_Plan") -> dict:
-        """Sample k of the task after decode and the pipeline's deterministic prefix: from the
-        cache, else computed (and stored there). The prefix runs whether or not a cache is
-        configured, so the bytes cannot depend on it."""
+    def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: "_Plan"):
+        """(sample k of the task after decode and the pipeline's deterministic prefix, the pipeline
+        to run on it). The prefix output comes from the cache, else is computed (and stored there),
+        and the rest of the pipeline follows (``plan.rest``). The prefix runs whether or not a cache
+        is configured, so the bytes cannot depend on it. If a prefix transform would draw a random
+        number for this sample (``prefix.RandomDrawn``: the prefix runs with generators that raise),
+        the decoded sample goes through the whole pipeline (``plan.whole``) instead, and nothing
+        is stored."""
         if plan.split is None:
-            return self._load(ds, task, k, index, plan.min_size)
+            return self._load(ds, task, k, index, plan.min_size), plan.rest
+        decoded = []
 
         def compute() -> dict:
-            return self._prefix(plan, ds, self._load(ds, task, k, index, plan.split.min_size), index)
+            decoded.append(self._load(ds, task, k, index, plan.split.min_size))
+            return self._prefix(plan, ds, decoded[0], index)
         key = self._cache_key(ds, plan, index)
-        if key is None:
-            return compute()
-        sample = self.cache.get_or_compute(ds.name, key, compute)
+        try:
+            if key is None:
+                return compute(), plan.rest
+            sample = self.cache.get_or_compute(ds.name, key, compute)
+        except prefixes.RandomDrawn:
+            return decoded[0], plan.whole  # the prefix transforms do not write their input
         self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
-        return sample
+        return sample, plan.rest
 
     def _run(self, task: Task) -> BatchDone:
         if task.encoding == "jpeg":  # the files as they are, for the client to decode
@@ -226,20 +239,20 @@ class _Worker:
         for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
             t0 = time.perf_counter()
             try:
-                sample = self._sample(ds, task, k, index, plan)
+                sample, rest = self._sample(ds, task, k, index, plan)
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise
                 skipped.append((index, e.path, e.reason))
                 continue
             t1 = time.perf_counter()
-            if plan.fn is not None or plan.rest is not None:
+            if plan.fn is not None or rest is not None:
                 self.random.start(task.random_key, position)
                 try:
                     if plan.fn is not None:
                         sample = python_pipeline.run(plan.fn, sample, self.random.generator)
                     else:
-                        sample = plan.rest(sample, per_object)
+                        sample = rest(sample, per_object)
                 except Exception as e:
                     e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
                     raise
@@ -288,8 +301,9 @@ class _Worker:
 
 
 def _seal_prefix(compose) -> None:
-    """The random state of a prefix Compose: its own (its transforms draw nothing, prefix.py)."""
-    compose.set_random_seed(0)
+    """The random state of a prefix Compose: generators that raise ``prefix.RandomDrawn`` when
+    drawn from (its transforms draw nothing, prefix.py; the Compose runs with force_apply)."""
+    compose.set_random_state(prefixes.SEALED_GENERATOR, prefixes.SEALED_RANDOM)
 
 
 @dataclass(slots=True)
@@ -304,6 +318,7 @@ class _Plan:
     split: prefixes.Split | None = None
     prefix: targets.Prefix | None = None
     rest: targets.TargetPipeline | None = None
+    whole: targets.TargetPipeline | None = None  # for samples whose prefix would draw (_sample)
     cache_name: str = ""  # what the prefix's output depends on: its canonical text (+ target params)
 
 

@@ -32,6 +32,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from .base import StrictModel
 from .cache import CacheConfig
 from .datasets import (
+    CocoConfig,
     FACTORY_PATTERN,
     DatasetConfig,
     FashionMnistConfig,
@@ -39,6 +40,7 @@ from .datasets import (
     Location,
     ManifestConfig,
     PythonConfig,
+    SegmentationConfig,
     WebDatasetConfig,
 )
 from .security import MIN_TOKEN_CHARS, AuthConfig, PipelineLimits, TlsConfig, TokenConfig
@@ -46,6 +48,7 @@ from .security import MIN_TOKEN_CHARS, AuthConfig, PipelineLimits, TlsConfig, To
 __all__ = [
     "AuthConfig",
     "CacheConfig",
+    "CocoConfig",
     "ConfigError",
     "DatasetConfig",
     "FashionMnistConfig",
@@ -56,6 +59,7 @@ __all__ = [
     "MiB",
     "PipelineLimits",
     "PythonConfig",
+    "SegmentationConfig",
     "ServerConfig",
     "TlsConfig",
     "TokenConfig",

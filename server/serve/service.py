@@ -36,9 +36,9 @@ _POLL_S = 0.25
 
 def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
     """DescribeDataset's answer: size, classes, the sample's fields (``Dataset.fields``, then index
-    and position), and the dataset and build fingerprints."""
+    and position), the dataset and build fingerprints, on_error."""
     ds = loader.dataset(name)
-    parts = build.build_parts(ds.decode_settings)
+    parts = build.build_parts(ds.decode_settings, cache=loader.cache is not None)
     return pb.DatasetInfo(
         name=name,
         kind=ds.kind,
@@ -52,6 +52,7 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
         fingerprint=ds.fingerprint,
         build_fingerprint=build.build_fingerprint(parts),
         build=parts,
+        on_error=loader.config.datasets[name].on_error,
     )
 
 

@@ -17,7 +17,7 @@ __all__ = ["Dataset", "FieldSpec", "PER_OBJECT_FIELDS", "SampleSpec", "open_data
 
 def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int | None = None) -> Dataset:
     """Open dataset ``name`` described by ``cfg`` (a FashionMnistConfig, ImageFolderConfig,
-    ManifestConfig, WebDatasetConfig or PythonConfig), keeping its index in ``cache_dir``.
+    ManifestConfig, WebDatasetConfig, CocoConfig, SegmentationConfig or PythonConfig), keeping its index in ``cache_dir``.
 
     build=True (the server): build the index, or refresh it if its source changed (an
     imagefolder is rescanned every time). build=False (workers): map the index the server
@@ -38,11 +38,15 @@ def open_dataset(name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pi
         from .manifest import Manifest as cls
     elif kind == "webdataset":
         from .webdataset import WebDataset as cls
+    elif kind == "coco":
+        from .coco import Coco as cls
+    elif kind == "segmentation":
+        from .segmentation import Segmentation as cls
     elif kind == "python":
         from .python import PythonDataset as cls
     else:
         raise ValueError(f"dataset {name!r}: unknown kind {kind!r} "
-                         "(expected fashion-mnist, imagefolder, manifest, webdataset or python)")
+                         "(expected fashion-mnist, imagefolder, manifest, webdataset, coco, segmentation or python)")
     if max_pixels is None:
         max_pixels = getattr(cfg, "max_pixels", DEFAULT_MAX_PIXELS)
     return cls(name, cfg, pathlib.Path(cache_dir), build=build, max_pixels=max_pixels)

@@ -173,6 +173,12 @@ class Dataset(abc.ABC):
         return str(index.meta.get("fingerprint", "")) if index is not None else ""
 
     @property
+    def info(self) -> dict[str, str]:
+        """Facts about the dataset a trainer may need beyond its fields, name -> value as text:
+        e.g. segmentation's ``ignore_index``, coco's counts of dropped annotations. {} by default."""
+        return {}
+
+    @property
     def decode_settings(self) -> dict[str, str]:
         """Settings of this dataset that change decoded pixels (part of the server's build
         fingerprint, see ``batchd.server.build``): name -> value as text. None by default."""
