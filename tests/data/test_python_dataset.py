@@ -27,7 +27,7 @@ from helpers import free_port
 from rawclient import RawSession, tensors
 
 PYDATA = pathlib.Path(__file__).resolve().parent.parent / "pydata"
-# fields the wire carries stacked today (tests/compute/test_collate.py reads the others, and a
+# fields the wire carries stacked today (tests/compute/test_batching.py reads the others, and a
 # torch tensor, which costs each worker seconds of importing torch, from a worker's slots)
 STACKED = ["image", "label", "weight", "flag", "vec"]
 
