@@ -48,8 +48,10 @@ class WorkerPool:
 
     dataset_configs: name -> dataset config, opened by each worker. reads_in_flight: sample reads
     each worker keeps running on its I/O threads (``server/data/reader.py``); the scheduler keeps about
-    ``4 * reads_in_flight`` samples queued behind each worker's running task. Raises RuntimeError
-    if the workers do not all start within ``start_timeout`` seconds.
+    ``4 * reads_in_flight`` samples queued behind each worker's running task. python_path,
+    python_pipelines: the config's ``python_path`` and python presets, for every worker
+    (``worker_main``). Raises RuntimeError if the workers do not all start within
+    ``start_timeout`` seconds.
     """
 
     def __init__(
@@ -64,8 +66,11 @@ class WorkerPool:
         start_timeout: float = 60.0,
         max_batch_bytes: int = 0,
         reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
+        python_path: tuple = (),
+        python_pipelines: dict | None = None,
     ):
         self.max_batch_bytes = max_batch_bytes
+        self._python = (tuple(str(p) for p in python_path), dict(python_pipelines or {}))  # for worker_main
         self.reads_in_flight = reads_in_flight
         self.read_ahead = 4 * reads_in_flight  # samples queued behind a worker's running task
         self.num_workers = num_workers
@@ -175,7 +180,7 @@ class WorkerPool:
         process = self._ctx.Process(
             target=worker_main,
             args=(worker_id, child_conn, self._dataset_configs, self._cache_dir, self.slots.prefix, os.getpid(),
-                  self.reads_in_flight),
+                  self.reads_in_flight, *self._python),
             name=f"batchd-worker-{worker_id}",
             daemon=True,
         )

@@ -7,6 +7,7 @@ Example::
       photos:       {kind: imagefolder, root: /data/photos}
       pets:         {kind: manifest, path: /data/pets.csv}
       shards:       {kind: webdataset, shards: "/data/train-{000000..000099}.tar"}
+      mine:         {kind: python, factory: "mypkg.data:MyDataset", args: {root: /data/x}}
       det:          {kind: coco, images: /data/coco/train2017, annotations: /data/coco/instances_train2017.json, masks: true}
       voc:          {kind: segmentation, images: /data/voc/JPEGImages, masks: /data/voc/SegmentationClass}
 
@@ -187,7 +188,30 @@ class SegmentationConfig(_DatasetBase):
         return _extensions(v)
 
 
+# "package.module:attribute" (the attribute may be dotted), as entry points name objects
+FACTORY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+class PythonConfig(_DatasetBase):
+    """The operator's own map-style dataset (server/data/datasets/python.py).
+
+    factory: ``"package.module:attribute"``, imported from the server's environment (installed, on
+        PYTHONPATH, or on the server's ``python_path``) and called as ``factory(**args)``; the
+        result has ``__len__`` and ``__getitem__(i) -> dict`` of fields.
+    args: keyword arguments for the factory (YAML values: str, numbers, lists, mappings).
+    per_object_fields: the fields with one entry per object (dropped with their boxes, sent as
+        lists); default: those of boxes, labels, masks, keypoints, iscrowd, area the samples have.
+    max_pixels does not apply (the dataset decodes its own images).
+    """
+
+    kind: Literal["python"]
+    factory: str = Field(pattern=FACTORY_PATTERN)
+    args: dict[str, Any] = Field(default_factory=dict)
+    per_object_fields: tuple[str, ...] | None = None
+
+
 DatasetConfig = Annotated[
-    Union[FashionMnistConfig, ImageFolderConfig, ManifestConfig, WebDatasetConfig, CocoConfig, SegmentationConfig],
+    Union[FashionMnistConfig, ImageFolderConfig, ManifestConfig, WebDatasetConfig, CocoConfig, SegmentationConfig,
+          PythonConfig],
     Field(discriminator="kind"),
 ]

@@ -334,20 +334,6 @@ def test_undecodable_image_is_a_sample_error(make_server, tmp_path):
         assert part in str(err), f"{part!r} not in {str(err)!r}"
 
 
-def test_images_of_two_sizes_are_a_shape_mismatch(make_server, tmp_path):
-    rng = np.random.default_rng(1)
-    root = tmp_path / "folder"
-    write_png(root / "a" / "0.png", rand_rgb(rng, 8, 8))
-    write_png(root / "a" / "1.png", rand_rgb(rng, 10, 12))
-    server = make_server(workers=1, datasets={"mixed": {"kind": "imagefolder", "root": str(root)}})
-    with loader(server, dataset="mixed", batch_size=2) as ld:
-        with pytest.raises(batchd.ShapeMismatchError) as e:
-            next(iter(ld))
-    msg = str(e.value)
-    assert re.search(r"sample 0\b", msg) and re.search(r"sample 1\b", msg), msg
-    assert "[8, 8, 3]" in msg and "[10, 12, 3]" in msg, msg
-
-
 def test_pipeline_exception_names_dataset_and_sample(fmnist_server):
     with loader(fmnist_server, batch_size=16, transform=A.RandomCrop(height=100, width=100)) as ld:
         with pytest.raises((ValueError, batchd.WorkerError)) as e:
