@@ -1,4 +1,4 @@
-"""Table 11: hedged requests. One loader over 3 servers, one of which stalls for 1 s every 8 s.
+"""Table 12: hedged requests. One loader over 3 servers, one of which stalls for 1 s every 8 s.
 
     python bench/table_hedge.py [--quick] [--repeats N]
 
@@ -42,8 +42,8 @@ from bench.measure import median  # noqa: E402
 from bench.report import md_table  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
-NAME = "table11"
-TITLE = "Table 11: hedged requests, one of 3 servers stalled 1 s every 8 s (1 worker each, L1, batch 8)"
+NAME = "table12"
+TITLE = "Table 12: hedged requests, one of 3 servers stalled 1 s every 8 s (1 worker each, L1, batch 8)"
 PIPELINE = "L1"
 BATCH = 8
 STEP_S = 0.02  # the training step per batch
@@ -136,7 +136,7 @@ def run(s, log=print) -> dict:
             for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):  # alternate: noise hits both alike
                 r = noise.measure(lambda: _one(servers, mode == "on", warmup, timed, seed=1000 * rep + len(mode)))
                 results[mode].append(r)
-                log(f"  table11: hedge {mode} repeat {rep + 1}/{s.repeats}: p50 {r['p50'] * 1e3:.0f} ms, "
+                log(f"  table12: hedge {mode} repeat {rep + 1}/{s.repeats}: p50 {r['p50'] * 1e3:.0f} ms, "
                     f"p99 {r['p99'] * 1e3:.0f} ms, {r['hedges_issued']} hedges, {r['stops']} stops")
     finally:
         for srv in servers:

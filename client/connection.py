@@ -18,14 +18,15 @@ import grpc
 import torch
 
 from batchd import wire
-from batchd.client import decode
+from batchd.client import decode, fields, loader_stats
 from batchd.client.channel import open_channel, translate
+from batchd.client.collate import collate
 from batchd.client.datasets import DatasetInfo, describe
 from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Received, Receiver, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
-from batchd.client.transfer import finish
+from batchd.client.transfer import check_finishable, finish
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
@@ -112,7 +113,8 @@ class ServerConnection:
         )
 
     def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
-        """Receiver thread: tensors of ``raw`` (on the device, finished by ``gpu_transform``)."""
+        """Receiver thread: the batch of ``raw`` as the loader hands it out (on the device, finished
+        by ``gpu_transform``, ragged fields split into views, collated by ``collate_fn``)."""
         shm = self._shm if raw.segment else None
         if raw.segment and shm is None:
             raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
@@ -121,20 +123,28 @@ class ServerConnection:
             batch, registered = shm.host_tensors(raw, transfer.register)  # copied straight from the slot
         else:
             batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
-        samples = int(batch["index"].shape[0]) if "index" in batch else 0
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
+        o, event = self.options, None
         if encoded:  # JPEG files: decoded here (client/decode.py), then as below
-            batch, event = decode.decode_batch(batch, self.options, transfer, receiver.stopping, raw.epoch)
-            return Received(raw.batch_index, batch, event, samples)
-        gpu_transform = self.options.gpu_transform
-        if transfer is not None:
-            batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=gpu_transform,
-                                              seed=self.options.seed, epoch=raw.epoch)
-            return Received(raw.batch_index, batch, event, samples)
-        if gpu_transform is not None:
-            finish(batch, gpu_transform, self.options.seed, raw.epoch)
-        return Received(raw.batch_index, batch, None, samples)
+            batch, event = decode.decode_batch(batch, o, transfer, receiver.stopping, raw.epoch,
+                                               self.info.on_error)
+        elif transfer is not None:
+            if o.gpu_transform is not None:
+                check_finishable(batch)  # before the copy: a failed finish must not leave one in flight
+            batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=o.gpu_transform,
+                                              seed=o.seed, epoch=raw.epoch)
+        elif o.gpu_transform is not None:
+            finish(batch, o.gpu_transform, o.seed, raw.epoch)
+        copies = fields.tensors(batch) if event is not None else None
+        batch = fields.unpack(batch)  # ragged fields: B views of their one (device) buffer
+        # (after decode_on_client, which may leave out files under on_error: skip)
+        samples = int(batch["index"].shape[0]) if isinstance(batch.get("index"), torch.Tensor) else 0
+        if o.collate_fn is None:
+            return Received(raw.batch_index, batch, event, samples, copies)
+        if event is not None:  # on the device: collated once the consumer's stream waits for the copy
+            return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn)
+        return Received(raw.batch_index, collate(batch, o.collate_fn), None, samples)
 
     def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, *,
                     start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> Receiver:
@@ -201,10 +211,16 @@ class ServerConnection:
         return self._shm.outstanding if self._shm is not None else 0
 
 
-def deliver(item: Received, receiver: Receiver, transfer: Any) -> dict[str, torch.Tensor]:
-    """Consumer's thread: the batch of ``item``, its copy waited for on the current CUDA stream,
-    counted as taken from ``receiver``'s call (progress)."""
-    batch = item.batch if item.event is None else transfer.hand_over(item.batch, item.event)
+def deliver(item: Received, receiver: Receiver, transfer: Any) -> Any:
+    """Consumer's thread: the batch of ``item``, its copy waited for on the current CUDA stream
+    (then collated, if ``collate_fn`` is still to run), counted as taken from ``receiver``'s call
+    (progress)."""
+    batch = item.batch
+    if item.event is not None:
+        transfer.hand_over(item.copies, item.event)
+    if item.collate is not None:
+        batch = collate(batch, item.collate)
     if receiver.record is not None:
         receiver.record.took(item.samples)
+    loader_stats.delivered(item.samples)
     return batch

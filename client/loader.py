@@ -29,12 +29,28 @@ log = logging.getLogger(__name__)
 class RemoteDataLoader:
     """Iterate batches of a dataset that a batchd server at ``address`` decodes and augments.
 
-    Each batch is a dict of tensors: ``image`` [B, H, W, C] (uint8 unless the pipeline changes
-    the dtype, e.g. Normalize gives float32), ``label`` int64 [B], ``index`` int64 [B] (dataset
-    sample indices), and ``skipped`` int64 [K] when the server left out K unreadable samples
-    (dataset ``on_error: skip``; such a batch has B - K samples). Batch ``b`` of an epoch is a pure function of (dataset, transform,
-    batch_size, shuffle, seed, epoch, b, rank, world_size): iterating twice, on another server,
-    or with another number of server workers gives the same bytes.
+    Each batch is a dict with an entry per field of the dataset's samples (e.g. ``image``,
+    ``label``; ``boxes``, ``labels``, ``masks`` for detection), plus ``index`` int64 [B] (dataset
+    sample indices), ``position`` int64 [B] (each sample's place in the epoch's global order) and
+    ``skipped`` int64 [K] when the server left out K unreadable samples (dataset ``on_error:
+    skip``; such a batch has B - K samples). Each field is, in each batch:
+
+    * stacked, a tensor [B, ...], where the B samples' values have one shape (as
+      ``default_collate`` stacks them): ``image`` uint8 [B, H, W, C] (unless the pipeline changes
+      the dtype, e.g. Normalize gives float32), ``label`` int64 [B];
+    * a list of B tensors where their shapes differ (images of different sizes; ``boxes`` float32
+      [N_i, 4] xyxy pixels, ``labels`` int64 [N_i], ``masks`` uint8 [N_i, H, W] with N_i objects in
+      sample i, 0 included): sample i's value, a view of the field's one buffer (no copy); nothing
+      is padded or cropped;
+    * a list of B ``str`` / ``bytes`` for a str / bytes field.
+
+    Stacked or a list is decided per field in each batch: a field whose shapes happen to agree (every
+    image of the batch has 2 boxes) arrives stacked in that batch; ``list(batch[name])`` gives B
+    tensors either way, and ``collate_fn`` sees the same samples either way.
+
+    Batch ``b`` of an epoch is a pure function of (dataset, transform, batch_size, shuffle, seed,
+    epoch, b, rank, world_size): iterating twice, on another server, or with another number of
+    server workers gives the same bytes.
 
     Args:
         address: ``HOST:PORT`` or ``unix:PATH`` of the server; or several servers feeding this
@@ -65,15 +81,33 @@ class RemoteDataLoader:
             finishing each batch where it lands: images is the batch's uint8 [B, H, W, C] tensor
             (on the device after the copy, on the copy's side stream; on CPU without a device),
             positions is ``batch["position"]`` (int64 [B], each sample's position in the epoch's
-            global order); its result replaces ``batch["image"]``. A batch without "position"
+            global order); its result replaces ``batch["image"]``. A batch without "position", or
+            whose images have different sizes (a list, not [B, H, W, C]; resize them on the server),
             raises ValueError.
+        collate_fn: None (default): the dict batch above. Or ``fn(samples) -> Any``, as
+            DataLoader's: ``samples`` is the batch's B samples in order, each a dict of its fields
+            (row i of each stacked field, so ``label``, ``index`` and ``position`` are 0-d int64
+            tensors; the i-th tensor of each ragged field; the i-th str / bytes), and the loop gets
+            what fn returns, exactly as DataLoader's collate_fn over a Dataset of those dicts:
+            ``torch.utils.data.default_collate`` gives the dict batch back where shapes agree, and
+            ``lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))`` gives torchvision's
+            detection models their (images, targets) as ``tuple(zip(*x))`` does over its
+            references' (image, target) samples. ``skipped`` is not a sample: fn gets the B - K
+            samples that were read. fn runs in the receiver thread, overlapping the training step
+            as DataLoader's workers do (with several servers, in several threads at once); with a
+            CUDA ``device`` it runs in the iterating thread once the copy is waited for, so GPU
+            work in it is queued in order on the loop's current stream. The samples' tensors are
+            on ``device`` (str / bytes stay Python objects) and, over shared memory, keep the slot
+            lent until they are all freed. What fn raises, iteration raises.
         decode_on_client: the server sends each sample's JPEG file as it is and this loader decodes
-            it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision loads
-            (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU (the
-            same bytes as the server's decode at full size). Less server CPU and fewer bytes on
-            the network. The transform must then be None or exactly one ``A.Resize(h, w)`` (the
+            it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision >= 0.19
+            loads (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU
+            (the same bytes as the server's decode). Less server CPU and fewer bytes on the
+            network. The transform must then be None or exactly one ``A.Resize(h, w)`` (the
             loader redoes it; other transforms belong in ``gpu_transform``), the dataset's files
-            baseline/progressive JPEGs; otherwise iteration raises ValueError / SampleError.
+            baseline/progressive JPEGs; otherwise iteration raises ValueError / SampleError. A
+            file the loader cannot decode follows the dataset's ``on_error`` (SampleError, or
+            left out and named in ``skipped``).
         prefetch: batches the server computes ahead of the one being read (>= 1).
         timeout: seconds without a batch before iteration raises TimeoutError.
         connect_timeout: seconds to find the server before raising ConnectionError.
@@ -106,11 +140,12 @@ class RemoteDataLoader:
             differ raise ValueError, and so does ``load_state_dict`` of a state saved against
             other fingerprints. False: accept, with a warning (see ``DatasetInfo``).
 
-    Memory: over shared memory, a batch's tensors are views of a server slot lent to this
-    client, mapped copy-on-write (a write stays in this process); the slot goes back when the
-    last tensor on it is freed. Inline, they are views of
-    the received message. Either way a batch stays valid as long as it is referenced, and may
-    be modified in place, as with DataLoader.
+    Memory: over shared memory, a batch's tensors (a ragged field's per-sample tensors included)
+    are views of a server slot lent to this client, mapped copy-on-write (a write stays in this
+    process); the slot goes back when the last tensor on it is freed. Inline, they are views of
+    the received message. On a CUDA device, each field is copied once (a ragged field as one
+    buffer, then split into views there); str / bytes stay Python objects. Either way a batch
+    stays valid as long as it is referenced, and may be modified in place, as with DataLoader.
 
     Raises (at construction): ValueError for bad arguments, ConnectionError if no server
     answers, DatasetNotFoundError if the server has no such dataset. Iteration raises
@@ -140,7 +175,7 @@ class RemoteDataLoader:
                  failover_timeout: float = 5.0, probe_interval: float = 5.0, tls: Any = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, strict: bool = True, gpu_transform: Any = None,
-                 decode_on_client: bool = False, hedge: Any = True):
+                 decode_on_client: bool = False, collate_fn: Any = None, hedge: Any = True):
         extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
         self.options = LoaderOptions.from_arguments(
             dataset, transform=transform, rank=rank, world_size=world_size, device=device, compression=compression,
@@ -148,7 +183,8 @@ class RemoteDataLoader:
             shuffle=shuffle, seed=seed, drop_last=drop_last, prefetch=prefetch, timeout=timeout,
             connect_timeout=connect_timeout, transport=transport, reconnect_timeout=reconnect_timeout,
             failover_timeout=failover_timeout, probe_interval=probe_interval, strict=strict,
-            gpu_transform=gpu_transform, decode_on_client=decode_on_client, hedge=hedge, **extra)
+            gpu_transform=gpu_transform, decode_on_client=decode_on_client, collate_fn=collate_fn, hedge=hedge,
+            **extra)
         addresses = server_addresses(address)
         several = len(addresses) > 1 or may_grow(address)
         if several:  # names as IP:PORT, as the prober will see them when it resolves them again
@@ -226,11 +262,11 @@ class RemoteDataLoader:
             self._resume_batch, self._position, self._start_position = 0, None, 0
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         start, self._resume_batch = self._resume_batch, 0
         return self._iterate(self.epoch, self._start_position, start)
 
-    def _iterate(self, epoch: int, start_position: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
+    def _iterate(self, epoch: int, start_position: int, start_batch: int) -> Iterator[Any]:
         total = self._batches_from(start_position)
         b = start_batch
         for batch in measure(self.servers.batches(epoch, start_batch, total, start_position), self._stats):
@@ -382,7 +418,7 @@ class SingleServerLoader:
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def batches(self, epoch: int, start_batch: int, total: int, start_position: int = 0
-                ) -> Iterator[dict[str, torch.Tensor]]:
+                ) -> Iterator[Any]:
         """Batches start_batch .. total - 1 of ``epoch`` (its remainder from global position
         ``start_position``), in order (fewer if the server ends early)."""
         if self.connection.closed:

@@ -57,11 +57,12 @@ class LoaderStats:
         if self._first_ask is None:
             self._first_ask = now
 
-    def waited(self, seconds: float, batch: Any, now: float) -> None:
-        """A batch was handed over at ``now`` after the loop waited ``seconds`` for it."""
+    def waited(self, seconds: float, batch: Any, now: float, samples: int | None = None) -> None:
+        """A batch of ``samples`` samples (None: counted from its ``index``) was handed over at
+        ``now`` after the loop waited ``seconds`` for it."""
         with self._lock:
             self.batches += 1
-            self.samples += samples_in(batch)
+            self.samples += samples_in(batch) if samples is None else samples
             self.wait_seconds += seconds
             self._waits.append(seconds)
             self._last_handed = now
@@ -103,6 +104,20 @@ class LoaderStats:
         return figures
 
 
+_delivered = threading.local()  # the samples of the batch ``deliver`` handed over last, per thread
+
+
+def delivered(samples: int) -> None:
+    """``client.connection.deliver`` hands over a batch of ``samples`` samples in this thread (what
+    ``measure`` counts, whatever ``collate_fn`` made of the batch)."""
+    _delivered.samples = samples
+
+
+def _take_delivered() -> int | None:
+    samples, _delivered.samples = getattr(_delivered, "samples", None), None
+    return samples
+
+
 def samples_in(batch: Any) -> int:
     """Samples in a batch: the length of its ``index`` tensor (0 for a batch without one)."""
     index = batch.get("index") if isinstance(batch, dict) else None
@@ -121,7 +136,7 @@ def measure(batches: Iterator[T], stats: LoaderStats) -> Iterator[T]:
             except StopIteration:
                 return
             now = time.monotonic()
-            stats.waited(now - start, batch, now)
+            stats.waited(now - start, batch, now, _take_delivered())
             yield batch
             batch = None  # noqa: F841  (not kept by this frame while the loop trains on it)
     finally:

@@ -105,6 +105,7 @@ class LoaderOptions:
     strict: bool = True
     gpu_transform: Callable[..., torch.Tensor] | None = None
     decode_on_client: bool = False
+    collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None
     hedge: HedgePolicy | None = None
 
     def __post_init__(self) -> None:
@@ -126,6 +127,8 @@ class LoaderOptions:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.gpu_transform is not None and not callable(self.gpu_transform):
             raise ValueError(f"gpu_transform must be None or a callable, got {type(self.gpu_transform).__name__}")
+        if self.collate_fn is not None and not callable(self.collate_fn):
+            raise ValueError(f"collate_fn must be None or a callable, got {type(self.collate_fn).__name__}")
         self.strict = bool(self.strict)
         if not isinstance(self.decode_on_client, bool):
             raise ValueError(f"decode_on_client must be True or False, got {self.decode_on_client!r}")

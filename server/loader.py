@@ -16,12 +16,14 @@ from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
 from batchd.sampler import num_batches, shard_indices
 from batchd.server.compute import allowlist
 from batchd.server.compute import encoded
+from batchd.server.compute import python_pipeline
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.serve import shm
-from batchd.server.build import build_fingerprint, server_build
+from batchd.server.build import build_fingerprint, build_parts
 from batchd.server.data.cache import SharedCache
 from batchd.server.config import ServerConfig
 from batchd.server.data.datasets import Dataset, open_dataset
+from batchd.server.data.datasets.python import add_python_path
 from batchd.server.serve.leases import LeaseTable
 from batchd.server.compute.pool import WorkerPool
 from batchd.server.serve.stats import SENT, stream_outcome
@@ -43,13 +45,19 @@ class Loader:
         self.config = config
         self.started = time.monotonic()
         shm.remove_stale()
+        add_python_path(config.python_path)  # kind python factories and python pipelines import from here
         self.datasets: dict[str, Dataset] = {}
         for name, dcfg in config.datasets.items():
             self.datasets[name] = open_dataset(name, dcfg, config.cache_dir, build=True)
             log.info("dataset %r: %s, %d samples, %d classes", name, dcfg.kind, len(self.datasets[name]),
                      len(self.datasets[name].classes))
-        self._presets = {name: pipelines.canonical_json(spec) for name, spec in config.pipelines.items()}
+        python_presets = config.python_pipelines()
+        self._presets = {name: python_pipeline.preset_json(name, spec) if name in python_presets
+                         else pipelines.canonical_json(spec) for name, spec in config.pipelines.items()}
         for name, text in self._presets.items():
+            if name in python_presets:  # imported and built once here: a broken one stops the server at start-up
+                python_pipeline.make(python_presets[name], name)
+                continue
             try:
                 pipelines.build(text)
             except ValueError as e:
@@ -62,7 +70,7 @@ class Loader:
             c = config.cache
             self.cache = SharedCache.create(
                 f"{self.owner.prefix}cache", memory_bytes=int(c.memory_bytes), datasets=list(config.datasets),
-                workers=config.workers, build=build_fingerprint(server_build()), disk_dir=c.disk_dir,
+                workers=config.workers, build=build_fingerprint(build_parts(cache=True)), disk_dir=c.disk_dir,
                 disk_bytes=int(c.disk_bytes), compress=c.compress, disk_max_idle_s=c.disk_max_idle_s)
         self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
         self.transport = Transport(self.slots, self.leases)  # lend or copy each batch sent
@@ -70,6 +78,7 @@ class Loader:
             config.workers, dict(config.datasets), config.cache_dir, self.slots,
             worker_timeout_s=config.worker_timeout_s, max_task_retries=config.max_task_retries,
             max_batch_bytes=config.max_batch_bytes, reads_in_flight=config.reads_in_flight,
+            python_path=config.python_path, python_pipelines=python_presets,
         )
         self._lock = threading.RLock()  # streams, counters, _computations; moving a stream between computations
         self.streams: dict[int, Stream] = {}

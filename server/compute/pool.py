@@ -48,8 +48,10 @@ class WorkerPool:
 
     dataset_configs: name -> dataset config, opened by each worker. reads_in_flight: sample reads
     each worker keeps running on its I/O threads (``server/data/reader.py``); the scheduler keeps about
-    ``4 * reads_in_flight`` samples queued behind each worker's running task. Raises RuntimeError
-    if the workers do not all start within ``start_timeout`` seconds.
+    ``4 * reads_in_flight`` samples queued behind each worker's running task. python_path,
+    python_pipelines: the config's ``python_path`` and python presets, for every worker
+    (``worker_main``). Raises RuntimeError if the workers do not all start within
+    ``start_timeout`` seconds.
     """
 
     def __init__(
@@ -64,8 +66,11 @@ class WorkerPool:
         start_timeout: float = 60.0,
         max_batch_bytes: int = 0,
         reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
+        python_path: tuple = (),
+        python_pipelines: dict | None = None,
     ):
         self.max_batch_bytes = max_batch_bytes
+        self._python = (tuple(str(p) for p in python_path), dict(python_pipelines or {}))  # for worker_main
         self.reads_in_flight = reads_in_flight
         self.read_ahead = 4 * reads_in_flight  # samples queued behind a worker's running task
         self.num_workers = num_workers
@@ -86,6 +91,7 @@ class WorkerPool:
         os.set_blocking(self._wake_w, False)
         self._closing = False
         self.restarts = 0
+        self.batches_rebuilt = 0  # batches in flight on a worker that died, queued again for another
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
         self.hedge_batches_built = 0  # ... of them for hedged requests (StreamBatchesRequest.hedge)
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
@@ -175,7 +181,7 @@ class WorkerPool:
         process = self._ctx.Process(
             target=worker_main,
             args=(worker_id, child_conn, self._dataset_configs, self._cache_dir, self.slots.prefix, os.getpid(),
-                  self.reads_in_flight),
+                  self.reads_in_flight, *self._python),
             name=f"batchd-worker-{worker_id}",
             daemon=True,
         )
@@ -237,6 +243,8 @@ class WorkerPool:
                     ),
                     job.batch_index,
                 )
+            elif not job.stream.closed:  # queued again (retry), for the next free worker
+                self.batches_rebuilt += 1
         w.conn.close()
         self.restarts += 1
         self._workers[w.worker_id] = self._start_worker(w.worker_id)

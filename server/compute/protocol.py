@@ -121,7 +121,9 @@ class TensorLayout:
 
     Stacked (``sample_shapes`` None): ``shape`` is [B, ...]. Ragged (the samples' shapes differ):
     ``shape`` is (total elements,), the samples' values back to back, and ``sample_shapes`` gives
-    each sample's shape (B tuples of one length); see ``Tensor`` in loader.proto.
+    each sample's shape (B tuples of one length; an empty tuple for B = 0); see ``Tensor`` in
+    loader.proto. dtype "str" (UTF-8) and "bytes" are always ragged, stored as uint8 of shape
+    (length,) per sample.
     """
 
     name: str
@@ -132,7 +134,24 @@ class TensorLayout:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * storage_dtype(self.dtype).itemsize
+
+    @property
+    def ragged(self) -> bool:
+        return self.sample_shapes is not None
+
+    @property
+    def samples(self) -> int:
+        """The batch's number of samples as this tensor holds them (B)."""
+        return len(self.sample_shapes) if self.sample_shapes is not None else self.shape[0]
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a tensor's bytes are stored as: uint8 for "str" (UTF-8) and "bytes", else ``dtype``."""
+    return _UINT8 if dtype in ("str", "bytes") else np.dtype(dtype)
+
+
+_UINT8 = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,6 +104,8 @@ class StatsCollector(Collector):
         yield gauge("batchd_workers_ready", "Worker processes started and answering.", p.ready)
         yield gauge("batchd_workers_busy", "Worker processes with a batch assigned now.", p.busy)
         yield counter("batchd_worker_restarts", "Worker processes that died and were replaced.", p.restarts)
+        yield counter("batchd_batches_rebuilt", "Batches in flight on a worker that died, queued again for another.",
+                      p.batches_rebuilt)
         yield counter("batchd_worker_busy_seconds", "Seconds workers spent building batches (load, pipeline, copy).",
                       p.busy_seconds)
         yield gauge("batchd_worker_utilization_ratio",

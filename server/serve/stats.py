@@ -118,6 +118,7 @@ class PoolStats:
     ready: int  # started and answering (a replacement counts once it said Ready)
     busy: int  # workers with at least one batch assigned right now
     restarts: int  # workers that died and were replaced
+    batches_rebuilt: int  # batches in flight on a worker that died, queued again for another
     busy_seconds: float  # seconds workers spent building batches (load + pipeline + copy), all time
     utilization: float  # moving fraction of worker time spent building batches, 0..1
     tasks_in_flight: int  # batches sent to workers and not yet back (the work queue)
@@ -244,6 +245,7 @@ def snapshot(loader: "Loader") -> ServerStats:
         ready=load["ready"],
         busy=load["busy"],
         restarts=pool.restarts,
+        batches_rebuilt=pool.batches_rebuilt,
         busy_seconds=pool.work_seconds,
         utilization=min(1.0, pool.work_meter.rate(now=now) / max(1, pool.num_workers)),
         tasks_in_flight=load["tasks_in_flight"],

@@ -109,7 +109,7 @@ class Stream:
         self._from.put_back(batch)
         if not sent:
             return
-        n = batch.tensors[0].shape[0]
+        n = batch.tensors[0].samples
         with self._lock:
             self.batches_sent += 1
             self.samples_sent += n

@@ -97,7 +97,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build")
+    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build", "on_error")
     class BuildEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class DatasetInfo(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BUILD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BUILD_FIELD_NUMBER: _ClassVar[int]
+    ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     num_samples: int
@@ -121,7 +122,8 @@ class DatasetInfo(_message.Message):
     fingerprint: str
     build_fingerprint: str
     build: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    on_error: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ..., on_error: _Optional[str] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("preset", "albumentations_json")
@@ -294,7 +296,7 @@ class StreamStats(_message.Message):
     def __init__(self, id: _Optional[int] = ..., peer: _Optional[str] = ..., dataset: _Optional[str] = ..., pipeline: _Optional[str] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[str] = ..., shared: _Optional[bool] = ..., num_batches: _Optional[int] = ..., next_batch: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., batches_in_flight: _Optional[int] = ..., batches_ready: _Optional[int] = ..., prefetch: _Optional[int] = ..., age_seconds: _Optional[float] = ..., images_per_second: _Optional[float] = ..., waiting_seconds: _Optional[float] = ..., batches_taken: _Optional[int] = ..., samples_taken: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., images_per_second_sent: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions")
+    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions", "batches_rebuilt")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +309,7 @@ class PoolStats(_message.Message):
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_REBUILT_FIELD_NUMBER: _ClassVar[int]
     workers: int
     ready: int
     busy: int
@@ -319,7 +322,8 @@ class PoolStats(_message.Message):
     shm_bytes: int
     leases_held: int
     sessions: int
-    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    batches_rebuilt: int
+    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ...) -> None: ...
 
 class StatsTotals(_message.Message):
     __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent")
