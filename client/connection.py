@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from batchd import wire
-from batchd.client import decode, fields
+from batchd.client import decode, fields, loader_stats
 from batchd.client.channel import open_channel, translate
 from batchd.client.collate import collate
 from batchd.client.datasets import DatasetInfo, describe
@@ -96,10 +96,10 @@ class ServerConnection:
             self._shm.close()
         self._shm, self._shm_tried = None, False
 
-    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0,
-                tag: str = "") -> pb.StreamBatchesRequest:
-        """The StreamBatches request for these batches (``stream_tag`` = ``tag``); opens the
-        shared-memory session on first use (see ``shared_memory``)."""
+    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, tag: str = "", *,
+                start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> pb.StreamBatchesRequest:
+        """The StreamBatches request for these batches (``stream_tag`` = ``tag``; the other fields
+        as in loader.proto); opens the shared-memory session on first use (see ``shared_memory``)."""
         o, shm = self.options, self.shared_memory()
         return pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
@@ -109,6 +109,7 @@ class ServerConnection:
             session=shm.session if shm is not None else "", compression=o.compression,
             batch_stride=stride if stride > 1 else 0, batch_offset=offset, stream_tag=tag,
             image_encoding=pb.IMAGE_ENCODING_JPEG if o.decode_on_client else pb.IMAGE_ENCODING_DECODED,
+            start_position=start_position, end_batch=end_batch, hedge=hedge,
         )
 
     def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
@@ -145,15 +146,18 @@ class ServerConnection:
             return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn)
         return Received(raw.batch_index, collate(batch, o.collate_fn), None, samples)
 
-    def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
-        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults).
+    def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, *,
+                    start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> Receiver:
+        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults) of the
+        epoch's remainder from global position ``start_position``, up to ``end_batch`` (0: the end).
 
         The call is tagged (``stream_tag``); stopping its receiver before the end reports it
-        abandoned with the leases received on it. Raises ConnectionError and the errors of
-        ``translate``.
+        abandoned with the leases received on it. A ``hedge`` call (one late batch asked again)
+        does not become ``self.receiver``. Raises ConnectionError and the errors of ``translate``.
         """
         tag = f"{self._tag_prefix}-{next(self._tags)}"
-        request = self.request(epoch, start_batch, stride, offset, tag)
+        request = self.request(epoch, start_batch, stride, offset, tag, start_position=start_position,
+                               end_batch=end_batch, hedge=hedge)
         record = CallRecord(tag, request.session)
         try:
             call = self._stream_batches(request)
@@ -161,10 +165,12 @@ class ServerConnection:
             raise translate(e, self.address) from None
         self.reporter.open_call(record)
         shm = self._shm if request.session else None
-        receiver = self.receiver = Receiver(
+        receiver = Receiver(
             call, self.address, self._convert, record,
             on_end=lambda r: self.reporter.end_call(r.record, abandoned=not r.finished),
             release=shm.release_unused if shm is not None else None)
+        if not hedge:
+            self.receiver = receiver
         receiver.start()
         return receiver
 
@@ -175,6 +181,16 @@ class ServerConnection:
             return True
         except grpc.FutureTimeoutError:
             return False
+
+    def serving(self, timeout: float) -> bool:
+        """Whether the server's gRPC health service says SERVING (not draining) within ``timeout`` s."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def stop_stream(self) -> None:
         if self.receiver is not None:
@@ -206,4 +222,5 @@ def deliver(item: Received, receiver: Receiver, transfer: Any) -> Any:
         batch = collate(batch, item.collate)
     if receiver.record is not None:
         receiver.record.took(item.samples)
+    loader_stats.delivered(item.samples)
     return batch

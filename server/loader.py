@@ -144,9 +144,16 @@ class Loader:
                              f"got {args.transport!r}, {args.compression!r}")
         name, text = self._pipeline(args)
         encoded.check_request(ds, args.image_encoding, text)  # JPEG: files the client can decode, its resize
-        n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last)
+        if args.start_position >= len(ds):
+            raise ValueError(f"start_position {args.start_position} is past the epoch's samples (dataset "
+                             f"{args.dataset!r} has {len(ds)})")
+        n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last,
+                        start_position=args.start_position)
         if args.start_batch > n:
             raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")
+        if args.end_batch and not args.start_batch < args.end_batch <= n:
+            raise ValueError(f"end_batch must be in (start_batch={args.start_batch}, {n}] (the epoch's batches) "
+                             f"or 0, got {args.end_batch}")
         stride = args.batch_stride or 1
         if not 0 <= args.batch_offset < stride:
             raise ValueError(f"batch_offset must be in [0, batch_stride={stride}), got {args.batch_offset}")
@@ -170,18 +177,22 @@ class Loader:
                     self.streams[stream.id] = stream
                     self.transport.open(stream)
                     self.counters["streams_started"] += 1
+                    if request.hedge:
+                        self.counters["hedge_streams_started"] += 1
                     break
             indices = shard_indices(
                 len(ds), shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
-                rank=args.rank, world_size=world_size, drop_last=args.drop_last,
+                rank=args.rank, world_size=world_size, drop_last=args.drop_last, start_position=args.start_position,
             )
         if started is not None:
             self.pool.add_computation(started)
         log.info(
             "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
             "batches %d..%d%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
-            args.shuffle, args.seed, args.epoch, args.rank, world_size, stream.position, n,
-            f" (stride {stride})" if stride > 1 else "", prefetch, args.transport,
+            args.shuffle, args.seed, args.epoch, args.rank, world_size, stream.position, stream.end,
+            (f" (stride {stride})" if stride > 1 else "")
+            + (f" of the epoch from position {args.start_position}" if args.start_position else "")
+            + (" (hedged request)" if args.hedge else ""), prefetch, args.transport,
             args.peer or "-",
             f"joins computation {joined.id}, shared with {joined.readers - 1} other streams" if joined is not None
             else f"computation {stream.computation.id}",
@@ -200,7 +211,7 @@ class Loader:
     def _new_computation(self, stream: Stream, request: StreamRequest, indices, n: int) -> Computation:
         """A computation for ``stream``, registered (under _lock, which the caller holds) so that
         identical streams join it; the caller hands it to the pool."""
-        computation = Computation(request, indices, n, release_slot=self._release_slot,
+        computation = Computation(request, indices, min(n, request.end_batch or n), release_slot=self._release_slot,
                                   window=self.config.share_window, start=stream.position)
         computation.on_fall_behind = self._fell_behind
         computation.attach(stream, first=True)
@@ -259,6 +270,8 @@ class Loader:
                 self.counters[stream_outcome(stream)] += 1
                 for key in SENT:
                     self.counters[key] += getattr(stream, key)
+                if stream.request.hedge:
+                    self.counters["hedge_batches_sent"] += stream.batches_sent
         if reason == "finished" and not stream.finished:
             reason = "ended early (the client stopped reading)"
         elapsed = time.monotonic() - stream.started

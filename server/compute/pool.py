@@ -93,6 +93,7 @@ class WorkerPool:
         self.restarts = 0
         self.batches_rebuilt = 0  # batches in flight on a worker that died, queued again for another
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
+        self.hedge_batches_built = 0  # ... of them for hedged requests (StreamBatchesRequest.hedge)
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
         self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
         self._workers: dict[int, WorkerHandle] = {}
@@ -297,6 +298,8 @@ class WorkerPool:
             return
         if isinstance(msg, BatchDone):
             self.batches_built += 1
+            if job.stream.request.hedge:
+                self.hedge_batches_built += 1
             work = sum(msg.timings.values())
             self.work_seconds += work
             self.work_meter.add(work)

@@ -93,6 +93,10 @@ class StatsCollector(Collector):
         copied.add_metric(["shm"], t.bytes_copied_shm)
         copied.add_metric(["inline"], t.bytes_copied_inline)
         yield copied
+        yield counter("batchd_hedge_streams_started", "Hedged requests opened (a client of several servers "
+                      "re-requesting one late batch here).", t.hedge_streams_started)
+        yield counter("batchd_hedge_batches_built", "Batches workers built for hedged requests.", t.hedge_batches_built)
+        yield counter("batchd_hedge_batches_sent", "Batches sent on hedged requests.", t.hedge_batches_sent)
         yield gauge("batchd_computations", "Running computations (identical streams share one).", s.computations)
         yield counter("batchd_computations_started", "Computations started.", s.computations_started)
 

@@ -143,6 +143,9 @@ class Totals:
     samples_skipped: int
     bytes_copied_shm: int  # batch bytes copied out of slots for shared-memory streams (inline fallbacks)
     bytes_copied_inline: int  # ... for inline streams (every batch's bytes)
+    hedge_streams_started: int = 0  # hedged requests (one late batch re-requested by a client of several servers)
+    hedge_batches_built: int = 0  # batches workers built for them
+    hedge_batches_sent: int = 0  # batches sent on them
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +234,8 @@ def snapshot(loader: "Loader") -> ServerStats:
     """Everything ``batchd status`` and the Prometheus endpoint show, read now."""
     now = time.monotonic()
     with loader._lock:  # streams move from `streams` to `counters` under this lock
-        streams = tuple(stream_stats(s, now) for s in sorted(loader.streams.values(), key=lambda s: s.id))
+        loader_streams = sorted(loader.streams.values(), key=lambda s: s.id)
+        streams = tuple(stream_stats(s, now) for s in loader_streams)
         counters = dict(loader.counters)
         computations = loader.computations
     pool, slots, leases = loader.pool, loader.slots, loader.leases
@@ -257,6 +261,10 @@ def snapshot(loader: "Loader") -> ServerStats:
         **{k: counters.get(k, 0) + sum(getattr(s, k) for s in streams) for k in SENT},
         bytes_copied_shm=loader.transport.bytes_copied["shm"],
         bytes_copied_inline=loader.transport.bytes_copied["inline"],
+        hedge_streams_started=counters.get("hedge_streams_started", 0),
+        hedge_batches_built=pool.hedge_batches_built,
+        hedge_batches_sent=counters.get("hedge_batches_sent", 0)
+        + sum(s.batches_sent for s in loader_streams if s.request.hedge),
     )
     return ServerStats(
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,

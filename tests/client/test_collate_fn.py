@@ -192,3 +192,13 @@ def test_samples_kept_by_collate_fn_keep_the_slot_lent(server):
 def test_collate_fn_must_be_callable(server):
     with pytest.raises(ValueError, match="collate_fn must be None or a callable"):
         batchd.RemoteDataLoader(server.address, "handmade", collate_fn="default")
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_loader_stats_count_samples_whatever_collate_fn_returns(server, transport):
+    """stats() counts the samples each batch held, not what collate_fn made of it (a tuple here)."""
+    with batchd.RemoteDataLoader(server.address, "handmade", batch_size=B, transport=transport,
+                                 collate_fn=lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))) as loader:
+        got = list(loader)
+        stats = loader.stats()
+    assert stats["batches"] == len(got) and stats["samples"] == N == sum(len(images) for images, _ in got)

@@ -134,7 +134,7 @@ class Pipeline(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., albumentations_json: _Optional[str] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding")
+    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding", "start_position", "end_batch", "hedge")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,9 @@ class StreamBatchesRequest(_message.Message):
     BATCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STREAM_TAG_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_BATCH_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     pipeline: Pipeline
     batch_size: int
@@ -171,7 +174,10 @@ class StreamBatchesRequest(_message.Message):
     batch_offset: int
     stream_tag: str
     image_encoding: ImageEncoding
-    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ...) -> None: ...
+    start_position: int
+    end_batch: int
+    hedge: bool
+    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "offset", "compression", "sample_ndim", "sample_shapes", "sample_offsets")
@@ -320,7 +326,7 @@ class PoolStats(_message.Message):
     def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ...) -> None: ...
 
 class StatsTotals(_message.Message):
-    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline")
+    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent")
     STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +337,9 @@ class StatsTotals(_message.Message):
     SAMPLES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_SHM_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_INLINE_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_BATCHES_BUILT_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
     streams_started: int
     streams_finished: int
     streams_failed: int
@@ -341,7 +350,10 @@ class StatsTotals(_message.Message):
     samples_skipped: int
     bytes_copied_shm: int
     bytes_copied_inline: int
-    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ...) -> None: ...
+    hedge_streams_started: int
+    hedge_batches_built: int
+    hedge_batches_sent: int
+    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ..., hedge_streams_started: _Optional[int] = ..., hedge_batches_built: _Optional[int] = ..., hedge_batches_sent: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("uptime_seconds", "version", "streams", "pool", "totals", "cache")
