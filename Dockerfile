@@ -13,7 +13,7 @@
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
-# ---- build: a virtual environment with batchd (no client or test extras) -------------------------
+# ---- build: a virtual environment with batchd and its coco extra (pycocotools: masks of kind: coco) ----
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
@@ -23,7 +23,7 @@ COPY batchd/ batchd/
 COPY proto/ proto/
 COPY server/ server/
 COPY client/ client/
-RUN pip install . && batchd --help >/dev/null
+RUN pip install ".[coco]" && batchd --help >/dev/null
 
 # ---- runtime -------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}

@@ -27,6 +27,7 @@ from batchd.errors import (
 if TYPE_CHECKING:
     from batchd.client.datasets import DatasetInfo, list_datasets
     from batchd.client.finish import GpuTransform
+    from batchd.client.hedge import HedgePolicy
     from batchd.client.loader import RemoteDataLoader
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "DatasetInfo",
     "DatasetNotFoundError",
     "GpuTransform",
+    "HedgePolicy",
     "PermissionDeniedError",
     "RemoteDataLoader",
     "ResourceExhaustedError",
@@ -48,6 +50,7 @@ _LAZY = {
     "DatasetInfo": "batchd.client.datasets",
     "list_datasets": "batchd.client.datasets",
     "GpuTransform": "batchd.client.finish",
+    "HedgePolicy": "batchd.client.hedge",
     "RemoteDataLoader": "batchd.client.loader",
 }
 

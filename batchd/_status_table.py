@@ -79,6 +79,9 @@ def format_status(reply: pb.StatsResponse, address: str) -> str:
         f"{t.samples_sent:,} images, {human_bytes(t.bytes_sent)} sent; {t.samples_skipped:,} samples skipped",
         f"copies:   {human_bytes(t.bytes_copied_inline)} copied into inline messages, "
         f"{human_bytes(t.bytes_copied_shm)} for shared-memory streams (0: every batch lent in place)",
+        *([f"hedges:   {t.hedge_streams_started:,} hedged requests from clients of several servers; "
+           f"{t.hedge_batches_built:,} batches built, {t.hedge_batches_sent:,} sent for them"]
+          if t.hedge_streams_started else []),
         *(f"cache:    {c.dataset}: {c.hits:,} hits ({c.hits_disk:,} from disk), {c.misses:,} misses; "
           f"{human_bytes(c.bytes_ram)} in RAM, {human_bytes(c.bytes_disk)} on disk; {c.evictions:,} evicted, "
           f"{c.not_admitted:,} not admitted" for c in reply.cache),

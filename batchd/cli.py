@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
 import sys
 
 
@@ -19,10 +20,17 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"batchd: {e}", file=sys.stderr)
         return 2
+    if args.python_path:
+        config = config.model_copy(update={"python_path": (*map(pathlib.Path, args.python_path), *config.python_path)})
     try:
         return serve(config)
-    except (OSError, ValueError, RuntimeError) as e:
-        logging.getLogger("batchd").error("cannot start: %s", e)
+    except Exception as e:
+        # the operator's code (kind python, python pipelines: errors with a note naming it) and
+        # anything unexpected: with the traceback; batchd's own start-up errors: the message
+        notes = getattr(e, "__notes__", None)
+        plain = isinstance(e, (OSError, ValueError, RuntimeError)) and not notes
+        logging.getLogger("batchd").error("cannot start: %s", "\n".join([f"{type(e).__name__}: {e}", *(notes or ())]),
+                                          exc_info=None if plain else e)
         return 1
 
 
@@ -166,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HOST:PORT or unix:PATH (overrides the config); give it again to listen on several, "
                             "e.g. a unix socket and a TCP port for health probes")
     serve.add_argument("--workers", type=int, help="worker processes (overrides the config)")
+    serve.add_argument("--python-path", action="append", metavar="DIR",
+                       help="a folder the server and its workers import kind python factories and python pipelines "
+                            "from (first on sys.path, before the config's python_path); give it again for more")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics on http://HOST:PORT/metrics, HOST as in the address "
                             "(overrides the config's metrics_port)")

@@ -27,7 +27,9 @@ class SampleError(BatchdError, RuntimeError):
 
 
 class ShapeMismatchError(BatchdError, ValueError):
-    """Images of one batch came out of the pipeline with different shapes, so they cannot stack."""
+    """Samples of one batch cannot be batched: a field has different dtypes (or numbers of
+    dimensions) in two samples, or some samples lack it. The message names the field and both
+    samples. (Different shapes alone are not an error: such a field comes as a list.)"""
 
 
 class WorkerError(BatchdError, RuntimeError):

@@ -11,6 +11,16 @@ with drop_last it is cut to ``world_size * floor(n / world_size)``. Rank ``r`` t
 ``order[r::world_size]``. Batches then follow ``DataLoader``: consecutive runs of ``batch_size``
 samples of the shard, the last one partial unless drop_last.
 
+Global positions. The order, padded by wrapping, is one sequence: position ``p`` holds sample
+``order[p % n]`` and keys its random stream (``sample_stream``), whatever the world size. An
+epoch may also be served from position ``start_position`` on (an elastic resume: another
+world size or batch size continuing an epoch): the remaining positions ``start_position ..
+n - 1`` are sharded as above, as if they were the whole epoch (``m = n - start_position``
+samples, padded by wrapping to ``world_size * ceil(m / world_size)``, or cut to ``world_size *
+floor(m / world_size)`` with drop_last), and every sample keeps its position: rank ``r``'s shard
+position ``i`` is ``start_position + r + world_size * i``. Padding positions are ``>= n`` and hold
+the samples at the start of the order, as DistributedSampler pads.
+
 Only numpy is imported here; client and server share it so both agree on ``len(loader)``.
 """
 
@@ -19,16 +29,18 @@ from __future__ import annotations
 import numpy as np
 
 
-def shard_size(num_samples: int, world_size: int, drop_last: bool) -> int:
-    """Samples per rank in one epoch."""
+def shard_size(num_samples: int, world_size: int, drop_last: bool, start_position: int = 0) -> int:
+    """Samples per rank in one epoch (from ``start_position`` on: see the module docstring)."""
+    remaining = num_samples - start_position
     if drop_last:
-        return num_samples // world_size
-    return -(-num_samples // world_size)
+        return remaining // world_size
+    return -(-remaining // world_size)
 
 
-def num_batches(num_samples: int, batch_size: int, *, world_size: int = 1, drop_last: bool = False) -> int:
-    """Batches per epoch for each rank."""
-    per_rank = shard_size(num_samples, world_size, drop_last)
+def num_batches(num_samples: int, batch_size: int, *, world_size: int = 1, drop_last: bool = False,
+                start_position: int = 0) -> int:
+    """Batches per epoch for each rank (of the epoch's remainder from ``start_position`` on)."""
+    per_rank = shard_size(num_samples, world_size, drop_last, start_position)
     return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
 
 
@@ -41,37 +53,48 @@ def epoch_order(num_samples: int, *, shuffle: bool, seed: int, epoch: int) -> np
 
 
 def shard_indices(
-    num_samples: int, *, shuffle: bool, seed: int, epoch: int, rank: int, world_size: int, drop_last: bool
+    num_samples: int, *, shuffle: bool, seed: int, epoch: int, rank: int, world_size: int, drop_last: bool,
+    start_position: int = 0,
 ) -> np.ndarray:
-    """This rank's dataset sample indices for one epoch, in order: int64 [shard_size].
+    """This rank's dataset sample indices for one epoch (from ``start_position`` on), in order:
+    int64 [shard_size].
 
-    Raises ValueError if rank is not in [0, world_size) or the dataset is empty.
+    Raises ValueError if rank is not in [0, world_size), the dataset is empty or start_position
+    is not in [0, num_samples).
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if num_samples < 1:
         raise ValueError("the dataset has no samples")
+    if not 0 <= start_position < num_samples:
+        raise ValueError(f"start_position {start_position} is not in [0, {num_samples}) (the epoch's samples)")
     order = epoch_order(num_samples, shuffle=shuffle, seed=seed, epoch=epoch)
     # positions rank, rank + world_size, ... of the order padded by wrapping (as DistributedSampler
     # pads) or cut: computed directly, so memory is O(num_samples + shard), whatever world_size is
-    positions = global_positions(0, shard_size(num_samples, world_size, drop_last), rank=rank, world_size=world_size)
+    size = shard_size(num_samples, world_size, drop_last, start_position)
+    positions = global_positions(0, size, rank=rank, world_size=world_size, start_position=start_position)
     return order[positions % num_samples]
 
 
-def global_positions(start: int, stop: int, *, rank: int, world_size: int) -> np.ndarray:
+def global_positions(start: int, stop: int, *, rank: int, world_size: int, start_position: int = 0) -> np.ndarray:
     """Where shard positions ``start .. stop-1`` of rank ``rank`` lie in the epoch's global order.
 
-    Returns int64 [stop - start]: ``rank + world_size * i`` for shard position ``i``, a position in
-    the order padded by wrapping (so the padding's repeated samples get positions of their own,
-    ``>= num_samples``). Every (rank, shard position) pair has a different global position, and a
-    sample's global position does not depend on ``batch_size``. Raises ValueError if rank is not
-    in [0, world_size) or ``0 <= start <= stop`` does not hold.
+    Returns int64 [stop - start]: ``start_position + rank + world_size * i`` for shard position
+    ``i``, a position in the order padded by wrapping (so the padding's repeated samples get
+    positions of their own, ``>= num_samples``). ``start_position`` (default 0) is where the
+    sharded part of the order begins (an epoch resumed at another world size; module docstring).
+    Every (rank, shard position) pair has a different global position, and a sample's global
+    position does not depend on ``batch_size``, nor, resumed, on the world sizes before and after.
+    Raises ValueError if rank is not in [0, world_size), ``0 <= start <= stop`` does not hold or
+    start_position is negative.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if not 0 <= start <= stop:
         raise ValueError(f"shard positions [{start}, {stop}) are not a range of non-negative positions")
-    return rank + world_size * np.arange(start, stop, dtype=np.int64)
+    if start_position < 0:
+        raise ValueError(f"start_position must be non-negative, got {start_position}")
+    return start_position + rank + world_size * np.arange(start, stop, dtype=np.int64)
 
 
 def sample_key(*, seed: int, epoch: int) -> np.ndarray:

@@ -16,9 +16,11 @@ from typing import Sequence
 
 # Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages), 5 segment, 6 lease,
 #        7 skipped_indices (packed int64), 8 timings (message)
-# Tensor: 1 name, 2 dtype (strings), 3 shape (packed int64), 4 data (bytes), 5 offset, 6 compression
+# Tensor: 1 name, 2 dtype (strings), 3 shape (packed int64), 4 data (bytes), 5 offset, 6 compression,
+#         7 sample_ndim (varint), 8 sample_shapes, 9 sample_offsets (packed int64)
 # BatchTimings: doubles (fixed64) but 10 cache_hits and 11 worker (uint32 varints)
 _WT_VARINT, _WT_FIXED64, _WT_LEN = 0, 1, 2
+_PACKED_TENSOR_FIELDS = {3: "shape", 8: "sample_shapes", 9: "sample_offsets"}
 _DOUBLE = struct.Struct("<d")
 _ZERO = _DOUBLE.pack(0.0)
 _pack_double, _unpack_double = _DOUBLE.pack, _DOUBLE.unpack_from
@@ -26,7 +28,13 @@ _pack_double, _unpack_double = _DOUBLE.pack, _DOUBLE.unpack_from
 
 @dataclass(frozen=True, slots=True)
 class WireTensor:
-    """One tensor: numpy dtype name, shape, and its raw little-endian C-order bytes."""
+    """One field of a batch: numpy dtype name (or "str"/"bytes"), shape, and its raw little-endian
+    C-order bytes.
+
+    Stacked (``sample_ndim`` 0): ``shape`` is [B, ...]. Ragged (``sample_ndim`` > 0): ``shape`` is
+    (total elements,), ``sample_shapes`` the B per-sample shapes flattened (B * sample_ndim ints,
+    row-major) and ``sample_offsets`` the B + 1 element offsets (see ``Tensor`` in loader.proto).
+    """
 
     name: str
     dtype: str
@@ -34,6 +42,9 @@ class WireTensor:
     data: memoryview | bytes = b""
     offset: int = 0  # into the batch's shared-memory segment, when it has one
     compression: int = 0  # loader.proto Compression
+    sample_ndim: int = 0
+    sample_shapes: tuple[int, ...] = ()
+    sample_offsets: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -118,40 +129,50 @@ def encode_timings(timings: WireTimings) -> bytes:
     return bytes(out)
 
 
+def _packed(field: int, values: Sequence[int]) -> bytes:
+    """A packed repeated int64 field (nothing when empty, as protobuf writes it)."""
+    if not values:
+        return b""
+    payload = b"".join(_varint(v) for v in values)
+    return _len_field(field, len(payload)) + payload
+
+
 def encode_batch(
     batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor], *, segment: str = "", lease: int = 0,
     skipped: Sequence[int] = (), timings: WireTimings | None = None,
 ) -> bytes:
-    """The serialized ``Batch``; each tensor's data is copied once, into the result. ``timings``
-    (field 8) goes last, after the tensors, so a caller may time the encoding of the rest."""
+    """The serialized ``Batch``; each tensor's data is copied once, into the result.
+
+    Fields are written in number order, zero/empty ones omitted, as protobuf's deterministic
+    serialization writes them (the same bytes for tensors with a name and a dtype). ``timings``
+    (field 8) goes last, after the tensors, so a caller may time the encoding of the rest.
+    """
     parts: list[bytes | memoryview] = []
     for field, value in ((1, batch_index), (2, epoch), (3, num_batches)):
         if value:
             parts += [_key(field, _WT_VARINT), _varint(value)]
-    if segment:
-        seg = segment.encode()
-        parts += [_len_field(5, len(seg)), seg]
-    if lease:
-        parts += [_key(6, _WT_VARINT), _varint(lease)]
-    if skipped:
-        packed = b"".join(_varint(i) for i in skipped)
-        parts += [_len_field(7, len(packed)), packed]
     for t in tensors:
         name, dtype = t.name.encode(), t.dtype.encode()
-        shape = b"".join(_varint(d) for d in t.shape)
         data = t.data if isinstance(t.data, bytes) else memoryview(t.data)
         if not isinstance(data, bytes):  # cast refuses views with a 0 in their shape: send those as b""
             data = data.cast("B") if data.nbytes else b""
-        head = _len_field(1, len(name)) + name + _len_field(2, len(dtype)) + dtype
-        if shape:
-            head += _len_field(3, len(shape)) + shape
+        head = _len_field(1, len(name)) + name + _len_field(2, len(dtype)) + dtype + _packed(3, t.shape)
         data_head = _len_field(4, len(data)) if len(data) else b""
         tail = b""
         if t.offset:
             tail += _key(5, _WT_VARINT) + _varint(t.offset)
         if t.compression:
             tail += _key(6, _WT_VARINT) + _varint(t.compression)
+        if t.sample_ndim:
+            tail += _key(7, _WT_VARINT) + _varint(t.sample_ndim)
+        tail += _packed(8, t.sample_shapes) + _packed(9, t.sample_offsets)
         parts += [_len_field(4, len(head) + len(data_head) + len(data) + len(tail)), head, data_head, data, tail]
+    if segment:
+        seg = segment.encode()
+        parts += [_len_field(5, len(seg)), seg]
+    if lease:
+        parts += [_key(6, _WT_VARINT), _varint(lease)]
+    parts.append(_packed(7, skipped))
     if timings is not None:
         body = encode_timings(timings)
         parts += [_len_field(8, len(body)), body]
@@ -188,40 +209,50 @@ def _signed(n: int) -> int:
     return n - (1 << 64) if n >= 1 << 63 else n
 
 
+def _read_packed(chunk: memoryview, out: list[int]) -> None:
+    p, n = 0, len(chunk)
+    while p < n:
+        v, p = _read_varint(chunk, p)
+        out.append(_signed(v))
+
+
 def _decode_tensor(buf: memoryview) -> WireTensor:
     name = dtype = ""
-    shape: list[int] = []
+    repeated: dict[int, list[int]] = {field: [] for field in _PACKED_TENSOR_FIELDS}
     data: memoryview = buf[0:0]
-    offset = compression = 0
+    offset = compression = sample_ndim = 0
     pos, end = 0, len(buf)
     while pos < end:
         key, pos = _read_varint(buf, pos)
         field, wt = key >> 3, key & 7
-        if wt == _WT_LEN and field in (1, 2, 3, 4):
+        if wt == _WT_LEN and (field in (1, 2, 4) or field in repeated):
             n, pos = _read_varint(buf, pos)
             chunk = buf[pos : pos + n]
+            if len(chunk) != n:
+                raise ValueError("truncated Batch message")
             pos += n
             if field == 1:
                 name = bytes(chunk).decode()
             elif field == 2:
                 dtype = bytes(chunk).decode()
-            elif field == 3:
-                p = 0
-                while p < n:
-                    v, p = _read_varint(chunk, p)
-                    shape.append(_signed(v))
-            else:
+            elif field == 4:
                 data = chunk
-        elif wt == _WT_VARINT and field == 3:  # unpacked repeated int64
+            else:
+                _read_packed(chunk, repeated[field])
+        elif wt == _WT_VARINT and field in repeated:  # unpacked repeated int64
             v, pos = _read_varint(buf, pos)
-            shape.append(_signed(v))
+            repeated[field].append(_signed(v))
         elif wt == _WT_VARINT and field == 5:
             offset, pos = _read_varint(buf, pos)
         elif wt == _WT_VARINT and field == 6:
             compression, pos = _read_varint(buf, pos)
+        elif wt == _WT_VARINT and field == 7:
+            sample_ndim, pos = _read_varint(buf, pos)
+            sample_ndim &= 0xFFFFFFFF  # uint32: protobuf keeps the low 32 bits of a longer varint
         else:
             pos = _skip(buf, pos, wt)
-    return WireTensor(name, dtype, tuple(shape), data, offset, compression)
+    return WireTensor(name, dtype, tuple(repeated[3]), data, offset, compression, sample_ndim,
+                      tuple(repeated[8]), tuple(repeated[9]))
 
 
 def decode_timings(buf: memoryview) -> WireTimings:
@@ -281,10 +312,7 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
                 pos += n
             elif wt == _WT_LEN and field == 7:
                 n, pos = _read_varint(buf, pos)
-                p, chunk = 0, buf[pos : pos + n]
-                while p < n:
-                    v, p = _read_varint(chunk, p)
-                    skipped.append(_signed(v))
+                _read_packed(buf[pos : pos + n], skipped)
                 pos += n
             elif wt == _WT_VARINT and field == 7:
                 v, pos = _read_varint(buf, pos)

@@ -1,4 +1,4 @@
-"""Table 14: workers sized to demand (config workers: {min: 1, max: 2}) against fixed pools of 1 and 2.
+"""Table 15: workers sized to demand (config workers: {min: 1, max: 2}) against fixed pools of 1 and 2.
 
     python bench/table_autoscale.py [--quick] [--repeats N]
 
@@ -41,9 +41,9 @@ from bench.noise import measure  # noqa: E402
 from bench.report import md_table  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
-NAME = "table14"
+NAME = "table15"
 NEEDS_PHOTOS = False  # Fashion-MNIST only (bench/run_all.py)
-TITLE = "Table 14: workers sized to demand ({min: 1, max: 2}) vs fixed pools of 1 and 2 (Fashion-MNIST, batch 64)"
+TITLE = "Table 15: workers sized to demand ({min: 1, max: 2}) vs fixed pools of 1 and 2 (Fashion-MNIST, batch 64)"
 FMNIST = {"kind": "fashion-mnist", "root": "/usr/share/datasets/fashion-mnist", "split": "train"}
 PIPELINE = A.Compose([A.Resize(256, 256), A.GaussianBlur(blur_limit=(9, 9), p=1.0), A.MedianBlur(blur_limit=7, p=1.0),
                       A.RandomBrightnessContrast(p=1.0)])
@@ -130,7 +130,7 @@ def run(s, log=print) -> dict:
                     srv.wait_idle()
                     r = measure(lambda: _read(srv, timed, step_s, seed=100 * rep + len(results)))
                     results.setdefault((loop, name), []).append(r)
-                    log(f"  table14: {loop}, {name}, repeat {rep + 1}/{s.repeats}: {r['rate']:.0f} img/s, "
+                    log(f"  table15: {loop}, {name}, repeat {rep + 1}/{s.repeats}: {r['rate']:.0f} img/s, "
                         f"{r['workers_mean']:.2f} workers on average, {r['scale_ups']} started so far")
     finally:
         for srv in servers.values():

@@ -1,4 +1,4 @@
-"""Table 13: what per-batch timings cost (issue 21 §1: under 1% of throughput).
+"""Table 14: what per-batch timings cost (issue 21 §1: under 1% of throughput).
 
     python bench/table_timings.py [--quick] [--repeats N]
 
@@ -46,9 +46,9 @@ from bench.noise import measure  # noqa: E402
 from bench.report import md_table  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
-NAME = "table13"
+NAME = "table14"
 NEEDS_PHOTOS = False  # Fashion-MNIST only (bench/run_all.py)
-TITLE = "Table 13: the cost of per-batch timings (CPU per batch, against a batch's own)"
+TITLE = "Table 14: the cost of per-batch timings (CPU per batch, against a batch's own)"
 TARGET = 0.01  # of throughput
 FMNIST = {"kind": "fashion-mnist", "root": "/usr/share/datasets/fashion-mnist", "split": "train"}
 FMNIST_PIPELINE = A.Compose([A.Resize(128, 128), A.HorizontalFlip(p=0.5), A.RandomBrightnessContrast(p=1.0)])
@@ -196,7 +196,7 @@ def run(s, log=print) -> dict:
         rows.append({"dataset": name, "pipeline": pipeline or "none", "batch": batch, "worker_s": worker,
                      "server_s": server, "client_s": client, "added_s": added, **real,
                      "share": added / real["cpu_per_batch"]})
-        log(f"  table13: {name} ({pipeline}): worker {real['work_per_sample'] * 1e6:.1f} us per sample; "
+        log(f"  table14: {name} ({pipeline}): worker {real['work_per_sample'] * 1e6:.1f} us per sample; "
             f"{added * 1e6:.0f} us added per batch, {real['cpu_per_batch'] * 1e3:.1f} ms CPU "
             f"per batch ({added / real['cpu_per_batch']:.3%})")
     return {"rows": rows, "repeats": s.repeats, "cpus": os.cpu_count() or 1}

@@ -19,15 +19,16 @@ import grpc
 import torch
 
 from batchd import wire
-from batchd.client import decode
+from batchd.client import decode, fields
 from batchd.client.channel import open_channel, translate
+from batchd.client.collate import collate
 from batchd.client.datasets import DatasetInfo, describe
 from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Received, Receiver, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
 from batchd.client.timings import BatchTimes, delivered
-from batchd.client.transfer import finish
+from batchd.client.transfer import check_finishable, finish
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
@@ -97,10 +98,10 @@ class ServerConnection:
             self._shm.close()
         self._shm, self._shm_tried = None, False
 
-    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0,
-                tag: str = "") -> pb.StreamBatchesRequest:
-        """The StreamBatches request for these batches (``stream_tag`` = ``tag``); opens the
-        shared-memory session on first use (see ``shared_memory``)."""
+    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, tag: str = "", *,
+                start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> pb.StreamBatchesRequest:
+        """The StreamBatches request for these batches (``stream_tag`` = ``tag``; the other fields
+        as in loader.proto); opens the shared-memory session on first use (see ``shared_memory``)."""
         o, shm = self.options, self.shared_memory()
         return pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
@@ -110,10 +111,12 @@ class ServerConnection:
             session=shm.session if shm is not None else "", compression=o.compression,
             batch_stride=stride if stride > 1 else 0, batch_offset=offset, stream_tag=tag,
             image_encoding=pb.IMAGE_ENCODING_JPEG if o.decode_on_client else pb.IMAGE_ENCODING_DECODED,
+            start_position=start_position, end_batch=end_batch, hedge=hedge,
         )
 
     def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
-        """Receiver thread: tensors of ``raw`` (on the device, finished by ``gpu_transform``), and its
+        """Receiver thread: the batch of ``raw`` as the loader hands it out (on the device, finished
+        by ``gpu_transform``, ragged fields split into views, collated by ``collate_fn``), and its
         ``BatchTimes`` (unpack here; receive is the receiver's; copy and gpu_transform: CUDA events,
         or the CPU time of gpu_transform)."""
         times, t0 = BatchTimes(raw.timings), time.perf_counter()
@@ -125,36 +128,48 @@ class ServerConnection:
             batch, registered = shm.host_tensors(raw, transfer.register)  # copied straight from the slot
         else:
             batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
-        samples = int(batch["index"].shape[0]) if "index" in batch else 0
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
+        o, event = self.options, None
         if encoded:  # JPEG files: decoded here (client/decode.py), then as below; all of it is unpack
-            batch, event = decode.decode_batch(batch, self.options, transfer, receiver.stopping, raw.epoch)
+            batch, event = decode.decode_batch(batch, o, transfer, receiver.stopping, raw.epoch,
+                                               self.info.on_error)
             times.unpack = time.perf_counter() - t0
-            return Received(raw.batch_index, batch, event, samples, times)
-        t1 = time.perf_counter()
-        times.unpack = t1 - t0
-        gpu_transform = self.options.gpu_transform
-        if transfer is not None:
-            marks: list = []
-            batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=gpu_transform,
-                                              seed=self.options.seed, epoch=raw.epoch, marks=marks)
-            times.events = (*marks, event) if len(marks) == 2 else None  # (device times from CUDA events)
-            return Received(raw.batch_index, batch, event, samples, times)
-        if gpu_transform is not None:
-            finish(batch, gpu_transform, self.options.seed, raw.epoch)
-            times.gpu_transform = time.perf_counter() - t1
-        return Received(raw.batch_index, batch, None, samples, times)
+        else:
+            t1 = time.perf_counter()
+            times.unpack = t1 - t0
+            if transfer is not None:
+                if o.gpu_transform is not None:
+                    check_finishable(batch)  # before the copy: a failed finish must not leave one in flight
+                marks: list = []
+                batch, event = transfer.to_device(batch, receiver.stopping, registered=registered,
+                                                  finish=o.gpu_transform, seed=o.seed, epoch=raw.epoch, marks=marks)
+                times.events = (*marks, event) if len(marks) == 2 else None  # (device times from CUDA events)
+            elif o.gpu_transform is not None:
+                finish(batch, o.gpu_transform, o.seed, raw.epoch)
+                times.gpu_transform = time.perf_counter() - t1
+        copies = fields.tensors(batch) if event is not None else None
+        batch = fields.unpack(batch)  # ragged fields: B views of their one (device) buffer
+        # (after decode_on_client, which may leave out files under on_error: skip)
+        samples = int(batch["index"].shape[0]) if isinstance(batch.get("index"), torch.Tensor) else 0
+        if o.collate_fn is None:
+            return Received(raw.batch_index, batch, event, samples, copies, times=times)
+        if event is not None:  # on the device: collated once the consumer's stream waits for the copy
+            return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn, times=times)
+        return Received(raw.batch_index, collate(batch, o.collate_fn), None, samples, times=times)
 
-    def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
-        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults).
+    def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, *,
+                    start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> Receiver:
+        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults) of the
+        epoch's remainder from global position ``start_position``, up to ``end_batch`` (0: the end).
 
         The call is tagged (``stream_tag``); stopping its receiver before the end reports it
-        abandoned with the leases received on it. Raises ConnectionError and the errors of
-        ``translate``.
+        abandoned with the leases received on it. A ``hedge`` call (one late batch asked again)
+        does not become ``self.receiver``. Raises ConnectionError and the errors of ``translate``.
         """
         tag = f"{self._tag_prefix}-{next(self._tags)}"
-        request = self.request(epoch, start_batch, stride, offset, tag)
+        request = self.request(epoch, start_batch, stride, offset, tag, start_position=start_position,
+                               end_batch=end_batch, hedge=hedge)
         record = CallRecord(tag, request.session)
         try:
             call = self._stream_batches(request)
@@ -162,10 +177,12 @@ class ServerConnection:
             raise translate(e, self.address) from None
         self.reporter.open_call(record)
         shm = self._shm if request.session else None
-        receiver = self.receiver = Receiver(
+        receiver = Receiver(
             call, self.address, self._convert, record,
             on_end=lambda r: self.reporter.end_call(r.record, abandoned=not r.finished),
             release=shm.release_unused if shm is not None else None)
+        if not hedge:
+            self.receiver = receiver
         receiver.start()
         return receiver
 
@@ -176,6 +193,16 @@ class ServerConnection:
             return True
         except grpc.FutureTimeoutError:
             return False
+
+    def serving(self, timeout: float) -> bool:
+        """Whether the server's gRPC health service says SERVING (not draining) within ``timeout`` s."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def stop_stream(self) -> None:
         if self.receiver is not None:
@@ -196,11 +223,16 @@ class ServerConnection:
         return self._shm.outstanding if self._shm is not None else 0
 
 
-def deliver(item: Received, receiver: Receiver, transfer: Any) -> dict[str, torch.Tensor]:
-    """Consumer's thread: the batch of ``item``, its copy waited for on the current CUDA stream,
-    counted as taken from ``receiver``'s call (progress)."""
-    batch = item.batch if item.event is None else transfer.hand_over(item.batch, item.event)
+def deliver(item: Received, receiver: Receiver, transfer: Any) -> Any:
+    """Consumer's thread: the batch of ``item``, its copy waited for on the current CUDA stream
+    (then collated, if ``collate_fn`` is still to run), counted as taken from ``receiver``'s call
+    (progress)."""
+    batch = item.batch
+    if item.event is not None:
+        transfer.hand_over(item.copies, item.event)
+    if item.collate is not None:
+        batch = collate(batch, item.collate)
     if receiver.record is not None:
         receiver.record.took(item.samples)
-    delivered(item.times, receiver.record)  # for the loader's LoopTimings (batchd.client.timings)
+    delivered(item.times, receiver.record, item.samples)  # loader.stats() and profile() (batchd.client.timings)
     return batch

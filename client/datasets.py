@@ -25,6 +25,9 @@ class DatasetInfo:
         part -> text (``opencv``, ``albumentations``, ``numpy``, ``batchd`` versions, codec
         libraries, ``cv2_threads``, ``reduced_decode``). Equal fingerprints and builds: the same
         bytes for the same request. "" / {} from a server that does not report them.
+    on_error: the dataset's ``on_error``, "raise" or "skip" (a sample that cannot be read fails
+        the stream, or is left out and named in the batch's ``skipped``); the loader decoding JPEG
+        batches itself (``decode_on_client``) does the same. "raise" from an older server.
     """
 
     name: str
@@ -36,12 +39,13 @@ class DatasetInfo:
     fingerprint: str = ""
     build_fingerprint: str = ""
     build: Mapping[str, str] = field(default_factory=dict, hash=False)
+    on_error: str = "raise"
 
     @classmethod
     def from_proto(cls, m: pb.DatasetInfo) -> "DatasetInfo":
         image = next((t for t in m.sample if t.name == "image"), pb.TensorSpec(dtype="uint8"))
         return cls(m.name, m.kind, m.num_samples, tuple(m.class_names), tuple(image.shape), image.dtype,
-                   m.fingerprint, m.build_fingerprint, dict(m.build))
+                   m.fingerprint, m.build_fingerprint, dict(m.build), m.on_error or "raise")
 
     def identity(self) -> dict[str, Any]:
         """``{"fingerprint", "build_fingerprint", "build"}``: what ``mismatches`` compares (JSON-able)."""

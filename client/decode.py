@@ -6,36 +6,57 @@ width) to resize to, (0, 0) for none), ``jpeg_reduce`` int64 [B] (the DCT scalin
 would have decoded each at) besides ``label``, ``index``, ``position``. Here they become
 ``image`` uint8 [B, H, W, 3] (RGB) again, then ``gpu_transform`` runs as for a decoded batch:
 
-* on a CUDA device, when torchvision imports: ``torchvision.io.decode_jpeg(files, device=...)``,
-  one batched nvJPEG call on the loader's side stream, then the EXIF orientation (torchvision
-  ignores it on CUDA; OpenCV, hence the server, applies it) and the resize
+* on a CUDA device, when torchvision >= 0.19 imports (the first to decode lists on CUDA; the
+  ``gpu`` extra): ``torchvision.io.decode_jpeg(files, device=...)``, one batched nvJPEG call on
+  the loader's side stream, then the ``jpeg_reduce`` the server would have decoded at (nvJPEG
+  has no DCT scaling: an n x n mean, as libjpeg's scaled IDCT nearly is), the EXIF orientation
+  (torchvision ignores it on CUDA; OpenCV, hence the server, applies it) and the resize
   (``interpolate(mode="bilinear", align_corners=False)``, rounded: OpenCV's INTER_LINEAR up to
   its fixed-point rounding). Not the same bytes as OpenCV's decode (IDCT and chroma upsampling
-  differ);
+  differ), but the same scale of detail;
 * otherwise (CPU, or torchvision missing): OpenCV, exactly as the server decodes:
   ``cv2.imdecode(IMREAD_COLOR, or IMREAD_REDUCED_COLOR_n as jpeg_reduce says)``,
   ``cv2.cvtColor(BGR2RGB)``, ``cv2.resize(INTER_LINEAR)`` unless the image already has the size
   (albumentations' Resize): the same bytes as the server's decoded stream.
+
+A file the decoder refuses is the dataset's ``on_error`` (``DatasetInfo.on_error``, which the
+server reports): "raise" raises SampleError naming the dataset and sample; "skip" leaves the
+sample out of the batch and adds its index to ``skipped``, as the server does for a file it
+cannot read. (The server has checked each file's headers; what it cannot see, e.g. a missing
+quantisation table, fails here. nvJPEG decodes a batch in one call: when the call fails, each
+file is decoded alone to find the culprit.)
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 import struct
 import threading
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from batchd import wire
-from batchd.client.transfer import TransferStopped, finish
+from batchd.client import fields
+from batchd.client.transfer import finish
 from batchd.errors import SampleError, ShapeMismatchError
 
 log = logging.getLogger(__name__)
 
 ENCODED = ("jpeg", "jpeg_offsets", "jpeg_resize", "jpeg_reduce")
+ON_ERROR = ("raise", "skip")
+TORCHVISION_MIN = (0, 19)  # decode_jpeg(list of files, device="cuda"): batched nvJPEG
+
+
+class Decoded(NamedTuple):
+    """A JPEG batch decoded: ``image`` uint8 [B - K, H, W, 3] RGB; ``left_out`` the K positions
+    in the batch (0..B-1, increasing) of files the decoder refused (dataset ``on_error: skip``)."""
+
+    image: torch.Tensor
+    left_out: list[int]
 
 
 def is_encoded(raw: wire.WireBatch) -> bool:
@@ -62,12 +83,12 @@ def resize_of(batch: dict[str, torch.Tensor]) -> tuple[int, int] | None:
     return (h, w) if h and w else None
 
 
-def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "") -> torch.Tensor:
-    """OpenCV decode of a JPEG batch, as the server decodes: uint8 [B, H, W, 3] RGB, CPU.
+def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "", on_error: str = "raise") -> Decoded:
+    """OpenCV decode of a JPEG batch, as the server decodes: ``Decoded`` (image on the CPU).
 
-    Raises SampleError (dataset, index, ``#index``: the client does not know the file's name)
-    for a file OpenCV cannot decode, ShapeMismatchError if images of different sizes meet
-    without a resize.
+    A file OpenCV cannot decode raises SampleError (dataset, index, ``#index``: the client does
+    not know the file's name), or is left out with ``on_error="skip"``. Raises
+    ShapeMismatchError if images of different sizes meet without a resize.
     """
     import cv2  # (here only: a loader that decodes nothing itself needs no OpenCV)
 
@@ -76,24 +97,53 @@ def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "") -> torch.Tenso
     reduce = batch["jpeg_reduce"].tolist() if "jpeg_reduce" in batch else [1] * len(files)
     flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
              8: cv2.IMREAD_REDUCED_COLOR_8}
-    out = None
+    out, kept, left_out = None, 0, []
     for i, (f, index, n) in enumerate(zip(files, indices, reduce)):
         if n not in flags:
             raise ValueError(f"the server sent jpeg_reduce {n} for sample {index} (expected 1, 2, 4 or 8)")
         bgr = cv2.imdecode(f.numpy(), flags[n])
         if bgr is None:
-            raise SampleError(dataset, index, f"#{index}", f"OpenCV cannot decode the JPEG sent ({f.numel()} bytes)")
+            _refused(dataset, index, f"OpenCV cannot decode the JPEG sent ({f.numel()} bytes)", on_error)
+            left_out.append(i)
+            continue
         rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
         if size is not None and rgb.shape[:2] != size:
             rgb = cv2.resize(rgb, (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
         if out is None:
-            out = np.empty((len(files), *rgb.shape), np.uint8)
+            out, first = np.empty((len(files), *rgb.shape), np.uint8), index
         elif rgb.shape != out.shape[1:]:
-            raise _mismatch(dataset, index, rgb.shape, indices[0], out.shape[1:])
-        out[i] = rgb
+            raise _mismatch(dataset, index, rgb.shape, first, out.shape[1:])
+        out[kept] = rgb
+        kept += 1
     if out is None:  # every sample was skipped: as the server's empty decoded batch
         out = np.empty((0, 0, 0, 3), np.uint8)
-    return torch.from_numpy(out)
+    return Decoded(torch.from_numpy(out[:kept]), left_out)
+
+
+def _refused(dataset: str, index: int, reason: str, on_error: str) -> None:
+    """A file the decoder refused: raises SampleError unless ``on_error`` is "skip"."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    if on_error == "raise":
+        raise SampleError(dataset, index, f"#{index}", reason)
+    log.warning("dataset %r: sample %d left out (on_error: skip): %s", dataset, index, reason)
+
+
+def leave_out(batch: dict[str, torch.Tensor], positions: list[int]) -> None:
+    """Drop the samples at ``positions`` (in the batch) from every per-sample tensor of ``batch``
+    (those whose first dimension is the batch's size, e.g. label, index, position) and append
+    their indices to ``batch["skipped"]`` (int64 [K], created if absent). In place."""
+    if not positions:
+        return
+    b = int(batch["index"].shape[0])
+    keep = torch.ones(b, dtype=torch.bool)
+    keep[positions] = False
+    skipped = batch["index"][~keep]
+    for name, t in list(batch.items()):
+        if name != "skipped" and t.dim() and t.shape[0] == b:
+            batch[name] = t[keep]
+    before = batch.get("skipped", torch.empty(0, dtype=torch.int64))
+    batch["skipped"] = torch.cat([before, skipped])
 
 
 def _mismatch(dataset: str, index: int, shape, first: int, first_shape) -> ShapeMismatchError:
@@ -102,19 +152,33 @@ def _mismatch(dataset: str, index: int, shape, first: int, first_shape) -> Shape
         "images of a batch must have one shape (add a Resize(height, width) to the transform)")
 
 
+def decodes_lists_on_cuda(version: str) -> bool:
+    """Whether torchvision ``version`` (e.g. "0.19.1+cu121") decodes lists of JPEGs on CUDA in one call."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return m is not None and (int(m[1]), int(m[2])) >= TORCHVISION_MIN
+
+
 @functools.cache
 def _torchvision_decoder() -> Any:
-    """torchvision.io.decode_jpeg and ImageReadMode.RGB, or None if torchvision does not load."""
+    """torchvision.io.decode_jpeg and ImageReadMode.RGB, or None if torchvision does not load or
+    is older than TORCHVISION_MIN."""
     try:
+        import torchvision
         from torchvision.io import ImageReadMode, decode_jpeg
     except Exception as e:  # ImportError, or a build that does not match torch (RuntimeError, OSError)
         log.info("torchvision does not load (%s: %s): JPEG batches decode with OpenCV on the CPU", type(e).__name__, e)
+        return None
+    version = getattr(torchvision, "__version__", "")
+    if not decodes_lists_on_cuda(version):
+        log.warning("torchvision %s cannot decode lists of JPEGs on CUDA (needs >= %d.%d: pip install "
+                    "'batchd[gpu]'): JPEG batches decode with OpenCV on the CPU", version or "(no version)",
+                    *TORCHVISION_MIN)
         return None
     return decode_jpeg, ImageReadMode.RGB
 
 
 def gpu_decode_available(device: torch.device) -> bool:
-    """Whether JPEG batches for ``device`` decode there with nvJPEG (a CUDA device, torchvision loads)."""
+    """Whether JPEG batches for ``device`` decode there with nvJPEG (a CUDA device, torchvision >= 0.19)."""
     return device.type == "cuda" and _torchvision_decoder() is not None
 
 
@@ -180,60 +244,112 @@ def resize_bilinear(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return x[0].round_().clamp_(0, 255).to(torch.uint8)
 
 
-def decode_gpu(batch: dict[str, torch.Tensor], device: torch.device, dataset: str = "") -> torch.Tensor:
-    """nvJPEG decode of a JPEG batch on ``device`` (torchvision, one batched call, on the current
-    stream), oriented (EXIF) and resized: uint8 [B, H, W, 3] RGB on ``device``. Always at full size
-    (``jpeg_reduce`` is ignored: nvJPEG has no DCT scaling), then resized.
+def reduce_like_libjpeg(image: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 [C, H, W] at 1/n (n = 1, 2, 4 or 8) as libjpeg's DCT scaling decodes it: [C, ceil(H/n),
+    ceil(W/n)], each pixel the mean of its n x n block (partial blocks at the edges), rounded.
 
-    Raises RuntimeError if torchvision does not load; ShapeMismatchError as ``decode_cpu``;
-    torchvision's RuntimeError for a file nvJPEG cannot decode.
+    A downscale that follows ``jpeg_reduce`` keeps the server's scale of detail: from a full decode,
+    a bilinear resize to a quarter aliases (mean |diff| from the server's bytes 12-35 of 255 on
+    finely textured images, about 9 with ``antialias=True``, 0.7-2.2 reduced so first;
+    tests/client/test_decode_gpu_path.py).
+    """
+    if n == 1:
+        return image
+    x = torch.nn.functional.avg_pool2d(image[None].float(), n, ceil_mode=True)
+    return x[0].round_().clamp_(0, 255).to(torch.uint8)
+
+
+def decode_gpu(batch: dict[str, torch.Tensor], device: torch.device, dataset: str = "",
+               on_error: str = "raise") -> Decoded:
+    """nvJPEG decode of a JPEG batch on ``device`` (torchvision, one batched call, on the current
+    stream), reduced as ``jpeg_reduce`` says (``reduce_like_libjpeg``), oriented (EXIF) and resized:
+    ``Decoded`` with the image on ``device``.
+
+    If the batched call fails, each file is decoded alone: one nvJPEG refuses raises SampleError
+    (dataset, index, ``#index``), or is left out with ``on_error="skip"``; if it refuses every
+    file of the batch, its first error is raised as it is (a device fault, not the files').
+    Raises RuntimeError if torchvision does not load; ShapeMismatchError as ``decode_cpu``.
     """
     decoder = _torchvision_decoder()
     if decoder is None:
-        raise RuntimeError("decoding JPEG batches on the GPU needs torchvision (pip install torchvision)")
+        raise RuntimeError("decoding JPEG batches on the GPU needs torchvision >= 0.19 (pip install 'batchd[gpu]')")
     decode_jpeg, rgb = decoder
     files, size = jpeg_files(batch), resize_of(batch)
     if not files:
-        return torch.empty((0, 0, 0, 3), dtype=torch.uint8, device=device)
-    images = decode_jpeg(files, mode=rgb, device=device)
+        return Decoded(torch.empty((0, 0, 0, 3), dtype=torch.uint8, device=device), [])
     indices = batch["index"].tolist()
-    out = []
-    for f, image, index in zip(files, images, indices):
-        image = orient(image, exif_orientation(f.numpy()))
+    reduce = batch["jpeg_reduce"].tolist() if "jpeg_reduce" in batch else [1] * len(files)
+    images, left_out = _decode_each(files, indices, lambda fs: decode_jpeg(fs, mode=rgb, device=device), dataset,
+                                    on_error)
+    out, first = [], indices[images[0][0]] if images else 0
+    for f, image, index, n in ((files[i], image, indices[i], reduce[i]) for i, image in images):
+        if n not in (1, 2, 4, 8):
+            raise ValueError(f"the server sent jpeg_reduce {n} for sample {index} (expected 1, 2, 4 or 8)")
+        image = orient(reduce_like_libjpeg(image, n), exif_orientation(f.numpy()))
         if size is not None:
             image = resize_bilinear(image, size)
         if out and image.shape != out[0].shape:
-            raise _mismatch(dataset, index, image.permute(1, 2, 0).shape, indices[0], out[0].permute(1, 2, 0).shape)
+            raise _mismatch(dataset, index, image.permute(1, 2, 0).shape, first, out[0].permute(1, 2, 0).shape)
         out.append(image)
-    return torch.stack(out).permute(0, 2, 3, 1).contiguous()
+    if not out:
+        return Decoded(torch.empty((0, 0, 0, 3), dtype=torch.uint8, device=device), left_out)
+    return Decoded(torch.stack(out).permute(0, 2, 3, 1).contiguous(), left_out)
+
+
+def _decode_each(files: list[torch.Tensor], indices: list[int],
+                 decode: Callable[[list[torch.Tensor]], list[torch.Tensor]], dataset: str,
+                 on_error: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
+    """``decode(files)`` in one call; if it raises, file by file. Returns ([(position, image)],
+    positions left out); see ``decode_gpu`` for the errors."""
+    try:
+        return list(enumerate(decode(files))), []
+    except RuntimeError as batch_error:
+        images, refused = [], []
+        for i, f in enumerate(files):
+            try:
+                images.append((i, decode([f])[0]))
+            except RuntimeError as e:
+                refused.append((i, e))
+        if len(refused) == len(files) > 1:
+            raise batch_error
+        for i, e in refused:
+            _refused(dataset, indices[i], f"nvJPEG cannot decode the JPEG sent ({files[i].numel()} bytes): {e}",
+                     on_error)
+        return images, [i for i, _ in refused]
 
 
 def decode_batch(batch: dict[str, torch.Tensor], options: Any, transfer: Any, stopping: threading.Event | None,
-                 epoch: int) -> tuple[dict[str, torch.Tensor], Any]:
+                 epoch: int, on_error: str = "raise") -> tuple[dict[str, torch.Tensor], Any]:
     """Receiver thread: a JPEG batch (CPU tensors) as a decoded one, on the loader's device, finished
     by ``options.gpu_transform``. Returns (batch, CUDA event of its copy or None), as
     ``CudaTransfer.to_device``; ``batch["image"]`` is uint8 [B, H, W, 3] (or what gpu_transform made).
 
-    With a CUDA ``transfer`` and torchvision: decoded on the transfer's side stream, then this thread
-    waits for the decode to finish (the files may lie on a leased slot that goes back when they are
-    freed). Otherwise OpenCV on the CPU, then the copy as for any batch. Raises TransferStopped if
-    ``stopping`` is set, and the errors of ``decode_cpu`` / ``decode_gpu``.
+    on_error: the dataset's (``DatasetInfo.on_error``); with "skip", files the decoder refuses are
+    left out (``leave_out``). With a CUDA ``transfer`` and torchvision: decoded on the transfer's
+    side stream, which no other receiver uses meanwhile (``CudaTransfer.exclusive``: nvJPEG writes
+    from a stream of its own into memory allocated on it), then this thread waits for the decode
+    to finish (the files may lie on a leased slot that goes back when they are freed). Otherwise
+    OpenCV on the CPU, then the copy as for any batch. Raises TransferStopped if ``stopping`` is
+    set, and the errors of ``decode_cpu`` / ``decode_gpu``.
     """
     rest = {k: v for k, v in batch.items() if k not in ENCODED}
     gpu_transform, seed = options.gpu_transform, options.seed
     if transfer is not None and gpu_decode_available(transfer.device):
-        with torch.cuda.device(transfer.device), torch.cuda.stream(transfer.stream):
-            if stopping is not None and stopping.is_set():
-                raise TransferStopped("the receiver was stopped")
-            out = {k: v.to(transfer.device, non_blocking=True) for k, v in rest.items()}
-            out["image"] = decode_gpu(batch, transfer.device, options.dataset)
+        with transfer.exclusive(stopping):
+            decoded = decode_gpu(batch, transfer.device, options.dataset, on_error)
+            leave_out(rest, decoded.left_out)
+            out = {k: fields.map_values(v, lambda t: t.to(transfer.device, non_blocking=True))
+                   for k, v in rest.items()}
+            out["image"] = decoded.image
             if gpu_transform is not None:
                 finish(out, gpu_transform, seed, epoch)
             event = torch.cuda.Event(blocking=True)
             event.record(transfer.stream)
         event.synchronize()
         return out, event
-    rest["image"] = decode_cpu(batch, options.dataset)
+    decoded = decode_cpu(batch, options.dataset, on_error)
+    leave_out(rest, decoded.left_out)
+    rest["image"] = decoded.image
     if transfer is not None:
         return transfer.to_device(rest, stopping, finish=gpu_transform, seed=seed, epoch=epoch)
     if gpu_transform is not None:

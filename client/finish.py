@@ -133,8 +133,9 @@ class GpuTransform:
 
     Call: ``transform(images, positions, *, seed, epoch)`` with images uint8 [B, H, W, C] and
     positions int64 [B] (on the images' device, or the CPU) returns ``dtype`` [B, C, h, w] on the
-    images' device, where (h, w) is ``crop`` or (H, W). See the module docstring for the exact
-    arithmetic and how the draws are derived.
+    images' device, where (h, w) is ``crop`` or (H, W); a batch whose every sample was skipped
+    (images [0, H, W, C], also [0, 0, 0, C]) gives [0, C, h, w]. See the module docstring for the
+    exact arithmetic and how the draws are derived.
 
     Thread-safe (the receiver threads of a several-servers loader share one). Raises ValueError
     naming the argument for bad settings (at construction) or bad inputs (at
@@ -228,6 +229,11 @@ class GpuTransform:
         if not isinstance(positions, torch.Tensor) or positions.shape != (b,):
             raise ValueError(f"positions must be an int64 tensor [{b}] (one per image), got {_describe(positions)}")
         lut = self._lut(images.device, channels)
+        if b == 0:  # every sample of the batch was skipped (on_error: skip): its images may be [0, 0, 0, C]
+            finish_key(seed=seed, epoch=epoch)
+            h, w = self.crop or (height, width)
+            out = torch.empty((0, channels, h, w), dtype=self.dtype, device=images.device)
+            return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out
         if self.hflip or self.vflip or self.crop is not None:
             p = self.params(positions, seed=seed, epoch=epoch, height=height, width=width)
             p = FinishParams(*(t.to(images.device, non_blocking=True) for t in p))

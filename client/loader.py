@@ -14,9 +14,11 @@ from typing import Any, Iterator
 
 import torch
 
-from batchd.client.addresses import server_addresses
+from batchd.client import elastic
+from batchd.client.addresses import may_grow, server_addresses
 from batchd.client.connection import ServerConnection, deliver
 from batchd.client.datasets import DatasetInfo, mismatches
+from batchd.client.loader_stats import LoaderStats
 from batchd.client.options import TRANSPORTS, LoaderOptions  # noqa: F401  (TRANSPORTS: public name)
 from batchd.client.profile import Profile, make_profile
 from batchd.client.receiver import Receiver, _End
@@ -32,12 +34,28 @@ _VERDICT_EVERY_S = 0.5  # how often the verdict reported to servers is recompute
 class RemoteDataLoader:
     """Iterate batches of a dataset that a batchd server at ``address`` decodes and augments.
 
-    Each batch is a dict of tensors: ``image`` [B, H, W, C] (uint8 unless the pipeline changes
-    the dtype, e.g. Normalize gives float32), ``label`` int64 [B], ``index`` int64 [B] (dataset
-    sample indices), and ``skipped`` int64 [K] when the server left out K unreadable samples
-    (dataset ``on_error: skip``; such a batch has B - K samples). Batch ``b`` of an epoch is a pure function of (dataset, transform,
-    batch_size, shuffle, seed, epoch, b, rank, world_size): iterating twice, on another server,
-    or with another number of server workers gives the same bytes.
+    Each batch is a dict with an entry per field of the dataset's samples (e.g. ``image``,
+    ``label``; ``boxes``, ``labels``, ``masks`` for detection), plus ``index`` int64 [B] (dataset
+    sample indices), ``position`` int64 [B] (each sample's place in the epoch's global order) and
+    ``skipped`` int64 [K] when the server left out K unreadable samples (dataset ``on_error:
+    skip``; such a batch has B - K samples). Each field is, in each batch:
+
+    * stacked, a tensor [B, ...], where the B samples' values have one shape (as
+      ``default_collate`` stacks them): ``image`` uint8 [B, H, W, C] (unless the pipeline changes
+      the dtype, e.g. Normalize gives float32), ``label`` int64 [B];
+    * a list of B tensors where their shapes differ (images of different sizes; ``boxes`` float32
+      [N_i, 4] xyxy pixels, ``labels`` int64 [N_i], ``masks`` uint8 [N_i, H, W] with N_i objects in
+      sample i, 0 included): sample i's value, a view of the field's one buffer (no copy); nothing
+      is padded or cropped;
+    * a list of B ``str`` / ``bytes`` for a str / bytes field.
+
+    Stacked or a list is decided per field in each batch: a field whose shapes happen to agree (every
+    image of the batch has 2 boxes) arrives stacked in that batch; ``list(batch[name])`` gives B
+    tensors either way, and ``collate_fn`` sees the same samples either way.
+
+    Batch ``b`` of an epoch is a pure function of (dataset, transform, batch_size, shuffle, seed,
+    epoch, b, rank, world_size): iterating twice, on another server, or with another number of
+    server workers gives the same bytes.
 
     Args:
         address: ``HOST:PORT`` or ``unix:PATH`` of the server; or several servers feeding this
@@ -47,6 +65,9 @@ class RemoteDataLoader:
             and merged in order, with the same bytes (``batchd.client.multi``).
             ``RemoteDataLoader`` is the one entry point: it reads through a ``SingleServerLoader``
             or a ``MultiServerLoader`` (``loader.servers``) and offers the same surface either way.
+            ``file:PATH`` (a text file of ``HOST:PORT`` lines) or ``dns:///NAME:PORT`` always read
+            through a ``MultiServerLoader``, so that servers listed later join (read again every
+            ``probe_interval``; ``batchd.client.addresses``).
         dataset: a dataset name from the server's config.
         batch_size: samples per batch (>= 1).
         shuffle: permute the samples each epoch (a pure function of seed and epoch).
@@ -65,15 +86,33 @@ class RemoteDataLoader:
             finishing each batch where it lands: images is the batch's uint8 [B, H, W, C] tensor
             (on the device after the copy, on the copy's side stream; on CPU without a device),
             positions is ``batch["position"]`` (int64 [B], each sample's position in the epoch's
-            global order); its result replaces ``batch["image"]``. A batch without "position"
+            global order); its result replaces ``batch["image"]``. A batch without "position", or
+            whose images have different sizes (a list, not [B, H, W, C]; resize them on the server),
             raises ValueError.
+        collate_fn: None (default): the dict batch above. Or ``fn(samples) -> Any``, as
+            DataLoader's: ``samples`` is the batch's B samples in order, each a dict of its fields
+            (row i of each stacked field, so ``label``, ``index`` and ``position`` are 0-d int64
+            tensors; the i-th tensor of each ragged field; the i-th str / bytes), and the loop gets
+            what fn returns, exactly as DataLoader's collate_fn over a Dataset of those dicts:
+            ``torch.utils.data.default_collate`` gives the dict batch back where shapes agree, and
+            ``lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))`` gives torchvision's
+            detection models their (images, targets) as ``tuple(zip(*x))`` does over its
+            references' (image, target) samples. ``skipped`` is not a sample: fn gets the B - K
+            samples that were read. fn runs in the receiver thread, overlapping the training step
+            as DataLoader's workers do (with several servers, in several threads at once); with a
+            CUDA ``device`` it runs in the iterating thread once the copy is waited for, so GPU
+            work in it is queued in order on the loop's current stream. The samples' tensors are
+            on ``device`` (str / bytes stay Python objects) and, over shared memory, keep the slot
+            lent until they are all freed. What fn raises, iteration raises.
         decode_on_client: the server sends each sample's JPEG file as it is and this loader decodes
-            it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision loads
-            (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU (the
-            same bytes as the server's decode at full size). Less server CPU and fewer bytes on
-            the network. The transform must then be None or exactly one ``A.Resize(h, w)`` (the
+            it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision >= 0.19
+            loads (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU
+            (the same bytes as the server's decode). Less server CPU and fewer bytes on the
+            network. The transform must then be None or exactly one ``A.Resize(h, w)`` (the
             loader redoes it; other transforms belong in ``gpu_transform``), the dataset's files
-            baseline/progressive JPEGs; otherwise iteration raises ValueError / SampleError.
+            baseline/progressive JPEGs; otherwise iteration raises ValueError / SampleError. A
+            file the loader cannot decode follows the dataset's ``on_error`` (SampleError, or
+            left out and named in ``skipped``).
         prefetch: batches the server computes ahead of the one being read (>= 1).
         timeout: seconds without a batch before iteration raises TimeoutError.
         connect_timeout: seconds to find the server before raising ConnectionError.
@@ -87,7 +126,13 @@ class RemoteDataLoader:
         failover_timeout: with several servers, seconds a broken server's stream may take to
             resume before its batches go to the other servers (at most reconnect_timeout).
         probe_interval: with several servers, seconds between probes of servers that are down
-            (or new addresses of a DNS name); one that answers gets work from the next batch.
+            and readings of the address (a DNS name, a ``file:`` list); a server that answers gets
+            work from the next batch not yet asked of the others, one no longer named gets none.
+        hedge: with several servers, ask a second server for a batch that is late from its own
+            (the first copy wins; same bytes): True (default: ``batchd.client.hedge.HedgePolicy()``:
+            late = the loop waited for it, after another server's next batch was there, over
+            max(0.05 s, 2 x the 95th percentile of that server's recent such lags); at most 5% of
+            batches hedged), False, or a ``HedgePolicy``.
         tls, tls_ca, tls_cert, tls_key: TLS to the server: ``tls_ca`` is the PEM file of the CA
             that signed the server's certificate, ``tls_cert`` + ``tls_key`` a client certificate
             (mutual TLS); or ``tls=True`` (system roots) / a ``batchd.client.channel.TLS`` / a dict
@@ -100,11 +145,12 @@ class RemoteDataLoader:
             differ raise ValueError, and so does ``load_state_dict`` of a state saved against
             other fingerprints. False: accept, with a warning (see ``DatasetInfo``).
 
-    Memory: over shared memory, a batch's tensors are views of a server slot lent to this
-    client, mapped copy-on-write (a write stays in this process); the slot goes back when the
-    last tensor on it is freed. Inline, they are views of
-    the received message. Either way a batch stays valid as long as it is referenced, and may
-    be modified in place, as with DataLoader.
+    Memory: over shared memory, a batch's tensors (a ragged field's per-sample tensors included)
+    are views of a server slot lent to this client, mapped copy-on-write (a write stays in this
+    process); the slot goes back when the last tensor on it is freed. Inline, they are views of
+    the received message. On a CUDA device, each field is copied once (a ragged field as one
+    buffer, then split into views there); str / bytes stay Python objects. Either way a batch
+    stays valid as long as it is referenced, and may be modified in place, as with DataLoader.
 
     Raises (at construction): ValueError for bad arguments, ConnectionError if no server
     answers, DatasetNotFoundError if the server has no such dataset. Iteration raises
@@ -116,9 +162,14 @@ class RemoteDataLoader:
     Epochs: each complete pass advances ``epoch`` by one (so shuffle differs per pass, as with
     DataLoader); ``set_epoch(e)`` picks the epoch explicitly, as with DistributedSampler.
 
-    Resume: ``state_dict()`` is a small dict (the settings and the position: epoch, next batch);
-    ``load_state_dict(state)`` on a new loader makes its next iteration start at exactly that
-    batch, computing nothing before it.
+    Resume: ``state_dict()`` is a small dict (the settings and the position: epoch, next batch,
+    the global position reached); ``load_state_dict(state)`` on a new loader makes its next
+    iteration start at exactly that batch, computing nothing before it; on loaders with another
+    ``world_size`` or ``batch_size`` (every rank loads the same state) it continues the epoch from
+    the global position reached, every remaining sample once with the same bytes
+    (``batchd.client.elastic``).
+
+    Figures: ``stats()``.
 
     Profile: ``profile()`` says where this epoch's time went (each batch's stages on the server
     and here, the loop's wait for data) and what bounds it (``batchd.client.profile``); the wait
@@ -133,7 +184,7 @@ class RemoteDataLoader:
                  failover_timeout: float = 5.0, probe_interval: float = 5.0, tls: Any = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, strict: bool = True, gpu_transform: Any = None,
-                 decode_on_client: bool = False):
+                 decode_on_client: bool = False, collate_fn: Any = None, hedge: Any = True):
         extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
         self.options = LoaderOptions.from_arguments(
             dataset, transform=transform, rank=rank, world_size=world_size, device=device, compression=compression,
@@ -141,25 +192,31 @@ class RemoteDataLoader:
             shuffle=shuffle, seed=seed, drop_last=drop_last, prefetch=prefetch, timeout=timeout,
             connect_timeout=connect_timeout, transport=transport, reconnect_timeout=reconnect_timeout,
             failover_timeout=failover_timeout, probe_interval=probe_interval, strict=strict,
-            gpu_transform=gpu_transform, decode_on_client=decode_on_client, **extra)
+            gpu_transform=gpu_transform, decode_on_client=decode_on_client, collate_fn=collate_fn, hedge=hedge,
+            **extra)
         addresses = server_addresses(address)
+        several = len(addresses) > 1 or may_grow(address)
+        if several:  # names as IP:PORT, as the prober will see them when it resolves them again
+            addresses = server_addresses(address, keep_single_name=False)
         self._transfer = None
         if self.options.device.type == "cuda":  # here, in the caller's thread, on the resolved device
             from batchd.client.transfer import CudaTransfer
 
             self._transfer = CudaTransfer(self.options.device)
-        if len(addresses) > 1:
+        self._stats = LoaderStats()
+        if several:
             from batchd.client.multi import MultiServerLoader
 
             self.servers: SingleServerLoader | MultiServerLoader = MultiServerLoader(
-                address, addresses, self.options, self._transfer)
+                address, addresses, self.options, self._transfer, self._stats)
         else:
-            self.servers = SingleServerLoader(addresses[0], self.options, self._transfer)
+            self.servers = SingleServerLoader(addresses[0], self.options, self._transfer, self._stats)
         self.info: DatasetInfo = self.servers.info
         self.address: str = self.servers.address
         self.epoch = 0
+        self._start_position = 0  # the epoch at self.epoch is read from this global position (elastic resume)
         self._resume_batch = 0  # where the next iteration starts (load_state_dict)
-        self._position: tuple[int, int] | None = None  # (epoch, next batch) of the current iteration
+        self._position: tuple[int, int, int] | None = None  # (epoch, start position, next batch) of the iteration
         self.timings = LoopTimings()  # this epoch's stages and waits (batchd.client.timings)
         self._verdict, self._verdict_at = "", 0.0  # reported to the servers with the progress
 
@@ -199,40 +256,57 @@ class RemoteDataLoader:
     # --- DataLoader surface ------------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank."""
+        """Batches per epoch for this rank: of the epoch's remainder, for an epoch resumed at
+        another world size or batch size (``load_state_dict``)."""
+        return self._batches_from(self._start_position)
+
+    def _batches_from(self, start_position: int) -> int:
         o = self.options
-        return num_batches(self.info.num_samples, o.batch_size, world_size=o.world_size, drop_last=o.drop_last)
+        return num_batches(self.info.num_samples, o.batch_size, world_size=o.world_size, drop_last=o.drop_last,
+                           start_position=start_position)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (its shuffle order and augmentation seeds)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         if epoch != self.epoch:
-            self._resume_batch, self._position = 0, None
+            self._resume_batch, self._position, self._start_position = 0, None, 0
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         start, self._resume_batch = self._resume_batch, 0
-        return self._iterate(self.epoch, start)
+        return self._iterate(self.epoch, self._start_position, start)
 
-    def _iterate(self, epoch: int, start_batch: int) -> Iterator[dict[str, torch.Tensor]]:
-        total = len(self)
+    def _iterate(self, epoch: int, start_position: int, start_batch: int) -> Iterator[Any]:
+        total = self._batches_from(start_position)
         b = start_batch
         self.timings.begin(epoch)
-        batches = timed(self.servers.batches(epoch, start_batch, total), self.timings,
-                        cuda=self.options.device.type == "cuda", verdict=self._current_verdict)
+        batches = timed(self.servers.batches(epoch, start_batch, total, start_position), self.timings,
+                        cuda=self.options.device.type == "cuda", verdict=self._current_verdict, stats=self._stats)
         try:
             for batch in batches:
                 b += 1
-                self._position = (epoch, b)
+                self._position = (epoch, start_position, b)
                 yield batch
         finally:
             batches.close()
         if b != total:
             raise RuntimeError(f"the server ended epoch {epoch} after {b} of {total} batches")
         if self.epoch == epoch:
-            self.epoch = epoch + 1
-        self._position = (self.epoch, 0)
+            self.epoch, self._start_position = epoch + 1, 0
+        self._position = (self.epoch, self._start_position, 0)
+
+    def stats(self) -> dict[str, Any]:
+        """This loader's figures as a plain dict: batches and samples yielded, the time the loop
+        waited in ``__next__`` (total and p50/p95/p99 per batch, seconds; the wait fraction of
+        wall time), batches per server, reconnects, failovers and hedges. Keys and units:
+        ``batchd.client.loader_stats``."""
+        per_server = getattr(self.servers, "server_stats", None)
+        if per_server is not None:
+            counts = {s["address"]: s["batches"] for s in per_server()}
+        else:
+            counts = {self.servers.address: self._stats.batches}
+        return self._stats.snapshot(counts)
 
     def profile(self) -> Profile:
         """Where this epoch's time went, and what bounds it: a dict (``verdict``, ``advice``,
@@ -269,7 +343,7 @@ class RemoteDataLoader:
         return {
             "dataset": o.dataset, "num_samples": self.info.num_samples, "batch_size": o.batch_size,
             "shuffle": o.shuffle, "seed": o.seed, "drop_last": o.drop_last, "rank": o.rank,
-            "world_size": o.world_size,
+            "world_size": o.world_size,  # (batch_size, rank and world_size may differ on load: elastic.TOPOLOGY)
             "pipeline": "" if o.pipeline is None else o.pipeline.SerializeToString(deterministic=True).hex(),
             **({"decode_on_client": True} if o.decode_on_client else {}),  # other bytes (nvJPEG)
         }
@@ -277,12 +351,19 @@ class RemoteDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: a small JSON-serialisable dict.
 
-        ``{"epoch": e, "next_batch": k, ...}``: a loader given it with ``load_state_dict``
-        continues with batch k of epoch e, byte for byte what this one would have produced next.
-        Also holds the server's ``fingerprint``, ``build_fingerprint`` and ``build`` (DatasetInfo).
+        ``{"version": 2, "epoch": e, "next_batch": k, "start_position": s, "position": p, ...}``: a
+        loader given it with ``load_state_dict`` continues with batch k of epoch e (read from
+        global position s, 0 unless this epoch was itself resumed elastically), byte for byte what
+        this one would have produced next. ``position`` = s + k x batch_size x world_size is the
+        global position reached (every rank, stepping together, reached the same one), where a
+        loader with another world_size or batch_size continues. Also holds the settings and the
+        server's ``fingerprint``, ``build_fingerprint`` and ``build`` (DatasetInfo).
         """
-        epoch, next_batch = self._position if self._position is not None else (self.epoch, self._resume_batch)
-        return {"version": 1, **self._identity(), **self.info.identity(), "epoch": epoch, "next_batch": next_batch}
+        epoch, start, next_batch = (self._position if self._position is not None
+                                    else (self.epoch, self._start_position, self._resume_batch))
+        reached = elastic.position_reached(start, next_batch, self.batch_size, self.world_size)
+        return {"version": elastic.STATE_VERSION, **self._identity(), **self.info.identity(), "epoch": epoch,
+                "next_batch": next_batch, "start_position": start, "position": reached}
 
     def load_state_dict(self, state: dict[str, Any], strict: bool | None = None) -> None:
         """Continue from ``state`` (from ``state_dict``) at the next iteration.
@@ -291,15 +372,20 @@ class RemoteDataLoader:
         changed) or build (e.g. another OpenCV): the batches would not be the same bytes. False
         accepts it with a warning. None (default): the loader's ``strict`` (True by default).
 
-        Raises ValueError if the state was saved by a loader with other settings (dataset,
-        batch_size, shuffle, seed, drop_last, rank, world_size, transform), is malformed, or
-        (strict) against other fingerprints, naming what differs ("dataset fingerprint A vs B",
-        "opencv 4.10.0 vs 5.0.0"; saved value first).
+        Elastic: ``world_size``, ``rank`` and ``batch_size`` may differ from the saved ones. Every
+        rank of the new job loads the same state (e.g. rank 0's); with the same world_size and
+        batch_size the saved batch comes next, otherwise the epoch's remainder from the global
+        position reached, sharded over the new ranks (``batchd.client.elastic``; ``len(self)``
+        is then its batches). States of version 1 (positions from 0) load too.
+
+        Raises ValueError if the state was saved by a loader with other settings (dataset, shuffle,
+        seed, drop_last, transform), is malformed, or (strict) against other fingerprints, naming
+        what differs ("dataset fingerprint A vs B", "opencv 4.10.0 vs 5.0.0"; saved value first).
         """
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ValueError("not a RemoteDataLoader state_dict (version 1)")
+        if not isinstance(state, dict) or state.get("version") not in (1, elastic.STATE_VERSION):
+            raise ValueError(f"not a RemoteDataLoader state_dict (version 1 or {elastic.STATE_VERSION})")
         for key, value in self._identity().items():
-            if state.get(key) != value:
+            if key not in elastic.TOPOLOGY and state.get(key) != value:
                 raise ValueError(f"state_dict was saved with {key}={state.get(key)!r}, this loader has {key}={value!r}")
         differ = mismatches(state, self.info.identity())
         if differ:
@@ -308,21 +394,20 @@ class RemoteDataLoader:
             if (self.strict if strict is None else strict):
                 raise ValueError(what + "; load_state_dict(state, strict=False) resumes anyway")
             log.warning("%s; resuming anyway (strict=False)", what)
-        epoch, next_batch = state.get("epoch"), state.get("next_batch")
-        if not isinstance(epoch, int) or epoch < 0 or not isinstance(next_batch, int) or not 0 <= next_batch <= len(self):
-            raise ValueError(f"state_dict has an invalid position: epoch={epoch!r}, next_batch={next_batch!r}")
-        if next_batch == len(self):
-            epoch, next_batch = epoch + 1, 0
-        self.epoch, self._resume_batch, self._position = epoch, next_batch, None
+        at = elastic.resume_from(state, num_samples=self.info.num_samples, batch_size=self.batch_size,
+                                 world_size=self.world_size, drop_last=self.drop_last)
+        self.epoch, self._start_position, self._resume_batch, self._position = (at.epoch, at.start_position,
+                                                                              at.next_batch, None)
 
 
 class SingleServerLoader:
     """The batches of one server, resumed across a broken stream (server restart, lost
     connection) within ``options.reconnect_timeout`` seconds. Built by ``RemoteDataLoader``."""
 
-    def __init__(self, address: str, options: LoaderOptions, transfer: Any = None):
+    def __init__(self, address: str, options: LoaderOptions, transfer: Any = None, stats: LoaderStats | None = None):
         self.options = options
         self.address = address
+        self.loader_stats = stats if stats is not None else LoaderStats()
         self.connection = ServerConnection(address, options, transfer)
         self.info = self.connection.info
 
@@ -336,7 +421,7 @@ class SingleServerLoader:
     def close(self) -> None:
         self.connection.close()
 
-    def _reconnect(self, epoch: int, next_batch: int, error: ConnectionError) -> Receiver:
+    def _reconnect(self, epoch: int, next_batch: int, error: ConnectionError, start_position: int = 0) -> Receiver:
         """Wait for the server to come back (gRPC's own reconnect backoff) and resume at next_batch.
 
         Raises ConnectionError after ``reconnect_timeout`` seconds.
@@ -356,19 +441,21 @@ class SingleServerLoader:
             if not self.connection.wait_ready(remaining):
                 continue
             try:
-                receiver = self.connection.open_stream(epoch, next_batch)
+                receiver = self.connection.open_stream(epoch, next_batch, start_position=start_position)
                 log.info("resumed the stream from %s at epoch %d, batch %d", self.address, epoch, next_batch)
                 return receiver
             except ConnectionError as e:
                 error = e
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
-    def batches(self, epoch: int, start_batch: int, total: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches start_batch .. total - 1 of ``epoch``, in order (fewer if the server ends early)."""
+    def batches(self, epoch: int, start_batch: int, total: int, start_position: int = 0
+                ) -> Iterator[Any]:
+        """Batches start_batch .. total - 1 of ``epoch`` (its remainder from global position
+        ``start_position``), in order (fewer if the server ends early)."""
         if self.connection.closed:
             raise RuntimeError("the loader is closed")
         self.connection.stop_stream()  # a previous iteration was abandoned: one stream at a time
-        receiver = self.connection.open_stream(epoch, start_batch)
+        receiver = self.connection.open_stream(epoch, start_batch, start_position=start_position)
         expected = start_batch
         try:
             while True:
@@ -380,7 +467,8 @@ class SingleServerLoader:
                     if self.options.reconnect_timeout <= 0:
                         raise
                     e.__traceback__ = None  # its frames would keep this generator's last batch (and lease)
-                    receiver = self._reconnect(epoch, expected, e)
+                    receiver = self._reconnect(epoch, expected, e, start_position)
+                    self.loader_stats.count("reconnects")
                     continue
                 if isinstance(item, _End):
                     break

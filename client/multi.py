@@ -16,9 +16,18 @@ A new split starts at the next batch to deliver when
   ``timeout`` seconds while others are up. It is marked down and the remaining servers share the
   remaining batches. Batches the others had prefetched under the old split are dropped and
   rebuilt (same bytes);
-* a server that was down answers again: a background prober tries every down server (and, for a
-  DNS name, every new address it resolves to) every ``probe_interval`` seconds, and the next
-  batch starts a split that includes it.
+* a server joins: a background prober tries every down server every ``probe_interval`` seconds,
+  and reads the address again (``AddressSource``: a DNS name resolved anew, a ``file:`` list
+  re-read when it changed) to find new servers. One that answers (health SERVING, the same
+  dataset size and fingerprints) gets work from the next batch not yet asked of the others:
+  the split in place goes on up to ``start + n * (prefetch + 1)``, the batches its servers have
+  most likely built or are building, and the new split (opened at once, so its servers start
+  building) takes over from there;
+* a server leaves the address (no longer resolved or listed): the next batch starts a split
+  without it (a server that stops is a failure, above).
+
+Hedged requests (``batchd.client.hedge``): a batch late from its server is also asked of another
+one of the split, within a budget; the first copy is yielded.
 
 With no server left, the loader keeps trying all of them for ``reconnect_timeout`` seconds and
 then raises ConnectionError. Each server has its own ``ServerConnection`` (channel,
@@ -30,36 +39,23 @@ reported abandoned with the leases received on it, so the server releases those 
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
-from batchd.client.addresses import is_name, server_addresses
-from batchd.client.connection import ServerConnection, deliver
-from batchd.client.datasets import mismatches
+from batchd.client.addresses import AddressSource
+from batchd.client.connection import deliver
+from batchd.client.hedge import Hedger
+from batchd.client.loader_stats import LoaderStats
+from batchd.client.membership import PROBE_CONNECT_S, ServerSet, _Server
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Receiver, _End
 
 log = logging.getLogger(__name__)
-
-_PROBE_CONNECT_S = 2.0  # connect timeout of one probe
-
-
-@dataclass(eq=False)
-class _Server:
-    address: str
-    conn: ServerConnection | None = None  # channel, shared memory, streams
-    up: bool = False
-    error: str = ""
-    batches: int = 0  # batches delivered from this server (all iterations)
-    failing_since: float | None = None  # first failure of a run of failures (reconnect window)
 
 
 @dataclass(eq=False)
@@ -68,6 +64,7 @@ class _Split:
 
     start: int
     servers: list[_Server]
+    start_position: int = 0  # the epoch's remainder read (elastic resume; batchd.sampler)
     receivers: dict[int, Receiver] = field(default_factory=dict)  # position in servers -> its stream
 
     def slot(self, b: int) -> int:
@@ -79,7 +76,7 @@ class _Split:
         self.receivers.clear()
 
 
-class MultiServerLoader:
+class MultiServerLoader(ServerSet):
     """The batches of several servers (see the module docstring); built by ``RemoteDataLoader``
     when ``address`` names several servers (a list, or a DNS name with several addresses; see
     ``batchd.client.addresses``), which reads through it (``loader.servers``).
@@ -90,15 +87,21 @@ class MultiServerLoader:
     rejoins later with other fingerprints is left out. ``strict=False`` accepts them.
     """
 
-    def __init__(self, source: Any, addresses: list[str], options: LoaderOptions, transfer: Any = None):
+    def __init__(self, source: Any, addresses: list[str], options: LoaderOptions, transfer: Any = None,
+                 stats: LoaderStats | None = None):
         self._source = source
+        self._address_source = AddressSource(source)
         self.options = options
         self._transfer = transfer
+        self.loader_stats = stats if stats is not None else LoaderStats()
+        self._hedger = Hedger(options.hedge, self.loader_stats) if options.hedge is not None else None
         self._lock = threading.Lock()
         self._probe_lock = threading.Lock()  # one probe round at a time (prober thread or a failover)
         self._closed = False
         self._split: _Split | None = None
-        self._rejoined = threading.Event()  # a server came (back) up: split again at the next batch
+        self._next_split: _Split | None = None  # takes over from its start (a server joined)
+        self._rejoined = threading.Event()  # a server came (back) up: it joins the split
+        self._retired = threading.Event()  # a server up was removed from the address: split again now
         self._stop_probing = threading.Event()
         self._servers = [_Server(a) for a in addresses]
         self.info = self._open_all()[0].conn.info
@@ -108,158 +111,55 @@ class MultiServerLoader:
             self.close()
             raise ValueError(f"the servers disagree on the size of dataset {options.dataset!r}: {sizes}")
         self._check_fingerprints([s for s in self._servers if s.up])
-        self._prober = threading.Thread(target=_probe_loop, args=(weakref.ref(self), self._stop_probing),
-                                        name="batchd-probe", daemon=True)
-        self._prober.start()
-
-    # --- servers -----------------------------------------------------------------------------
-
-    @property
-    def addresses(self) -> list[str]:
-        return [s.address for s in self._servers]
-
-    def server_stats(self) -> list[dict[str, Any]]:
-        """Per server: address, up, batches delivered from it, last error."""
-        with self._lock:
-            return [{"address": s.address, "up": s.up, "batches": s.batches, "error": s.error} for s in self._servers]
-
-    def _check_fingerprints(self, servers: list[_Server]) -> None:
-        """Servers whose dataset or build fingerprint differ from the first's: ValueError naming
-        them and what differs (strict), else a warning."""
-        first = servers[0]
-        differ = [f"{first.address} vs {s.address}: {'; '.join(d)}" for s in servers[1:]
-                  if (d := mismatches(first.conn.info.identity(), s.conn.info.identity()))]
-        if not differ:
-            return
-        msg = f"the servers would send different bytes for dataset {self.options.dataset!r}: " + " | ".join(differ)
-        if self.options.strict:
-            self.close()
-            raise ValueError(msg + "; strict=False accepts them")
-        log.warning("%s; mixing them anyway (strict=False)", msg)
-
-    def _open_all(self) -> list[_Server]:
-        def open_one(server: _Server) -> ServerConnection:
-            return ServerConnection(server.address, self.options, self._transfer)
-
-        with concurrent.futures.ThreadPoolExecutor(len(self._servers), thread_name_prefix="batchd-open") as pool:
-            futures = {s: pool.submit(open_one, s) for s in self._servers}
-        fatal: BaseException | None = None
-        for s, fut in futures.items():
-            try:
-                s.conn, s.up = fut.result(), True
-            except (ConnectionError, TimeoutError) as e:
-                s.error = str(e)
-            except BaseException as e:  # bad arguments, unknown dataset: the same on every server
-                fatal = fatal or e
-        up = [s for s in self._servers if s.up]
-        if fatal is not None or not up:
-            for s in up:
-                s.conn.close()
-            if fatal is not None:
-                raise fatal
-            raise ConnectionError("no batchd server answered at any of " + ", ".join(self.addresses) + ": "
-                                  + "; ".join(s.error for s in self._servers))
-        for s in self._servers:
-            if not s.up:
-                log.warning("batchd server %s is unavailable (%s); it gets work once it answers", s.address, s.error)
-        return up
-
-    def _probe(self, server: _Server) -> bool:
-        """Try a down server: a fresh connection (new channel and shared memory)."""
-        if server.up:
-            return True
-        options = dataclasses.replace(self.options, connect_timeout=min(self.options.connect_timeout, _PROBE_CONNECT_S))
-        try:
-            fresh = ServerConnection(server.address, options, self._transfer)
-        except (ConnectionError, TimeoutError) as e:
-            server.error = str(e)
-            return False
-        except Exception as e:  # the server is up but cannot serve this dataset
-            if server.error != str(e):
-                log.warning("batchd server %s answers but cannot serve this loader: %s", server.address, e)
-            server.error = str(e)
-            return False
-        if fresh.info.num_samples != self.info.num_samples:
-            msg = (f"dataset {self.options.dataset!r} has {fresh.info.num_samples} samples there, "
-                   f"{self.info.num_samples} on the others")
-            if server.error != msg:
-                log.warning("batchd server %s is left out: %s", server.address, msg)
-            server.error = msg
-            fresh.close()
-            return False
-        differ = mismatches(self.info.identity(), fresh.info.identity())
-        if differ and self.options.strict:
-            msg = f"dataset {self.options.dataset!r} differs there from the other servers: {'; '.join(differ)} (strict=False accepts it)"
-            if server.error != msg:
-                log.warning("batchd server %s is left out: %s", server.address, msg)
-            server.error = msg
-            fresh.close()
-            return False
-        with self._lock:
-            if self._closed:
-                fresh.close()
-                return False
-            old, server.conn, server.up, server.error, server.failing_since = server.conn, fresh, True, "", None
-            self._rejoined.set()
-        log.info("batchd server %s is up; it gets work from the next batch", server.address)
-        if old is not None:
-            t0 = time.monotonic()
-            old.close()
-            log.debug("closed the old channel to %s in %.2f s", server.address, time.monotonic() - t0)
-        return True
-
-    def _probe_down(self) -> None:
-        """One round of the prober: new addresses of a DNS name, then every down server."""
-        with self._probe_lock:
-            self._probe_round()
-
-    def _probe_round(self) -> None:  # (under _probe_lock)
-        if is_name(self._source):
-            try:
-                current = server_addresses(self._source)
-            except ValueError:
-                current = []
-            with self._lock:
-                known = {s.address for s in self._servers}
-                for a in current:
-                    if a not in known and not self._closed:
-                        log.info("%s now also resolves to %s", self._source, a)
-                        self._servers.append(_Server(a))
-        down = [s for s in self._servers if not s.up]
-        if not down or self._closed or self._stop_probing.is_set():
-            return
-        # in parallel: each probe may wait its whole connect timeout for a server that is gone
-        with concurrent.futures.ThreadPoolExecutor(min(8, len(down)), thread_name_prefix="batchd-probe") as pool:
-            list(pool.map(self._probe, down))
-
-    def _mark_down(self, server: _Server, error: BaseException) -> None:
-        with self._lock:
-            server.up, server.error = False, str(error)
-        if server.conn is not None:
-            server.conn.stop_stream()
+        self.start_probing()
 
     # --- splits --------------------------------------------------------------------------------
 
-    def _start_split(self, epoch: int, start: int, total: int, why: str, error: BaseException | None = None) -> _Split:
-        if self._split is not None:
-            self._split.stop()
-            self._split = None
-        if not any(s.up for s in self._servers):
+    def _start_split(self, epoch: int, start: int, total: int, why: str, error: BaseException | None = None, *,
+                     start_position: int = 0) -> _Split:
+        for old in (self._split, self._next_split):
+            if old is not None:
+                old.stop()
+        self._split = self._next_split = None
+        if not self._working():
             self._wait_for_any(epoch, start, error or ConnectionError("every server is down"))
-        with self._lock:
-            self._rejoined.clear()
-            servers = [s for s in self._servers if s.up]
-        split = self._split = _Split(start, servers)
+        self._rejoined.clear()
+        self._retired.clear()
+        split = self._split = self._open_split(epoch, start, total, start_position, why)
+        return split
+
+    def _open_split(self, epoch: int, start: int, total: int, start_position: int, why: str) -> _Split:
+        """Streams of every working server for the batches from ``start`` on (module docstring)."""
+        servers = self._working()
+        split = _Split(start, servers, start_position)
         n = len(servers)
         try:
             for i, server in enumerate(servers):
                 if start + i < total:
-                    split.receivers[i] = server.conn.open_stream(epoch, start, n, i)
+                    split.receivers[i] = server.conn.open_stream(epoch, start, n, i, start_position=start_position)
         except BaseException:
             split.stop()
             raise
         log.log(logging.INFO if why else logging.DEBUG, "epoch %d from batch %d: %d server%s (%s)%s", epoch, start, n,
                 "" if n == 1 else "s", ", ".join(s.address for s in servers), f"; {why}" if why else "")
+        return split
+
+    def _adjust(self, split: _Split, epoch: int, b: int, total: int) -> _Split:
+        """Before batch b: take over the next split at its start, split again without a server
+        that left the address, or plan a split with a server that joined."""
+        if self._next_split is not None and b >= self._next_split.start:
+            split.stop()
+            split, self._split, self._next_split = self._next_split, self._next_split, None
+        if self._retired.is_set():
+            return self._start_split(epoch, b, total, "a server left the address", start_position=split.start_position)
+        if self._rejoined.is_set() and self._next_split is None:
+            self._rejoined.clear()
+            working = self._working()
+            if working and working != split.servers:
+                start = b + len(split.servers) * (self.options.prefetch + 1)  # the batches built ahead go on
+                if start < total:
+                    self._next_split = self._open_split(epoch, start, total, split.start_position,
+                                                        "a server joined")
         return split
 
     def _reconnect_one(self, split: _Split, i: int, epoch: int, b: int) -> Receiver | None:
@@ -280,7 +180,7 @@ class MultiServerLoader:
                 return None
             try:
                 # same batches as before: b is this server's next one, the stride is unchanged
-                return conn.open_stream(epoch, b, len(split.servers), 0)
+                return conn.open_stream(epoch, b, len(split.servers), 0, start_position=split.start_position)
             except ConnectionError:
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
@@ -295,19 +195,22 @@ class MultiServerLoader:
             again = self._reconnect_one(split, i, epoch, b)
             if again is not None:
                 log.info("resumed the stream from %s at epoch %d, batch %d", server.address, epoch, b)
+                self.loader_stats.count("reconnects")
                 split.receivers[i] = again
                 return split
         self._mark_down(server, error)
+        self.loader_stats.count("failovers")
         log.warning("batchd server %s failed at epoch %d, batch %d (%s); the other servers take its batches",
                     server.address, epoch, b, error)
-        return self._start_split(epoch, b, total, f"{server.address} is down", error)
+        return self._start_split(epoch, b, total, f"{server.address} is down", error,
+                                 start_position=split.start_position)
 
     def _wait_for_any(self, epoch: int, b: int, error: BaseException) -> None:
         """No server is up: try them all for reconnect_timeout seconds, else raise ConnectionError."""
         deadline = time.monotonic() + max(0.0, self.options.reconnect_timeout)
         while not self._closed:
             self._probe_down()
-            if any(s.up for s in self._servers):
+            if self._working():
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -322,22 +225,33 @@ class MultiServerLoader:
 
     # --- iteration -----------------------------------------------------------------------------
 
-    def batches(self, epoch: int, start_batch: int, total: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches start_batch .. total - 1 of ``epoch``, in order, from the servers that are up."""
+    def batches(self, epoch: int, start_batch: int, total: int, start_position: int = 0
+                ) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches start_batch .. total - 1 of ``epoch`` (its remainder from global position
+        ``start_position``), in order, from the servers that are up."""
         if self._closed:
             raise RuntimeError("the loader is closed")
-        split = self._start_split(epoch, start_batch, total, "")
+        split = self._start_split(epoch, start_batch, total, "", start_position=start_position)
+        hedger = self._hedger
+        if hedger is not None:
+            iteration = hedger.begin(lambda server, b: server.conn.open_stream(
+                epoch, b, start_position=start_position, end_batch=b + 1, hedge=True))
         b = start_batch
         what = f"dataset {self.options.dataset!r}, epoch {epoch}"
         try:
             while b < total:
-                if self._rejoined.is_set():
-                    split = self._start_split(epoch, b, total, "a server came back")
+                split = self._adjust(split, epoch, b, total)
                 i = split.slot(b)
                 server = split.servers[i]
                 receiver = split.receivers[i]
+                others = lambda: [s for s in split.servers if s is not server and s.up and not s.retired]  # noqa: E731
                 try:
-                    item = receiver.get(self.options.timeout, f"{what}, batch {b}")
+                    if hedger is None:
+                        item, source, sender = receiver.get(self.options.timeout, f"{what}, batch {b}"), receiver, server
+                    else:
+                        peers = [r for j, r in split.receivers.items() if j != i]
+                        item, source, sender = hedger.wait(b, server, receiver, peers, self.options.timeout,
+                                                           f"{what}, batch {b}", others)
                 except ConnectionError as e:
                     e.__traceback__ = None  # its frames would keep this generator's last batch (and lease)
                     split = self._recover(split, i, epoch, b, total, e)
@@ -351,15 +265,27 @@ class MultiServerLoader:
                 if isinstance(item, _End):
                     raise RuntimeError(f"the server at {server.address} ended its stream before batch {b} of epoch {epoch}")
                 if item.batch_index != b:
-                    raise RuntimeError(f"the server at {server.address} sent batch {item.batch_index} where batch {b} was due")
-                server.failing_since = None
-                server.batches += 1
+                    raise RuntimeError(f"the server at {sender.address} sent batch {item.batch_index} where batch {b} was due")
+                if sender is server:
+                    server.failing_since = None
+                sender.batches += 1
+                batch = deliver(item, source, self._transfer)
+                if hedger is not None:
+                    after = b + len(split.servers)
+                    limit = total if self._next_split is None else self._next_split.start
+                    hedger.settled(b, source is not receiver, server, receiver, after if after < limit else None, others)
                 b += 1
-                yield deliver(item, receiver, self._transfer)
+                yield batch
+                item = batch = None  # (not kept by this frame once the loop has it)
         finally:
+            if hedger is not None:
+                hedger.end(iteration)
             split.stop()  # (an abandoned iteration's split was already stopped by the next one)
             if self._split is split:
                 self._split = None
+            if self._next_split is not None and self._split is None:
+                self._next_split.stop()
+                self._next_split = None
 
     def close(self) -> None:
         """Cancel the streams, stop probing, close every server's channel. Idempotent."""
@@ -368,32 +294,13 @@ class MultiServerLoader:
                 return
             self._closed = True
         self._stop_probing.set()
-        if self._split is not None:
-            self._split.stop()
-            self._split = None
+        for split in (self._split, self._next_split):
+            if split is not None:
+                split.stop()
+        self._split = self._next_split = None
         for s in self._servers:
             if s.conn is not None:
                 s.conn.close()
         prober = getattr(self, "_prober", None)
         if prober is not None and prober is not threading.current_thread():
-            prober.join(_PROBE_CONNECT_S + 1.0)
-
-
-def _probe_loop(ref: "weakref.ref[MultiServerLoader]", stop: threading.Event) -> None:
-    """Every probe_interval seconds, probe the down servers (holding the loader only meanwhile)."""
-    while True:
-        loader = ref()
-        if loader is None:
-            return
-        interval = loader.options.probe_interval
-        del loader
-        if stop.wait(interval):
-            return
-        loader = ref()
-        if loader is None or loader._closed:
-            return
-        try:
-            loader._probe_down()
-        except Exception:  # never die silently: log and keep probing
-            log.exception("probing batchd servers failed")
-        del loader
+            prober.join(PROBE_CONNECT_S + 1.0)

@@ -15,6 +15,7 @@ import torch
 
 from batchd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
 from batchd.client.distributed import rank_and_world_size
+from batchd.client.hedge import HedgePolicy, hedge_policy
 from batchd.v1 import loader_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "inline")
@@ -77,7 +78,8 @@ class LoaderOptions:
     Units: ``timeout``, ``connect_timeout``, ``reconnect_timeout``, ``failover_timeout``,
     ``probe_interval`` in seconds; ``prefetch`` in batches; ``max_message_bytes`` in bytes.
     ``pipeline`` is the wire form of ``transform``; ``compression`` a ``pb.Compression``;
-    ``device`` has its CUDA index resolved. Raises ValueError naming the bad field.
+    ``device`` has its CUDA index resolved; ``hedge`` is the hedging policy of a several-servers
+    loader (None: no hedging). Raises ValueError naming the bad field.
     """
 
     dataset: str
@@ -103,6 +105,8 @@ class LoaderOptions:
     strict: bool = True
     gpu_transform: Callable[..., torch.Tensor] | None = None
     decode_on_client: bool = False
+    collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None
+    hedge: HedgePolicy | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset:
@@ -123,6 +127,8 @@ class LoaderOptions:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.gpu_transform is not None and not callable(self.gpu_transform):
             raise ValueError(f"gpu_transform must be None or a callable, got {type(self.gpu_transform).__name__}")
+        if self.collate_fn is not None and not callable(self.collate_fn):
+            raise ValueError(f"collate_fn must be None or a callable, got {type(self.collate_fn).__name__}")
         self.strict = bool(self.strict)
         if not isinstance(self.decode_on_client, bool):
             raise ValueError(f"decode_on_client must be True or False, got {self.decode_on_client!r}")
@@ -131,11 +137,12 @@ class LoaderOptions:
     def from_arguments(cls, dataset: str, *, transform: Any = None, rank: int | None = None,
                        world_size: int | None = None, device: Any = None, compression: str | None = None,
                        tls: Any = None, tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None,
-                       token: str | None = None, **rest: Any) -> "LoaderOptions":
+                       token: str | None = None, hedge: Any = True, **rest: Any) -> "LoaderOptions":
         """From ``RemoteDataLoader``'s keyword arguments (``rest``: the fields of the same name).
 
         Resolves rank and world size (``batchd.client.distributed``), the device's CUDA index,
-        TLS and the token; raises ValueError (RuntimeError: CUDA asked for but unavailable).
+        TLS, the token and the hedging policy (``hedge_policy``); raises ValueError (RuntimeError:
+        CUDA asked for but unavailable).
         """
         if compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
@@ -143,4 +150,5 @@ class LoaderOptions:
         return cls(dataset, pipeline=pipeline_of(transform), rank=rank, world_size=world_size,
                    device=resolve_device(device),
                    compression=pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE,
-                   tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token), **rest)
+                   tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token),
+                   hedge=hedge_policy(hedge), **rest)

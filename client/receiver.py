@@ -20,6 +20,7 @@ import lz4.frame as lz4_frame
 import torch
 
 from batchd import wire
+from batchd.client import fields
 from batchd.client.channel import translate
 from batchd.v1 import loader_pb2 as pb
 
@@ -37,40 +38,37 @@ class _Failed:
 
 
 class Received(NamedTuple):
-    """One batch as the receiver thread queues it: ``batch`` is the dict of tensors (on the
-    device, then ``event`` is the CUDA event its copy records, else None); ``samples`` its size;
-    ``times`` its ``batchd.client.timings.BatchTimes`` (server and client stages)."""
+    """One batch as the receiver thread queues it: ``batch`` is what the loader hands out (a dict of
+    stacked tensors and lists, ``batchd.client.fields.unpack``; or what ``collate_fn`` returned);
+    ``samples`` its size. On a CUDA device, ``event`` is the CUDA event its copy records and
+    ``copies`` the device tensors the copy made (the consumer's stream waits for the event and
+    records its use of them, ``CudaTransfer.hand_over``); else both are None. ``collate`` is a
+    ``collate_fn`` still to run in the consumer's thread (on a CUDA device), or None. ``times`` its
+    ``batchd.client.timings.BatchTimes`` (server and client stages)."""
 
     batch_index: int
-    batch: dict[str, torch.Tensor]
+    batch: Any
     event: Any
     samples: int
+    copies: dict[str, torch.Tensor] | None = None
+    collate: Callable[[list], Any] | None = None
     times: Any = None
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"the server sent a tensor of dtype {name!r}, which torch does not have")
-    return dtype
-
-
-def to_tensors(batch: wire.WireBatch) -> dict[str, torch.Tensor]:
-    """CPU tensors sharing memory with the received message (no copy).
+def to_tensors(batch: wire.WireBatch) -> dict[str, fields.Field]:
+    """The batch's fields on the received message (no copy; LZ4 data once decompressed): stacked
+    tensors, ``Ragged`` fields (one flat tensor each), lists of str / bytes (``batchd.client.fields``).
 
     The message bytes belong to this batch alone, so the tensors are handed out writable, as
     DataLoader batches are (torch.frombuffer warns about read-only buffers; we silence that).
+    Raises ValueError naming a field the server sent malformed.
     """
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for t in batch.tensors:
-            dtype = _torch_dtype(t.dtype)
             data = lz4_frame.decompress(t.data) if t.compression == pb.COMPRESSION_LZ4 else t.data
-            if len(data):
-                out[t.name] = torch.frombuffer(data, dtype=dtype).view(t.shape)
-            else:
-                out[t.name] = torch.empty(t.shape, dtype=dtype)
+            out[t.name] = fields.field(t, fields.from_bytes(t, data))
     return out
 
 

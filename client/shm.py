@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from batchd import wire
+from batchd.client import fields
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -109,15 +110,16 @@ class SharedMemorySession:
             raise
         return cls(address, call, session, reporter)
 
-    def tensors(self, batch: wire.WireBatch) -> dict[str, torch.Tensor]:
-        """Writable CPU tensors on a copy-on-write mapping of the batch's slot (no copy); its lease
-        is released when they are all freed."""
+    def tensors(self, batch: wire.WireBatch) -> dict[str, fields.Field]:
+        """Writable CPU tensors on a copy-on-write mapping of the batch's slot (no copy; ragged
+        fields one flat tensor each, ``batchd.client.fields``); its lease is released when they are
+        all freed."""
         end = _end(batch)
         # every tensor below is a view of this array (a zero-length mmap is not allowed)
         base = np.frombuffer(map_private(batch.segment, end), dtype=np.uint8) if end else np.zeros(0, np.uint8)
         return self._wrap(base, batch)
 
-    def host_tensors(self, batch: wire.WireBatch, register) -> tuple[dict[str, torch.Tensor], bool]:
+    def host_tensors(self, batch: wire.WireBatch, register) -> tuple[dict[str, fields.Field], bool]:
         """Read-only CPU tensors on the batch's slot, for a copy to a GPU straight from it.
 
         Each segment is mapped once (shared, read-only: these tensors are never handed to the
@@ -149,18 +151,19 @@ class SharedMemorySession:
                 pass
         self._host_maps.clear()
 
-    def _wrap(self, base: np.ndarray, batch: wire.WireBatch) -> dict[str, torch.Tensor]:
-        """Tensors that are views of ``base``, holding the batch's lease until all are freed."""
-        with self._lock:
-            self._outstanding.add(batch.lease)
-        weakref.finalize(base, self._reporter.freed, self.session, batch.lease)
+    def _wrap(self, base: np.ndarray, batch: wire.WireBatch) -> dict[str, fields.Field]:
+        """The batch's fields as views of ``base`` (stacked tensors, ``Ragged`` flat values; str and
+        bytes are copies), holding the batch's lease until all are freed. Raises ValueError naming a
+        field the server sent malformed (the caller then releases the lease)."""
         out = {}
         with warnings.catch_warnings():  # a read-only base (host_tensors) is never written: see there
             warnings.simplefilter("ignore", UserWarning)
             for t in batch.tensors:
-                nbytes = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
-                array = base[t.offset : t.offset + nbytes].view(t.dtype).reshape(t.shape)
-                out[t.name] = torch.from_numpy(array)
+                values = base[t.offset : t.offset + fields.nbytes(t)].view(fields.numpy_dtype(t.dtype))
+                out[t.name] = fields.field(t, torch.from_numpy(values))
+        with self._lock:
+            self._outstanding.add(batch.lease)
+        weakref.finalize(base, self._reporter.freed, self.session, batch.lease)
         return out
 
     def release_unused(self, lease: int) -> None:
@@ -215,8 +218,7 @@ class SharedMemorySession:
 
 def _end(batch: wire.WireBatch) -> int:
     """Bytes of the batch's slot its tensors span."""
-    return max((t.offset + int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
-                for t in batch.tensors), default=0)
+    return max((t.offset + fields.nbytes(t) for t in batch.tensors), default=0)
 
 
 def _first(call, timeout: float) -> pb.SessionEvent:

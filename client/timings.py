@@ -79,17 +79,19 @@ class BatchTimes:
 _delivered = threading.local()
 
 
-def delivered(times: BatchTimes | None, record: Any) -> None:
-    """The consumer's thread hands the training loop a batch: remember its timings and its call's
-    ``CallRecord`` for ``LoopTimings`` (``take_delivered``), in the same thread, right after."""
-    _delivered.item = (times, record)
+def delivered(times: BatchTimes | None, record: Any, samples: int | None = None) -> None:
+    """The consumer's thread hands the training loop a batch of ``samples`` samples: remember its
+    timings and its call's ``CallRecord`` for ``timed`` (``take_delivered``), in the same thread,
+    right after."""
+    _delivered.item = (times, record, samples)
 
 
-def take_delivered() -> tuple[BatchTimes | None, Any]:
-    """The (timings, call record) of the batch delivered last in this thread; (None, None) if none."""
+def take_delivered() -> tuple[BatchTimes | None, Any, int | None]:
+    """The (timings, call record, samples) of the batch delivered last in this thread; (None,
+    None, None) if none."""
     item = getattr(_delivered, "item", None)
     _delivered.item = None
-    return item if item is not None else (None, None)
+    return item if item is not None else (None, None, None)
 
 
 class WaitMeter:
@@ -232,22 +234,31 @@ def _nvtx() -> bool:
         return False
 
 
-def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Callable[[float], str]) -> Iterator[T]:
+_END = object()  # what ``next`` gives at the end (a collate_fn may return None for a batch)
+
+
+def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Callable[[float], str],
+          stats: Any = None) -> Iterator[T]:
     """``batches`` as the training loop takes them, timed: each ``next`` is a wait (``waiting``), the
     time between two is a step; both go to ``timings`` and to the batch's call record (its
-    progress reports them), with ``verdict(now)``. Closing it closes ``batches``."""
+    progress reports them), with ``verdict(now)``, and each wait, as measured, to ``stats`` (a
+    ``batchd.client.loader_stats.LoaderStats``: ``loader.stats()``). Closing it closes ``batches``."""
     handed = None  # perf_counter() when the loop got the previous batch
     try:
         while True:
             asked = time.perf_counter()
+            if stats is not None:
+                stats.asking(asked)
             step = asked - handed if handed is not None else 0.0
-            batch = waiting(lambda: next(batches, None), cuda)
-            if batch is None:
+            batch = waiting(lambda: next(batches, _END), cuda)
+            if batch is _END:
                 if handed is not None:
                     timings.finished_step(step)
                 return
             handed = time.perf_counter()
-            times, record = take_delivered()
+            times, record, samples = take_delivered()
+            if stats is not None:
+                stats.waited(handed - asked, batch, handed, samples)
             wait = timings.add(handed - asked, step, times, record)
             if record is not None:
                 record.loop_waited(wait, step, verdict(handed))

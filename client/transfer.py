@@ -10,46 +10,64 @@ Pattern from ffcv's ``loader/epoch_iterator.py`` and spdl's ``io/_transfer.py``:
   (blocking, so the thread sleeps rather than spins) event recorded after the last copy out of
   it, so a copy in flight is never corrupted;
 * same-host batches are copied straight from the server's shared-memory slot: each segment is
-  mapped read-only once and registered with CUDA once (``cudaHostRegister``), and the batch (its
-  lease) is kept until its copy's event has completed;
+  mapped read-only once and registered with CUDA once (``cudaHostRegister``, from a helper
+  thread: client/host_register.py), and the batch (its lease) is kept until its copy's event has
+  completed; if CUDA refuses, batches go through the pinned buffers;
 * ``hand_over`` makes the consumer's current stream wait for that copy's event and marks the
   device tensors as used on it (``record_stream``), so the caching allocator never recycles
-  them early.
+  them early;
+* an error after a copy was queued (in ``gpu_transform``, say) waits for the side stream before
+  it propagates: the lease or pinned buffer being copied from is let go only once it is read.
 
 ``to_device`` may be called from several receiver threads (several servers, or a receiver that
-outlives ``stop()``): it holds a lock, and refuses (``TransferStopped``) a call whose receiver
-is stopping, so a stale thread never fills a slot the live one uses.
+outlives ``stop()``): it holds the copy lock, and refuses (``TransferStopped``) a call whose
+receiver is stopping, so a stale thread never fills a slot the live one uses. ``hand_over`` (the
+consumer's thread) takes only the lock of the batches held for copies, never the copy lock, so
+it does not wait for a receiver's whole memcpy.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-log = logging.getLogger(__name__)
+from batchd.client import fields
+from batchd.client.host_register import HostRegistry
 
-_HOST_REGISTER_PORTABLE, _HOST_REGISTER_READ_ONLY = 0x01, 0x08  # cudaHostRegister flags
+log = logging.getLogger(__name__)
 
 
 class TransferStopped(RuntimeError):
     """The receiver thread that asked for a copy was stopped: its batch is dropped."""
 
 
-def finish(batch: dict[str, torch.Tensor], gpu_transform: Callable[..., torch.Tensor], seed: int, epoch: int) -> None:
+def check_finishable(batch: dict[str, fields.Field]) -> None:
+    """Raise ValueError unless ``gpu_transform`` can run on ``batch``: it needs "position" and stacked
+    images (called before a batch is copied to a device, so a copy is never left in flight)."""
+    if "position" not in batch:
+        raise ValueError("gpu_transform needs batch['position'] (each sample's place in the epoch's order), "
+                         "which this server does not send; upgrade the server or drop gpu_transform")
+    if not isinstance(batch.get("image"), torch.Tensor):
+        what = "images of different sizes" if isinstance(batch.get("image"), fields.Ragged) else "no 'image' field"
+        raise ValueError(f"gpu_transform works on a batch's stacked images uint8 [B, H, W, C], but this batch has "
+                         f"{what}; resize the images to one size on the server (transform) or drop gpu_transform")
+
+
+def finish(batch: dict[str, fields.Field], gpu_transform: Callable[..., torch.Tensor], seed: int, epoch: int) -> None:
     """Replace ``batch["image"]`` by ``gpu_transform(image, position, seed=seed, epoch=epoch)``.
 
     image: the batch's uint8 [B, H, W, C] tensor (on the device after the copy, or on CPU);
     position: int64 [B], each sample's position in the epoch's global order. Raises ValueError if
-    the batch has no "position" tensor (the server does not send it), TypeError if the result is
-    not a tensor.
+    the batch has no "position" tensor (the server does not send it) or no stacked "image" (its
+    images have different sizes: a ragged field), TypeError if the result is not a tensor.
     """
-    if "position" not in batch:
-        raise ValueError("gpu_transform needs batch['position'] (each sample's place in the epoch's order), "
-                         "which this server does not send; upgrade the server or drop gpu_transform")
+    check_finishable(batch)
     out = gpu_transform(batch["image"], batch["position"], seed=seed, epoch=epoch)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"gpu_transform must return a tensor, got {type(out).__name__}")
@@ -76,37 +94,26 @@ class CudaTransfer:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.maps_host_memory = register_host_memory
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the copy lock: the side stream's work and the pinned buffers
         self._pinned: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
-        self._registered: set[int] = set()  # host addresses registered with CUDA
+        self.host = HostRegistry(torch.cuda.cudart(), bind=functools.partial(torch.cuda.set_device, device))
+        self._holding_lock = threading.Lock()  # _holding alone (hand_over never waits for a copy)
         self._holding: collections.deque = collections.deque()  # (event, source batch) until copied
 
     def register(self, address: int, size: int) -> bool:
         """Register ``size`` bytes of host memory at ``address`` (a read-only shared-memory mapping)
-        with CUDA, once. False if CUDA refuses (its batches then go through pinned buffers)."""
-        with self._lock:
-            if address in self._registered:
-                return True
-            with torch.cuda.device(self.device):
-                flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY
-                err = torch.cuda.cudart().cudaHostRegister(address, size, flags)
-            if int(err) != 0:
-                log.warning("cudaHostRegister of a shared-memory segment failed (%s); copying through pinned buffers",
-                            err)
-                self.maps_host_memory = False
-                return False
-            self._registered.add(address)
+        with CUDA, once (``HostRegistry.register``). False if CUDA refuses: from then on every
+        batch goes through pinned buffers (``maps_host_memory`` turns False)."""
+        if self.host.register(address, size):
             return True
+        self.maps_host_memory = False
+        return False
 
     def unregister(self, address: int) -> None:
         """Undo ``register`` (the caller guarantees no copy from it is in flight)."""
-        with self._lock:
-            if address in self._registered:
-                self._registered.discard(address)
-                with torch.cuda.device(self.device):
-                    torch.cuda.cudart().cudaHostUnregister(address)
+        self.host.unregister(address)
 
     def _pinned_view(self, k: int, name: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._pinned[k].get(name)
@@ -116,19 +123,50 @@ class CudaTransfer:
 
     def _collect(self) -> None:
         """Let go of source batches whose copies have completed (their leases go back)."""
-        while self._holding and self._holding[0][0].query():
-            self._holding.popleft()
+        with self._holding_lock:
+            while self._holding and self._holding[0][0].query():
+                self._holding.popleft()
 
-    def to_device(self, batch: dict[str, torch.Tensor], stopping: threading.Event | None = None, *,
+    @contextlib.contextmanager
+    def _waits_on_error(self) -> Iterator[None]:
+        """An error inside first waits for the side stream: a copy queued before it may still read
+        its source (a leased slot, a pinned buffer), which is let go as the error propagates."""
+        try:
+            yield
+        except BaseException:
+            self.stream.synchronize()
+            raise
+
+    @contextlib.contextmanager
+    def exclusive(self, stopping: threading.Event | None = None) -> Iterator[torch.cuda.Stream]:
+        """The side stream, current, idle and to the caller alone: for work that allocates on it
+        but writes from a stream of its own (torchvision's nvJPEG decode). Holds the copy lock (no
+        other receiver queues work meanwhile) and first waits for the work queued before (a block
+        another receiver freed on the stream may still be read there, and the caching allocator
+        hands it out again at once). Errors inside wait as in ``to_device``. Raises
+        TransferStopped if ``stopping`` is set."""
+        with self._lock, torch.cuda.device(self.device):
+            if stopping is not None and stopping.is_set():
+                raise TransferStopped("the receiver was stopped")
+            self.stream.synchronize()
+            with self._waits_on_error(), torch.cuda.stream(self.stream):
+                yield self.stream
+
+    def to_device(self, batch: dict[str, fields.Field], stopping: threading.Event | None = None, *,
                   registered: bool = False, finish: Callable[..., torch.Tensor] | None = None, seed: int = 0,
-                  epoch: int = 0, marks: list | None = None) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
-        """Start copying ``batch`` to the device; returns the device tensors and the copy's event.
+                  epoch: int = 0, marks: list | None = None) -> tuple[dict[str, fields.Field], torch.cuda.Event]:
+        """Start copying ``batch`` to the device; returns the device fields and the copy's event.
+
+        Each stacked tensor, and each ragged field's flat values, is copied as one tensor (a
+        ragged field is split into per-sample views on the device afterwards, ``fields.unpack``);
+        lists of str / bytes stay on the CPU.
 
         registered: the tensors lie in registered host memory (``register``): copied directly and
         ``batch`` is kept until the copy completes. finish: a ``gpu_transform`` run on the side
         stream after the copy (see ``finish``). marks: a list to which the timing events recorded
         before and after the copy are appended (the returned event then records timing too), for
-        ``batchd.client.timings``. Raises TransferStopped if ``stopping`` is set.
+        ``batchd.client.timings``. Raises TransferStopped if ``stopping`` is set; any error raised
+        after a copy was queued is raised once the side stream is idle.
         """
         # receiver threads start on device 0: switch first, or CUDA makes a context there (DDP ranks)
         with self._lock, torch.cuda.device(self.device):
@@ -138,27 +176,32 @@ class CudaTransfer:
             out = {}
             timed = marks is not None
             if registered:
-                with torch.cuda.stream(self.stream):
+                with self._waits_on_error(), torch.cuda.stream(self.stream):
                     self._mark(marks)
-                    for name, t in batch.items():
-                        out[name] = t.to(self.device, non_blocking=True)
+                    for name, t in batch.items():  # a ragged field's flat values in one copy; str stays
+                        out[name] = fields.map_values(t, lambda v: v.to(self.device, non_blocking=True))
                     self._mark(marks)
                     event = self._finish_and_record(out, finish, seed, epoch, timed)
-                self._holding.append((event, batch))
+                with self._holding_lock:
+                    self._holding.append((event, batch))
                 return out, event
             k = self._next
             self._next = (k + 1) % len(self._events)
             if self._events[k] is not None:
                 self._events[k].synchronize()  # the copy out of this pinned slot has finished
-            with torch.cuda.stream(self.stream):
+            with self._waits_on_error(), torch.cuda.stream(self.stream):
                 self._mark(marks)
                 for name, t in batch.items():
-                    pinned = self._pinned_view(k, name, t)
-                    pinned.copy_(t)
-                    out[name] = pinned.to(self.device, non_blocking=True)
+                    out[name] = fields.map_values(t, lambda v, name=name: self._pinned_copy(k, name, v))
                 self._mark(marks)
                 event = self._events[k] = self._finish_and_record(out, finish, seed, epoch, timed)
             return out, event
+
+    def _pinned_copy(self, k: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the device, through pinned slot k's buffer for ``name`` (on the current stream)."""
+        pinned = self._pinned_view(k, name, t)
+        pinned.copy_(t)
+        return pinned.to(self.device, non_blocking=True)
 
     def _mark(self, marks: list | None) -> None:
         if marks is not None:
@@ -175,17 +218,19 @@ class CudaTransfer:
         return event
 
     def hand_over(self, batch: dict[str, torch.Tensor], event: torch.cuda.Event) -> dict[str, torch.Tensor]:
-        """Call in the consumer's thread: its current stream waits for the copy, then uses the tensors."""
+        """Call in the consumer's thread: its current stream waits for the copy, then uses the tensors.
+        Never waits for the copy lock (a receiver may hold it through a whole batch's copy)."""
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
         for t in batch.values():
             t.record_stream(current)
-        with self._lock:
-            self._collect()  # sources copied by now go back (their leases) without waiting for the next copy
+        self._collect()  # sources copied by now go back (their leases) without waiting for the next copy
         return batch
 
     def close(self) -> None:
-        """Wait for copies in flight and let go of their sources. Idempotent."""
+        """Wait for copies in flight, let go of their sources, unregister host memory. Idempotent."""
         with self._lock:
             self.stream.synchronize()
-            self._holding.clear()
+            with self._holding_lock:
+                self._holding.clear()
+        self.host.close()

@@ -7,7 +7,11 @@ for the same request. The build is a dict of text parts (DescribeDataset's ``bui
 * ``jpeg``, ``png``, ``webp``, ``tiff``: the codec libraries OpenCV was built with (from
   ``cv2.getBuildInformation()``; a part is left out when OpenCV does not say);
 * ``cv2_threads``: OpenCV threads per worker process (``WORKER_CV2_THREADS``);
-* the dataset's decode settings (``Dataset.decode_settings``), e.g. ``reduced_decode`` on/off.
+* the dataset's decode settings (``Dataset.decode_settings``), e.g. ``reduced_decode`` on/off;
+* ``cache``: ``on`` or ``off``, whether the server's decoded-sample cache serves the prefix of
+  each pipeline (``cache:`` in its config), and with it ``cache_prefix_rules``: the version of
+  the rule that decides which leading transforms are cached (``server/compute/prefix.py``
+  ``PREFIX_RULES``). The cache is meant never to change a byte; this says which code vouches for it.
 
 ``build_fingerprint(parts)`` hashes the dict: 32 lowercase hex characters.
 """
@@ -63,9 +67,16 @@ def server_build() -> dict[str, str]:
     }
 
 
-def build_parts(decode_settings: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``server_build()`` plus a dataset's ``decode_settings`` (name -> text), as a new dict."""
-    return {**server_build(), **{str(k): str(v) for k, v in (decode_settings or {}).items()}}
+def build_parts(decode_settings: Mapping[str, str] | None = None, *, cache: bool = False) -> dict[str, str]:
+    """``server_build()`` plus a dataset's ``decode_settings`` (name -> text) and the cache parts
+    (``cache``: on/off; ``cache_prefix_rules`` when on), as a new dict."""
+    parts = {**server_build(), **{str(k): str(v) for k, v in (decode_settings or {}).items()}}
+    parts["cache"] = "on" if cache else "off"
+    if cache:
+        from batchd.server.compute.prefix import PREFIX_RULES
+
+        parts["cache_prefix_rules"] = PREFIX_RULES
+    return parts
 
 
 def build_fingerprint(parts: Mapping[str, str]) -> str:

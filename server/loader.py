@@ -16,12 +16,14 @@ from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
 from batchd.sampler import num_batches, shard_indices
 from batchd.server.compute import allowlist
 from batchd.server.compute import encoded
+from batchd.server.compute import python_pipeline
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.serve import shm
-from batchd.server.build import build_fingerprint, server_build
+from batchd.server.build import build_fingerprint, build_parts
 from batchd.server.data.cache import SharedCache
 from batchd.server.config import ServerConfig
 from batchd.server.data.datasets import Dataset, open_dataset
+from batchd.server.data.datasets.python import add_python_path
 from batchd.server.serve.leases import LeaseTable
 from batchd.server.compute.autoscale import RPC_WAIT_UP_S, WAIT_UP, Autoscaler, Demand
 from batchd.server.compute.pool import WorkerPool
@@ -46,13 +48,19 @@ class Loader:
         self.config = config
         self.started = time.monotonic()
         shm.remove_stale()
+        add_python_path(config.python_path)  # kind python factories and python pipelines import from here
         self.datasets: dict[str, Dataset] = {}
         for name, dcfg in config.datasets.items():
             self.datasets[name] = open_dataset(name, dcfg, config.cache_dir, build=True)
             log.info("dataset %r: %s, %d samples, %d classes", name, dcfg.kind, len(self.datasets[name]),
                      len(self.datasets[name].classes))
-        self._presets = {name: pipelines.canonical_json(spec) for name, spec in config.pipelines.items()}
+        python_presets = config.python_pipelines()
+        self._presets = {name: python_pipeline.preset_json(name, spec) if name in python_presets
+                         else pipelines.canonical_json(spec) for name, spec in config.pipelines.items()}
         for name, text in self._presets.items():
+            if name in python_presets:  # imported and built once here: a broken one stops the server at start-up
+                python_pipeline.make(python_presets[name], name)
+                continue
             try:
                 pipelines.build(text)
             except ValueError as e:
@@ -65,7 +73,7 @@ class Loader:
             c = config.cache
             self.cache = SharedCache.create(
                 f"{self.owner.prefix}cache", memory_bytes=int(c.memory_bytes), datasets=list(config.datasets),
-                workers=config.max_workers, build=build_fingerprint(server_build()), disk_dir=c.disk_dir,
+                workers=config.max_workers, build=build_fingerprint(build_parts(cache=True)), disk_dir=c.disk_dir,
                 disk_bytes=int(c.disk_bytes), compress=c.compress, disk_max_idle_s=c.disk_max_idle_s)
         self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
         self.transport = Transport(self.slots, self.leases, busy_ratio=self._busy_ratio)  # lend or copy each batch sent
@@ -80,6 +88,7 @@ class Loader:
             worker_timeout_s=config.worker_timeout_s, max_task_retries=config.max_task_retries,
             max_batch_bytes=config.max_batch_bytes, reads_in_flight=config.reads_in_flight,
             autoscaler=autoscaler, demand=self.demand,
+            python_path=config.python_path, python_pipelines=python_presets,
         )
         self._lock = threading.RLock()  # streams, counters, _computations; moving a stream between computations
         self.streams: dict[int, Stream] = {}
@@ -145,9 +154,16 @@ class Loader:
                              f"got {args.transport!r}, {args.compression!r}")
         name, text = self._pipeline(args)
         encoded.check_request(ds, args.image_encoding, text)  # JPEG: files the client can decode, its resize
-        n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last)
+        if args.start_position >= len(ds):
+            raise ValueError(f"start_position {args.start_position} is past the epoch's samples (dataset "
+                             f"{args.dataset!r} has {len(ds)})")
+        n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last,
+                        start_position=args.start_position)
         if args.start_batch > n:
             raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")
+        if args.end_batch and not args.start_batch < args.end_batch <= n:
+            raise ValueError(f"end_batch must be in (start_batch={args.start_batch}, {n}] (the epoch's batches) "
+                             f"or 0, got {args.end_batch}")
         stride = args.batch_stride or 1
         if not 0 <= args.batch_offset < stride:
             raise ValueError(f"batch_offset must be in [0, batch_stride={stride}), got {args.batch_offset}")
@@ -171,18 +187,22 @@ class Loader:
                     self.streams[stream.id] = stream
                     self.transport.open(stream)
                     self.counters["streams_started"] += 1
+                    if request.hedge:
+                        self.counters["hedge_streams_started"] += 1
                     break
             indices = shard_indices(
                 len(ds), shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
-                rank=args.rank, world_size=world_size, drop_last=args.drop_last,
+                rank=args.rank, world_size=world_size, drop_last=args.drop_last, start_position=args.start_position,
             )
         if started is not None:
             self.pool.add_computation(started)
         log.info(
             "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
             "batches %d..%d%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
-            args.shuffle, args.seed, args.epoch, args.rank, world_size, stream.position, n,
-            f" (stride {stride})" if stride > 1 else "", prefetch, args.transport,
+            args.shuffle, args.seed, args.epoch, args.rank, world_size, stream.position, stream.end,
+            (f" (stride {stride})" if stride > 1 else "")
+            + (f" of the epoch from position {args.start_position}" if args.start_position else "")
+            + (" (hedged request)" if args.hedge else ""), prefetch, args.transport,
             args.peer or "-",
             f"joins computation {joined.id}, shared with {joined.readers - 1} other streams" if joined is not None
             else f"computation {stream.computation.id}",
@@ -201,7 +221,7 @@ class Loader:
     def _new_computation(self, stream: Stream, request: StreamRequest, indices, n: int) -> Computation:
         """A computation for ``stream``, registered (under _lock, which the caller holds) so that
         identical streams join it; the caller hands it to the pool."""
-        computation = Computation(request, indices, n, release_slot=self._release_slot,
+        computation = Computation(request, indices, min(n, request.end_batch or n), release_slot=self._release_slot,
                                   window=self.config.share_window, start=stream.position)
         computation.on_fall_behind = self._fell_behind
         computation.attach(stream, first=True)
@@ -288,6 +308,8 @@ class Loader:
                 self.counters[stream_outcome(stream)] += 1
                 for key in SENT:
                     self.counters[key] += getattr(stream, key)
+                if stream.request.hedge:
+                    self.counters["hedge_batches_sent"] += stream.batches_sent
         if reason == "finished" and not stream.finished:
             reason = "ended early (the client stopped reading)"
         elapsed = time.monotonic() - stream.started

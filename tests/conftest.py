@@ -88,3 +88,15 @@ def server_procs():
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+
+
+@pytest.fixture(scope="session")
+def fashion_coco(fmnist_root, tmp_path_factory) -> pathlib.Path:
+    """A small dataset of examples/make_fashion_coco.py (seed 0): 60 train and 20 val canvases,
+    images/{train,val}/, masks/{train,val}/ (VOC-style) and annotations/instances_{train,val}.json."""
+    from helpers import load_example
+
+    out = tmp_path_factory.mktemp("fashion-coco")
+    gen = load_example("make_fashion_coco")
+    gen.main(["--out", str(out), "--images", "60", "--val-images", "20", "--seed", "0", "--fmnist", str(fmnist_root)])
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import pathlib
 import socket
+import struct
 import time
 
 import cv2
@@ -79,6 +80,105 @@ def write_class_tree(root: pathlib.Path, classes: dict[str, int]) -> None:
             write_png(root / cls / f"{sub}{i:02d}.png",
                       np.random.default_rng(seed).integers(0, 256, (12, 16, 3), dtype=np.uint8))
     (root / "cat" / "notes.txt").write_text("not an image")
+
+
+def exif_segment(orientation: int) -> bytes:
+    """An APP1 segment holding only an EXIF orientation tag (big-endian TIFF)."""
+    tiff = b"MM\x00\x2a" + struct.pack(">I", 8) + struct.pack(">H", 1)
+    tiff += struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0) + struct.pack(">I", 0)
+    payload = b"Exif\x00\x00" + tiff
+    return b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload
+
+
+def jpeg_bytes(rgb: np.ndarray, *, progressive: bool = False, orientation: int = 0, grey: bool = False,
+               quality: int = 90) -> bytes:
+    """``rgb`` (uint8 [H, W, 3]) encoded by OpenCV as a JPEG file, with an EXIF ``orientation`` if not 0."""
+    image = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY) if grey else cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)
+    params = [cv2.IMWRITE_JPEG_QUALITY, quality, cv2.IMWRITE_JPEG_PROGRESSIVE, int(progressive)]
+    ok, buf = cv2.imencode(".jpg", image, params)
+    assert ok
+    data = buf.tobytes()
+    return data[:2] + exif_segment(orientation) + data[2:] if orientation else data
+
+
+def picture(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """Smooth colour gradients, a few rectangles and some noise: JPEG-like content, uint8 [h, w, 3]."""
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) * 127 // max(h + w - 2, 1)], -1)
+    img = base.astype(np.int32) + rng.integers(-12, 12, (h, w, 3))
+    for _ in range(3):
+        y0, x0 = rng.integers(0, h - 4), rng.integers(0, w - 4)
+        img[y0 : y0 + h // 4, x0 : x0 + w // 4] = rng.integers(0, 256, 3)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def fine_detail(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """Fine stripes and noise over a flat patch, uint8 [h, w, 3]: detail that a downscale without
+    a filter aliases."""
+    y, x = np.mgrid[0:h, 0:w]
+    img = 128 + 60 * np.sin(x * 0.9 + y * 0.3)[..., None] + rng.normal(0, 25, (h, w, 3))
+    img[h // 6 : h // 2, w // 4 : w // 2] = rng.integers(0, 256, 3)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def without_quantisation_tables(data: bytes) -> bytes:
+    """A JPEG file with its DQT segments cut out: its headers still pass the server's check
+    (``check_jpeg``), but no decoder can decode it (libjpeg: "Quantization table 0x00 was not
+    defined"; OpenCV returns None)."""
+    out, pos = bytearray(data[:2]), 2
+    while pos + 4 <= len(data):
+        marker = data[pos + 1]
+        if marker == 0xDA:  # start of scan: the entropy-coded data and the rest follow as they are
+            return bytes(out + data[pos:])
+        (length,) = struct.unpack_from(">H", data, pos + 2)
+        if marker != 0xDB:
+            out += data[pos : pos + 2 + length]
+        pos += 2 + length
+    raise ValueError("no start-of-scan marker")
+
+
+def jpeg_batch(files: list[bytes], resize: tuple[int, int] = (0, 0), reduce: list[int] | None = None,
+               indices: list[int] | None = None) -> dict:
+    """A JPEG batch as the client receives it (CPU tensors; see server/compute/encoded.py)."""
+    import torch
+
+    n = len(files)
+    indices = list(range(n)) if indices is None else indices
+    offsets = np.cumsum([0, *map(len, files)]).astype(np.int64)
+    return {"label": torch.zeros(n, dtype=torch.int64), "index": torch.tensor(indices, dtype=torch.int64),
+            "position": torch.arange(n), "jpeg_offsets": torch.from_numpy(offsets),
+            "jpeg_resize": torch.tensor(resize, dtype=torch.int64),
+            "jpeg_reduce": torch.tensor(reduce or [1] * n, dtype=torch.int64),
+            "jpeg": torch.from_numpy(np.frombuffer(b"".join(files), np.uint8).copy())}
+
+
+def opencv_as_nvjpeg(files, mode, device):
+    """OpenCV standing in for ``torchvision.io.decode_jpeg(files, mode=RGB, device=...)`` where nvJPEG
+    cannot run: uint8 [3, H, W] per file, the EXIF orientation ignored (as torchvision does on
+    CUDA), and one file it cannot decode fails the whole call with a RuntimeError (as the batched
+    nvJPEG call does)."""
+    import torch
+
+    out = []
+    for f in files:
+        bgr = cv2.imdecode(f.numpy(), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+        if bgr is None:
+            raise RuntimeError("Error while decoding JPEG images: nvjpegDecode failed (stand-in)")
+        out.append(torch.from_numpy(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)).permute(2, 0, 1).to(device))
+    return out
+
+
+def load_example(name: str):
+    """The module ``examples/<name>.py`` (the examples are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up here
+    spec.loader.exec_module(module)
+    return module
 
 
 class ThrottledProxy:

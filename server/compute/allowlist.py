@@ -12,6 +12,10 @@ walked first and accepted only if
   kind (see allowlist_fields.py): numbers finite and bounded, strings short identifiers
   (``"center"``, ``"standard"``), never anything that could be a path; output sizes within
   ``max_side`` / ``max_pixels``, kernels and sigmas within ``max_kernel``;
+- the outermost Compose's ``bbox_params`` / ``keypoint_params`` (targets,
+  server/compute/targets.py) are null or mappings of the keys albumentations writes, each checked (``format`` one of
+  pascal_voc, coco, yolo, albumentations for boxes and xy for keypoints, ``label_fields``
+  identifiers, ``min_area``, ``min_visibility``, ``clip``, ``filter_invalid_bboxes``...);
 - it has at most ``max_transforms`` transforms, compositions nested at most ``max_depth`` deep
   (a Compose of plain transforms is 1),
   and its JSON is at most ``max_json_bytes``.
@@ -128,6 +132,10 @@ class _Walker:
             raise PipelineRejected(f"pipeline rejected: transform {name} (at {where}) field 'transforms': compositions "
                                    f"nested more than {self.limits.max_depth} deep (pipeline_limits.max_depth)")
         fields = FIELDS[name]
+        for field in ("bbox_params", "keypoint_params"):
+            if depth > 1 and node.get(field):
+                raise PipelineRejected(f"pipeline rejected: transform {name} (at {where}) field {field!r}: only the "
+                                       "outermost Compose may carry it (it says how the sample's targets are read)")
         for field, value in node.items():
             if field == "__class_fullname__":
                 continue

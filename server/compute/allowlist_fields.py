@@ -114,7 +114,8 @@ def enum(value: Any, limits: PipelineLimits) -> None:
 
 def null_only(value: Any, limits: PipelineLimits) -> None:
     if value not in (None, {}, []):
-        raise BadValue("must be null for client pipelines (only images are transformed)")
+        raise BadValue("must be null for client pipelines (the server hands the sample's own fields to the "
+                       "pipeline: image, mask, masks, boxes, keypoints)")
 
 
 def seed(value: Any, limits: PipelineLimits) -> None:
@@ -151,6 +152,76 @@ def noise_params(value: Any, limits: PipelineLimits) -> None:
             enum(v, limits)
         else:
             _numbers(v, nested=3)
+
+
+def _params(value: Any, limits: PipelineLimits, keys: dict[str, Callable[[Any, PipelineLimits], None]]) -> None:
+    """A Compose's bbox_params / keypoint_params: null, or a mapping of the ``keys`` it may have."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise BadValue(f"expected null or a mapping, got {type(value).__name__}")
+    for key, v in value.items():
+        check = keys.get(key)
+        if check is None:
+            raise BadValue(f"key {short_repr(key)} is not one this server accepts (it accepts {', '.join(sorted(keys))})")
+        try:
+            check(v, limits)
+        except BadValue as e:
+            raise BadValue(f"key {key!r}: {e}") from None
+
+
+def _one_of(*names: str) -> Callable[[Any, PipelineLimits], None]:
+    def check_value(value: Any, limits: PipelineLimits) -> None:
+        if value not in names:
+            raise BadValue(f"expected one of {', '.join(map(repr, names))}, got {short_repr(value)}")
+    return check_value
+
+
+def label_fields(value: Any, limits: PipelineLimits) -> None:
+    """Names of the sample's per-object fields (null or a short list of identifiers)."""
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or len(value) > _MAX_LIST:
+        raise BadValue(f"expected a list of at most {_MAX_LIST} field names")
+    for name in value:
+        if not (isinstance(name, str) and _IDENT.match(name)):
+            raise BadValue(f"expected field names such as 'labels', got {short_repr(name)}")
+
+
+def _non_negative(value: Any, limits: PipelineLimits) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _MAX_NUMBER:
+        raise BadValue(f"expected a number >= 0, got {short_repr(value)}")
+
+
+def _ratio(value: Any, limits: PipelineLimits) -> None:
+    if value is not None:
+        _non_negative(value, limits)
+
+
+def _invisible(value: Any, limits: PipelineLimits) -> None:
+    if value is not False:
+        raise BadValue("must be false: batchd keeps each object's K keypoints (A.KeypointParams(format='xy', "
+                       "remove_invisible=False))")
+
+
+def bbox_params(value: Any, limits: PipelineLimits) -> None:
+    """A Compose's BboxParams (server/compute/targets.py): the format of the boxes the pipeline works
+    in and returns, and albumentations' filters. label_fields name per-object fields."""
+    _params(value, limits, {
+        "format": _one_of("pascal_voc", "coco", "yolo", "albumentations"), "label_fields": label_fields,
+        "min_area": _non_negative, "min_visibility": probability, "min_width": _non_negative,
+        "min_height": _non_negative, "check_each_transform": boolean, "clip": boolean,
+        "filter_invalid_bboxes": boolean, "max_accept_ratio": _ratio,
+    })
+
+
+def keypoint_params(value: Any, limits: PipelineLimits) -> None:
+    """A Compose's KeypointParams: format "xy" (keypoints are [N, K, D], x and y first) and
+    remove_invisible false (each object keeps its K points)."""
+    _params(value, limits, {
+        "format": _one_of("xy"), "label_fields": label_fields, "remove_invisible": _invisible,
+        "angle_in_degrees": boolean, "check_each_transform": boolean,
+    })
 
 
 def transforms(value: Any, limits: PipelineLimits) -> None:  # walked by allowlist._Walker.children
@@ -197,8 +268,8 @@ _KINDS: dict[str, Callable[[Any, PipelineLimits], None]] = {
         "multiplier", "cutoff", "ignore", "alias_blur", "threshold", "dropout_prob", "drop_value",
         "mask_drop_value", "shift_xy", "padding",
     )},
-    # Compose: only images are transformed
-    "bbox_params": null_only, "keypoint_params": null_only, "additional_targets": null_only, "mask": null_only,
+    # Compose: targets (server/compute/targets.py); the sample's fields are its own, never renamed
+    "bbox_params": bbox_params, "keypoint_params": keypoint_params, "additional_targets": null_only, "mask": null_only,
     "mask_params": null_only, "seed": seed, "noise_params": noise_params,
 }
 

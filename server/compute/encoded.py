@@ -30,6 +30,7 @@ import numpy as np
 
 from batchd.errors import ResourceExhaustedError, SampleError
 from batchd.server.compute import pipeline as pipelines
+from batchd.server.compute import python_pipeline
 from batchd.server.data.datasets import Dataset
 from batchd.server.data.datasets._files import ImageReadError, _decode_flag, _jpeg_truncated, jpeg_frame
 from batchd.server.compute.layout import jpeg_layout, layout_nbytes
@@ -57,7 +58,8 @@ def check_request(ds: Dataset, encoding: str, pipeline_json: str) -> tuple[int, 
 
     Returns the (height, width) the client resizes to, (0, 0) for none (also for "decoded").
     Raises ValueError (INVALID_ARGUMENT) for JPEG when the dataset has no files to send (its
-    samples are in memory) or the pipeline is not empty or exactly one Resize with INTER_LINEAR,
+    samples are in memory), has fields besides image and label (targets the server must move
+    with the image), or the pipeline is not empty or exactly one Resize with INTER_LINEAR,
     naming the transform the server would have to run on pixels.
     """
     if encoding == "decoded":
@@ -68,6 +70,15 @@ def check_request(ds: Dataset, encoding: str, pipeline_json: str) -> tuple[int, 
         raise ValueError(
             f"image_encoding JPEG: dataset {ds.name!r} (kind {ds.kind}) holds decoded pixels, not encoded "
             "files the client could decode; ask for decoded images (decode_on_client=False)")
+    others = [f.name for f in ds.fields if f.name not in ("image", "label")]
+    if others:
+        raise ValueError(
+            f"image_encoding JPEG: dataset {ds.name!r} has targets or other fields ({', '.join(others)}) that the "
+            "server's pipeline must move with the image; the client decodes images only: ask for decoded samples "
+            "(decode_on_client=False)")
+    if python_pipeline.is_python(pipeline_json):
+        raise ValueError("image_encoding JPEG: the pipeline is a python preset, which runs on the server's pixels; "
+                         "ask for decoded images (decode_on_client=False)")
     return resize_of(pipelines.build(pipeline_json))
 
 

@@ -26,6 +26,7 @@ import albumentations as A
 import numpy as np
 
 from batchd.sampler import sample_stream_state
+from batchd.server.compute.entropy import widen
 
 
 def canonical_json(spec: dict[str, Any] | str | None) -> str:
@@ -51,6 +52,7 @@ def pipeline_key(pipeline_json: str) -> str:
 
 def build(pipeline_json: str) -> A.Compose | None:
     """An ``A.Compose`` from canonical JSON (None for ""). A lone transform is wrapped in Compose.
+    Transforms that narrow their randomness to a small seed are widened (``entropy.widen``).
 
     Raises ValueError naming what albumentations could not build.
     """
@@ -65,6 +67,7 @@ def build(pipeline_json: str) -> A.Compose | None:
         raise ValueError(f"albumentations cannot build the pipeline: {type(e).__name__}: {e}") from None
     if not isinstance(transform, A.Compose):
         transform = A.Compose([transform])
+    widen(transform)
     return transform
 
 

@@ -61,7 +61,9 @@ class WorkerPool(PoolSizing):
     ``4 * reads_in_flight`` samples queued behind each worker's running task. autoscaler: sizes
     the pool between ``autoscaler.min_workers`` (= ``num_workers``, started now) and
     ``autoscaler.limit``, by ``demand()`` (the clients' wait, ``Loader.demand``); None: a fixed
-    pool. Raises RuntimeError if the workers do not all start within ``start_timeout`` seconds.
+    pool. python_path, python_pipelines: the config's ``python_path`` and python presets, for
+    every worker (``worker_main``). Raises RuntimeError if the workers do not all start within
+    ``start_timeout`` seconds.
     """
 
     def __init__(
@@ -78,8 +80,11 @@ class WorkerPool(PoolSizing):
         reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
         autoscaler: Autoscaler | None = None,
         demand: Callable[[], Demand] = Demand,
+        python_path: tuple = (),
+        python_pipelines: dict | None = None,
     ):
         self.max_batch_bytes = max_batch_bytes
+        self._python = (tuple(str(p) for p in python_path), dict(python_pipelines or {}))  # for worker_main
         self.reads_in_flight = reads_in_flight
         self.read_ahead = 4 * reads_in_flight  # samples queued behind a worker's running task
         self.min_workers = num_workers
@@ -107,7 +112,9 @@ class WorkerPool(PoolSizing):
         os.set_blocking(self._wake_w, False)
         self._closing = False
         self.restarts = 0
+        self.batches_rebuilt = 0  # batches in flight on a worker that died, queued again for another
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
+        self.hedge_batches_built = 0  # ... of them for hedged requests (StreamBatchesRequest.hedge)
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
         self._workers: dict[int, WorkerHandle] = {}
         self._thread: threading.Thread | None = None  # started once every worker is ready
@@ -202,7 +209,7 @@ class WorkerPool(PoolSizing):
         process = self._ctx.Process(
             target=worker_main,
             args=(worker_id, child_conn, self._dataset_configs, self._cache_dir, self.slots.prefix, os.getpid(),
-                  self.reads_in_flight),
+                  self.reads_in_flight, *self._python),
             name=f"batchd-worker-{worker_id}",
             daemon=True,
         )
@@ -264,6 +271,8 @@ class WorkerPool(PoolSizing):
                     ),
                     job.batch_index,
                 )
+            elif not job.stream.closed:  # queued again (retry), for the next free worker
+                self.batches_rebuilt += 1
         w.conn.close()
         self._forget_worker(w)
         if w.retiring:  # it was stopping anyway: the pool shrinks now
@@ -324,6 +333,8 @@ class WorkerPool(PoolSizing):
             return
         if isinstance(msg, BatchDone):
             self.batches_built += 1
+            if job.stream.request.hedge:
+                self.hedge_batches_built += 1
             work = work_seconds(msg.timings)
             self.work_seconds += work
             started = msg.timings.get("started", 0.0)

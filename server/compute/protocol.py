@@ -36,6 +36,8 @@ class StreamRequest:
     session: the client's shared-memory session ("" for none); with ``stream_tag`` it names this call.
     stream_tag: the client's name for this call (ReleaseLeases: abandoned_stream, progress).
     image_encoding: "decoded" (pixels) or "jpeg" (the files' bytes, decoded by the client: ``server/compute/encoded.py``).
+    start_position: the epoch's remainder from this global position on (elastic resume; ``batchd.sampler``).
+    end_batch: stop before this batch index (0: the epoch's end). hedge: a hedged request (counted apart).
     peer: the client, as gRPC names it (logs and stats).
     """
 
@@ -58,6 +60,9 @@ class StreamRequest:
     compression: str = "none"
     stream_tag: str = ""
     image_encoding: str = "decoded"
+    start_position: int = 0
+    end_batch: int = 0  # 0: the epoch's end
+    hedge: bool = False
     peer: str = ""
     # resolved by Loader.open_stream
     pipeline_name: str = ""  # preset name, "none", or "custom:<key prefix>"
@@ -88,7 +93,8 @@ class StreamRequest:
             batch_stride=msg.batch_stride, batch_offset=msg.batch_offset,
             transport="shm" if shared else "inline", session=msg.session,
             compression=COMPRESSIONS[msg.compression], stream_tag=msg.stream_tag,
-            image_encoding=ENCODINGS[msg.image_encoding], peer=peer,
+            image_encoding=ENCODINGS[msg.image_encoding], start_position=msg.start_position,
+            end_batch=msg.end_batch, hedge=msg.hedge, peer=peer,
         )
 
     @property
@@ -106,7 +112,7 @@ class StreamRequest:
         equal keys can share a computation. Meaningful once validated (pipeline_key resolved)."""
         return (self.dataset, self.pipeline_key, self.batch_size, self.shuffle, self.seed, self.epoch,
                 self.drop_last, self.rank, self.world_size or 1, self.stride, self.first_batch % self.stride,
-                self.image_encoding)
+                self.image_encoding, self.start_position, self.end_batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +121,9 @@ class TensorLayout:
 
     Stacked (``sample_shapes`` None): ``shape`` is [B, ...]. Ragged (the samples' shapes differ):
     ``shape`` is (total elements,), the samples' values back to back, and ``sample_shapes`` gives
-    each sample's shape (B tuples of one length); see ``Tensor`` in loader.proto.
+    each sample's shape (B tuples of one length; an empty tuple for B = 0); see ``Tensor`` in
+    loader.proto. dtype "str" (UTF-8) and "bytes" are always ragged, stored as uint8 of shape
+    (length,) per sample.
     """
 
     name: str
@@ -126,7 +134,24 @@ class TensorLayout:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * storage_dtype(self.dtype).itemsize
+
+    @property
+    def ragged(self) -> bool:
+        return self.sample_shapes is not None
+
+    @property
+    def samples(self) -> int:
+        """The batch's number of samples as this tensor holds them (B)."""
+        return len(self.sample_shapes) if self.sample_shapes is not None else self.shape[0]
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a tensor's bytes are stored as: uint8 for "str" (UTF-8) and "bytes", else ``dtype``."""
+    return _UINT8 if dtype in ("str", "bytes") else np.dtype(dtype)
+
+
+_UINT8 = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ decodes and transforms them one at a time, in order (so bytes and order do not c
 Datasets whose samples are in memory (no ``read_bytes``) are read on this thread. With a
 server cache (config ``cache:``), a sample's decode and its pipeline's deterministic prefix
 (``server/compute/prefix.py``) come from the shared cache (``server/data/cache/``) or are computed and stored
-there; the pipeline's random rest runs here as before.
+there; the pipeline's random rest runs here as before. A sample for which the prefix would draw a
+random number (``prefix.RandomDrawn``) is built by the whole pipeline instead, and not cached.
 """
 
 from __future__ import annotations
@@ -24,21 +25,22 @@ import os
 import pickle
 import signal
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError
-from batchd.server.compute import encoded
+from batchd.errors import SampleError
+from batchd.server.build import build_fingerprint, build_parts
+from batchd.server.compute import encoded, python_pipeline, targets
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.compute import prefix as prefixes
-from batchd.server.build import build_fingerprint, build_parts
+from batchd.server.compute.collate import BatchWriter
+from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
 from batchd.server.data.cache import SharedCache, sample_key
-from batchd.server.data.datasets import Dataset, open_dataset
-from batchd.server.compute.layout import batch_layout, layout_nbytes, view
-from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed, TensorLayout
+from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, open_dataset
+from batchd.server.data.datasets.python import add_python_path
 from batchd.server.compute.stages import CACHE, DECODE, IDLE, PIPELINE, READ, WRITE, StageBoard, StageClock
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
 from batchd.server.serve.shm import Segment
@@ -49,14 +51,17 @@ _CACHED_PIPELINES = 32
 
 class _Worker:
     def __init__(self, worker_id: int, dataset_configs: dict[str, Any], cache_dir, new_segment_prefix: str,
-                 reduced_decode: bool = True, reads_in_flight: int = DEFAULT_READS_IN_FLIGHT):
+                 reduced_decode: bool = True, reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
+                 python_pipelines: dict[str, dict[str, Any]] | None = None):
         self.worker_id = worker_id
+        self.python_pipelines = python_pipelines or {}  # the server config's python presets (python_pipeline.py)
         self.reduced_decode = reduced_decode
         self.dataset_configs = dataset_configs
         self.cache_dir = cache_dir
         self.new_segment_prefix = new_segment_prefix
         self.datasets: dict[str, Dataset] = {}
-        self.pipelines: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.per_object: dict[str, Callable[[str], bool]] = {}  # dataset -> whether a field is per-object
+        self.pipelines: collections.OrderedDict[str, _Plan] = collections.OrderedDict()
         self.segments: collections.OrderedDict[str, Segment] = collections.OrderedDict()
         self.grown = 0
         self._unadopted: Segment | None = None  # a segment this task created, until BatchDone names it
@@ -65,11 +70,10 @@ class _Worker:
         self.between_samples = lambda: None  # worker_main: take newly sent tasks from the pipe
         # the server's decoded-sample cache (None: none configured); prefix outputs are looked up there
         self.cache = SharedCache.attach(f"{new_segment_prefix}cache", worker_id)
-        self.splits: dict[str, prefixes.Split] = {}  # pipeline key -> its prefix and random rest
         self.builds: dict[str, str] = {}  # dataset name -> build fingerprint
         # seconds per stage of the running batch (BatchDone.timings), and its stage on the server's board
         self.clock = StageClock(StageBoard.attach(new_segment_prefix), worker_id)
-        self.cache_misses = 0  # samples of the running batch computed through the cache (not hits)
+        self.cache_lookups = self.cache_misses = 0  # samples of the running batch looked up in the cache, computed
 
     def prefetch(self, task: Task) -> None:
         """Start reading ``task``'s samples (after those of the tasks before it), if its dataset
@@ -85,21 +89,47 @@ class _Worker:
         ds = self.datasets.get(name)
         if ds is None:
             ds = self.datasets[name] = open_dataset(name, self.dataset_configs[name], self.cache_dir, build=False)
+            declared = {f.name: f.per_object for f in ds.fields}
+            self.per_object[name] = lambda field: declared.get(field, field in PER_OBJECT_FIELDS)
         return ds
 
     def pipeline(self, key: str, text: str) -> tuple[Any, tuple[int, int] | None]:
         """(Compose or None, the size images may be decoded down to) for a pipeline, cached."""
-        if not key:
-            return None, None
-        p = self.pipelines.get(key)
-        if p is None:
-            compose = pipelines.build(text)
-            p = self.pipelines[key] = (compose, pipelines.decode_min_size(compose) if self.reduced_decode else None)
-            if len(self.pipelines) > _CACHED_PIPELINES:
-                self.pipelines.popitem(last=False)
-        else:
+        plan = self._plan(key, text)
+        return plan.compose, plan.min_size
+
+    def _plan(self, key: str, text: str) -> "_Plan":
+        """How this worker runs the pipeline ``text`` (canonical JSON, "" for none), built once per key."""
+        plan = self.pipelines.get(key)
+        if plan is not None:
             self.pipelines.move_to_end(key)
-        return p
+            return plan
+        if python_pipeline.is_python(text):
+            plan = _Plan(fn=python_pipeline.build(text, self.python_pipelines))
+            plan.split = prefixes.Split((), None, None, prefixes.canonical((), None))  # the cache holds the dataset's samples
+            plan.cache_name = plan.split.canonical
+        else:
+            compose = pipelines.build(text)
+            plan = _Plan(compose=compose, min_size=pipelines.decode_min_size(compose) if self.reduced_decode else None)
+            try:
+                plan.split = prefixes.split(compose, plan.min_size)
+            except ValueError:  # the rest cannot be rebuilt: the whole pipeline runs on each sample, uncached
+                plan.split = None
+            rest = compose if plan.split is None else plan.split.rest
+            whole = targets.TargetPipeline.of(compose) if compose is not None else None
+            if rest is not None:
+                plan.rest = targets.TargetPipeline.of(rest, attach=self.random.attach)
+                self.random.attach(rest)  # its transforms draw in turn from one stream, re-keyed per sample
+            if plan.split is not None:
+                plan.prefix = targets.Prefix(plan.split.prefix, whole, seal=_seal_prefix)
+                plan.cache_name = plan.split.canonical + plan.prefix.params_name()
+                if plan.split.prefix:  # for samples whose prefix would draw a random number (_sample)
+                    plan.whole = targets.TargetPipeline.of(compose, attach=self.random.attach)
+                    self.random.attach(compose)
+        self.pipelines[key] = plan
+        if len(self.pipelines) > _CACHED_PIPELINES:
+            self.pipelines.popitem(last=False)
+        return plan
 
     def segment(self, name: str) -> Segment:
         seg = self.segments.get(name)
@@ -137,18 +167,18 @@ class _Worker:
             self.clock.enter(IDLE)
             self.reader.discard(task.task_id)
 
-    def timings(self, task: Task, cache_lookups: int = 0) -> dict[str, float]:
+    def timings(self, task: Task) -> dict[str, float]:
         """``BatchDone.timings`` of the batch ending now (see ``server/compute/stages.py``)."""
         return {**self.clock.stop(), "read_io": self.reader.io_seconds(task.task_id), "started": self.clock.started,
-                "cache_hits": float(cache_lookups - self.cache_misses)}
+                "cache_hits": float(self.cache_lookups - self.cache_misses)}
 
-    def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> np.ndarray:
-        """Sample k of the task, decoded: its bytes from the reader if they are read ahead."""
+    def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> dict:
+        """Sample k of the task, decoded (a dict of fields): its bytes from the reader if they are read ahead."""
         clock = self.clock  # (its enter calls only for timed samples: clock.on)
         if task.task_id not in self.reader:  # in memory: nothing to read
             if clock.on:
                 clock.enter(DECODE)
-            return ds.load_image(index, min_size)
+            return ds.load_sample(index, min_size)
         if clock.on:
             clock.enter(READ)
         self.between_samples()
@@ -157,41 +187,76 @@ class _Worker:
             data = ds.read_bytes(index)
         if clock.on:
             clock.enter(DECODE)
-        return ds.decode(index, data, min_size)
+        return ds.decode_sample(index, data, min_size)
 
     def _reads(self, task: Task, ds: Dataset):
         """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that
         returns None for samples already cached (their bytes are not needed)."""
-        split = self._split(task.pipeline_key, *self.pipeline(task.pipeline_key, task.pipeline_json), ds)
-        if split is None or task.encoding == "jpeg":
+        plan = self._plan(task.pipeline_key, task.pipeline_json)
+        if task.encoding == "jpeg" or self._cache_key(ds, plan, 0) is None:
             return ds.read_bytes
-        cache, build = self.cache, self.builds[ds.name]
+        cache = self.cache
 
         def read(index: int):
-            key = sample_key(ds.fingerprint, index, split.canonical, build)
-            return None if cache.contains(ds.name, key) else ds.read_bytes(index)
+            return None if cache.contains(ds.name, self._cache_key(ds, plan, index)) else ds.read_bytes(index)
         return read
+
+    def _cache_key(self, ds: Dataset, plan: "_Plan", index: int) -> bytes | None:
+        """The cache key of sample ``index``'s prefix output; None when it is not cached (no cache,
+        no dataset fingerprint, or a pipeline that cannot be split)."""
+        if self.cache is None or plan.split is None or not ds.fingerprint:
+            return None
+        build = self.builds.get(ds.name)
+        if build is None:
+            build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
+        return sample_key(ds.fingerprint, index, plan.cache_name, build)
+
+    def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: "_Plan"):
+        """(sample k of the task after decode and the pipeline's deterministic prefix, the pipeline
+        to run on it). The prefix output comes from the cache, else is computed (and stored there),
+        and the rest of the pipeline follows (``plan.rest``). The prefix runs whether or not a cache
+        is configured, so the bytes cannot depend on it. If a prefix transform would draw a random
+        number for this sample (``prefix.RandomDrawn``: the prefix runs with generators that raise),
+        the decoded sample goes through the whole pipeline (``plan.whole``) instead, and nothing
+        is stored."""
+        if plan.split is None:
+            return self._load(ds, task, k, index, plan.min_size), plan.rest
+        decoded = []
+
+        def compute() -> dict:
+            decoded.append(self._load(ds, task, k, index, plan.split.min_size))
+            return self._prefix(plan, ds, decoded[0], index, then=CACHE if key is not None else PIPELINE)
+        key = self._cache_key(ds, plan, index)
+        try:
+            if key is None:
+                return compute(), plan.rest
+            self.cache_lookups += 1
+            if self.clock.on:
+                self.clock.enter(CACHE)
+            sample = self.cache.get_or_compute(ds.name, key, compute)
+            self.cache_misses += bool(decoded)
+        except prefixes.RandomDrawn:
+            return decoded[0], plan.whole  # the prefix transforms do not write their input
+        self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
+        return sample, plan.rest
 
     def _run(self, task: Task) -> BatchDone:
         if task.encoding == "jpeg":  # the files as they are, for the client to decode
             return encoded.build_batch(self, task)
         ds = self.dataset(task.dataset)
-        compose, min_size = self.pipeline(task.pipeline_key, task.pipeline_json)
-        split = self._split(task.pipeline_key, compose, min_size, ds)
-        if split is not None:  # decode + prefix come from the cache; the random rest runs here
-            compose = split.rest
-        if compose is not None:
-            self.random.attach(compose)  # its transforms draw in turn from one stream, re-keyed per sample
-        capacity = len(task.indices)
-        labels = np.empty(capacity, np.int64)
-        kept = np.empty(capacity, np.int64)
-        kept_positions = np.empty(capacity, np.int64)  # aligned with kept: skipped samples leave both
+        plan = self._plan(task.pipeline_key, task.pipeline_json)
+        per_object = self.per_object[ds.name]
         skipped: list[tuple[int, str, str]] = []
-        images = first_shape = first_index = None
-        seg = grown = layout = None
-        n = 0  # samples in the batch so far
+        slot: list = [None, False]  # the segment written, and whether it is a new (grown) one
+
+        def alloc(nbytes: int, keep: int) -> memoryview:
+            seg, grown = self._slot(task, nbytes, slot[0] if keep else None, keep)
+            slot[0], slot[1] = seg, slot[1] or grown
+            return seg.buf
+        writer = BatchWriter(len(task.indices), per_object=per_object, alloc=alloc, max_bytes=task.max_batch_bytes,
+                             describe=lambda i: f"sample {i} ({ds.source(i)})", specs=ds.fields, dataset=ds.name)
         self.prefetch(task)  # no-op if it came ahead of time
-        clock, self.cache_misses, lookups = self.clock, 0, 0
+        clock, self.cache_lookups, self.cache_misses = self.clock, 0, 0
         clock.begin_samples()  # samples timed one in clock.every (the rest: their share of the loop's time)
         every, on = clock.every, False
         for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
@@ -199,16 +264,7 @@ class _Worker:
                 clock.pause()
             on = clock.on = not k % every
             try:
-                if split is None:
-                    image = self._load(ds, task, k, index, min_size)
-                else:
-                    if on:
-                        clock.enter(CACHE)
-                    lookups += 1
-                    key = sample_key(ds.fingerprint, index, split.canonical, self.builds[ds.name])
-                    image = self.cache.get_or_compute(
-                        ds.name, key, lambda: self._prefix(split, ds, self._load(ds, task, k, index, min_size), index))
-                    self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
+                sample, rest = self._sample(ds, task, k, index, plan)
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise
@@ -216,105 +272,87 @@ class _Worker:
                 continue
             if on:
                 clock.enter(PIPELINE)
-            if compose is not None:
+            if plan.fn is not None or rest is not None:
                 self.random.start(task.random_key, position)
                 try:
-                    image = compose(image=image)["image"]
+                    if plan.fn is not None:
+                        sample = python_pipeline.run(plan.fn, sample, self.random.generator)
+                    else:
+                        sample = rest(sample, per_object)
                 except Exception as e:
                     e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
                     raise
-            image = _as_hwc_array(image, ds.name, index)
+            image = sample.get("image")
+            if image is not None and getattr(image, "ndim", 3) != 3:
+                sample = {**sample, "image": _as_hwc_array(image, ds.name, index)}
             if on:
                 clock.enter(WRITE)
-            if images is None:
-                first_shape, first_index = image.shape, index
-                layout = batch_layout(capacity, image.shape, image.dtype)
-                _check_batch_bytes(task, ds.name, layout, index)
-                seg, grown = self._slot(task, layout_nbytes(layout))
-                images = view(seg.buf, layout[0])
-            elif image.shape != first_shape or image.dtype != images.dtype:
-                raise ShapeMismatchError(
-                    f"dataset {ds.name!r}: sample {index} ({ds.source(index)}) is {image.dtype}{list(image.shape)} "
-                    f"after the pipeline but sample {first_index} ({ds.source(first_index)}) is "
-                    f"{images.dtype}{list(first_shape)}; images of a batch must have one shape "
-                    "(add a Resize or crop to the pipeline)"
-                )
-            images[n] = image
-            labels[n] = ds.label(index)
-            kept[n] = index
-            kept_positions[n] = position
-            n += 1
+            writer.add(sample, index, position)
         if on:
             clock.pause()
-        clock.end_samples(capacity, WRITE)
-        if layout is None:  # every sample was skipped: an empty batch
-            spec = ds.sample_spec
-            layout = batch_layout(capacity, tuple(max(d, 0) for d in spec.image_shape), np.dtype(spec.image_dtype))
-            seg, grown = self._slot(task, layout_nbytes(layout))
-        del images
-        if n < capacity:  # the image region's prefix holds the n kept images, C order
-            layout = tuple(replace(t, shape=(n, *t.shape[1:])) for t in layout)
-        view(seg.buf, layout[1])[:] = labels[:n]
-        view(seg.buf, layout[2])[:] = kept[:n]
-        view(seg.buf, layout[3])[:] = kept_positions[:n]
-        timings = self.timings(task, lookups)
-        return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings, tuple(skipped))
+        clock.end_samples(len(task.indices), WRITE)
+        layout = writer.finish()
+        seg, grown = slot
+        return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, self.timings(task),
+                         tuple(skipped))
 
-    def _prefix(self, split: prefixes.Split, ds: Dataset, image: np.ndarray, index: int) -> np.ndarray:
-        """A cache miss: the pipeline's prefix on the decoded sample (then back to the cache, which stores it)."""
-        self.cache_misses += 1
+    def _prefix(self, plan: "_Plan", ds: Dataset, sample: dict, index: int, then: int = PIPELINE) -> dict:
+        """The pipeline's deterministic prefix on the decoded sample (timed as pipeline; ``then``: the
+        stage that follows, CACHE when the cache stores the result)."""
+        if plan.prefix is None:
+            return sample
         clock = self.clock
         if clock.on:
             clock.enter(PIPELINE)
         try:
-            return split.apply_prefix(image)
+            return plan.prefix(sample, self.per_object[ds.name])
         except Exception as e:
             e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
             raise
         finally:
             if clock.on:
-                clock.enter(CACHE)
+                clock.enter(then)
 
-    def _split(self, key: str, compose, min_size, ds: Dataset) -> prefixes.Split | None:
-        """The pipeline's prefix and rest when its samples go through the cache, else None."""
-        if self.cache is None or not ds.fingerprint:
-            return None
-        if ds.name not in self.builds:
-            self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings))
-        split = self.splits.get(key)
-        if split is None:
-            if len(self.splits) >= _CACHED_PIPELINES:
-                self.splits.clear()
-            try:
-                split = prefixes.split(compose, min_size)
-            except ValueError:  # the rest cannot be rebuilt: this pipeline runs whole, uncached
-                return None
-            self.splits[key] = split
-        return split
-
-    def _slot(self, task: Task, nbytes: int) -> tuple[Segment, bool]:
-        """The task's slot if the batch fits, else a new segment of exactly nbytes (the server adopts it)."""
-        if nbytes <= task.slot_capacity:
+    def _slot(self, task: Task, nbytes: int, old: Segment | None = None, keep: int = 0) -> tuple[Segment, bool]:
+        """The task's slot if the batch fits (and nothing is written yet), else a new segment of at
+        least nbytes (the server adopts it), into which the first ``keep`` bytes of ``old`` are copied."""
+        if old is None and nbytes <= task.slot_capacity:
             return self.segment(task.slot_name), False
+        self.grown += 1
+        size = nbytes if old is None else nbytes + nbytes // 4  # a batch of lists grew: room for the next one
+        seg = Segment.create(f"{self.new_segment_prefix}w{self.worker_id}-{os.getpid()}-{self.grown}", size)
+        if keep:
+            seg.buf[:keep] = old.buf[:keep]
         if task.slot_name in self.segments:
             self._forget(task.slot_name)
-        self.grown += 1
-        seg = Segment.create(f"{self.new_segment_prefix}w{self.worker_id}-{os.getpid()}-{self.grown}", nbytes)
+        previous, self._unadopted = self._unadopted, seg
+        if previous is not None:  # grown twice for one batch: the first is adopted by no one
+            self._forget(previous.name)
+            previous.unlink()
         self.segments[seg.name] = seg
-        self._unadopted = seg
         return seg, True
 
 
-def _check_batch_bytes(task: Task, dataset: str, layout: tuple[TensorLayout, ...], index: int) -> None:
-    """Raise ResourceExhaustedError before allocating a batch over the server's max_batch_bytes."""
-    nbytes = layout_nbytes(layout)
-    if task.max_batch_bytes and nbytes > task.max_batch_bytes:
-        image = layout[0]
-        raise ResourceExhaustedError(
-            f"dataset {dataset!r}: a batch of {image.shape[0]} images of {image.dtype}{list(image.shape[1:])} "
-            f"(as sample {index} comes out of the pipeline) is {nbytes} bytes, over the server's limit of "
-            f"{task.max_batch_bytes} (max_batch_bytes); use a smaller batch_size or output size"
-        )
+def _seal_prefix(compose) -> None:
+    """The random state of a prefix Compose: generators that raise ``prefix.RandomDrawn`` when
+    drawn from (its transforms draw nothing, prefix.py; the Compose runs with force_apply)."""
+    compose.set_random_state(prefixes.SEALED_GENERATOR, prefixes.SEALED_RANDOM)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """How a worker runs one pipeline: an albumentations ``compose`` (decoded at ``min_size``) split
+    into a cacheable ``prefix`` and the ``rest``, or an operator's python ``fn``. ``split`` None:
+    the pipeline cannot be split, ``rest`` is all of it and nothing is cached."""
+
+    compose: Any = None
+    min_size: tuple[int, int] | None = None
+    fn: Any = None
+    split: prefixes.Split | None = None
+    prefix: targets.Prefix | None = None
+    rest: targets.TargetPipeline | None = None
+    whole: targets.TargetPipeline | None = None  # for samples whose prefix would draw (_sample)
+    cache_name: str = ""  # what the prefix's output depends on: its canonical text (+ target params)
 
 
 def _as_hwc_array(image: Any, dataset: str, index: int) -> np.ndarray:
@@ -394,17 +432,24 @@ def worker_main(
     segment_prefix: str,
     server_pid: int,
     reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
+    python_path: tuple = (),
+    python_pipelines: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Serve tasks from ``conn`` until Shutdown, EOF, or the server (``server_pid``) is gone.
 
     A task already received when Shutdown comes is dropped (the server is not waiting for it).
     reads_in_flight: I/O threads reading samples ahead (see ``server/data/reader.py``).
+    python_path: folders put first on ``sys.path`` (the config's ``python_path``), where kind
+    python factories and python pipelines are imported from. python_pipelines: the config's
+    python presets (name -> {python, args}), the only python pipelines this worker runs.
     """
+    add_python_path(python_path)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which shuts us down
     import cv2
 
     cv2.setNumThreads(1)  # one worker per core; OpenCV's own threads would oversubscribe
-    worker = _Worker(worker_id, dataset_configs, cache_dir, segment_prefix, reads_in_flight=reads_in_flight)
+    worker = _Worker(worker_id, dataset_configs, cache_dir, segment_prefix, reads_in_flight=reads_in_flight,
+                     python_pipelines=python_pipelines)
     inbox = _Inbox(conn, worker)
     worker.between_samples = inbox.drain
     conn.send(Ready(worker_id, os.getpid()))

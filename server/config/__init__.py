@@ -11,6 +11,7 @@ Example::
     pipelines:
       train: {__version__: 2.0.8, transform: {...}}   # as albumentations' A.to_dict returns
       eval: /etc/batchd/eval.json                     # or a file that A.save wrote
+      mine: {python: "mypkg.aug:make_train", args: {size: 224}}   # operator-side Python
 
 Every model forbids unknown fields, so a typo is an error that names the field. The blocks live
 one idea a file and are re-exported here, so ``batchd.server.config`` names them all:
@@ -31,11 +32,15 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from .base import StrictModel
 from .cache import CacheConfig
 from .datasets import (
+    CocoConfig,
+    FACTORY_PATTERN,
     DatasetConfig,
     FashionMnistConfig,
     ImageFolderConfig,
     Location,
     ManifestConfig,
+    PythonConfig,
+    SegmentationConfig,
     WebDatasetConfig,
 )
 from .security import MIN_TOKEN_CHARS, AuthConfig, PipelineLimits, TlsConfig, TokenConfig
@@ -44,6 +49,7 @@ from .workers import WorkerRange
 __all__ = [
     "AuthConfig",
     "CacheConfig",
+    "CocoConfig",
     "ConfigError",
     "DatasetConfig",
     "FashionMnistConfig",
@@ -53,6 +59,8 @@ __all__ = [
     "ManifestConfig",
     "MiB",
     "PipelineLimits",
+    "PythonConfig",
+    "SegmentationConfig",
     "ServerConfig",
     "TlsConfig",
     "TokenConfig",
@@ -74,7 +82,12 @@ class ServerConfig(StrictModel):
         fixed pool), or ``{min, max}`` (``WorkerRange``): the server starts workers while clients
         wait for data and retires idle ones, within max and the container's CPU limit.
     datasets: name -> dataset; clients name datasets, never paths.
-    pipelines: preset name -> albumentations pipeline (``A.to_dict`` form, or a file path).
+    pipelines: preset name -> albumentations pipeline (``A.to_dict`` form, or a file path), or
+        ``{python: "package.module:factory", args: {...}}``: an operator-side Python pipeline
+        (``factory(**args)`` returns ``fn(sample, rng) -> sample``; server/compute/python_pipeline.py).
+    python_path: folders put at the front of ``sys.path`` in the server and its workers, where
+        ``kind: python`` factories and python pipelines are imported from (besides installed
+        packages and PYTHONPATH); ``batchd serve --python-path DIR`` adds more.
     cache_dir: where dataset indexes (e.g. decompressed IDX files) are kept between runs.
     default_prefetch: batches computed ahead per stream when the client sends 0.
     max_prefetch, max_batch_size: requests above these are refused (INVALID_ARGUMENT).
@@ -114,6 +127,7 @@ class ServerConfig(StrictModel):
     workers: int | WorkerRange = Field(default_factory=lambda: max(1, os.cpu_count() or 1))
     datasets: dict[str, DatasetConfig] = Field(default_factory=dict)
     pipelines: dict[str, Any] = Field(default_factory=dict)
+    python_path: tuple[pathlib.Path, ...] = ()
     cache_dir: pathlib.Path = Field(
         default_factory=lambda: pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "batchd"
     )
@@ -233,7 +247,14 @@ class ServerConfig(StrictModel):
                 except yaml.YAMLError as e:
                     raise ValueError(f"pipelines.{name}: {path} is not JSON or YAML: {e}") from None
             if spec is not None and not isinstance(spec, dict):
-                raise ValueError(f"pipelines.{name}: expected an albumentations dict (A.to_dict) or a file path")
+                raise ValueError(f"pipelines.{name}: expected an albumentations dict (A.to_dict), a file path, "
+                                 "or {python: 'package.module:factory', args: {...}}")
+            if isinstance(spec, dict) and "python" in spec:
+                try:
+                    spec = PythonPipelineConfig.model_validate(spec).model_dump()
+                except ValidationError as e:
+                    where = ", ".join(".".join(map(str, err["loc"])) + ": " + err["msg"] for err in e.errors())
+                    raise ValueError(f"pipelines.{name}: {where}") from None
             loaded[name] = spec
         return loaded
 
@@ -251,10 +272,21 @@ class ServerConfig(StrictModel):
                              f"max_request_bytes ({self.max_request_bytes})")
         return self
 
+    def python_pipelines(self) -> dict[str, dict[str, Any]]:
+        """The python presets: name -> {python, args}."""
+        return {name: spec for name, spec in self.pipelines.items() if isinstance(spec, dict) and "python" in spec}
+
     def pipeline_json(self, name: str) -> str:
         """The preset's albumentations dict as canonical JSON ("" for a null preset)."""
         spec = self.pipelines[name]
         return "" if spec is None else json.dumps(spec, sort_keys=True)
+
+
+class PythonPipelineConfig(StrictModel):
+    """An operator-side Python pipeline: ``python(**args)`` returns ``fn(sample, rng) -> sample``."""
+
+    python: str = Field(pattern=FACTORY_PATTERN)
+    args: dict[str, Any] = Field(default_factory=dict)
 
 
 class ConfigError(ValueError):

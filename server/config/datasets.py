@@ -7,6 +7,9 @@ Example::
       photos:       {kind: imagefolder, root: /data/photos}
       pets:         {kind: manifest, path: /data/pets.csv}
       shards:       {kind: webdataset, shards: "/data/train-{000000..000099}.tar"}
+      mine:         {kind: python, factory: "mypkg.data:MyDataset", args: {root: /data/x}}
+      det:          {kind: coco, images: /data/coco/train2017, annotations: /data/coco/instances_train2017.json, masks: true}
+      voc:          {kind: segmentation, images: /data/voc/JPEGImages, masks: /data/voc/SegmentationClass}
 
 ``DatasetConfig`` picks the model by ``kind``; server/data/datasets/ opens each.
 """
@@ -69,6 +72,16 @@ def _location(v: Any) -> Any:
 Location = Annotated[Union[pathlib.Path, str], BeforeValidator(_location)]
 
 
+def _extensions(v: tuple[str, ...]) -> tuple[str, ...]:
+    """File name endings as given, lower-cased; ValueError if there are none or one is not ``.suffix``."""
+    if not v:
+        raise ValueError("give at least one extension, e.g. ['.jpg', '.png']")
+    for e in v:
+        if len(e) < 2 or not e.startswith("."):
+            raise ValueError(f"extension {e!r} must start with '.' and name a suffix, e.g. '.jpg'")
+    return tuple(e.lower() for e in v)
+
+
 class ImageFolderConfig(_ImageFilesBase):
     """One subfolder of ``root`` per class, listed exactly as ``torchvision.datasets.ImageFolder``.
 
@@ -88,12 +101,7 @@ class ImageFolderConfig(_ImageFilesBase):
     @field_validator("extensions")
     @classmethod
     def _check_extensions(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if not v:
-            raise ValueError("give at least one extension, e.g. ['.jpg', '.png']")
-        for e in v:
-            if len(e) < 2 or not e.startswith("."):
-                raise ValueError(f"extension {e!r} must start with '.' and name a suffix, e.g. '.jpg'")
-        return tuple(e.lower() for e in v)
+        return _extensions(v)
 
 
 class ManifestConfig(_ImageFilesBase):
@@ -125,6 +133,85 @@ class WebDatasetConfig(_ImageFilesBase):
         return v
 
 
+class CocoConfig(_DatasetBase):
+    """A COCO "instances" JSON (``images``, ``annotations``, ``categories``) and its image folder.
+
+    images: where the JSON's ``file_name``s are (a folder or a URL prefix).
+    annotations: the JSON file (a path or a URL).
+    masks: also give each object's mask (``masks`` uint8 [N, H, W]), decoded with pycocotools
+        (``pip install batchd[coco]``); segmentations are then checked when the index is built.
+    skip_empty: leave out images that have no annotation (after zero-size boxes are dropped);
+        false (the default, as torchvision's CocoDetection): they are samples with N = 0.
+    Images are always decoded at full size (boxes and masks are in the full image's pixels).
+    """
+
+    kind: Literal["coco"]
+    images: Location
+    annotations: Location
+    masks: bool = False
+    skip_empty: bool = False
+    storage_options: StorageOptions = Field(default_factory=StorageOptions)
+
+
+class SegmentationConfig(_DatasetBase):
+    """An image folder and a mask folder paired by file stem (Pascal VOC's ``JPEGImages`` and
+    ``SegmentationClass``): ``images/<stem>.jpg`` goes with ``masks/<stem>.png``.
+
+    Stems are paths relative to the folder without the extension (subfolders allowed). Every
+    image needs a mask and every mask an image (an error naming the first unpaired file),
+    unless ``split_file`` names the stems to use.
+    split_file: a text file of stems, one a line (VOC's ``ImageSets/Segmentation/train.txt``):
+        the samples, in its order; each stem needs an image and a mask, other files are ignored.
+        Default: every stem of the folders, sorted.
+    extensions: image file endings, any case (default: torchvision's IMG_EXTENSIONS).
+    mask_extensions: mask file endings (default ``.png``; masks must be lossless).
+    ignore_index: the mask value that marks pixels to ignore (VOC: 255 on object borders and
+        "difficult" regions); reported with the dataset, never changed in the masks. None: none.
+    classes: class names, mask value ``v`` is ``classes[v]`` (optional: masks are read as they
+        are whatever it says).
+    Images are always decoded at full size (the mask must match them pixel for pixel).
+    """
+
+    kind: Literal["segmentation"]
+    images: Location
+    masks: Location
+    split_file: Location | None = None
+    extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+    mask_extensions: tuple[str, ...] = (".png",)
+    ignore_index: int | None = Field(default=255, ge=0, le=255)
+    classes: tuple[str, ...] = ()
+    storage_options: StorageOptions = Field(default_factory=StorageOptions)
+
+    @field_validator("extensions", "mask_extensions")
+    @classmethod
+    def _check_extensions(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return _extensions(v)
+
+
+# "package.module:attribute" (the attribute may be dotted), as entry points name objects
+FACTORY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+class PythonConfig(_DatasetBase):
+    """The operator's own map-style dataset (server/data/datasets/python.py).
+
+    factory: ``"package.module:attribute"``, imported from the server's environment (installed, on
+        PYTHONPATH, or on the server's ``python_path``) and called as ``factory(**args)``; the
+        result has ``__len__`` and ``__getitem__(i) -> dict`` of fields.
+    args: keyword arguments for the factory (YAML values: str, numbers, lists, mappings).
+    per_object_fields: the fields with one entry per object (dropped with their boxes, sent as
+        lists); default: those of boxes, labels, masks, keypoints, iscrowd, area the samples have.
+    max_pixels does not apply (the dataset decodes its own images).
+    """
+
+    kind: Literal["python"]
+    factory: str = Field(pattern=FACTORY_PATTERN)
+    args: dict[str, Any] = Field(default_factory=dict)
+    per_object_fields: tuple[str, ...] | None = None
+
+
 DatasetConfig = Annotated[
-    Union[FashionMnistConfig, ImageFolderConfig, ManifestConfig, WebDatasetConfig], Field(discriminator="kind")
+    Union[FashionMnistConfig, ImageFolderConfig, ManifestConfig, WebDatasetConfig, CocoConfig, SegmentationConfig,
+          PythonConfig],
+    Field(discriminator="kind"),
 ]

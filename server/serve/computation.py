@@ -3,7 +3,7 @@
 (``Stream``, one client's cursor, is in ``stream.py``.)
 
 A ``Computation`` builds the batches of one (dataset, pipeline, batch_size, shuffle, seed,
-epoch, drop_last, rank, world_size): those fields fix every batch's bytes, so streams (clients)
+epoch, drop_last, rank, world_size, start_position): those fields fix every batch's bytes, so streams (clients)
 that agree on them can share one computation. A ``Stream`` is one client's cursor into a
 computation. Workers finish batches in any order; ``Stream.next`` hands them out strictly by
 batch index.
@@ -28,7 +28,8 @@ Strided streams (a client spreading an epoch over ``stride`` servers) read the b
 ``first, first + stride, ...`` only. Positions are still batch indices and advance by ``stride``;
 ``prefetch`` and ``window`` count this stream's batches (so they span ``stride`` times as many
 indices). The residue ``first % stride`` is part of the sharing key: only streams reading the
-same batches share a computation.
+same batches share a computation. So is ``end_batch`` (a hedged request for one batch builds
+that batch only, and never limits a stream reading on).
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ class _Moved(Exception):
 class Computation:
     """The batches of one request key, built once for every stream reading it.
 
-    indices: this shard's sample order, int64 [N]. window: how far (batches) readers may
-    drift apart before the slowest is moved to a computation of its own.
+    indices: this shard's sample order, int64 [N] (of the epoch's remainder from
+    ``request.start_position``). num_batches: nothing at or past this batch index is built (the
+    epoch's end, or ``request.end_batch``). window: how far (batches) readers may drift apart
+    before the slowest is moved to a computation of its own.
     """
 
     def __init__(self, request: StreamRequest, indices: np.ndarray, num_batches: int, *,
@@ -203,7 +206,8 @@ class Computation:
         """Global positions (``batchd.sampler.global_positions``) of batch b's samples: int64 [B]."""
         bs, req = self.request.batch_size, self.request
         start = min(b * bs, len(self.indices))
-        return global_positions(start, min(start + bs, len(self.indices)), rank=req.rank, world_size=req.world_size)
+        return global_positions(start, min(start + bs, len(self.indices)), rank=req.rank, world_size=req.world_size,
+                                start_position=req.start_position)
 
     def random_key(self) -> np.ndarray:
         """The key of this epoch's per-sample augmentation streams (``batchd.sampler.sample_key``): uint64 [2]."""

@@ -96,6 +96,10 @@ class StatsCollector(Collector):
         copied.add_metric(["shm"], t.bytes_copied_shm)
         copied.add_metric(["inline"], t.bytes_copied_inline)
         yield copied
+        yield counter("batchd_hedge_streams_started", "Hedged requests opened (a client of several servers "
+                      "re-requesting one late batch here).", t.hedge_streams_started)
+        yield counter("batchd_hedge_batches_built", "Batches workers built for hedged requests.", t.hedge_batches_built)
+        yield counter("batchd_hedge_batches_sent", "Batches sent on hedged requests.", t.hedge_batches_sent)
         yield gauge("batchd_computations", "Running computations (identical streams share one).", s.computations)
         yield counter("batchd_computations_started", "Computations started.", s.computations_started)
 
@@ -103,6 +107,8 @@ class StatsCollector(Collector):
         yield gauge("batchd_workers_ready", "Worker processes started and answering.", p.ready)
         yield gauge("batchd_workers_busy", "Worker processes with a batch assigned now.", p.busy)
         yield counter("batchd_worker_restarts", "Worker processes that died and were replaced.", p.restarts)
+        yield counter("batchd_batches_rebuilt", "Batches in flight on a worker that died, queued again for another.",
+                      p.batches_rebuilt)
         yield counter("batchd_worker_busy_seconds", "Seconds workers spent building batches (read, decode, "
                       "pipeline, cache, write).",
                       p.busy_seconds)

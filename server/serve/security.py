@@ -197,6 +197,9 @@ class Redactor:
                 add(pathlib.Path(path).parent)
         for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(__file__))):
             add(p)
+        # where operator code is imported from (kind python, python pipelines): its tracebacks name files there
+        for p in (*config.python_path, *(p for p in sys.path if p and os.path.isabs(p))):
+            add(p)
         if config.tls is not None:
             for p in (config.tls.cert, config.tls.key, config.tls.client_ca):
                 if p is not None:

@@ -35,24 +35,24 @@ _POLL_S = 0.25
 
 
 def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
-    """DescribeDataset's answer: size, classes, sample spec, and the dataset and build fingerprints."""
+    """DescribeDataset's answer: size, classes, the sample's fields (``Dataset.fields``, then index
+    and position), the dataset and build fingerprints, on_error."""
     ds = loader.dataset(name)
-    spec = ds.sample_spec
-    parts = build.build_parts(ds.decode_settings)
+    parts = build.build_parts(ds.decode_settings, cache=loader.cache is not None)
     return pb.DatasetInfo(
         name=name,
         kind=ds.kind,
         num_samples=len(ds),
         class_names=list(ds.classes),
         sample=[
-            pb.TensorSpec(name="image", dtype=spec.image_dtype, shape=list(spec.image_shape)),
-            pb.TensorSpec(name="label", dtype="int64", shape=[]),
+            *(pb.TensorSpec(name=f.name, dtype=f.dtype, shape=list(f.shape)) for f in ds.fields),
             pb.TensorSpec(name="index", dtype="int64", shape=[]),
             pb.TensorSpec(name="position", dtype="int64", shape=[]),  # in the epoch's global order (server/compute/worker.py)
         ],
         fingerprint=ds.fingerprint,
         build_fingerprint=build.build_fingerprint(parts),
         build=parts,
+        on_error=loader.config.datasets[name].on_error,
     )
 
 

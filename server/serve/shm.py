@@ -182,6 +182,12 @@ class SlotPool:
             return len(self._refs) - self._lent_only()
 
     @property
+    def holding(self) -> int:
+        """Slots holding a batch: those the server holds (``in_use``) and those only leases hold."""
+        with self._lock:
+            return len(self._refs)
+
+    @property
     def lent(self) -> int:
         """Slots with at least one lease on them."""
         with self._lock:

@@ -181,6 +181,7 @@ class PoolStats:
     ready: int  # started and answering (a replacement counts once it said Ready)
     busy: int  # workers with at least one batch assigned right now
     restarts: int  # workers that died and were replaced
+    batches_rebuilt: int  # batches in flight on a worker that died, queued again for another
     busy_seconds: float  # seconds workers spent building batches (read, decode, pipeline, cache, write), all time
     utilization: float  # moving fraction of worker time with a batch to build, 0..1
     tasks_in_flight: int  # batches sent to workers and not yet back (the work queue)
@@ -211,6 +212,9 @@ class Totals:
     samples_skipped: int
     bytes_copied_shm: int  # batch bytes copied out of slots for shared-memory streams (inline fallbacks)
     bytes_copied_inline: int  # ... for inline streams (every batch's bytes)
+    hedge_streams_started: int = 0  # hedged requests (one late batch re-requested by a client of several servers)
+    hedge_batches_built: int = 0  # batches workers built for them
+    hedge_batches_sent: int = 0  # batches sent on them
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +314,8 @@ def snapshot(loader: "Loader") -> ServerStats:
     """Everything ``batchd status`` and the Prometheus endpoint show, read now."""
     now = time.monotonic()
     with loader._lock:  # streams move from `streams` to `counters` under this lock
-        streams = tuple(stream_stats(s, now) for s in sorted(loader.streams.values(), key=lambda s: s.id))
+        loader_streams = sorted(loader.streams.values(), key=lambda s: s.id)
+        streams = tuple(stream_stats(s, now) for s in loader_streams)
         counters = dict(loader.counters)
         computations = loader.computations
     pool, slots, leases = loader.pool, loader.slots, loader.leases
@@ -321,6 +326,7 @@ def snapshot(loader: "Loader") -> ServerStats:
         ready=load["ready"],
         busy=load["busy"],
         restarts=pool.restarts,
+        batches_rebuilt=pool.batches_rebuilt,
         busy_seconds=pool.work_seconds,
         utilization=pool.busy_ratio(now),
         tasks_in_flight=load["tasks_in_flight"],
@@ -342,6 +348,10 @@ def snapshot(loader: "Loader") -> ServerStats:
         **{k: counters.get(k, 0) + sum(getattr(s, k) for s in streams) for k in SENT},
         bytes_copied_shm=loader.transport.bytes_copied["shm"],
         bytes_copied_inline=loader.transport.bytes_copied["inline"],
+        hedge_streams_started=counters.get("hedge_streams_started", 0),
+        hedge_batches_built=pool.hedge_batches_built,
+        hedge_batches_sent=counters.get("hedge_batches_sent", 0)
+        + sum(s.batches_sent for s in loader_streams if s.request.hedge),
     )
     return ServerStats(
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,

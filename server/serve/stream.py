@@ -26,7 +26,8 @@ class Stream:
     def __init__(self, request: StreamRequest, num_batches: int):
         self.id = next(_stream_ids)
         self.request = request
-        self.num_batches = num_batches
+        self.num_batches = num_batches  # in the epoch (its remainder from request.start_position) for this shard
+        self.end = min(num_batches, request.end_batch or num_batches)  # the stream stops before this batch
         self.prefetch = request.prefetch
         self.position = request.first_batch  # the batch this client gets next (steps by request.stride)
         self.computation: Computation | None = None
@@ -103,13 +104,13 @@ class Stream:
 
     @property
     def finished(self) -> bool:
-        return self.position >= self.num_batches
+        return self.position >= self.end
 
     @property
     def batches_due(self) -> int:
-        """Batches this stream sends in all (every stride-th from its first one)."""
+        """Batches this stream sends in all (every stride-th from its first one, up to ``end``)."""
         first, stride = self.request.first_batch, self.request.stride
-        return max(0, -(-(self.num_batches - first) // stride))
+        return max(0, -(-(self.end - first) // stride))
 
     def release(self, batch: ReadyBatch, *, sent: bool = True) -> None:
         """The batch was sent (copied into a message, or its slot lent under a lease that holds a
@@ -118,7 +119,7 @@ class Stream:
         self._from.put_back(batch)
         if not sent:
             return
-        n = batch.tensors[0].shape[0]
+        n = batch.tensors[0].samples
         with self._lock:
             self.batches_sent += 1
             self.samples_sent += n

@@ -12,6 +12,10 @@ depends on (the gRPC servicer only yields what it returns):
   one back within ``LEASE_WAIT_S``): the tensors are copied out of the slot into the message
   (``batchd.wire.encode_batch``; LZ4-compressed if asked).
 
+Either way a ragged field (``TensorLayout.sample_shapes``: the samples' values back to back) goes
+with its per-sample shapes and element offsets (``ragged_fields``; ``Tensor`` in loader.proto); on
+the shared-memory path its values stay in the slot like any other field's.
+
 Waiting at the lease cap. gRPC buffers small shared-memory messages far ahead of the client, so a
 server faster than its client's training loop reaches the session's lease cap in a few batches;
 copying every later batch inline (most of an epoch, measured) is what zero-copy must avoid. So at
@@ -30,13 +34,15 @@ stream's ``batches_taken`` / ``samples_taken`` (``Stream.took``).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import lz4.frame as lz4_frame
 
 from batchd import wire
+from batchd.server.compute.protocol import TensorLayout
 from batchd.server.serve.leases import LeaseTable
 from batchd.server.serve.shm import SlotPool
 from batchd.server.serve.stream import ReadyBatch, Stream
@@ -98,7 +104,7 @@ class Transport:
         t0 = time.perf_counter()
         lease = None
         if r.transport == "shm":
-            samples = batch.tensors[0].shape[0] if batch.tensors and batch.tensors[0].shape else 0
+            samples = batch.tensors[0].samples if batch.tensors else 0
             lease = self.leases.lend(r.session, batch.slot, tag=r.stream_tag, samples=samples, stream=stream.id)
             if lease is None and self.leases.full(r.session):
                 if patient:
@@ -106,7 +112,8 @@ class Transport:
                     return None
                 self.leases.hoarding(r.session)
         if lease is not None:
-            tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset) for t in batch.tensors]
+            tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset, **ragged_fields(t))
+                       for t in batch.tensors]
             return wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, segment=batch.slot.name,
                                      lease=lease, skipped=batch.skipped, timings=self._timings(stream, batch, t0))
         buf = batch.slot.buf
@@ -116,9 +123,9 @@ class Transport:
             copied += t.nbytes
             if r.compression == "lz4":
                 tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, lz4_frame.compress(data),
-                                               compression=pb.COMPRESSION_LZ4))
+                                               compression=pb.COMPRESSION_LZ4, **ragged_fields(t)))
             else:
-                tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, data))
+                tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, data, **ragged_fields(t)))
         data = wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, skipped=batch.skipped,
                                  timings=self._timings(stream, batch, t0))
         with self._lock:
@@ -162,3 +169,24 @@ class Transport:
                 stream.took(p.batches_taken, p.samples_taken, reported=True)
                 if p.verdict:  # a client that profiles its loop (batchd.client.timings)
                     stream.client_waits(p.wait_ratio, p.verdict)
+
+
+def ragged_fields(t: TensorLayout) -> dict[str, Any]:
+    """``Tensor``'s sample_ndim, sample_shapes, sample_offsets for a ragged field (see loader.proto);
+    none for a stacked one. Raises ValueError if the layout's sample shapes do not fit its values
+    (a bug in the worker that laid it out: never send a layout a client would misread)."""
+    if t.sample_shapes is None:
+        return {}
+    ndim = len(t.sample_shapes[0]) if t.sample_shapes else 1  # B = 0: no shapes, still ragged
+    if t.dtype in ("str", "bytes") and ndim != 1:
+        raise ValueError(f"field {t.name!r}: {t.dtype} samples must have one dimension, not {ndim}")
+    offsets = [0]
+    for shape in t.sample_shapes:
+        if len(shape) != ndim or any(d < 0 for d in shape):
+            raise ValueError(f"field {t.name!r}: sample shape {list(shape)} among shapes of {ndim} dimensions")
+        offsets.append(offsets[-1] + math.prod(shape))
+    if len(t.shape) != 1 or offsets[-1] != t.shape[0]:
+        raise ValueError(f"field {t.name!r}: sample shapes of {offsets[-1]} elements for values of shape "
+                         f"{list(t.shape)}")
+    return {"sample_ndim": ndim, "sample_shapes": tuple(d for shape in t.sample_shapes for d in shape),
+            "sample_offsets": tuple(offsets)}

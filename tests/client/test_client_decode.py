@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import struct
 
 import albumentations as A
 import cv2
@@ -26,39 +25,12 @@ from batchd.server.compute.encoded import check_jpeg
 from batchd.client import decode
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
+from helpers import jpeg_bytes as _jpeg, picture as _picture
 
 pytestmark = pytest.mark.timeout(180)
 
 PHOTOS = pathlib.Path("/usr/share/backgrounds/mate/nature")
 FMNIST = pathlib.Path("/usr/share/datasets/fashion-mnist")
-
-
-def _exif(orientation: int) -> bytes:
-    """An APP1 segment holding only an EXIF orientation tag (big-endian TIFF)."""
-    tiff = b"MM\x00\x2a" + struct.pack(">I", 8) + struct.pack(">H", 1)
-    tiff += struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0) + struct.pack(">I", 0)
-    payload = b"Exif\x00\x00" + tiff
-    return b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload
-
-
-def _jpeg(rgb: np.ndarray, *, progressive: bool = False, orientation: int = 0, grey: bool = False) -> bytes:
-    image = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY) if grey else cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)
-    params = [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_PROGRESSIVE, int(progressive)]
-    ok, buf = cv2.imencode(".jpg", image, params)
-    assert ok
-    data = buf.tobytes()
-    return data[:2] + _exif(orientation) + data[2:] if orientation else data
-
-
-def _picture(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
-    """Smooth colour gradients, a few rectangles and some noise: JPEG-like content."""
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) * 127 // max(h + w - 2, 1)], -1)
-    img = base.astype(np.int32) + rng.integers(-12, 12, (h, w, 3))
-    for _ in range(3):
-        y0, x0 = rng.integers(0, h - 4), rng.integers(0, w - 4)
-        img[y0 : y0 + h // 4, x0 : x0 + w // 4] = rng.integers(0, 256, 3)
-    return np.clip(img, 0, 255).astype(np.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +308,7 @@ def test_the_gpu_path_around_nvjpeg_matches_opencv_with_a_stand_in_decoder(monke
         batch = {"index": torch.arange(len(files)), "jpeg_resize": torch.tensor(resize),
                  "jpeg_offsets": torch.tensor(np.cumsum([0, *map(len, files)])),
                  "jpeg": torch.from_numpy(np.frombuffer(b"".join(files), np.uint8).copy())}
-        ours, opencv = decode.decode_gpu(batch, torch.device("cpu")), decode.decode_cpu(batch)
+        ours, opencv = decode.decode_gpu(batch, torch.device("cpu")).image, decode.decode_cpu(batch).image
         assert ours.shape == opencv.shape and ours.is_contiguous()
         if resize == (0, 0):
             assert torch.equal(ours, opencv)  # orientation 3 (one file) applied as OpenCV does

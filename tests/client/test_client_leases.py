@@ -182,7 +182,7 @@ def test_a_re_split_reports_the_abandoned_calls(make_server, fmnist_root, releas
         it = iter(ld)
         [next(it) for _ in range(4)]
         tags = {ld.servers._split.receivers[i].record.tag for i in (0, 1)}
-        ld.servers._rejoined.set()  # as when a server comes back: the next batch starts a new split
+        ld.servers._retired.set()  # as when a server leaves the address: the next batch starts a new split
         indices = [next(it)["index"] for _ in range(4)]
         assert wait_until(lambda: tags <= {r.abandoned_stream for r in release_requests}, 10), release_requests
         assert torch.cat(indices).tolist() == list(range(400, 800))

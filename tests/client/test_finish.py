@@ -138,9 +138,13 @@ def test_one_channel_and_defaults_divide_by_255():
     np.testing.assert_array_equal(one.numpy(), reference(images.numpy(), range(12), seed=0, epoch=0, mean=[0.5], std=[0.25]))
 
 
-def test_an_empty_batch_gives_an_empty_output():
-    out = GpuTransform(crop=8, hflip=0.5)(random_images(b=0), torch.zeros(0, dtype=torch.int64), seed=0, epoch=0)
-    assert out.shape == (0, 3, 8, 8) and out.dtype == torch.float32
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_an_empty_batch_gives_an_empty_output(channels_last):
+    for images in (random_images(b=0), torch.empty((0, 0, 0, 3), dtype=torch.uint8)):  # the latter: all skipped
+        for crop, size in ((8, (8, 8)), ((5, 7), (5, 7)), (None, tuple(images.shape[1:3]))):
+            transform = GpuTransform(crop=crop, hflip=0.5, dtype=torch.bfloat16, channels_last=channels_last)
+            out = transform(images, torch.zeros(0, dtype=torch.int64), seed=0, epoch=0)
+            assert out.shape == (0, 3, *size) and out.dtype == torch.bfloat16
 
 
 # --- randomness ----------------------------------------------------------------------------------

@@ -11,8 +11,6 @@ alpha = 0.001; the seed is fixed, so every test is deterministic.
 
 from __future__ import annotations
 
-import itertools
-
 import albumentations as A
 import cv2
 import numpy as np
@@ -20,7 +18,7 @@ import pytest
 from helpers import digest, write_png
 
 import batchd
-from batchd.sampler import global_positions, sample_key, sample_stream, shard_indices
+from batchd.sampler import sample_key, sample_stream
 from batchd.server.compute.pipeline import SampleRandom
 from conftest import running_server
 
@@ -190,25 +188,65 @@ def test_a_sample_is_augmented_alike_whatever_the_batch_size_and_world_size(serv
         assert not differ, f"{name}: {len(differ)} of {len(got)} samples augmented differently from batch_size 8 (e.g. {differ[:5]})"
 
 
-def test_bytes_follow_the_documented_derivation(server):
-    """Sample at global position p of (seed, epoch) = the pipeline run on sample_stream(sample_key(seed, epoch), p)."""
-    seed, batch_size = 99, 16
-    got = read(server, FLIPS3, batch_size=batch_size, seed=seed, rank=1, world_size=2)
-    order = shard_indices(N, shuffle=True, seed=seed, epoch=0, rank=1, world_size=2, drop_last=False)
-    positions = global_positions(0, len(order), rank=1, world_size=2)
-    key = sample_key(seed=seed, epoch=0)
-    compose = A.from_dict(A.to_dict(FLIPS3))
-    rnd = SampleRandom()
-    rnd.attach(compose)
-    for index, position in itertools.islice(zip(order.tolist(), positions.tolist()), 0, None, 37):
-        rnd.start(key, position)
-        want = compose(image=gradient(index))["image"]
-        assert np.array_equal(got[index], want), f"sample {index} (position {position})"
-    # SampleRandom re-keyed in place is the reference stream Generator(Philox(key).jumped(p))
-    rnd.start(key, 12345)
-    assert np.array_equal(rnd.generator.random(8), sample_stream(key, 12345).random(8))
-    assert np.array_equal(sample_stream(key, 3).random(4), np.random.Generator(np.random.Philox(key=key).jumped(3)).random(4))
+def documented_shard(n: int, *, seed: int, epoch: int, rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset indices, global positions) of a rank's shuffled shard, int64 [shard] each, from the
+    README's definition in numpy alone: the epoch's order is Generator(PCG64(SeedSequence([seed,
+    epoch]))).permutation(n), padded by wrapping around to world_size * ceil(n / world_size)
+    (DistributedSampler's rule), and rank r takes global positions r, r + world_size, ..."""
+    order = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch]))).permutation(n)
+    padded = np.concatenate([order, order[: world_size * -(-n // world_size) - n]])
+    positions = np.arange(rank, len(padded), world_size)
+    return padded[positions], positions
 
+
+def documented_flips3(image: np.ndarray, *, seed: int, epoch: int, position: int) -> np.ndarray:
+    """FLIPS3 on ``image`` at ``position``, from the README in numpy alone: the stream is
+    Generator(Philox(key).jumped(position)) with key = SeedSequence([seed, epoch], spawn_key=(1,))
+    .generate_state(2, uint64), and the pipeline draws from it in turn: Compose one double (its
+    p), Resize none (p = 1), then HorizontalFlip, VerticalFlip, InvertImg one double each, applied
+    if below 0.5."""
+    key = np.random.SeedSequence([seed, epoch], spawn_key=(1,)).generate_state(2, np.uint64)
+    _, hflip, vflip, invert = np.random.Generator(np.random.Philox(key=key).jumped(position)).random(4) < 0.5
+    out = cv2.resize(image, (32, 32), interpolation=cv2.INTER_LINEAR)
+    out = out[:, ::-1] if hflip else out
+    out = out[::-1] if vflip else out
+    return 255 - out if invert else out
+
+
+def assert_documented_epoch(server, *, seed: int, epoch: int, rank: int, world_size: int) -> None:
+    with batchd.RemoteDataLoader(server.address, "grad", transform=FLIPS3, batch_size=16, shuffle=True, seed=seed,
+                                 rank=rank, world_size=world_size) as ld:
+        ld.set_epoch(epoch)
+        batches = list(ld)
+    indices, positions = documented_shard(N, seed=seed, epoch=epoch, rank=rank, world_size=world_size)
+    assert np.concatenate([b["index"].numpy() for b in batches]).tolist() == indices.tolist()
+    assert np.concatenate([b["position"].numpy() for b in batches]).tolist() == positions.tolist()
+    images = np.concatenate([b["image"].numpy() for b in batches])
+    for image, index, position in zip(images, indices.tolist(), positions.tolist()):
+        want = documented_flips3(gradient(index), seed=seed, epoch=epoch, position=position)
+        assert np.array_equal(image, want), f"epoch {epoch}, sample {index} (position {position})"
+
+
+# 2048 samples on 3 ranks: rank 2's last sample is the wrapped-around padding (position 2048)
+DERIVED = dict(seed=99, epoch=1, rank=2, world_size=3)
+
+
+def test_bytes_follow_the_documented_derivation(server):
+    """Every sample of a shard, recomputed from the README's definition without batchd's sampler
+    or SampleRandom (documented_shard, documented_flips3)."""
+    assert documented_shard(N, **DERIVED)[1][-1] == N  # the shard ends with the padding
+    assert_documented_epoch(server, **DERIVED)
+
+
+def test_bytes_follow_the_documented_derivation_with_the_cache(datasets, tmp_path_factory):
+    """The same with the decoded-sample cache: the epoch that fills it, then the same epoch again,
+    every sample's Resize served from it."""
+    with running_server(workers=2, cache_dir=tmp_path_factory.mktemp("cache"), datasets=datasets,
+                        cache={"memory_bytes": "8MiB"}) as server:
+        assert_documented_epoch(server, **DERIVED)
+        hits = server.loader.cache.stats()["grad"]["hits"]
+        assert_documented_epoch(server, **DERIVED)
+        assert server.loader.cache.stats()["grad"]["hits"] - hits >= N // 3, "the second epoch missed the cache"
 
 
 def test_py_random_and_the_generator_are_one_stream():

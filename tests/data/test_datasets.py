@@ -536,7 +536,7 @@ def test_out_of_range_and_unknown_kind(tmp_path):
 def test_public_names():
     import batchd.server.data.datasets as m
 
-    assert m.__all__ == sorted(m.__all__) == ["Dataset", "SampleSpec", "open_dataset"]
+    assert m.__all__ == sorted(m.__all__) == ["Dataset", "FieldSpec", "PER_OBJECT_FIELDS", "SampleSpec", "open_dataset"]
 
 
 @pytest.mark.parametrize("typ", [pa.string(), pa.large_string()])

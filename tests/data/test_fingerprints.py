@@ -68,6 +68,27 @@ def test_describe_dataset_reports_fingerprints_that_follow_the_files(make_server
     assert off.build["reduced_decode"] == "off" and off.build_fingerprint != info.build_fingerprint
 
 
+def test_the_build_says_whether_a_cache_serves_and_under_which_prefix_rule(make_server, tmp_path, monkeypatch):
+    """Parts ``cache`` (on/off) and ``cache_prefix_rules``; the disk cache is stamped with them."""
+    from batchd.client.datasets import mismatches
+    from batchd.server.build import build_fingerprint, build_parts
+    from batchd.server.compute import prefix
+
+    root = photos(tmp_path / "pics")
+    plain = describe_dataset(folder_server(make_server, root).address, "pics")
+    assert plain.build["cache"] == "off" and "cache_prefix_rules" not in plain.build
+    cached_server = make_server(workers=1, datasets={"pics": {"kind": "imagefolder", "root": str(root)}},
+                                cache={"memory_bytes": "1MiB", "disk_dir": str(tmp_path / "disk"), "disk_bytes": "1MiB"})
+    cached = describe_dataset(cached_server.address, "pics")
+    assert cached.build["cache"] == "on" and cached.build["cache_prefix_rules"] == prefix.PREFIX_RULES == "2"
+    assert cached.fingerprint == plain.fingerprint and cached.build_fingerprint != plain.build_fingerprint
+    assert mismatches(plain.identity(), cached.identity()) == ["cache off vs on", "cache_prefix_rules (none) vs 2"]
+    stamp = (tmp_path / "disk" / "BUILD").read_text().strip()
+    assert stamp == build_fingerprint(build_parts(cache=True))  # disk entries of another rule are wiped at start
+    monkeypatch.setattr(prefix, "PREFIX_RULES", "3")
+    assert build_fingerprint(build_parts(cache=True)) != stamp
+
+
 def test_manifest_and_fashion_mnist_fingerprints_hash_content(make_server, tmp_path, fmnist_root):
     photos(tmp_path / "m")
     table = tmp_path / "m" / "list.csv"

@@ -16,7 +16,7 @@ import pytest
 import batchd
 from batchd.client.datasets import describe_dataset
 from batchd.errors import SampleError
-from batchd.server.config import ImageFolderConfig, ManifestConfig
+from batchd.server.config import CocoConfig, ImageFolderConfig, ManifestConfig, SegmentationConfig
 from batchd.server.data.datasets import open_dataset
 from helpers import assert_raise_names_then_skip_serves_the_rest, digest, write_class_tree
 from seaweed import DroppingProxy, seaweed  # noqa: F401  (the session fixture)
@@ -197,3 +197,33 @@ def test_http_urls_in_manifest_rows(photos, tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_coco_and_segmentation_on_a_bucket_load_as_the_local_copies(seaweed, fashion_coco, tmp_path):  # noqa: F811
+    """Images, masks and the annotation JSON read from S3 (the segmentation folders listed there)."""
+    for folder in ("images/val", "masks/val"):
+        seaweed.upload_tree(fashion_coco / folder, f"fashion-coco/{folder}")
+    seaweed.upload_file(fashion_coco / "annotations/instances_val.json", "fashion-coco/annotations/instances_val.json")
+    url, opts = f"s3://{seaweed.bucket}/fashion-coco", seaweed.storage_options
+    pairs = [
+        (CocoConfig(kind="coco", images=fashion_coco / "images/val", masks=True,
+                    annotations=fashion_coco / "annotations/instances_val.json"),
+         CocoConfig(kind="coco", images=f"{url}/images/val", masks=True, storage_options=opts,
+                    annotations=f"{url}/annotations/instances_val.json")),
+        (SegmentationConfig(kind="segmentation", images=fashion_coco / "images/val", masks=fashion_coco / "masks/val"),
+         SegmentationConfig(kind="segmentation", images=f"{url}/images/val", masks=f"{url}/masks/val",
+                            storage_options=opts)),
+    ]
+    for local_cfg, remote_cfg in pairs:
+        local = open_dataset("local", local_cfg, tmp_path, build=True)
+        remote = open_dataset("remote", remote_cfg, tmp_path, build=True)
+        assert len(remote) == len(local) == 20
+        assert [remote.source(i) for i in range(20)] == [local.source(i) for i in range(20)]
+        for i in range(20):
+            want = local.load_sample(i)
+            got = remote.load_sample(i)
+            assert set(got) == set(want)
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{remote_cfg.kind} sample {i} {name}")
+        worker = open_dataset("remote", remote_cfg, tmp_path, build=False)
+        assert worker.fingerprint == remote.fingerprint and len(worker) == 20

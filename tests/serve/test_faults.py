@@ -34,7 +34,7 @@ import batchd
 from helpers import digest, free_port, wait_until, write_png
 from batchd.sampler import shard_indices
 from batchd.server.serve import shm as server_shm
-from procs import (N_TEST, RANDOM_AUG, SLOW, ServerProcess, alive, cmdline, descendants, fmnist_test_config,  # noqa: F401
+from procs import (N_TEST, RANDOM_AUG, SLOW, ServerProcess, _stat, alive, cmdline, descendants, fmnist_test_config,  # noqa: F401
                    health_status, loader, segments_of, write_server_config)
 
 pytestmark = pytest.mark.timeout(180)
@@ -268,7 +268,7 @@ def test_too_many_skipped_samples_fail_the_stream(bad_files_server):
 # --- 3. exact resume --------------------------------------------------------------------------
 
 
-def test_resume_from_state_dict_mid_epoch(fmnist_server):
+def test_resume_from_state_dict_mid_epoch(fmnist_server, make_server, fmnist_root):
     kw = dict(batch_size=500, shuffle=True, seed=77, transform="flip")
     with loader(fmnist_server, **kw) as ld:
         ld.set_epoch(2)
@@ -284,14 +284,20 @@ def test_resume_from_state_dict_mid_epoch(fmnist_server):
     assert first == clean[:k]
     assert (state["epoch"], state["next_batch"]) == (2, k)
 
-    with loader(fmnist_server, **kw) as ld:
+    # resumed on a fresh server (as after a restart): no computation of the old loader to join, so
+    # batches k.. are computed from start_batch, and nothing before them
+    fresh = make_server(workers=2, datasets=fmnist_test_config(fmnist_root),
+                        pipelines={"flip": A.to_dict(A.Compose([A.HorizontalFlip(p=0.5)]))})
+    with loader(fresh, **kw) as ld:
         ld.load_state_dict(state)
         rest = [digest(b) for b in ld]
         assert ld.epoch == 3, "finishing the resumed epoch did not advance the epoch"
     assert rest == clean[k:], "the resumed loader did not continue with exactly the remaining batches"
+    assert fresh.loader.pool.batches_built == len(clean) - k, "the resumed epoch computed batches before start_batch"
 
-    # a state saved by a loader with other settings is refused, naming the setting
-    for other, key in [(dict(kw, seed=78), "seed"), (dict(kw, batch_size=400), "batch_size"),
+    # a state saved by a loader with other settings is refused, naming the setting (another
+    # batch_size or world_size resumes elastically: tests/client/test_elastic.py)
+    for other, key in [(dict(kw, seed=78), "seed"), (dict(kw, drop_last=True), "drop_last"),
                        (dict(kw, transform=None), "pipeline"), (dict(kw, shuffle=False), "shuffle")]:
         with loader(fmnist_server, **other) as ld:
             with pytest.raises(ValueError, match=key):
@@ -557,25 +563,30 @@ def test_vanishing_client_process_frees_stream_and_leases(make_server, fmnist_ro
 
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])
-def test_slow_client_bounded_server_slots(fmnist_server, transport):
-    slots, leases = fmnist_server.loader.slots, fmnist_server.loader.leases
-    prefetch = 3
-    with loader(fmnist_server, batch_size=100, prefetch=prefetch, transport=transport) as ld:
+def test_slow_client_bounded_server_slots(make_server, fmnist_root, transport):
+    """A client that stalls after its first batch holds the server to what its config allows, every
+    slot counted (``SlotPool.holding``: the server's and those only leases hold): ahead of the
+    reader, ``prefetch`` batches built or being built; behind it, ``share_window`` sent batches
+    kept for late joiners; and, over shared memory, up to ``max_leases_per_session`` sent batches
+    the client holds beyond those (the stream then waits for a lease, and sends inline)."""
+    prefetch, window, max_leases = 3, 2, 4
+    server = make_server(workers=2, datasets=fmnist_test_config(fmnist_root), share_window=window,
+                         max_leases_per_session=max_leases)
+    slots, leases = server.loader.slots, server.loader.leases
+    bound = prefetch + window + (max_leases if transport == "shm" else 0)
+    with loader(server, batch_size=100, prefetch=prefetch, transport=transport) as ld:
         it = iter(ld)
         next(it)
         peak_slots = peak_leases = 0
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:  # the client "trains" for 3 s
-            peak_slots = max(peak_slots, slots.in_use)
+            peak_slots = max(peak_slots, slots.holding)
             if ld._shm is not None:
                 peak_leases = max(peak_leases, leases.held(ld._shm.session))
-            time.sleep(0.01)
-        # ahead of the reader: prefetch; behind it: up to share_window batches kept as history for
-        # streams that join late (released first when the slot pool runs short)
-        window = getattr(fmnist_server.config, "share_window", 0)
-        assert peak_slots <= prefetch + window + 2, (
-            f"{peak_slots} slots in use with prefetch={prefetch}, share_window={window}")
-        assert peak_leases <= fmnist_server.config.max_leases_per_session
+            time.sleep(0.002)
+        assert prefetch <= peak_slots <= bound, f"{peak_slots} slots held (bound {bound})"
+        assert peak_leases <= max_leases
+        assert (peak_leases > 0) == (transport == "shm")
         assert sum(1 for _ in it) == 99
 
 

@@ -450,7 +450,7 @@ def test_no_request_data_is_unpickled():
             if hits:
                 users[str(path.relative_to(root))] = hits
     assert users == {"server/compute/worker.py": ["pickle.loads("]}, users
-    worker = (root / "server" / "worker.py").read_text()
+    worker = (root / "server" / "compute" / "worker.py").read_text()
     assert "pickle.loads(pickle.dumps(exc))" in worker  # its own exception, round-tripped
 
 

@@ -98,7 +98,7 @@ def test_snapshot_counts_exactly_what_a_stream_took(server):
         assert 0 <= st.batches_ahead <= 3 and st.prefetch == 3
         assert st.images_per_second_sent > 0 and st.samples_skipped == 0 and not st.shared
         assert s.totals.streams_started >= 1 and s.totals.batches_sent >= 5
-        assert s.pool.workers == 2 and s.pool.ready == 2 and s.pool.restarts == 0
+        assert s.pool.workers == 2 and s.pool.ready == 2 and s.pool.restarts == 0 and s.pool.batches_rebuilt == 0
         assert 0.0 <= s.pool.utilization <= 1.0 and s.pool.busy_seconds > 0
         before = s.totals
     finally:
@@ -169,9 +169,9 @@ def test_stats_status_and_metrics_while_a_loader_is_mid_epoch(server):
     assert metrics[("batchd_streams_ended_total", (("outcome", "finished"),))] == 1
     assert metrics[("batchd_streams", ())] == 0
     assert not any(name.startswith("batchd_stream_") for name, _ in metrics)  # the stream's series are gone
-    for name in ("batchd_workers", "batchd_worker_restarts_total", "batchd_worker_utilization_ratio",
-                 "batchd_tasks_in_flight", "batchd_shm_slots_in_use", "batchd_shm_bytes", "batchd_leases_held",
-                 "batchd_uptime_seconds", "batchd_worker_busy_seconds_total"):
+    for name in ("batchd_workers", "batchd_worker_restarts_total", "batchd_batches_rebuilt_total",
+                 "batchd_worker_utilization_ratio", "batchd_tasks_in_flight", "batchd_shm_slots_in_use",
+                 "batchd_shm_bytes", "batchd_leases_held", "batchd_uptime_seconds", "batchd_worker_busy_seconds_total"):
         assert (name, ()) in metrics, name
     assert metrics[("batchd_workers", ())] == 2
     assert 0 <= metrics[("batchd_worker_utilization_ratio", ())] <= 1

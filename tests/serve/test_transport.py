@@ -1,15 +1,21 @@
-"""Transports: shared memory (leased slots) and inline bytes (optionally LZ4), against a real server."""
+"""Transports: shared memory (leased slots) and inline bytes (optionally LZ4), against a real server;
+ragged fields through ``Transport`` driven directly with hand-made layouts."""
 
 from __future__ import annotations
 
 import gc
 import logging
 
+import lz4.frame as lz4_frame
+import numpy as np
 import pytest
 import torch
 
 import batchd
+import batches
+from batch_server import ready_batch
 from batchd.client import shm as client_shm
+from batchd.v1 import loader_pb2 as pb
 from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,3 +105,79 @@ def test_bad_transport_arguments(fmnist_server):
         batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", transport="tcp")
     with pytest.raises(ValueError, match="compression"):
         batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", compression="gzip")
+
+
+# --- ragged fields: Transport driven directly with hand-made layouts ------------------------------
+
+
+@pytest.fixture
+def transport():
+    from batchd.server.serve.leases import LeaseTable
+    from batchd.server.serve.shm import Owner, SlotPool
+    from batchd.server.serve.transport import Transport
+
+    owner = Owner()
+    slots = SlotPool(max_slots=4, prefix=owner.prefix)
+    try:
+        yield Transport(slots, LeaseTable(slots, max_held=4))
+    finally:
+        slots.close()
+        owner.close()
+
+
+def _stream(transport, how: str):
+    from batchd.server.compute.protocol import StreamRequest
+    from batchd.server.serve.stream import Stream
+
+    request = StreamRequest("det", batch_size=3, transport="shm" if how == "shm" else "inline",
+                            session="s" if how == "shm" else "", compression="lz4" if how == "lz4" else "none")
+    if how == "shm":
+        transport.leases.open("s")
+    stream = Stream(request, num_batches=1)
+    transport.open(stream)
+    return stream
+
+
+@pytest.mark.parametrize("how", ["inline", "lz4", "shm"])
+def test_ragged_layouts_travel_with_their_shapes_and_offsets(transport, how):
+    samples = batches.detection_samples([3, 4, 5])  # ragged image, boxes (N = 3, 0, 1), masks; str, bytes
+    ready = ready_batch(transport.slots, 0, batches.pack(samples))
+    stream = _stream(transport, how)
+    m = pb.Batch.FromString(transport.encode(stream, ready))
+    assert bool(m.segment) == (how == "shm")
+    for t, layout in zip(m.tensors, ready.tensors):
+        if how == "shm":
+            data = bytes(ready.slot.buf[t.offset:t.offset + layout.nbytes])  # lent in place: no bytes in the message
+            assert not t.data
+        else:
+            data = lz4_frame.decompress(t.data) if t.compression == pb.COMPRESSION_LZ4 else t.data
+        values = batches.unpack(t, data)  # as the proto's comment says
+        for i, (value, sample) in enumerate(zip(values, samples)):
+            want = sample[t.name]
+            assert value == want if isinstance(want, str | bytes) else np.array_equal(value, want), f"{t.name}[{i}]"
+    by_name = {t.name: t for t in m.tensors}
+    assert (by_name["boxes"].sample_ndim, list(by_name["boxes"].sample_offsets)) == (2, [0, 12, 12, 16])
+    assert by_name["name"].sample_ndim == 1 and by_name["label"].sample_ndim == 0
+    if how == "shm":  # the lease counts B samples, not the ragged first field's elements
+        transport.release(pb.ReleaseLeasesRequest(session="s", leases=[m.lease]))
+        assert (stream.batches_taken, stream.samples_taken) == (1, 3)
+    else:
+        assert stream.bytes_copied == sum(t.nbytes for t in ready.tensors)
+    transport.slots.release(ready.slot)
+
+
+def test_a_layout_whose_shapes_do_not_fit_its_values_is_never_sent():
+    from batchd.server.compute.protocol import TensorLayout
+    from batchd.server.serve.transport import ragged_fields
+
+    assert ragged_fields(TensorLayout("label", "int64", (3,), 0)) == {}
+    b0 = ragged_fields(TensorLayout("x", "int64", (0,), 0, ()))  # B = 0: still ragged, offsets [0]
+    assert b0 == {"sample_ndim": 1, "sample_shapes": (), "sample_offsets": (0,)}
+    for name, dtype, shapes, message in [
+        ("boxes", "float32", ((2,), (4,)), "sample shapes of 6 elements for values of shape \\[8\\]"),
+        ("boxes", "float32", ((1, 4), (4,)), "sample shape \\[4\\] among shapes of 2 dimensions"),
+        ("boxes", "float32", ((-1, 4), (3, 4)), "sample shape \\[-1, 4\\]"),
+        ("name", "str", ((2, 2), (1, 2)), "str samples must have one dimension, not 2"),
+    ]:
+        with pytest.raises(ValueError, match=f"field {name!r}: {message}"):
+            ragged_fields(TensorLayout(name, dtype, (8,), 0, shapes))

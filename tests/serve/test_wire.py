@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import batches
 from batchd import wire
 from batchd.v1 import loader_pb2 as pb
 
@@ -146,8 +147,8 @@ def assert_same(w: wire.WireBatch, m: pb.Batch) -> None:
     for wt, mt in zip(w.tensors, m.tensors):
         for name in TENSOR_FIELDS:
             got, want = getattr(wt, name), getattr(mt, name)
-            if name == "shape":
-                assert tuple(got) == tuple(want)
+            if pb.Tensor.DESCRIPTOR.fields_by_name[name].is_repeated:  # shape, sample_shapes, sample_offsets
+                assert tuple(got) == tuple(want), name
             elif name == "data":
                 assert bytes(got) == bytes(want)
             else:
@@ -325,3 +326,89 @@ def test_truncated_in_the_middle_of_data():
         wire.decode_batch(b"\x08\x80")  # field 1, a varint that never ends
     with pytest.raises(ValueError):
         wire.decode_batch(b"\x08" + b"\xff" * 11)  # a varint longer than 64 bits
+
+
+# --- ragged fields (values + per-sample shapes + element offsets) ----------------------------------
+
+
+def _ragged_fields(seed: int, b: int, fixed_size: bool = False):
+    return batches.pack(batches.detection_samples(range(seed, seed + b), seed, fixed_size=fixed_size))
+
+
+def _wire_tensor(f: batches.Field) -> wire.WireTensor:
+    return wire.WireTensor(f.name, f.dtype, f.shape, f.values, sample_ndim=f.sample_ndim,
+                           sample_shapes=tuple(f.flat_shapes), sample_offsets=tuple(f.offsets))
+
+
+@SETTINGS
+@given(st.integers(0, 2**32 - 1), st.integers(1, 9), st.booleans())
+def test_ragged_batches_are_byte_identical_to_protobuf_and_decode_to_the_samples(seed, b, fixed_size):
+    samples = batches.detection_samples(range(seed % 1000, seed % 1000 + b), seed, fixed_size=fixed_size)
+    fields = batches.pack(samples)
+    got = wire.encode_batch(7, 2, 30, [_wire_tensor(f) for f in fields], skipped=[5, 9])
+    want = pb.Batch(batch_index=7, epoch=2, num_batches=30, skipped_indices=[5, 9],
+                    tensors=[f.proto() for f in fields]).SerializeToString(deterministic=True)
+    assert got == want
+    m = pb.Batch.FromString(got)
+    assert_same(wire.decode_batch(got), m)
+    for mt in m.tensors:  # what the proto's comment says a client does gives back every sample's value
+        values = batches.unpack(mt, mt.data)
+        assert len(values) == b, mt.name
+        for i, (value, sample) in enumerate(zip(values, samples)):
+            want_value = sample[mt.name]
+            if isinstance(want_value, str | bytes):
+                assert value == want_value
+            else:
+                np.testing.assert_array_equal(value, want_value, err_msg=f"{mt.name}[{i}]")
+                assert value.dtype == np.asarray(want_value).dtype and value.shape == np.shape(want_value)
+
+
+def test_ragged_special_cases_round_trip():
+    # N = 0 objects ([0, 4]), every sample empty, str and bytes (empty ones too), and a batch of none
+    fields = [
+        batches.Field("boxes", "float32", (4,), np.arange(4, dtype=np.float32).tobytes(), ((0, 4), (1, 4), (0, 4))),
+        batches.Field("none", "float32", (0,), b"", ((0, 4), (0, 4))),
+        batches.Field("name", "str", (3,), "aé".encode(), ((0,), (3,))),
+        batches.Field("blob", "bytes", (2,), b"\x00\xff", ((2,), (0,))),
+        batches.Field("empty_batch", "int64", (0,), b"", ()),
+    ]
+    got = wire.encode_batch(1, 0, 2, [_wire_tensor(f) for f in fields])
+    m = pb.Batch.FromString(got)
+    assert got == pb.Batch(batch_index=1, num_batches=2, tensors=[f.proto() for f in fields]).SerializeToString(
+        deterministic=True)
+    w = wire.decode_batch(got)
+    assert_same(w, m)
+    boxes, none, name, blob, empty = w.tensors
+    assert (boxes.sample_ndim, boxes.sample_shapes, boxes.sample_offsets) == (2, (0, 4, 1, 4, 0, 4), (0, 0, 4, 4))
+    assert (none.shape, none.sample_offsets, bytes(none.data)) == ((0,), (0, 0, 0), b"")
+    assert batches.unpack(m.tensors[2], m.tensors[2].data) == ["", "aé"]
+    assert batches.unpack(m.tensors[3], m.tensors[3].data) == [b"\x00\xff", b""]
+    assert (empty.sample_ndim, empty.sample_shapes, empty.sample_offsets) == (1, (), (0,))  # B = 0: still ragged
+    assert [a.shape for a in batches.unpack(m.tensors[0], m.tensors[0].data)] == [(0, 4), (1, 4), (0, 4)]
+
+
+def test_a_shared_memory_ragged_field_carries_its_layout_without_data():
+    t = wire.WireTensor("boxes", "float32", (8,), offset=4096, sample_ndim=2, sample_shapes=(2, 4, 0, 4),
+                        sample_offsets=(0, 8, 8))
+    data = wire.encode_batch(0, 0, 1, [t], segment="batchd-1-ab-3", lease=12)
+    m = pb.Batch.FromString(data)
+    assert data == m.SerializeToString(deterministic=True)
+    (mt,) = m.tensors
+    assert (mt.offset, mt.data, list(mt.sample_shapes), list(mt.sample_offsets)) == (4096, b"", [2, 4, 0, 4], [0, 8, 8])
+    (decoded,) = wire.decode_batch(data).tensors
+    assert not decoded.data and dataclasses.replace(decoded, data=b"") == t
+
+
+def test_unpacked_repeated_ragged_fields_decode_too():
+    # proto3 parsers must accept repeated scalars unpacked (one varint per element) as well
+    def unpacked(field, values):
+        return b"".join(_varint(field << 3) + _varint(v) for v in values)
+
+    inner = (pb.Tensor(name="x", dtype="int64", shape=[2], sample_ndim=1).SerializeToString()
+             + unpacked(8, [1, 1]) + unpacked(9, [0, 1, 2]))
+    raw = _varint(4 << 3 | 2) + _varint(len(inner)) + inner
+    m = pb.Batch.FromString(raw)
+    (t,) = wire.decode_batch(raw).tensors
+    (mt,) = m.tensors
+    assert (t.sample_shapes, t.sample_offsets) == (tuple(mt.sample_shapes), tuple(mt.sample_offsets))
+    assert t.sample_offsets == (0, 1, 2)

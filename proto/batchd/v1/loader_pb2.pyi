@@ -101,7 +101,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build")
+    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build", "on_error")
     class BuildEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class DatasetInfo(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BUILD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BUILD_FIELD_NUMBER: _ClassVar[int]
+    ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     num_samples: int
@@ -125,7 +126,8 @@ class DatasetInfo(_message.Message):
     fingerprint: str
     build_fingerprint: str
     build: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    on_error: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ..., on_error: _Optional[str] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("preset", "albumentations_json")
@@ -136,7 +138,7 @@ class Pipeline(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., albumentations_json: _Optional[str] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding")
+    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding", "start_position", "end_batch", "hedge")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,9 @@ class StreamBatchesRequest(_message.Message):
     BATCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STREAM_TAG_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_BATCH_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     pipeline: Pipeline
     batch_size: int
@@ -173,7 +178,10 @@ class StreamBatchesRequest(_message.Message):
     batch_offset: int
     stream_tag: str
     image_encoding: ImageEncoding
-    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ...) -> None: ...
+    start_position: int
+    end_batch: int
+    hedge: bool
+    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "offset", "compression", "sample_ndim", "sample_shapes", "sample_offsets")
@@ -342,7 +350,7 @@ class WorkerStats(_message.Message):
     def __init__(self, id: _Optional[int] = ..., pid: _Optional[int] = ..., busy_ratio: _Optional[float] = ..., stage: _Optional[str] = ..., tasks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions", "min_workers", "max_workers", "cpu_quota", "scale_ups", "scale_downs", "worker_stats")
+    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions", "batches_rebuilt", "min_workers", "max_workers", "cpu_quota", "scale_ups", "scale_downs", "worker_stats")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +363,7 @@ class PoolStats(_message.Message):
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_REBUILT_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     CPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
@@ -373,16 +382,17 @@ class PoolStats(_message.Message):
     shm_bytes: int
     leases_held: int
     sessions: int
+    batches_rebuilt: int
     min_workers: int
     max_workers: int
     cpu_quota: float
     scale_ups: int
     scale_downs: int
     worker_stats: _containers.RepeatedCompositeFieldContainer[WorkerStats]
-    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., cpu_quota: _Optional[float] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ..., worker_stats: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., cpu_quota: _Optional[float] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ..., worker_stats: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
 
 class StatsTotals(_message.Message):
-    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline")
+    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent")
     STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +403,9 @@ class StatsTotals(_message.Message):
     SAMPLES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_SHM_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_INLINE_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_BATCHES_BUILT_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
     streams_started: int
     streams_finished: int
     streams_failed: int
@@ -403,7 +416,10 @@ class StatsTotals(_message.Message):
     samples_skipped: int
     bytes_copied_shm: int
     bytes_copied_inline: int
-    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ...) -> None: ...
+    hedge_streams_started: int
+    hedge_batches_built: int
+    hedge_batches_sent: int
+    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ..., hedge_streams_started: _Optional[int] = ..., hedge_batches_built: _Optional[int] = ..., hedge_batches_sent: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("uptime_seconds", "version", "streams", "pool", "totals", "cache")

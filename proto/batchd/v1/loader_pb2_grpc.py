@@ -85,7 +85,8 @@ class BatchLoaderServicer:
 
     def StreamBatches(self, request, context):
         """The batches of one epoch of one shard, in batch order, from `start_batch` on (every
-        `batch_stride`-th one when a client spreads the epoch over several servers).
+        `batch_stride`-th one when a client spreads the epoch over several servers; up to
+        `end_batch`; of the epoch's remainder from `start_position` after an elastic resume).
         Errors: NOT_FOUND (dataset), INVALID_ARGUMENT (request fields, pipeline),
         DATA_LOSS (a sample could not be read or decoded; trailing metadata
         `batchd-error-bin` holds an ErrorDetail), INTERNAL (a worker failed).

@@ -3,7 +3,9 @@
 Layout: ``disk_dir/BUILD`` (the server build fingerprint that wrote the entries),
 ``disk_dir/lock`` (flock-ed by the server using the directory) and
 ``disk_dir/entries/<dataset>/<kk>/<key hex>``. A file is written to a temporary name and renamed,
-so readers see a whole entry or none; its checksum (``entry.py``) catches the rest.
+so readers see a whole entry or none; its checksum (``entry.py``) catches the rest. The temporary
+name is fixed (``<key hex>.tmp-writing``) and created exclusively (``claim``): of several workers
+missing one key, one writes it.
 
 ``prepare`` (the server, once, before workers start): takes the directory's lock (a directory
 in use by another server is not used: None), wipes the entries when ``BUILD`` names another
@@ -115,16 +117,37 @@ def read(path: pathlib.Path, key: bytes) -> np.ndarray | None:
         os.close(fd)
 
 
-def write(path: pathlib.Path, *parts) -> None:
-    """Write ``parts`` (bytes-like) one after the other at ``path``, atomically (temporary file,
-    then rename). Raises OSError."""
+def _temporary(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(f"{path.name}.tmp-writing")
+
+
+def claim(path: pathlib.Path) -> int | None:
+    """Claim the writing of entry ``path``: an open descriptor of its temporary file, created
+    exclusively, or None if the entry exists or another process is writing it. Call it under the
+    cache's lock, with the bytes reserved by the same holder, so an entry is reserved once.
+    A writer that crashes leaves the file: that entry is not written again until the next start
+    (``prepare`` removes it), and its bytes stay reserved. Raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(_temporary(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return None  # being written
+    if path.exists():  # written (and renamed) before the claim: it is there already
+        os.close(fd)
+        _temporary(path).unlink(missing_ok=True)
+        return None
+    return fd
+
+
+def write(fd: int, path: pathlib.Path, *parts) -> None:
+    """Write ``parts`` (bytes-like) one after the other through ``fd`` (from ``claim(path)``,
+    closed here), then rename the temporary file to ``path``: readers see a whole entry or none.
+    Raises OSError (the temporary file is removed)."""
+    try:
+        with open(fd, "wb") as f:
             for part in parts:
                 f.write(part)
-        os.replace(tmp, path)
+        os.replace(_temporary(path), path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _temporary(path).unlink(missing_ok=True)
         raise

@@ -15,9 +15,12 @@ when the server restarts (RAM), the build changes (disk), or, at a start, a disk
 been used for ``disk_max_idle_s``. The cost: entries of a pipeline prefix no longer used keep
 their room until then.
 
-Concurrency: writers (RAM insert, disk reservation) hold an ``flock`` on the segment's file;
-readers take no lock: an arena entry is written before its table slot is published and never
-moved or overwritten, and every read checks the entry's key and checksum. Any cache failure
+Concurrency: writers (RAM insert, disk reservation) hold an ``flock`` on the segment's file and
+check and act under it: a key found in the table, on disk, or being written by another worker
+(``disk.claim``) is not stored again, so bytes are reserved once per entry and ``disk_used`` is
+the size of the entry files (tests/data/test_cache_bounds.py). Readers take no lock: an arena
+entry is written before its table slot is published and never moved or overwritten, and every
+read checks the entry's key and checksum. Any cache failure
 (full, I/O error, corrupt entry) falls back to computing: ``get_or_compute`` raises only
 what ``compute`` raises.
 """
@@ -288,9 +291,13 @@ class SharedCache:
             if self.disk_root is None or disk_used + size > self.disk_bytes:
                 row[Field.NOT_ADMITTED] += 1
                 return
+            path = disk.entry_path(self.disk_root, dataset, key)
+            fd = disk.claim(path)
+            if fd is None:
+                return  # on disk already, or another worker is writing it (and reserved its bytes)
             _FILL.pack_into(self._seg.buf, 16, used, disk_used + size)  # reserved
         try:
-            disk.write(disk.entry_path(self.disk_root, dataset, key), head, payload)
+            disk.write(fd, path, head, payload)
         except BaseException:
             with self._locked():
                 used, disk_used = _FILL.unpack_from(self._seg.buf, 16)

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import cv2
 import numpy as np
 
+from batchd.errors import SampleError
+
 from .base import Dataset, SampleSpec
 from .storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 
@@ -129,6 +131,44 @@ def jpeg_frame(mv: memoryview) -> tuple[int, int] | None:
     return None
 
 
+def jpeg_orientation(mv: memoryview) -> int:
+    """The EXIF orientation (1-8) of a JPEG, from the IFD0 of its APP1 "Exif" segment; 1 (upright)
+    when there is none or it cannot be read. 5-8 turn the image a quarter: the decoded image is
+    the stored one with height and width swapped (OpenCV applies the orientation). ``mv`` is the
+    file's bytes (the caller has checked ``mv[:2]``). Never raises."""
+    n, pos = len(mv), 2
+    try:
+        while pos + 4 <= n and mv[pos] == 0xFF:
+            marker = mv[pos + 1]
+            if marker == 0xFF:  # fill byte
+                pos += 1
+                continue
+            if marker in (0xD9, 0xDA) or (0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC)):
+                return 1  # the image data starts: EXIF comes before
+            (length,) = struct.unpack_from(">H", mv, pos + 2)
+            if marker == 0xE1 and bytes(mv[pos + 4:pos + 10]) == b"Exif\0\0":
+                return _tiff_orientation(bytes(mv[pos + 10:pos + 2 + length]))
+            pos += 2 + length
+    except (struct.error, IndexError, ValueError):
+        pass
+    return 1
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    """Tag 0x0112 (Orientation, SHORT) of the first IFD of a TIFF header block, or 1."""
+    order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    if order is None or struct.unpack_from(order + "H", tiff, 2)[0] != 42:
+        return 1
+    (ifd,) = struct.unpack_from(order + "I", tiff, 4)
+    (count,) = struct.unpack_from(order + "H", tiff, ifd)
+    for i in range(count):
+        tag, kind, _, value = struct.unpack_from(order + "HHI4s", tiff, ifd + 2 + 12 * i)
+        if tag == 0x0112 and kind == 3:  # SHORT: in the first two bytes of the value field
+            (orientation,) = struct.unpack_from(order + "H", value)
+            return orientation if 1 <= orientation <= 8 else 1
+    return 1
+
+
 def _jpeg_truncated(buf: np.ndarray) -> bool:
     """True if a JPEG has no end-of-image marker after its last start-of-scan marker.
 
@@ -148,10 +188,13 @@ _REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2
 
 def _decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[int, int] | None) -> int:
     """IMREAD_COLOR, or the largest JPEG DCT-domain reduction (1/2, 1/4, 1/8) whose output is
-    still at least ``min_size`` (height, width): libjpeg then skips most of the work."""
+    still at least ``min_size`` (height, width) once turned upright (EXIF orientation 5-8 swap
+    the stored width and height): libjpeg then skips most of the work."""
     if min_size is None or size is None or buf[:2].tobytes() != b"\xff\xd8":
         return cv2.IMREAD_COLOR
     w, h = size
+    if jpeg_orientation(memoryview(buf).cast("B")) >= 5:
+        w, h = h, w
     for factor, flag in _REDUCED:
         if -(-h // factor) >= min_size[0] and -(-w // factor) >= min_size[1]:  # libjpeg rounds up
             return flag
@@ -176,9 +219,9 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
 
     Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
     alpha is dropped, 16-bit images are scaled to 8 bits, and EXIF orientation is applied.
-    With ``min_size`` (height, width), a JPEG at least twice that size in both dimensions is
-    decoded reduced by 2, 4 or 8 (the pipeline downsizes it anyway; measured here: a
-    1000x750 JPEG decodes about 2x faster at 1/2).
+    With ``min_size`` (height, width), a JPEG at least twice that size in both dimensions (once
+    upright: ``jpeg_orientation``) is decoded reduced by 2, 4 or 8 (the pipeline downsizes it
+    anyway; measured here: a 1000x750 JPEG decodes about 2x faster at 1/2).
 
     Raises ImageReadError whose reason is one of: ``empty file (0 bytes)``, ``truncated JPEG:
     ...``, ``not a decodable image (N bytes)``, ``image too large: WxH = P pixels > max_pixels M``.
@@ -227,18 +270,19 @@ class FileDataset(Dataset):
         self.storage_options = storage_options if storage_options is not None else StorageOptions()
 
     def _attach(self, index, root: str) -> None:
-        """Use ``index`` (an ``_cache.ArrayFile``) with paths relative to ``root`` (a path or URL)."""
+        """Use ``index`` (an ``_cache.ArrayFile``) with paths relative to ``root`` (a path or URL).
+        Its ``labels`` array is optional (kinds whose samples have no single label omit it)."""
         self.storage = Storage(root, self.storage_options)
         self._index = index  # keeps the mapping alive
         self._paths = PackedStrings(index["path_bytes"], index["path_offsets"])
-        self._labels = index["labels"]
+        self._labels = index.arrays.get("labels")
         self._classes = list(index.meta["classes"])
         self.root = root
-        if len(self._labels) != len(self._paths):
+        if self._labels is not None and len(self._labels) != len(self._paths):
             raise ValueError(f"{index.path}: {len(self._paths)} paths but {len(self._labels)} labels")
 
     def __len__(self) -> int:
-        return len(self._labels)
+        return len(self._paths)
 
     @property
     def classes(self) -> list[str]:
@@ -279,16 +323,22 @@ class FileDataset(Dataset):
         after the storage library's retries; the URL without credentials).
         """
         index = self._check(index)
-        location = self.location(index)
+        return self.read_file(index, self.storage, self.location(index), self.source(index))
+
+    def read_file(self, index: int, storage: Storage, location: str, shown: str) -> bytes:
+        """The bytes at ``location`` (read through ``storage``) for sample ``index``; raises
+        SampleError naming ``shown`` (a path relative to a root, or a URL without credentials)
+        with ``read_bytes``'s reasons."""
         try:
-            return self.storage.read(location)
+            return storage.read(location)
         except FileNotFoundError as e:
             reason = str(e) if is_remote(location) else f"cannot read file: [Errno 2] {e.strerror or 'No such file or directory'}"
-            raise self.sample_error(index, reason) from None
+            raise SampleError(dataset=self.name, index=index, path=shown, reason=reason) from None
         except StorageError as e:
-            raise self.sample_error(index, str(e)) from None
+            raise SampleError(dataset=self.name, index=index, path=shown, reason=str(e)) from None
         except OSError as e:
-            raise self.sample_error(index, f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
+            raise SampleError(dataset=self.name, index=index, path=shown,
+                              reason=f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
 
     def decode(self, index: int, data, min_size: tuple[int, int] | None = None) -> np.ndarray:
         """Decode ``data`` (what ``read_bytes(index)`` returned): uint8 [H, W, 3] RGB.

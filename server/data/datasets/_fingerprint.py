@@ -12,6 +12,11 @@ worker that maps the index reads the same value. What each kind hashes:
 * manifest: the table file's content (CSV or Parquet bytes). The image files it names are not
   read: replacing one behind an unchanged table goes unnoticed.
 * fashion-mnist: the content of the split's two ``.gz`` files (about 30 MB for train).
+* coco: the annotation JSON's content (which lists the images), with the settings that change
+  the samples (``masks``, ``skip_empty``). As for a manifest, the image files are not read.
+* segmentation: the image list and the mask list, each as imagefolder's (relative path, size,
+  mtime; for object stores, size and ETag) in sample order, so a ``split_file``'s choice and
+  order of stems are in it too.
 
 A fingerprint is ``FINGERPRINT_CHARS`` lowercase hex characters of a SHA-256.
 """
@@ -19,6 +24,7 @@ A fingerprint is ``FINGERPRINT_CHARS`` lowercase hex characters of a SHA-256.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Sequence
 
@@ -85,4 +91,12 @@ def listing_fingerprint(kind: str, classes: Sequence[str], paths: Sequence[str],
         rows = zip(paths[start:start + _STAT_BATCH], labels[start:start + _STAT_BATCH],
                    versions[start:start + _STAT_BATCH])
         h.update("".join(f"{p}\0{l}\0{s}\0{v}\n" for p, l, (s, v) in rows).encode("utf-8", "surrogateescape"))
+    return h.hexdigest()[:FINGERPRINT_CHARS]
+
+
+def with_settings(fingerprint: str, settings: dict) -> str:
+    """``fingerprint`` combined with ``settings`` (JSON-serialisable) that change what the samples
+    are (e.g. coco's ``masks`` and ``skip_empty``): equal only when both are."""
+    h = hashlib.sha256(f"{fingerprint}\0".encode())
+    h.update(json.dumps(settings, sort_keys=True).encode())
     return h.hexdigest()[:FINGERPRINT_CHARS]

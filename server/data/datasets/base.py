@@ -25,14 +25,31 @@ import numpy as np
 from batchd.errors import SampleError
 
 
+# Fields that hold one entry per object of the sample (their first dimension is N, the same in
+# each): when the pipeline drops an object (a box cropped away), each of them drops it too, and
+# they always arrive as lists of B tensors (ragged), even when N agrees across a batch.
+PER_OBJECT_FIELDS = frozenset({"boxes", "labels", "masks", "keypoints", "iscrowd", "area"})
+
+
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
-    """One field of a sample: numpy dtype name ("uint8", "int64", "float32", "str", "bytes") and
-    shape, -1 for a dimension that varies per sample ([] for a scalar such as ``label``)."""
+    """One field of a sample: numpy dtype name ("uint8", "int64", "float32", "bool", "str",
+    "bytes") and shape, -1 for a dimension that varies per sample ([] for a scalar such as
+    ``label``; [-1, 4] for ``boxes``).
+
+    per_object: the field has one entry per object along its first dimension (see
+    ``PER_OBJECT_FIELDS``); None (default) means "if its name is one of PER_OBJECT_FIELDS".
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    per_object: bool | None = None
+
+    def __post_init__(self):
+        if self.per_object is None:
+            object.__setattr__(self, "per_object", self.name in PER_OBJECT_FIELDS)
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +171,12 @@ class Dataset(abc.ABC):
         """
         index = getattr(self, "_index", None)
         return str(index.meta.get("fingerprint", "")) if index is not None else ""
+
+    @property
+    def info(self) -> dict[str, str]:
+        """Facts about the dataset a trainer may need beyond its fields, name -> value as text:
+        e.g. segmentation's ``ignore_index``, coco's counts of dropped annotations. {} by default."""
+        return {}
 
     @property
     def decode_settings(self) -> dict[str, str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import os
 import pathlib
 
 import numpy as np
@@ -11,7 +10,7 @@ import numpy as np
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, legacy_prefix, open_cached, remove_stale
 from ._files import DEFAULT_MAX_PIXELS, FileDataset, file_settings
 from ._fingerprint import content_fingerprint
-from .storage import Storage, basename, is_remote, local_path, parent, safe_url
+from .storage import Storage, is_remote, local_copy, local_path, parent, safe_url
 
 COLUMNS = ("path", "label")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -210,13 +209,8 @@ class Manifest(FileDataset):
 def _build_remote(storage: Storage, url: str, out: pathlib.Path, fingerprint) -> None:
     """Build the index of a manifest on remote storage from a local copy next to ``out``
     (streamed to disk, deleted afterwards: memory stays as for a local table)."""
-    copy = out.with_name(f".{out.name}.{os.getpid()}.download{os.path.splitext(basename(url))[1]}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        storage.download(url, copy)
+    with local_copy(storage, url, out) as copy:
         try:
-            _build(str(copy), out, fingerprint)
+            _build(copy, out, fingerprint)
         except ValueError as e:  # name the manifest, not our copy
-            raise ValueError(str(e).replace(str(copy), safe_url(url))) from None
-    finally:
-        copy.unlink(missing_ok=True)
+            raise ValueError(str(e).replace(copy, safe_url(url))) from None

@@ -20,12 +20,14 @@ error's type and message.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import posixpath
 import re
 import stat
 import threading
+from collections.abc import Iterator
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -410,3 +412,20 @@ def parent(location: str) -> str:
 def basename(location: str) -> str:
     return posixpath.basename(location.rstrip("/")) if is_url(location) else os.path.basename(location)
 
+
+
+@contextlib.contextmanager
+def local_copy(storage: Storage, location: str, scratch: pathlib.Path) -> Iterator[str]:
+    """A local path holding ``location``'s bytes: the file itself when local; for a URL, a copy
+    streamed to a hidden file beside ``scratch`` (so memory stays as for a local file), deleted
+    on exit. Raises as ``Storage.download``."""
+    if not is_remote(location):
+        yield local_path(location)
+        return
+    copy = scratch.with_name(f".{scratch.name}.{os.getpid()}.download{os.path.splitext(basename(location))[1]}")
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        storage.download(location, copy)
+        yield str(copy)
+    finally:
+        copy.unlink(missing_ok=True)

@@ -1,0 +1,110 @@
+"""The client's own figures: how long the training loop waited for batches, and what the loader
+did meanwhile (``RemoteDataLoader.stats()``).
+
+``batchd.client.timings.timed`` wraps the iterator a loader hands to the training loop: the time
+each ``__next__`` takes is the time the loop waited for that batch (nothing else runs there); it
+reports each wait here and to the loader's ``LoopTimings`` (``loader.profile()``), one
+measurement for both. ``LoaderStats`` keeps those waits and the loader's counters; the servers' loaders count what
+they do into it (reconnects, failovers, hedges). ``snapshot()`` is a plain dict, with these keys
+(units in the names: seconds, or a ratio in [0, 1]):
+
+* ``batches``, ``samples``: batches and samples yielded to the training loop, all iterations
+  (samples as the server sent them, whatever ``collate_fn`` made of the batch);
+* ``wait_seconds``: total time spent in ``__next__``; ``wait_p50_seconds``, ``wait_p95_seconds``,
+  ``wait_p99_seconds``: percentiles of the per-batch wait over the last ``window`` batches
+  (numpy's linear interpolation; 0.0 before the first batch);
+* ``wall_seconds``: from the first ``__next__`` call to the last batch handed over;
+  ``wait_fraction``: ``wait_seconds / wall_seconds`` (0.0 before the first batch), the share of
+  the training loop's time spent waiting for data;
+* ``batches_per_server``: {address: batches delivered by that server};
+* ``reconnects`` (a broken stream resumed on its server), ``failovers`` (a server given up, its
+  batches split among the others), ``hedges_issued``, ``hedges_won`` (the hedge's copy came
+  first), ``hedges_wasted`` (the other copy came first, or the hedge failed or was left over).
+
+Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
+counters are bumped from the prober and the consumer's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+WAIT_WINDOW = 10_000  # per-batch waits kept for the percentiles
+COUNTERS = ("reconnects", "failovers", "hedges_issued", "hedges_won", "hedges_wasted")
+
+
+class LoaderStats:
+    """The figures of one loader (module docstring). window: per-batch waits kept for percentiles."""
+
+    def __init__(self, window: int = WAIT_WINDOW):
+        self._lock = threading.Lock()
+        self._waits: collections.deque[float] = collections.deque(maxlen=window)
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._listeners: list[Callable[[float, Any], None]] = []
+        self.batches = 0
+        self.samples = 0
+        self.wait_seconds = 0.0
+        self._first_ask: float | None = None  # time.monotonic() of the first __next__
+        self._last_handed: float | None = None  # ... when the last batch was handed over
+
+    def asking(self, now: float) -> None:
+        """The training loop asked for a batch at ``now`` (seconds on one clock, e.g. perf_counter)."""
+        if self._first_ask is None:
+            self._first_ask = now
+
+    def waited(self, seconds: float, batch: Any, now: float, samples: int | None = None) -> None:
+        """A batch of ``samples`` samples (None: counted from its ``index``) was handed over at
+        ``now`` after the loop waited ``seconds`` for it."""
+        with self._lock:
+            self.batches += 1
+            self.samples += samples_in(batch) if samples is None else samples
+            self.wait_seconds += seconds
+            self._waits.append(seconds)
+            self._last_handed = now
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(seconds, batch)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to one of ``COUNTERS``."""
+        if name not in COUNTERS:
+            raise ValueError(f"unknown loader counter {name!r}; known: {COUNTERS}")
+        with self._lock:
+            self._counters[name] += n
+
+    def add_listener(self, listener: Callable[[float, Any], None]) -> None:
+        """Call ``listener(wait_seconds, batch)`` for every batch handed over from now on."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def waits(self) -> np.ndarray:
+        """The recent per-batch waits, oldest first: float64 [<= window], seconds."""
+        with self._lock:
+            return np.fromiter(self._waits, dtype=np.float64, count=len(self._waits))
+
+    def snapshot(self, batches_per_server: dict[str, int]) -> dict[str, Any]:
+        """The figures as a plain dict (module docstring)."""
+        waits = self.waits()
+        p50, p95, p99 = (float(v) for v in np.percentile(waits, (50, 95, 99))) if len(waits) else (0.0, 0.0, 0.0)
+        with self._lock:
+            wall = (self._last_handed - self._first_ask) if self._last_handed is not None else 0.0
+            figures = {
+                "batches": self.batches, "samples": self.samples,
+                "wait_seconds": self.wait_seconds, "wait_p50_seconds": p50, "wait_p95_seconds": p95,
+                "wait_p99_seconds": p99, "wall_seconds": wall,
+                "wait_fraction": min(1.0, self.wait_seconds / wall) if wall > 0 else 0.0,
+                "batches_per_server": dict(batches_per_server),
+                **{name: self._counters[name] for name in COUNTERS},
+            }
+        return figures
+
+
+def samples_in(batch: Any) -> int:
+    """Samples in a batch: the length of its ``index`` tensor (0 for a batch without one)."""
+    index = batch.get("index") if isinstance(batch, dict) else None
+    return int(index.shape[0]) if index is not None and getattr(index, "ndim", 0) else 0

@@ -1,0 +1,215 @@
+"""``kind: python``: the operator's own map-style dataset, imported from the server's environment.
+
+Config: ``{kind: python, factory: "mypkg.data:MyDataset", args: {root: /data/x}}``. The server
+imports ``factory`` (installed, on ``PYTHONPATH``, or on ``python_path`` / ``batchd serve
+--python-path DIR``) and calls it with ``args`` once in the server (length, fields, fingerprint)
+and once in each worker process. The result has ``__len__`` and ``__getitem__(i) -> dict`` of
+fields (README "Samples and targets"); torch tensors and PIL images in it become numpy arrays
+(``.numpy()`` / ``np.asarray``, without importing torch here). ``__getitem__`` must be a pure
+function of the index (the cache and the invariant rely on it); it runs on the worker's own
+thread, one sample at a time.
+
+Fields: ``fields`` on the dataset (an attribute or a method) mapping name -> (dtype, shape) or
+name -> {"dtype", "shape", "per_object"}, with -1 for a dimension that varies; else read from
+sample 0 (its dtypes and shapes; a per-object field's first dimension is -1). Per-object fields:
+the config's ``per_object_fields``, else the standard names (``PER_OBJECT_FIELDS``).
+
+Fingerprint: a hash of the factory's name, ``args``, ``len`` and the dataset's own
+``fingerprint()`` when it has one (it names the data version); without it, the factory's source
+file instead, which misses changes to the files the dataset reads, to other modules it imports
+and to the libraries it uses (README).
+
+Errors: a factory that cannot be imported or built raises its own error (the server stops at
+start-up); a raise in ``__getitem__`` is a SampleError naming dataset and index whose reason
+carries the exception and the user's traceback (``on_error: skip`` applies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .base import Dataset, FieldSpec, SampleSpec
+
+
+def add_python_path(dirs) -> None:
+    """Put ``dirs`` (``python_path`` / ``--python-path``) at the front of ``sys.path``, once each."""
+    for d in reversed([os.path.abspath(os.fspath(d)) for d in dirs]):
+        if d not in sys.path:
+            sys.path.insert(0, d)
+
+
+def import_factory(spec: str) -> Any:
+    """The object ``"package.module:attribute"`` names (attribute may be dotted). Raises what the
+    import raises (ModuleNotFoundError, the module's own error), or AttributeError naming it."""
+    module_name, _, attr = spec.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AttributeError(f"{spec}: module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def to_numpy(value: Any) -> Any:
+    """A torch tensor or PIL image as a numpy array (torch is not imported here); anything else as it is."""
+    module = type(value).__module__
+    if module == "torch" or module.startswith("torch."):
+        return value.detach().cpu().numpy()
+    if module.startswith("PIL."):
+        return np.asarray(value)
+    return value
+
+
+class PythonDataset(Dataset):
+    """A dataset object built by the operator's factory (see the module docstring)."""
+
+    kind = "python"
+
+    def __init__(self, name: str, cfg, cache_dir, *, build: bool, max_pixels: int | None = None):
+        self.name, self.cfg = name, cfg
+        try:
+            factory = import_factory(cfg.factory)
+            self.obj = factory(**cfg.args)
+        except Exception as e:
+            e.add_note(f"while building dataset {name!r} (kind python): {cfg.factory}(**{cfg.args!r})")
+            raise
+        for method in ("__len__", "__getitem__"):
+            if not hasattr(self.obj, method):
+                raise TypeError(f"dataset {name!r}: {cfg.factory}(...) returned a {type(self.obj).__name__}, "
+                                f"which has no {method} (a map-style dataset has __len__ and __getitem__)")
+        self._len = int(len(self.obj))
+        self._factory = factory
+        self._fields: tuple[FieldSpec, ...] | None = None
+        self._fingerprint: str | None = None
+        if build:  # the server: fail at start-up, not at the first batch
+            _ = self.fields, self.fingerprint
+
+    def __len__(self) -> int:
+        return self._len
+
+    def load_sample(self, index: int, min_size: tuple[int, int] | None = None) -> dict:
+        """``dataset[index]`` as a dict of fields (torch tensors and PIL images as numpy arrays).
+        Raises IndexError out of range; SampleError if ``__getitem__`` raises (the reason carries
+        its exception and traceback) or returns something other than a dict with str keys."""
+        index = self._check(index)
+        try:
+            sample = self.obj[index]
+        except Exception as e:
+            frames = traceback.extract_tb(e.__traceback__)[1:]  # the dataset's own, from its __getitem__ on
+            where = "".join(traceback.format_list(frames)).rstrip()
+            raise self.sample_error(index, f"{type(e).__name__}: {e}\nin the dataset (most recent call last):\n{where}") \
+                from None
+        if not isinstance(sample, Mapping):
+            raise self.sample_error(index, f"__getitem__ returned a {type(sample).__name__}, not a dict of fields")
+        out = {}
+        for key, value in sample.items():
+            if not isinstance(key, str):
+                raise self.sample_error(index, f"__getitem__ returned a dict with key {key!r}; field names are str")
+            out[key] = to_numpy(value)
+        return out
+
+    @property
+    def fields(self) -> tuple[FieldSpec, ...]:
+        if self._fields is None:
+            declared = getattr(self.obj, "fields", None)
+            declared = declared() if callable(declared) else declared
+            self._fields = self._declared(declared) if declared is not None else self._from_sample(0)
+        return self._fields
+
+    def _per_object(self, name: str) -> bool | None:
+        chosen = self.cfg.per_object_fields
+        return None if chosen is None else name in chosen
+
+    def _declared(self, declared: Any) -> tuple[FieldSpec, ...]:
+        if not isinstance(declared, Mapping):
+            raise TypeError(f"dataset {self.name!r}: fields must map name -> (dtype, shape), got {type(declared).__name__}")
+        out = []
+        for name, spec in declared.items():
+            if isinstance(spec, Mapping):
+                dtype, shape, per_object = spec.get("dtype"), spec.get("shape", ()), spec.get("per_object")
+            else:
+                (dtype, shape), per_object = spec, None
+            if per_object is None:
+                per_object = self._per_object(name)
+            out.append(FieldSpec(str(name), str(dtype), tuple(shape), per_object))
+        return tuple(out)
+
+    def _from_sample(self, index: int) -> tuple[FieldSpec, ...]:
+        if self._len == 0:
+            return ()
+        out = []
+        for name, value in self.load_sample(index).items():
+            if isinstance(value, str):
+                dtype, shape = "str", ()
+            elif isinstance(value, (bytes, bytearray)):
+                dtype, shape = "bytes", ()
+            elif isinstance(value, bool):
+                dtype, shape = "bool", ()
+            elif isinstance(value, int):
+                dtype, shape = "int64", ()
+            elif isinstance(value, float):
+                dtype, shape = "float64", ()
+            elif isinstance(value, (np.ndarray, np.generic)):
+                dtype, shape = value.dtype.name, tuple(value.shape)
+            else:
+                raise TypeError(f"dataset {self.name!r}, sample {index}: field {name!r} is a {type(value).__name__}; "
+                                "a field is a numpy array (or torch tensor), a Python int, float, bool, str or bytes")
+            spec = FieldSpec(name, dtype, shape, self._per_object(name))
+            if spec.per_object and shape:
+                spec = FieldSpec(name, dtype, (-1, *shape[1:]), True)
+            out.append(spec)
+        return tuple(out)
+
+    @property
+    def classes(self) -> list[str]:
+        return [str(c) for c in getattr(self.obj, "classes", None) or ()]
+
+    @property
+    def sample_spec(self) -> SampleSpec:
+        image = next((f for f in self.fields if f.name == "image"), None)
+        if image is None or len(image.shape) != 3:
+            return SampleSpec((-1, -1, -1))
+        return SampleSpec(image.shape, image.dtype)
+
+    def label(self, index: int) -> int:
+        sample = self.load_sample(index)
+        if "label" not in sample:
+            raise ValueError(f"dataset {self.name!r}: samples have no 'label' field ({sorted(sample)})")
+        return int(sample["label"])
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            parts: dict[str, Any] = {"factory": self.cfg.factory, "args": self.cfg.args, "len": self._len}
+            own = getattr(self.obj, "fingerprint", None)
+            if callable(own):
+                parts["fingerprint"] = str(own())
+            else:
+                parts["source"] = _source_digest(self._factory)
+            text = json.dumps(parts, sort_keys=True, default=str)
+            self._fingerprint = hashlib.sha256(f"batchd-python/1\0{text}".encode()).hexdigest()[:32]
+        return self._fingerprint
+
+    def source(self, index: int) -> str:
+        return f"#{index}"
+
+
+def _source_digest(factory: Any) -> str:
+    """SHA-256 of the file that defines ``factory`` ("" if it has none, e.g. a C extension)."""
+    try:
+        path = inspect.getsourcefile(factory) or inspect.getfile(factory)
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except (TypeError, OSError):
+        return ""

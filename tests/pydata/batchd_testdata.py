@@ -1,0 +1,153 @@
+"""Datasets and pipelines the tests serve as ``kind: python`` and python presets.
+
+The server imports this module from this folder (``python_path``), as it would an operator's
+package; the tests also import it themselves to compare what the server sends with what the
+dataset gives in-process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# distinct, saturated colours: object with label l is painted PALETTE[l]
+PALETTE = np.array([(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 0, 255), (0, 255, 255),
+                    (255, 128, 0), (128, 0, 255)], np.uint8)
+
+
+class Rectangles:
+    """Filled rectangles of known colours at known boxes, one per object, never overlapping.
+
+    Sample i (a pure function of seed and i): image uint8 [size, size, 3] (black background),
+    boxes float32 [N, 4] xyxy pixels (the rectangle covers columns x0..x1-1, rows y0..y1-1),
+    labels int64 [N] (distinct: the colour index), masks uint8 [N, size, size], mask
+    ``mask_dtype`` [size, size] (label + 1 inside each rectangle, 0 outside; uint8 as in VOC's
+    PNGs by default: OpenCV warps int32 masks with other rounding than uint8 images, by a pixel
+    here and there), iscrowd int64 [N], area float32
+    [N] (pixels), ids int64 [N] (i * 100 + object number: a per-object field of our own),
+    keypoints float32 [N, 4, 3] (the corners (x0, y0), (x1, y0), (x1, y1), (x0, y1), visibility 2),
+    name str, label int (N). N is 0 to max_objects (0 for every seventh sample).
+    """
+
+    classes = [f"colour{k}" for k in range(len(PALETTE))]
+
+    def __init__(self, n: int = 600, size: int = 64, seed: int = 0, max_objects: int = 4, mask_dtype: str = "uint8"):
+        self.n, self.size, self.seed, self.max_objects = n, size, seed, max_objects
+        self.mask_dtype = np.dtype(mask_dtype)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        rng = np.random.default_rng([self.seed, i])
+        s = self.size
+        want = 0 if i % 7 == 0 else int(rng.integers(1, self.max_objects + 1))
+        labels = rng.choice(len(PALETTE), size=want, replace=False)
+        boxes, taken = [], np.zeros((s, s), bool)
+        for _ in range(200):
+            if len(boxes) == want:
+                break
+            w, h = rng.integers(8, 25, size=2)
+            x0, y0 = int(rng.integers(0, s - w + 1)), int(rng.integers(0, s - h + 1))
+            if taken[max(0, y0 - 1):y0 + h + 1, max(0, x0 - 1):x0 + w + 1].any():
+                continue
+            taken[y0:y0 + h, x0:x0 + w] = True
+            boxes.append((x0, y0, x0 + int(w), y0 + int(h)))
+        labels = labels[:len(boxes)].astype(np.int64)
+        image = np.zeros((s, s, 3), np.uint8)
+        masks = np.zeros((len(boxes), s, s), np.uint8)
+        mask = np.zeros((s, s), self.mask_dtype)
+        for k, ((x0, y0, x1, y1), label) in enumerate(zip(boxes, labels)):
+            image[y0:y1, x0:x1] = PALETTE[label]
+            masks[k, y0:y1, x0:x1] = 1
+            mask[y0:y1, x0:x1] = label + 1
+        box_array = np.array(boxes, np.float32).reshape(-1, 4)
+        x0, y0, x1, y1 = box_array.T
+        corners = np.stack([np.stack([x0, y0], -1), np.stack([x1, y0], -1), np.stack([x1, y1], -1),
+                            np.stack([x0, y1], -1)], 1)
+        keypoints = np.concatenate([corners, np.full((len(boxes), 4, 1), 2, np.float32)], -1).astype(np.float32)
+        return {
+            "image": image, "boxes": box_array, "labels": labels, "masks": masks, "mask": mask,
+            "iscrowd": np.zeros(len(boxes), np.int64),
+            "area": ((box_array[:, 2] - box_array[:, 0]) * (box_array[:, 3] - box_array[:, 1])).astype(np.float32),
+            "ids": i * 100 + np.arange(len(boxes), dtype=np.int64), "keypoints": keypoints.reshape(-1, 4, 3),
+            "name": f"rect-{i}", "label": len(boxes),
+        }
+
+
+class Mixed:
+    """Fields of every kind: image uint8 [8, 8, 3] (or [8 + i % 3, 8, 3] with ``ragged_images``),
+    label int, weight float, flag bool, name str, raw bytes, vec float32 [3], boxes float32 [i % 3, 4],
+    torch tensor ``t`` (float32 [2]) when torch imports, and ``odd`` int in even samples and float
+    in odd ones when ``mixed_dtype``. ``only``: keep these fields alone. Sample ``fail_at`` raises
+    ZeroDivisionError in ``_broken``."""
+
+    def __init__(self, n: int = 12, ragged_images: bool = False, mixed_dtype: bool = False, fail_at: int = -1,
+                 only: list | None = None):
+        self.n, self.ragged_images, self.mixed_dtype, self.fail_at = n, ragged_images, mixed_dtype, fail_at
+        self.only = only
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.fail_at:
+            return self._broken(i)
+        h = 8 + i % 3 if self.ragged_images else 8
+        image = np.full((h, 8, 3), i % 256, np.uint8)
+        sample = {
+            "image": image, "label": i % 4, "weight": i / 4, "flag": i % 2 == 0, "name": f"sample-{i}-é",
+            "raw": bytes(range(i % 5)), "vec": np.arange(3, dtype=np.float32) + i,
+            "boxes": np.arange(4 * (i % 3), dtype=np.float32).reshape(-1, 4) + i,
+        }
+        if self.only is None or "t" in self.only:
+            try:
+                import torch
+                sample["t"] = torch.tensor([i, -i], dtype=torch.float32)
+            except ImportError:
+                pass
+        if self.mixed_dtype:
+            sample["odd"] = i if i % 2 == 0 else float(i)
+        return sample if self.only is None else {k: v for k, v in sample.items() if k in self.only}
+
+    def _broken(self, i: int) -> dict:
+        ratio = i / (self.fail_at - i)  # ZeroDivisionError: the user's own line
+        return {"image": np.zeros((8, 8, 3), np.uint8), "ratio": ratio}
+
+
+class Declared(Mixed):
+    """Mixed with its fields declared (``fields``) instead of read from sample 0."""
+
+    fields = {"image": ("uint8", (8, 8, 3)), "label": ("int64", ()), "weight": ("float64", ()), "flag": ("bool", ()),
+              "name": ("str", ()), "raw": ("bytes", ()), "vec": ("float32", (3,)),
+              "boxes": {"dtype": "float32", "shape": (-1, 4)}, "t": ("float32", (2,))}
+
+
+class Versioned(Mixed):
+    """Mixed, with a ``fingerprint()`` naming the data version."""
+
+    def __init__(self, version: str = "v1", **kw):
+        super().__init__(**kw)
+        self.version = version
+
+    def fingerprint(self) -> str:
+        return self.version
+
+
+def build_failing(**args):
+    raise RuntimeError(f"cannot open the data: {args}")
+
+
+def jitter(scale: float = 10.0):
+    """A python pipeline: adds rng.normal(0, scale) to a new float field ``noise`` and inverts the
+    image with probability 1/2, drawing from the sample's own stream."""
+
+    def fn(sample: dict, rng: np.random.Generator) -> dict:
+        out = dict(sample)
+        out["noise"] = float(rng.normal(0.0, scale))
+        if rng.random() < 0.5:
+            out["image"] = 255 - sample["image"]
+        return out
+
+    return fn
