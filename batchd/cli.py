@@ -1,5 +1,5 @@
-"""The ``batchd`` command: ``serve`` a loader, check a server's ``health``, show its ``status``,
-write WebDataset ``shards``."""
+"""The ``batchd`` command: ``serve`` a loader, check a server's ``health``, show its ``status`` (or
+watch it live with ``top``), write WebDataset ``shards``."""
 
 from __future__ import annotations
 
@@ -115,6 +115,22 @@ def _status(args: argparse.Namespace) -> int:
         return 0
 
 
+def _top(args: argparse.Namespace) -> int:
+    from batchd import _top
+    from batchd.client.stats import get_stats
+
+    if args.interval <= 0:
+        print("batchd top: --interval needs a positive number of seconds", file=sys.stderr)
+        return 2
+    try:
+        security = {"tls": _tls(args), "token": _token(args)}
+    except ValueError as e:
+        print(f"batchd top: {e}", file=sys.stderr)
+        return 2
+    return _top.run(args.address, lambda: get_stats(args.address, timeout=args.timeout, **security),
+                    once=args.once, interval=args.interval)
+
+
 def _shards(args: argparse.Namespace) -> int:
     """Write WebDataset tar shards from an image folder or a manifest (local paths or URLs)."""
     import re
@@ -180,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
     _add_tls_arguments(status, token=True)
     status.set_defaults(func=_status)
+
+    top = sub.add_parser("top", help="watch a server live: streams (wait, verdict), workers (busy, stage), cache")
+    top.add_argument("address", help="HOST:PORT or unix:PATH")
+    top.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
+    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period (default 1 s)")
+    top.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    _add_tls_arguments(top, token=True)
+    top.set_defaults(func=_top)
 
     shards = sub.add_parser("shards", help="write WebDataset tar shards from an image folder or a manifest")
     shards.add_argument("source", help="an image folder (one subfolder per class) or a .csv/.parquet manifest; paths or URLs")

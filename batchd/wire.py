@@ -10,14 +10,20 @@ test checks both functions against the generated ``loader_pb2`` classes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, fields
 from typing import Sequence
 
-# Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages), 5 segment, 6 lease
+# Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages), 5 segment, 6 lease,
+#        7 skipped_indices (packed int64), 8 timings (message)
 # Tensor: 1 name, 2 dtype (strings), 3 shape (packed int64), 4 data (bytes), 5 offset, 6 compression,
 #         7 sample_ndim (varint), 8 sample_shapes, 9 sample_offsets (packed int64)
-_WT_VARINT, _WT_LEN = 0, 2
+# BatchTimings: doubles (fixed64) but 10 cache_hits and 11 worker (uint32 varints)
+_WT_VARINT, _WT_FIXED64, _WT_LEN = 0, 1, 2
 _PACKED_TENSOR_FIELDS = {3: "shape", 8: "sample_shapes", 9: "sample_offsets"}
+_DOUBLE = struct.Struct("<d")
+_ZERO = _DOUBLE.pack(0.0)
+_pack_double, _unpack_double = _DOUBLE.pack, _DOUBLE.unpack_from
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +47,37 @@ class WireTensor:
     sample_offsets: tuple[int, ...] = ()
 
 
+@dataclass(slots=True)
+class WireTimings:
+    """``BatchTimings``: where a batch's time went on the server, in seconds (see loader.proto,
+    which documents every field); ``cache_hits`` and ``worker`` are counts, ``workers_busy_ratio``
+    a ratio in [0, 1]. Field names and numbers are the proto's. (Not frozen: a frozen dataclass
+    takes twice as long to build, and one is built for every batch on both sides.)"""
+
+    queued_seconds: float = 0.0
+    read_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    pipeline_seconds: float = 0.0
+    cache_seconds: float = 0.0
+    write_seconds: float = 0.0
+    reorder_seconds: float = 0.0
+    send_seconds: float = 0.0
+    read_io_seconds: float = 0.0
+    cache_hits: int = 0
+    worker: int = 0
+    workers_busy_ratio: float = 0.0
+
+
+# field number -> name, in WireTimings' order (1..12); the two ints are varints
+_TIMING_FIELDS = {i: f.name for i, f in enumerate(fields(WireTimings), start=1)}
+_TIMING_INTS = {10, 11}
+# (name, its key's bytes, a varint?) in field order: one pass, no key encoding per batch
+_TIMING_LAYOUT = tuple((name, bytes([number << 3 | (_WT_VARINT if number in _TIMING_INTS else _WT_FIXED64)]),
+                        number in _TIMING_INTS) for number, name in _TIMING_FIELDS.items())
+_DOUBLE_KEYS = {key[0]: name for name, key, is_int in _TIMING_LAYOUT if not is_int}  # key byte -> field
+_INT_KEYS = {key[0]: name for name, key, is_int in _TIMING_LAYOUT if is_int}
+
+
 @dataclass(frozen=True, slots=True)
 class WireBatch:
     batch_index: int
@@ -50,6 +87,7 @@ class WireBatch:
     segment: str = ""
     lease: int = 0
     skipped: tuple[int, ...] = ()  # samples left out of this batch (on_error: skip)
+    timings: WireTimings | None = None  # None: the server sent none (an older server)
 
 
 def _varint(n: int) -> bytes:
@@ -74,6 +112,23 @@ def _len_field(field: int, payload_len: int) -> bytes:
     return _key(field, _WT_LEN) + _varint(payload_len)
 
 
+def encode_timings(timings: WireTimings) -> bytes:
+    """The serialized ``BatchTimings`` (zero fields omitted, in field order, as protobuf writes them)."""
+    out = bytearray()
+    for name, key, is_int in _TIMING_LAYOUT:
+        value = getattr(timings, name)
+        if is_int:
+            if value:
+                out += key
+                out += _varint(value)
+            continue
+        packed = _pack_double(value)
+        if packed != _ZERO:  # protobuf omits +0.0 only (it writes -0.0)
+            out += key
+            out += packed
+    return bytes(out)
+
+
 def _packed(field: int, values: Sequence[int]) -> bytes:
     """A packed repeated int64 field (nothing when empty, as protobuf writes it)."""
     if not values:
@@ -84,12 +139,13 @@ def _packed(field: int, values: Sequence[int]) -> bytes:
 
 def encode_batch(
     batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor], *, segment: str = "", lease: int = 0,
-    skipped: Sequence[int] = (),
+    skipped: Sequence[int] = (), timings: WireTimings | None = None,
 ) -> bytes:
     """The serialized ``Batch``; each tensor's data is copied once, into the result.
 
     Fields are written in number order, zero/empty ones omitted, as protobuf's deterministic
-    serialization writes them (the same bytes for tensors with a name and a dtype).
+    serialization writes them (the same bytes for tensors with a name and a dtype). ``timings``
+    (field 8) goes last, after the tensors, so a caller may time the encoding of the rest.
     """
     parts: list[bytes | memoryview] = []
     for field, value in ((1, batch_index), (2, epoch), (3, num_batches)):
@@ -117,6 +173,9 @@ def encode_batch(
     if lease:
         parts += [_key(6, _WT_VARINT), _varint(lease)]
     parts.append(_packed(7, skipped))
+    if timings is not None:
+        body = encode_timings(timings)
+        parts += [_len_field(8, len(body)), body]
     return b"".join(parts)
 
 
@@ -196,6 +255,35 @@ def _decode_tensor(buf: memoryview) -> WireTensor:
                       tuple(repeated[8]), tuple(repeated[9]))
 
 
+def decode_timings(buf: memoryview) -> WireTimings:
+    """Parse a serialized ``BatchTimings`` (unknown fields skipped). Raises IndexError if truncated."""
+    data = bytes(buf)  # (about 100 bytes: indexing bytes is faster than a memoryview)
+    out = WireTimings()
+    pos, end = 0, len(data)
+    while pos < end:
+        key = data[pos]
+        if key < 0x80:  # every key of this message is one byte
+            pos += 1
+        else:
+            key, pos = _read_varint(data, pos)
+        name = _DOUBLE_KEYS.get(key)
+        if name is not None:
+            if pos + 8 > end:
+                raise IndexError("truncated double")
+            setattr(out, name, _unpack_double(data, pos)[0])
+            pos += 8
+            continue
+        name = _INT_KEYS.get(key)
+        if name is not None:
+            v, pos = _read_varint(data, pos)
+            setattr(out, name, v & 0xFFFFFFFF)  # uint32: protobuf keeps the low 32 bits
+        else:
+            pos = _skip(data, pos, key & 7)
+    if pos != end:
+        raise IndexError("truncated BatchTimings")
+    return out
+
+
 def decode_batch(data: bytes | memoryview) -> WireBatch:
     """Parse a serialized ``Batch``; tensor data are memoryviews into ``data`` (no copy).
 
@@ -206,6 +294,7 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
     segment = ""
     skipped: list[int] = []
     tensors: list[WireTensor] = []
+    timings: WireTimings | None = None
     pos, end = 0, len(buf)
     try:
         while pos < end:
@@ -228,10 +317,17 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
             elif wt == _WT_VARINT and field == 7:
                 v, pos = _read_varint(buf, pos)
                 skipped.append(_signed(v))
+            elif wt == _WT_LEN and field == 8:  # (servers write it once)
+                n, pos = _read_varint(buf, pos)
+                if pos + n > end:
+                    raise IndexError("truncated timings")
+                timings = decode_timings(buf[pos : pos + n])
+                pos += n
             else:
                 pos = _skip(buf, pos, wt)
     except IndexError:
         raise ValueError("truncated Batch message") from None
     if pos != end:
         raise ValueError("truncated Batch message")
-    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6], tuple(skipped))
+    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6], tuple(skipped), timings)
+

@@ -36,7 +36,7 @@ def child_env() -> dict[str, str]:
 
 
 class ServerProcess:
-    def __init__(self, *, datasets: dict, pipelines: dict | None = None, workers: int, cache_dir,
+    def __init__(self, *, datasets: dict, pipelines: dict | None = None, workers: int | dict, cache_dir,
                  address: str = "127.0.0.1:0", extra: dict | None = None, start_timeout: float = 180.0):
         self.config = {
             "address": address,
@@ -64,8 +64,9 @@ class ServerProcess:
         cfg = os.path.join(self._tmp.name, "server.yaml")
         with open(cfg, "w") as f:
             yaml.safe_dump(self.config, f, sort_keys=False)
-        serve = [sys.executable, "-m", "batchd.cli", "serve", "--config", cfg,
-                 "--address", self.config["address"], "--workers", str(self.workers)]
+        serve = [sys.executable, "-m", "batchd.cli", "serve", "--config", cfg, "--address", self.config["address"]]
+        if isinstance(self.workers, int):  # a range ({min, max}) stays in the config
+            serve += ["--workers", str(self.workers)]
         # the server gets SIGTERM if this process dies (even by SIGKILL): no orphaned servers
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT, *serve]
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -18,7 +19,7 @@ import grpc
 import torch
 
 from batchd import wire
-from batchd.client import decode, fields, loader_stats
+from batchd.client import decode, fields
 from batchd.client.channel import open_channel, translate
 from batchd.client.collate import collate
 from batchd.client.datasets import DatasetInfo, describe
@@ -26,6 +27,7 @@ from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Received, Receiver, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
+from batchd.client.timings import BatchTimes, delivered
 from batchd.client.transfer import check_finishable, finish
 from batchd.v1 import loader_pb2 as pb
 
@@ -114,7 +116,10 @@ class ServerConnection:
 
     def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
         """Receiver thread: the batch of ``raw`` as the loader hands it out (on the device, finished
-        by ``gpu_transform``, ragged fields split into views, collated by ``collate_fn``)."""
+        by ``gpu_transform``, ragged fields split into views, collated by ``collate_fn``), and its
+        ``BatchTimes`` (unpack here; receive is the receiver's; copy and gpu_transform: CUDA events,
+        or the CPU time of gpu_transform)."""
+        times, t0 = BatchTimes(raw.timings), time.perf_counter()
         shm = self._shm if raw.segment else None
         if raw.segment and shm is None:
             raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
@@ -126,25 +131,32 @@ class ServerConnection:
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
         o, event = self.options, None
-        if encoded:  # JPEG files: decoded here (client/decode.py), then as below
+        if encoded:  # JPEG files: decoded here (client/decode.py), then as below; all of it is unpack
             batch, event = decode.decode_batch(batch, o, transfer, receiver.stopping, raw.epoch,
                                                self.info.on_error)
-        elif transfer is not None:
-            if o.gpu_transform is not None:
-                check_finishable(batch)  # before the copy: a failed finish must not leave one in flight
-            batch, event = transfer.to_device(batch, receiver.stopping, registered=registered, finish=o.gpu_transform,
-                                              seed=o.seed, epoch=raw.epoch)
-        elif o.gpu_transform is not None:
-            finish(batch, o.gpu_transform, o.seed, raw.epoch)
+            times.unpack = time.perf_counter() - t0
+        else:
+            t1 = time.perf_counter()
+            times.unpack = t1 - t0
+            if transfer is not None:
+                if o.gpu_transform is not None:
+                    check_finishable(batch)  # before the copy: a failed finish must not leave one in flight
+                marks: list = []
+                batch, event = transfer.to_device(batch, receiver.stopping, registered=registered,
+                                                  finish=o.gpu_transform, seed=o.seed, epoch=raw.epoch, marks=marks)
+                times.events = (*marks, event) if len(marks) == 2 else None  # (device times from CUDA events)
+            elif o.gpu_transform is not None:
+                finish(batch, o.gpu_transform, o.seed, raw.epoch)
+                times.gpu_transform = time.perf_counter() - t1
         copies = fields.tensors(batch) if event is not None else None
         batch = fields.unpack(batch)  # ragged fields: B views of their one (device) buffer
         # (after decode_on_client, which may leave out files under on_error: skip)
         samples = int(batch["index"].shape[0]) if isinstance(batch.get("index"), torch.Tensor) else 0
         if o.collate_fn is None:
-            return Received(raw.batch_index, batch, event, samples, copies)
+            return Received(raw.batch_index, batch, event, samples, copies, times=times)
         if event is not None:  # on the device: collated once the consumer's stream waits for the copy
-            return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn)
-        return Received(raw.batch_index, collate(batch, o.collate_fn), None, samples)
+            return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn, times=times)
+        return Received(raw.batch_index, collate(batch, o.collate_fn), None, samples, times=times)
 
     def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, *,
                     start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> Receiver:
@@ -222,5 +234,5 @@ def deliver(item: Received, receiver: Receiver, transfer: Any) -> Any:
         batch = collate(batch, item.collate)
     if receiver.record is not None:
         receiver.record.took(item.samples)
-    loader_stats.delivered(item.samples)
+    delivered(item.times, receiver.record, item.samples)  # loader.stats() and profile() (batchd.client.timings)
     return batch

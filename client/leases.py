@@ -29,6 +29,7 @@ from typing import Any, Callable
 import grpc
 import tenacity
 
+from batchd.client.timings import WaitMeter
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ class CallRecord:
     batches_taken: int = 0
     samples_taken: int = 0
     abandoned: bool = False
+    # the training loop's recent wait for this call's batches, and the loader's profile verdict
+    # (RemoteDataLoader, batchd.client.timings): reported with the progress
+    waits: WaitMeter = field(default_factory=WaitMeter)
+    verdict: str = ""
     _received: list[int] = field(default_factory=list)
     _closed: bool = False
     _reported: tuple[int, int] = (0, 0)
@@ -73,6 +78,13 @@ class CallRecord:
             self.batches_taken += 1
             self.samples_taken += samples
 
+    def loop_waited(self, wait: float, step: float, verdict: str) -> None:
+        """The training loop waited ``wait`` seconds for one of this call's batches, after a step
+        of ``step`` seconds; ``verdict``: the loader's profile verdict now."""
+        with self._lock:
+            self.waits.add(wait, step)
+            self.verdict = verdict
+
     def close(self, abandoned: bool) -> list[int]:
         """No more leases are accepted; returns every lease received (held or released)."""
         with self._lock:
@@ -86,7 +98,9 @@ class CallRecord:
             if now == self._reported and not force:
                 return None
             self._reported = now
-        return pb.StreamProgress(stream_tag=self.tag, batches_taken=now[0], samples_taken=now[1])
+            wait_ratio, verdict = self.waits.ratio, self.verdict
+        return pb.StreamProgress(stream_tag=self.tag, batches_taken=now[0], samples_taken=now[1],
+                                 wait_ratio=wait_ratio, verdict=verdict)
 
 
 class Reporter:

@@ -18,13 +18,18 @@ from batchd.client import elastic
 from batchd.client.addresses import may_grow, server_addresses
 from batchd.client.connection import ServerConnection, deliver
 from batchd.client.datasets import DatasetInfo, mismatches
-from batchd.client.loader_stats import LoaderStats, measure
+from batchd.client.loader_stats import LoaderStats
 from batchd.client.options import TRANSPORTS, LoaderOptions  # noqa: F401  (TRANSPORTS: public name)
+from batchd.client.profile import Profile, make_profile
 from batchd.client.receiver import Receiver, _End
+from batchd.client.timings import LoopTimings, timed
 from batchd.sampler import num_batches
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+_VERDICT_EVERY_S = 0.5  # how often the verdict reported to servers is recomputed
+
 
 class RemoteDataLoader:
     """Iterate batches of a dataset that a batchd server at ``address`` decodes and augments.
@@ -165,6 +170,10 @@ class RemoteDataLoader:
     (``batchd.client.elastic``).
 
     Figures: ``stats()``.
+
+    Profile: ``profile()`` says where this epoch's time went (each batch's stages on the server
+    and here, the loop's wait for data) and what bounds it (``batchd.client.profile``); the wait
+    shows as a ``batchd.wait`` range in PyTorch profiler traces (and NVTX on CUDA).
     """
 
     def __init__(self, address: Any, dataset: str, *, batch_size: int = 1, shuffle: bool = False, seed: int = 0,
@@ -208,6 +217,8 @@ class RemoteDataLoader:
         self._start_position = 0  # the epoch at self.epoch is read from this global position (elastic resume)
         self._resume_batch = 0  # where the next iteration starts (load_state_dict)
         self._position: tuple[int, int, int] | None = None  # (epoch, start position, next batch) of the iteration
+        self.timings = LoopTimings()  # this epoch's stages and waits (batchd.client.timings)
+        self._verdict, self._verdict_at = "", 0.0  # reported to the servers with the progress
 
     # the settings, as attributes (read-only but for _pipeline, which tests may swap)
     dataset = property(lambda self: self.options.dataset)
@@ -269,10 +280,16 @@ class RemoteDataLoader:
     def _iterate(self, epoch: int, start_position: int, start_batch: int) -> Iterator[Any]:
         total = self._batches_from(start_position)
         b = start_batch
-        for batch in measure(self.servers.batches(epoch, start_batch, total, start_position), self._stats):
-            b += 1
-            self._position = (epoch, start_position, b)
-            yield batch
+        self.timings.begin(epoch)
+        batches = timed(self.servers.batches(epoch, start_batch, total, start_position), self.timings,
+                        cuda=self.options.device.type == "cuda", verdict=self._current_verdict, stats=self._stats)
+        try:
+            for batch in batches:
+                b += 1
+                self._position = (epoch, start_position, b)
+                yield batch
+        finally:
+            batches.close()
         if b != total:
             raise RuntimeError(f"the server ended epoch {epoch} after {b} of {total} batches")
         if self.epoch == epoch:
@@ -290,6 +307,20 @@ class RemoteDataLoader:
         else:
             counts = {self.servers.address: self._stats.batches}
         return self._stats.snapshot(counts)
+
+    def profile(self) -> Profile:
+        """Where this epoch's time went, and what bounds it: a dict (``verdict``, ``advice``,
+        ``evidence``, ``wait_ratio``, ``stages`` {stage: seconds}, ``shares``, ...) that prints as
+        a table. See ``batchd.client.profile`` for the stages, the rules and their thresholds."""
+        return make_profile(self.timings.snapshot())
+
+    def _current_verdict(self, now: float) -> str:
+        """The verdict reported to the servers, recomputed at most every ``_VERDICT_EVERY_S`` once there is one."""
+        if not self._verdict or now - self._verdict_at >= _VERDICT_EVERY_S:
+            self._verdict_at = now
+            verdict = make_profile(self.timings)["verdict"]  # (pending CUDA times are not waited for)
+            self._verdict = "" if verdict == "unknown" else verdict
+        return self._verdict
 
     def close(self) -> None:
         """Cancel any stream in progress and close the channels (a shared-memory session ends once

@@ -1,13 +1,15 @@
 """The client's own figures: how long the training loop waited for batches, and what the loader
 did meanwhile (``RemoteDataLoader.stats()``).
 
-``measure(batches, stats)`` wraps the iterator a loader hands to the training loop: the time
-each ``__next__`` takes is the time the loop waited for that batch (nothing else runs there).
-``LoaderStats`` keeps those waits and the loader's counters; the servers' loaders count what
+``batchd.client.timings.timed`` wraps the iterator a loader hands to the training loop: the time
+each ``__next__`` takes is the time the loop waited for that batch (nothing else runs there); it
+reports each wait here and to the loader's ``LoopTimings`` (``loader.profile()``), one
+measurement for both. ``LoaderStats`` keeps those waits and the loader's counters; the servers' loaders count what
 they do into it (reconnects, failovers, hedges). ``snapshot()`` is a plain dict, with these keys
 (units in the names: seconds, or a ratio in [0, 1]):
 
-* ``batches``, ``samples``: batches and samples yielded to the training loop, all iterations;
+* ``batches``, ``samples``: batches and samples yielded to the training loop, all iterations
+  (samples as the server sent them, whatever ``collate_fn`` made of the batch);
 * ``wait_seconds``: total time spent in ``__next__``; ``wait_p50_seconds``, ``wait_p95_seconds``,
   ``wait_p99_seconds``: percentiles of the per-batch wait over the last ``window`` batches
   (numpy's linear interpolation; 0.0 before the first batch);
@@ -28,11 +30,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable
 
 import numpy as np
-
-T = TypeVar("T")
 
 WAIT_WINDOW = 10_000  # per-batch waits kept for the percentiles
 COUNTERS = ("reconnects", "failovers", "hedges_issued", "hedges_won", "hedges_wasted")
@@ -53,7 +53,7 @@ class LoaderStats:
         self._last_handed: float | None = None  # ... when the last batch was handed over
 
     def asking(self, now: float) -> None:
-        """The training loop asked for a batch at ``now`` (time.monotonic())."""
+        """The training loop asked for a batch at ``now`` (seconds on one clock, e.g. perf_counter)."""
         if self._first_ask is None:
             self._first_ask = now
 
@@ -104,42 +104,7 @@ class LoaderStats:
         return figures
 
 
-_delivered = threading.local()  # the samples of the batch ``deliver`` handed over last, per thread
-
-
-def delivered(samples: int) -> None:
-    """``client.connection.deliver`` hands over a batch of ``samples`` samples in this thread (what
-    ``measure`` counts, whatever ``collate_fn`` made of the batch)."""
-    _delivered.samples = samples
-
-
-def _take_delivered() -> int | None:
-    samples, _delivered.samples = getattr(_delivered, "samples", None), None
-    return samples
-
-
 def samples_in(batch: Any) -> int:
     """Samples in a batch: the length of its ``index`` tensor (0 for a batch without one)."""
     index = batch.get("index") if isinstance(batch, dict) else None
     return int(index.shape[0]) if index is not None and getattr(index, "ndim", 0) else 0
-
-
-def measure(batches: Iterator[T], stats: LoaderStats) -> Iterator[T]:
-    """``batches``, each ``__next__`` timed as the training loop's wait for that batch. Closing
-    this iterator closes ``batches`` (its streams stop now, not when it is collected)."""
-    try:
-        while True:
-            start = time.monotonic()
-            stats.asking(start)
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            now = time.monotonic()
-            stats.waited(now - start, batch, now, _take_delivered())
-            yield batch
-            batch = None  # noqa: F841  (not kept by this frame while the loop trains on it)
-    finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()

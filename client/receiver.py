@@ -43,7 +43,8 @@ class Received(NamedTuple):
     ``samples`` its size. On a CUDA device, ``event`` is the CUDA event its copy records and
     ``copies`` the device tensors the copy made (the consumer's stream waits for the event and
     records its use of them, ``CudaTransfer.hand_over``); else both are None. ``collate`` is a
-    ``collate_fn`` still to run in the consumer's thread (on a CUDA device), or None."""
+    ``collate_fn`` still to run in the consumer's thread (on a CUDA device), or None. ``times`` its
+    ``batchd.client.timings.BatchTimes`` (server and client stages)."""
 
     batch_index: int
     batch: Any
@@ -51,6 +52,7 @@ class Received(NamedTuple):
     samples: int
     copies: dict[str, torch.Tensor] | None = None
     collate: Callable[[list], Any] | None = None
+    times: Any = None
 
 
 def to_tensors(batch: wire.WireBatch) -> dict[str, fields.Field]:
@@ -99,8 +101,13 @@ class Receiver(threading.Thread):
 
     def run(self) -> None:
         try:
-            for message in self.call:
-                if not self._handle(message):
+            messages = iter(self.call)
+            while True:
+                t0 = time.perf_counter()
+                message = next(messages, None)
+                if message is None:
+                    break
+                if not self._handle(message, time.perf_counter() - t0):
                     return
                 # (no batch stays a local of this frame: a failed call's traceback keeps the frame)
                 message = None  # noqa: F841
@@ -112,9 +119,12 @@ class Receiver(threading.Thread):
         except BaseException as e:  # never raise in the thread: hand it to the consumer
             self._put(_Failed(e))
 
-    def _handle(self, message: bytes) -> bool:
-        """Convert and queue one batch; False once the receiver is stopping."""
+    def _handle(self, message: bytes, received: float = 0.0) -> bool:
+        """Convert and queue one batch (``received``: seconds its message took to come); False once
+        the receiver is stopping."""
+        t0 = time.perf_counter()
         raw = wire.decode_batch(message)
+        parsed = time.perf_counter() - t0
         if raw.segment and self.record is not None and not self.record.add(raw.lease):
             return False  # stopped and reported: the server releases this lease, never touch it
         try:
@@ -123,6 +133,9 @@ class Receiver(threading.Thread):
             if raw.segment and self._release is not None:
                 self._release(raw.lease)
             raise
+        if item.times is not None:
+            item.times.receive = received
+            item.times.unpack += parsed
         return self._put(item)
 
     def _put(self, item: Any) -> bool:

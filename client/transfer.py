@@ -154,7 +154,7 @@ class CudaTransfer:
 
     def to_device(self, batch: dict[str, fields.Field], stopping: threading.Event | None = None, *,
                   registered: bool = False, finish: Callable[..., torch.Tensor] | None = None, seed: int = 0,
-                  epoch: int = 0) -> tuple[dict[str, fields.Field], torch.cuda.Event]:
+                  epoch: int = 0, marks: list | None = None) -> tuple[dict[str, fields.Field], torch.cuda.Event]:
         """Start copying ``batch`` to the device; returns the device fields and the copy's event.
 
         Each stacked tensor, and each ragged field's flat values, is copied as one tensor (a
@@ -163,8 +163,10 @@ class CudaTransfer:
 
         registered: the tensors lie in registered host memory (``register``): copied directly and
         ``batch`` is kept until the copy completes. finish: a ``gpu_transform`` run on the side
-        stream after the copy (see ``finish``). Raises TransferStopped if ``stopping`` is set; any
-        error raised after a copy was queued is raised once the side stream is idle.
+        stream after the copy (see ``finish``). marks: a list to which the timing events recorded
+        before and after the copy are appended (the returned event then records timing too), for
+        ``batchd.client.timings``. Raises TransferStopped if ``stopping`` is set; any error raised
+        after a copy was queued is raised once the side stream is idle.
         """
         # receiver threads start on device 0: switch first, or CUDA makes a context there (DDP ranks)
         with self._lock, torch.cuda.device(self.device):
@@ -172,11 +174,14 @@ class CudaTransfer:
                 raise TransferStopped("the receiver was stopped")
             self._collect()
             out = {}
+            timed = marks is not None
             if registered:
                 with self._waits_on_error(), torch.cuda.stream(self.stream):
+                    self._mark(marks)
                     for name, t in batch.items():  # a ragged field's flat values in one copy; str stays
                         out[name] = fields.map_values(t, lambda v: v.to(self.device, non_blocking=True))
-                    event = self._finish_and_record(out, finish, seed, epoch)
+                    self._mark(marks)
+                    event = self._finish_and_record(out, finish, seed, epoch, timed)
                 with self._holding_lock:
                     self._holding.append((event, batch))
                 return out, event
@@ -185,9 +190,11 @@ class CudaTransfer:
             if self._events[k] is not None:
                 self._events[k].synchronize()  # the copy out of this pinned slot has finished
             with self._waits_on_error(), torch.cuda.stream(self.stream):
+                self._mark(marks)
                 for name, t in batch.items():
                     out[name] = fields.map_values(t, lambda v, name=name: self._pinned_copy(k, name, v))
-                event = self._events[k] = self._finish_and_record(out, finish, seed, epoch)
+                self._mark(marks)
+                event = self._events[k] = self._finish_and_record(out, finish, seed, epoch, timed)
             return out, event
 
     def _pinned_copy(self, k: int, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -196,11 +203,17 @@ class CudaTransfer:
         pinned.copy_(t)
         return pinned.to(self.device, non_blocking=True)
 
+    def _mark(self, marks: list | None) -> None:
+        if marks is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.stream)
+            marks.append(event)
+
     def _finish_and_record(self, out: dict[str, torch.Tensor], gpu_transform, seed: int,
-                           epoch: int) -> torch.cuda.Event:
+                           epoch: int, timed: bool = False) -> torch.cuda.Event:
         if gpu_transform is not None:
             finish(out, gpu_transform, seed, epoch)
-        event = torch.cuda.Event(blocking=True)
+        event = torch.cuda.Event(blocking=True, enable_timing=timed)
         event.record(self.stream)
         return event
 

@@ -145,7 +145,9 @@ class Server:
         self.grpc_server.start()
         for service in ("", SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("listening on %s (%d workers, datasets: %s)%s", self.address, self.config.workers,
+        workers = self.config.workers
+        workers = str(workers) if isinstance(workers, int) else f"{workers.min}-{self.loader.pool.max_workers}"
+        log.info("listening on %s (%s workers, datasets: %s)%s", self.address, workers,
                  ", ".join(sorted(self.loader.datasets)) or "none",
                  "; also on " + ", ".join(self.addresses[1:]) if len(self.addresses) > 1 else "")
         self._log_security()

@@ -25,6 +25,7 @@ from batchd.server.config import ServerConfig
 from batchd.server.data.datasets import Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
 from batchd.server.serve.leases import LeaseTable
+from batchd.server.compute.autoscale import RPC_WAIT_UP_S, WAIT_UP, Autoscaler, Demand
 from batchd.server.compute.pool import WorkerPool
 from batchd.server.serve.stats import SENT, stream_outcome
 from batchd.server.compute.protocol import StreamRequest
@@ -32,6 +33,8 @@ from batchd.server.serve.stream import Computation, Stream
 from batchd.server.serve.transport import Transport
 
 log = logging.getLogger(__name__)
+
+_FRESH_S = 5.0  # a client's reported wait ratio counts for demand this long (it reports every 0.5 s)
 
 
 class Loader:
@@ -70,14 +73,21 @@ class Loader:
             c = config.cache
             self.cache = SharedCache.create(
                 f"{self.owner.prefix}cache", memory_bytes=int(c.memory_bytes), datasets=list(config.datasets),
-                workers=config.workers, build=build_fingerprint(build_parts(cache=True)), disk_dir=c.disk_dir,
+                workers=config.max_workers, build=build_fingerprint(build_parts(cache=True)), disk_dir=c.disk_dir,
                 disk_bytes=int(c.disk_bytes), compress=c.compress, disk_max_idle_s=c.disk_max_idle_s)
         self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
-        self.transport = Transport(self.slots, self.leases)  # lend or copy each batch sent
+        self.transport = Transport(self.slots, self.leases, busy_ratio=self._busy_ratio)  # lend or copy each batch sent
+        autoscaler = None
+        if not isinstance(config.workers, int):
+            w = config.workers
+            autoscaler = Autoscaler(w.min, w.max, cpu_quota=w.cpu_quota, cool_down_s=w.cool_down_s, now=time.monotonic())
+            log.info("workers: %d to %d (max %d, cpu quota %g CPUs), retired after %g s without a waiting client",
+                     w.min, autoscaler.limit, w.max, autoscaler.cpu_quota, w.cool_down_s)
         self.pool = WorkerPool(
-            config.workers, dict(config.datasets), config.cache_dir, self.slots,
+            config.min_workers, dict(config.datasets), config.cache_dir, self.slots,
             worker_timeout_s=config.worker_timeout_s, max_task_retries=config.max_task_retries,
             max_batch_bytes=config.max_batch_bytes, reads_in_flight=config.reads_in_flight,
+            autoscaler=autoscaler, demand=self.demand,
             python_path=config.python_path, python_pipelines=python_presets,
         )
         self._lock = threading.RLock()  # streams, counters, _computations; moving a stream between computations
@@ -247,6 +257,34 @@ class Loader:
                 siblings.remove(computation)
             if not siblings:
                 self._computations.pop(computation.request.key, None)
+
+    def demand(self) -> Demand:
+        """How many open streams wait for data now (``server/compute/autoscale.py``): a client that
+        reports a wait ratio of ``WAIT_UP`` or more (within the last ``_FRESH_S``), or a stream whose
+        RPC has waited ``RPC_WAIT_UP_S`` for its next batch; and the largest reported ratio."""
+        now = time.monotonic()
+        with self._lock:
+            streams = list(self.streams.values())
+        waiting, ratio = 0, 0.0
+        for s in streams:
+            fresh = s.wait_ratio is not None and now - s.wait_reported_at < _FRESH_S
+            if fresh:
+                ratio = max(ratio, s.wait_ratio)
+            since = s.waiting_since
+            if (fresh and s.wait_ratio >= WAIT_UP) or (since is not None and now - since >= RPC_WAIT_UP_S):
+                waiting += 1
+        return Demand(waiting, ratio)
+
+    def _busy_ratio(self, stream: Stream) -> float:
+        """The fraction of the workers' time with a batch to build since ``stream`` sent its first
+        batch (0..1; 0 for the first batch): its BatchTimings.workers_busy_ratio. (From the first batch
+        on, not from the stream's opening: building the first batches is work for any client.)"""
+        busy, alive = self.pool.busy_totals()
+        if stream.busy_mark is None:
+            stream.busy_mark = (busy, alive)
+            return 0.0
+        busy0, alive0 = stream.busy_mark
+        return min(1.0, max(0.0, (busy - busy0) / (alive - alive0))) if alive > alive0 else 0.0
 
     def _release_slot(self, slot) -> None:
         self.slots.release(slot)

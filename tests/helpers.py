@@ -179,3 +179,70 @@ def load_example(name: str):
     sys.modules[spec.name] = module  # dataclasses and pickling look modules up here
     spec.loader.exec_module(module)
     return module
+
+
+class ThrottledProxy:
+    """A TCP forwarder on 127.0.0.1 to ``target`` ("HOST:PORT") whose server-to-client direction
+    carries at most ``bytes_per_second``: a slow network link, for a gRPC client (``address``).
+    ``close()`` stops accepting and cuts the open connections."""
+
+    def __init__(self, target: str, bytes_per_second: float):
+        import socket
+        import threading
+
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.rate = bytes_per_second
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._socks: list = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            self._socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.rate), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, rate) -> None:
+        start, sent = time.monotonic(), 0
+        try:
+            while data := src.recv(16384):
+                dst.sendall(data)
+                if rate:
+                    sent += len(data)
+                    ahead = sent / rate - (time.monotonic() - start)
+                    if ahead > 0:
+                        time.sleep(ahead)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for s in self._socks:
+            try:
+                s.close()
+            except OSError:
+                pass

@@ -23,7 +23,6 @@ are then ``cv2.imdecode`` + ``cv2.cvtColor`` + ``cv2.resize``). ``build_batch`` 
 from __future__ import annotations
 
 import struct
-import time
 from typing import TYPE_CHECKING, Any
 
 import cv2
@@ -36,6 +35,7 @@ from batchd.server.data.datasets import Dataset
 from batchd.server.data.datasets._files import ImageReadError, _decode_flag, _jpeg_truncated, jpeg_frame
 from batchd.server.compute.layout import jpeg_layout, layout_nbytes
 from batchd.server.compute.protocol import BatchDone, Task
+from batchd.server.compute.stages import READ, WRITE
 
 if TYPE_CHECKING:
     from batchd.server.compute.worker import _Worker
@@ -186,7 +186,7 @@ def build_batch(worker: "_Worker", task: Task) -> BatchDone:
         min_size = None  # the server decodes this dataset at full size
     max_pixels = getattr(ds, "max_pixels", None)
     worker.prefetch(task)  # no-op if it came ahead of time
-    t0 = time.perf_counter()
+    worker.clock.enter(READ)  # the files are read (the stall) and checked, not decoded
     files: list[np.ndarray] = []
     kept: list[tuple[int, int, int]] = []  # (index, position, DCT reduction)
     skipped: list[tuple[int, str, str]] = []
@@ -203,7 +203,7 @@ def build_batch(worker: "_Worker", task: Task) -> BatchDone:
             continue
         files.append(buf)
         kept.append((index, position, _REDUCTIONS.get(_decode_flag(buf, size, min_size), 1)))
-    t1 = time.perf_counter()
+    worker.clock.enter(WRITE)
     offsets = np.zeros(len(files) + 1, np.int64)
     np.cumsum([f.size for f in files], out=offsets[1:])
     layout = jpeg_layout(len(files), int(offsets[-1]))
@@ -224,5 +224,5 @@ def build_batch(worker: "_Worker", task: Task) -> BatchDone:
     for f, start in zip(files, offsets[:-1].tolist()):
         jpeg[start : start + f.size] = f
     del tensors, jpeg
-    timings = {"load": t1 - t0, "pipeline": 0.0, "copy": time.perf_counter() - t1}
-    return BatchDone(task.task_id, worker.worker_id, seg.name, seg.capacity, grown, layout, timings, tuple(skipped))
+    return BatchDone(task.task_id, worker.worker_id, seg.name, seg.capacity, grown, layout, worker.timings(task),
+                     tuple(skipped))

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server.compute.protocol import TaskFailed
 from batchd.server.serve.shm import Segment
+from batchd.server.serve.stats import BusyClock
 from batchd.server.serve.stream import Computation
 
 MIN_DEPTH = 2  # tasks per worker: one running, one waiting, so a worker never idles
@@ -44,6 +45,10 @@ class WorkerHandle:
     last_done: when it last answered a task (monotonic seconds): the running task started then,
     unless it was sent later. killed: the scheduler killed it (task timeout); it gets no new
     task, and ``held_slots`` (its expired tasks' slots) are released only after it is reaped.
+    retiring: the pool is shrinking (``server/compute/autoscale.py``): it gets no new task and
+    stops once its tasks are done. busy: whether it has a batch to build, over time (its busy ratio),
+    from the moment it is ready (``became_ready``); a worker gets tasks only once it is ready, so a
+    starting one never holds batches the client waits for.
     """
 
     worker_id: int
@@ -54,6 +59,13 @@ class WorkerHandle:
     last_done: float = 0.0
     killed: bool = False
     held_slots: list[Segment] = field(default_factory=list)
+    retiring: bool = False
+    busy: BusyClock = field(default_factory=BusyClock)
+
+    def became_ready(self) -> None:
+        """It said Ready: it takes tasks from now on, and its busy ratio counts from now."""
+        self.ready = True
+        self.busy = BusyClock()
 
     def running(self, in_flight: dict[int, InFlight]) -> tuple[int, float] | None:
         """(task id, when it started running) of the task this worker is on, or None if idle."""
@@ -67,7 +79,7 @@ class WorkerHandle:
         """True if it should be sent another task: alive as far as the scheduler knows, fewer than
         ``MIN_DEPTH`` tasks, or (up to ``MAX_DEPTH``) fewer than ``read_ahead`` samples queued
         behind the running task, so that its reader has samples to read ahead."""
-        if self.killed or not self.process.is_alive():
+        if self.killed or self.retiring or not self.ready or not self.process.is_alive():
             return False
         n = len(self.tasks)
         if n < MIN_DEPTH:

@@ -12,7 +12,14 @@ sentinels and a wake-up pipe, and in each round:
 4. dispatches new tasks: streams are served round robin, each stream at most ``prefetch``
    batches in flight or buffered; a worker is sent its next tasks before the current one
    finishes (at least one waiting, more while fewer than ``read_ahead`` samples wait, see
-   ``handles.WorkerHandle.wants_task``), so its reader reads their samples ahead.
+   ``handles.WorkerHandle.wants_task``), so its reader reads their samples ahead;
+5. with an ``Autoscaler`` (config ``workers: {min, max}``), starts a worker while clients wait for
+   data, or retires one after a cool-down (``server/compute/autoscale.py``): a retiring worker
+   gets no new task, is told to stop once its tasks are done, and is reaped when it has exited.
+
+Each finished batch's timings (``server/compute/stages.py``) gain ``queued`` (from sending its
+task until the worker began it) and ``worker``; the workers' stages of the moment are on a
+``StageBoard`` in shared memory.
 
 Workers are started from a ``forkserver`` context, created before any gRPC server exists, so no
 process is ever forked from a process running gRPC threads (grpc doc/fork_support.md).
@@ -27,13 +34,16 @@ import os
 import threading
 import time
 from multiprocessing.connection import Connection, wait
+from typing import Callable
 
 from batchd.errors import SampleError, WorkerError
+from batchd.server.compute.autoscale import Autoscaler, Demand
 from batchd.server.compute.handles import InFlight, WorkerHandle, describe_exit, reraisable
 from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
+from batchd.server.compute.sizing import PoolSizing
+from batchd.server.compute.stages import StageBoard, work_seconds
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT
 from batchd.server.serve.shm import SlotPool
-from batchd.server.serve.stats import RateMeter
 from batchd.server.serve.stream import Computation, ReadyBatch
 from batchd.server.compute.worker import worker_main
 
@@ -43,14 +53,16 @@ _POLL_S = 0.5
 _JOIN_S = 5.0
 
 
-class WorkerPool:
+class WorkerPool(PoolSizing):
     """``num_workers`` worker processes building batches for any number of streams.
 
     dataset_configs: name -> dataset config, opened by each worker. reads_in_flight: sample reads
     each worker keeps running on its I/O threads (``server/data/reader.py``); the scheduler keeps about
-    ``4 * reads_in_flight`` samples queued behind each worker's running task. python_path,
-    python_pipelines: the config's ``python_path`` and python presets, for every worker
-    (``worker_main``). Raises RuntimeError if the workers do not all start within
+    ``4 * reads_in_flight`` samples queued behind each worker's running task. autoscaler: sizes
+    the pool between ``autoscaler.min_workers`` (= ``num_workers``, started now) and
+    ``autoscaler.limit``, by ``demand()`` (the clients' wait, ``Loader.demand``); None: a fixed
+    pool. python_path, python_pipelines: the config's ``python_path`` and python presets, for
+    every worker (``worker_main``). Raises RuntimeError if the workers do not all start within
     ``start_timeout`` seconds.
     """
 
@@ -66,6 +78,8 @@ class WorkerPool:
         start_timeout: float = 60.0,
         max_batch_bytes: int = 0,
         reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
+        autoscaler: Autoscaler | None = None,
+        demand: Callable[[], Demand] = Demand,
         python_path: tuple = (),
         python_pipelines: dict | None = None,
     ):
@@ -73,7 +87,14 @@ class WorkerPool:
         self._python = (tuple(str(p) for p in python_path), dict(python_pipelines or {}))  # for worker_main
         self.reads_in_flight = reads_in_flight
         self.read_ahead = 4 * reads_in_flight  # samples queued behind a worker's running task
-        self.num_workers = num_workers
+        self.min_workers = num_workers
+        self.autoscaler = autoscaler
+        self.max_workers = max(num_workers, autoscaler.limit if autoscaler is not None else num_workers)
+        self._demand = demand
+        self.scaling: collections.Counter[tuple[str, str]] = collections.Counter()  # (direction, reason) -> times
+        self._scaled_at = 0.0
+        self._retired: list[WorkerHandle] = []  # told to stop (pool shrinking), not reaped yet
+        self._gone = [0.0, 0.0]  # busy and alive seconds of workers no longer in _workers
         self.slots = slots
         self.worker_timeout_s = worker_timeout_s
         self.max_task_retries = max_task_retries
@@ -95,9 +116,9 @@ class WorkerPool:
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
         self.hedge_batches_built = 0  # ... of them for hedged requests (StreamBatchesRequest.hedge)
         self.work_seconds = 0.0  # seconds workers spent building batches (their own timings)
-        self.work_meter = RateMeter()  # the same, as a moving rate: busy workers on average
         self._workers: dict[int, WorkerHandle] = {}
         self._thread: threading.Thread | None = None  # started once every worker is ready
+        self.board = StageBoard.create(slots.prefix, self.max_workers)  # each worker's stage now (batchd top)
         for worker_id in range(num_workers):
             self._workers[worker_id] = self._start_worker(worker_id)
         self._await_ready(start_timeout)
@@ -128,6 +149,11 @@ class WorkerPool:
         except (BlockingIOError, OSError):  # full: a wake-up is already pending; closed: shutting down
             pass
 
+    @property
+    def num_workers(self) -> int:
+        """Worker processes running now (retiring ones included until they have stopped)."""
+        return len(self._workers)
+
     def load(self) -> dict[str, int]:
         """For stats, from any thread: workers ready, workers with a batch assigned, batches out.
 
@@ -155,15 +181,16 @@ class WorkerPool:
             pass
         if self._thread is not None:
             self._thread.join(timeout)
-        for w in self._workers.values():
+        every = [*self._workers.values(), *self._retired]
+        for w in every:
             try:
                 w.conn.send(Shutdown())
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout
-        for w in self._workers.values():
+        for w in every:
             w.process.join(max(0.0, deadline - time.monotonic()))
-        for w in self._workers.values():
+        for w in every:
             if w.process.is_alive():
                 w.process.terminate()
                 w.process.join(1.0)
@@ -173,6 +200,7 @@ class WorkerPool:
             w.conn.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        self.board.close()
 
     # --- workers -----------------------------------------------------------------------------
 
@@ -204,7 +232,7 @@ class WorkerPool:
                     except (EOFError, OSError):
                         continue  # it died while starting: its sentinel says how
                     if isinstance(msg, Ready):
-                        pending.pop(conn).ready = True
+                        pending.pop(conn).became_ready()
                 else:
                     dead = next((w for w in pending.values() if w.process.sentinel == conn), None)
                     if dead is None:  # it had already said Ready
@@ -246,6 +274,10 @@ class WorkerPool:
             elif not job.stream.closed:  # queued again (retry), for the next free worker
                 self.batches_rebuilt += 1
         w.conn.close()
+        self._forget_worker(w)
+        if w.retiring:  # it was stopping anyway: the pool shrinks now
+            del self._workers[w.worker_id]
+            return
         self.restarts += 1
         self._workers[w.worker_id] = self._start_worker(w.worker_id)
 
@@ -279,6 +311,8 @@ class WorkerPool:
                 self._on_death(sentinels[obj])
         self._expire()
         self._dispatch()
+        self._retire_idle()
+        self._autoscale()
 
     def _receive(self, w: WorkerHandle) -> None:
         try:
@@ -289,23 +323,27 @@ class WorkerPool:
 
     def _handle(self, w: WorkerHandle, msg) -> None:
         if isinstance(msg, Ready):
-            w.ready = True
+            w.became_ready()
             return
         job = self._in_flight.pop(msg.task_id, None)
         w.tasks.discard(msg.task_id)
         w.last_done = time.monotonic()  # its next task starts running now
+        w.busy.set(bool(w.tasks), now=w.last_done)
         if job is None:
             return
         if isinstance(msg, BatchDone):
             self.batches_built += 1
             if job.stream.request.hedge:
                 self.hedge_batches_built += 1
-            work = sum(msg.timings.values())
+            work = work_seconds(msg.timings)
             self.work_seconds += work
-            self.work_meter.add(work)
+            started = msg.timings.get("started", 0.0)
+            timings = {**msg.timings, "queued": max(0.0, started - job.started) if started else 0.0,
+                       "worker": msg.worker_id}
             slot = self.slots.adopt(job.slot, msg.slot_name) if msg.grown else job.slot
             job.stream.slot_hint = max(t.offset + t.nbytes for t in msg.tensors)
-            job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, msg.timings, tuple(i for i, _, _ in msg.skipped)))
+            job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, timings, tuple(i for i, _, _ in msg.skipped),
+                                       ready_at=time.monotonic()))
             if msg.skipped:
                 self._count_skipped(job, msg.skipped)
         elif isinstance(msg, TaskFailed):
@@ -341,6 +379,7 @@ class WorkerPool:
             w.process.kill()
             w.killed = True
             w.tasks.discard(task_id)
+            w.busy.set(bool(w.tasks))
             w.held_slots.append(job.slot)
             job.stream.fail(
                 WorkerError(
@@ -386,6 +425,7 @@ class WorkerPool:
             )
             self._in_flight[task.task_id] = InFlight(stream, b, slot, w.worker_id, time.monotonic(), len(task.indices))
             w.tasks.add(task.task_id)
+            w.busy.set(True)
             try:
                 w.conn.send(task)
             except (OSError, ValueError):

@@ -200,7 +200,9 @@ class Ready:
 class BatchDone:
     """The batch is in ``slot_name`` (a new, larger segment when ``grown``), laid out as ``tensors``.
 
-    timings: seconds spent per stage ("load" = read + decode, "pipeline", "copy").
+    timings: seconds per stage (``server/compute/stages.py``: read, decode, pipeline, cache, write; their
+    sum is the worker's time on the batch), plus read_io (the I/O threads' read seconds, overlapping),
+    started (``time.monotonic()`` when the worker began the batch) and cache_hits (samples).
     skipped: (index, file, reason) of samples left out under on_error: skip.
     """
 

@@ -24,7 +24,6 @@ import collections
 import os
 import pickle
 import signal
-import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -42,6 +41,7 @@ from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, Tas
 from batchd.server.data.cache import SharedCache, sample_key
 from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
+from batchd.server.compute.stages import CACHE, DECODE, IDLE, PIPELINE, READ, WRITE, StageBoard, StageClock
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
 from batchd.server.serve.shm import Segment
 
@@ -71,6 +71,9 @@ class _Worker:
         # the server's decoded-sample cache (None: none configured); prefix outputs are looked up there
         self.cache = SharedCache.attach(f"{new_segment_prefix}cache", worker_id)
         self.builds: dict[str, str] = {}  # dataset name -> build fingerprint
+        # seconds per stage of the running batch (BatchDone.timings), and its stage on the server's board
+        self.clock = StageClock(StageBoard.attach(new_segment_prefix), worker_id)
+        self.cache_lookups = self.cache_misses = 0  # samples of the running batch looked up in the cache, computed
 
     def prefetch(self, task: Task) -> None:
         """Start reading ``task``'s samples (after those of the tasks before it), if its dataset
@@ -149,6 +152,7 @@ class _Worker:
         """Build ``task``'s batch in its slot (or a grown segment). Raises what building it raised:
         SampleError (unless skipped), ShapeMismatchError, ResourceExhaustedError, pipeline errors."""
         self._unadopted = None
+        self.clock.start(PIPELINE)  # (building or finding its pipeline; the samples' stages follow)
         try:
             return self._run(task)
         except BaseException:
@@ -160,16 +164,29 @@ class _Worker:
                 seg.unlink()
             raise
         finally:
+            self.clock.enter(IDLE)
             self.reader.discard(task.task_id)
+
+    def timings(self, task: Task) -> dict[str, float]:
+        """``BatchDone.timings`` of the batch ending now (see ``server/compute/stages.py``)."""
+        return {**self.clock.stop(), "read_io": self.reader.io_seconds(task.task_id), "started": self.clock.started,
+                "cache_hits": float(self.cache_lookups - self.cache_misses)}
 
     def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> dict:
         """Sample k of the task, decoded (a dict of fields): its bytes from the reader if they are read ahead."""
-        if task.task_id not in self.reader:
+        clock = self.clock  # (its enter calls only for timed samples: clock.on)
+        if task.task_id not in self.reader:  # in memory: nothing to read
+            if clock.on:
+                clock.enter(DECODE)
             return ds.load_sample(index, min_size)
+        if clock.on:
+            clock.enter(READ)
         self.between_samples()
         data = self.reader.take(task.task_id, k, self.between_samples)
         if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
             data = ds.read_bytes(index)
+        if clock.on:
+            clock.enter(DECODE)
         return ds.decode_sample(index, data, min_size)
 
     def _reads(self, task: Task, ds: Dataset):
@@ -208,12 +225,16 @@ class _Worker:
 
         def compute() -> dict:
             decoded.append(self._load(ds, task, k, index, plan.split.min_size))
-            return self._prefix(plan, ds, decoded[0], index)
+            return self._prefix(plan, ds, decoded[0], index, then=CACHE if key is not None else PIPELINE)
         key = self._cache_key(ds, plan, index)
         try:
             if key is None:
                 return compute(), plan.rest
+            self.cache_lookups += 1
+            if self.clock.on:
+                self.clock.enter(CACHE)
             sample = self.cache.get_or_compute(ds.name, key, compute)
+            self.cache_misses += bool(decoded)
         except prefixes.RandomDrawn:
             return decoded[0], plan.whole  # the prefix transforms do not write their input
         self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
@@ -225,7 +246,6 @@ class _Worker:
         ds = self.dataset(task.dataset)
         plan = self._plan(task.pipeline_key, task.pipeline_json)
         per_object = self.per_object[ds.name]
-        t_load = t_pipe = t_copy = 0.0
         skipped: list[tuple[int, str, str]] = []
         slot: list = [None, False]  # the segment written, and whether it is a new (grown) one
 
@@ -236,8 +256,13 @@ class _Worker:
         writer = BatchWriter(len(task.indices), per_object=per_object, alloc=alloc, max_bytes=task.max_batch_bytes,
                              describe=lambda i: f"sample {i} ({ds.source(i)})", specs=ds.fields, dataset=ds.name)
         self.prefetch(task)  # no-op if it came ahead of time
+        clock, self.cache_lookups, self.cache_misses = self.clock, 0, 0
+        clock.begin_samples()  # samples timed one in clock.every (the rest: their share of the loop's time)
+        every, on = clock.every, False
         for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
-            t0 = time.perf_counter()
+            if on:
+                clock.pause()
+            on = clock.on = not k % every
             try:
                 sample, rest = self._sample(ds, task, k, index, plan)
             except SampleError as e:
@@ -245,7 +270,8 @@ class _Worker:
                     raise
                 skipped.append((index, e.path, e.reason))
                 continue
-            t1 = time.perf_counter()
+            if on:
+                clock.enter(PIPELINE)
             if plan.fn is not None or rest is not None:
                 self.random.start(task.random_key, position)
                 try:
@@ -259,26 +285,33 @@ class _Worker:
             image = sample.get("image")
             if image is not None and getattr(image, "ndim", 3) != 3:
                 sample = {**sample, "image": _as_hwc_array(image, ds.name, index)}
-            t2 = time.perf_counter()
+            if on:
+                clock.enter(WRITE)
             writer.add(sample, index, position)
-            t_load += t1 - t0
-            t_pipe += t2 - t1
-            t_copy += time.perf_counter() - t2
-        t3 = time.perf_counter()
+        if on:
+            clock.pause()
+        clock.end_samples(len(task.indices), WRITE)
         layout = writer.finish()
-        t_copy += time.perf_counter() - t3
-        timings = {"load": t_load, "pipeline": t_pipe, "copy": t_copy}
         seg, grown = slot
-        return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, timings, tuple(skipped))
+        return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, self.timings(task),
+                         tuple(skipped))
 
-    def _prefix(self, plan: "_Plan", ds: Dataset, sample: dict, index: int) -> dict:
+    def _prefix(self, plan: "_Plan", ds: Dataset, sample: dict, index: int, then: int = PIPELINE) -> dict:
+        """The pipeline's deterministic prefix on the decoded sample (timed as pipeline; ``then``: the
+        stage that follows, CACHE when the cache stores the result)."""
         if plan.prefix is None:
             return sample
+        clock = self.clock
+        if clock.on:
+            clock.enter(PIPELINE)
         try:
             return plan.prefix(sample, self.per_object[ds.name])
         except Exception as e:
             e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
             raise
+        finally:
+            if clock.on:
+                clock.enter(then)
 
     def _slot(self, task: Task, nbytes: int, old: Segment | None = None, keep: int = 0) -> tuple[Segment, bool]:
         """The task's slot if the batch fits (and nothing is written yet), else a new segment of at

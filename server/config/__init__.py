@@ -44,6 +44,7 @@ from .datasets import (
     WebDatasetConfig,
 )
 from .security import MIN_TOKEN_CHARS, AuthConfig, PipelineLimits, TlsConfig, TokenConfig
+from .workers import WorkerRange
 
 __all__ = [
     "AuthConfig",
@@ -64,6 +65,7 @@ __all__ = [
     "TlsConfig",
     "TokenConfig",
     "WebDatasetConfig",
+    "WorkerRange",
     "load_config",
 ]
 
@@ -76,7 +78,9 @@ class ServerConfig(StrictModel):
     address: ``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``; or a list of them: the
         server listens on all (e.g. a unix socket for its sidecar trainer and a TCP port for
         Kubernetes gRPC probes). The first is ``address``, the others ``also_listen``.
-    workers: worker processes decoding and augmenting, each building whole batches.
+    workers: worker processes decoding and augmenting, each building whole batches: a count (a
+        fixed pool), or ``{min, max}`` (``WorkerRange``): the server starts workers while clients
+        wait for data and retires idle ones, within max and the container's CPU limit.
     datasets: name -> dataset; clients name datasets, never paths.
     pipelines: preset name -> albumentations pipeline (``A.to_dict`` form, or a file path), or
         ``{python: "package.module:factory", args: {...}}``: an operator-side Python pipeline
@@ -120,7 +124,7 @@ class ServerConfig(StrictModel):
 
     address: str = "127.0.0.1:50051"
     also_listen: tuple[str, ...] = ()
-    workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=512)
+    workers: int | WorkerRange = Field(default_factory=lambda: max(1, os.cpu_count() or 1))
     datasets: dict[str, DatasetConfig] = Field(default_factory=dict)
     pipelines: dict[str, Any] = Field(default_factory=dict)
     python_path: tuple[pathlib.Path, ...] = ()
@@ -160,6 +164,31 @@ class ServerConfig(StrictModel):
                 raise ValueError("give either a list of addresses or also_listen, not both")
             data = {**data, "address": addresses[0], "also_listen": tuple(addresses[1:])}
         return data
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _parse_workers(cls, v: Any) -> Any:
+        """A mapping is a range (its errors name its fields); anything else must be a count in [1, 512]."""
+        if isinstance(v, dict):
+            try:
+                return WorkerRange.model_validate(v)
+            except ValidationError as e:
+                raise ValueError("; ".join(
+                    ".".join(map(str, err["loc"])) + (": " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+                    for err in e.errors())) from None
+        if isinstance(v, bool) or not isinstance(v, (int, WorkerRange)) or (isinstance(v, int) and not 1 <= v <= 512):
+            raise ValueError(f"expected a worker count in [1, 512] or {{min, max}}, got {v!r}")
+        return v
+
+    @property
+    def min_workers(self) -> int:
+        """Workers the pool starts with (and keeps at least): ``workers`` or ``workers.min``."""
+        return self.workers if isinstance(self.workers, int) else self.workers.min
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the pool may run: ``workers`` or ``workers.max`` (before the CPU limit)."""
+        return self.workers if isinstance(self.workers, int) else self.workers.max
 
     @field_validator("also_listen")
     @classmethod

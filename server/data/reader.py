@@ -37,7 +37,7 @@ class _Reads:
     """One task's samples: ``read(index) -> bytes`` for each of ``indices``; ``futures[k]`` is
     sample k's read once started, None before it starts and after it is taken."""
 
-    __slots__ = ("read", "indices", "futures", "started", "unwanted")
+    __slots__ = ("read", "indices", "futures", "started", "unwanted", "io_seconds")
 
     def __init__(self, read: Callable[[int], bytes], indices: Sequence[int]):
         self.read = read
@@ -45,6 +45,7 @@ class _Reads:
         self.futures: list[Future | None] = [None] * len(self.indices)
         self.started = 0  # samples [0, started) have had their read started (or were taken)
         self.unwanted: set[int] = set()  # samples not started whose bytes are not needed (forget)
+        self.io_seconds = 0.0  # read time of its samples, summed over the threads that read them
 
 
 class SampleReader:
@@ -83,13 +84,25 @@ class SampleReader:
             return self.read_ahead
         return max(2, min(self.read_ahead, math.ceil(4 * lat / work) + 2))
 
-    def _timed_read(self, read: Callable[[int], bytes], index: int) -> bytes:
+    def _timed_read(self, reads: _Reads, index: int) -> bytes:
         t0 = self._clock()
-        data = read(index)
-        dt = self._clock() - t0
-        lat = self._latency_s  # a race between I/O threads only loses an observation
-        self._latency_s = dt if lat is None else lat + _EWMA * (dt - lat)
-        return data
+        try:
+            return reads.read(index)
+        finally:
+            dt = self._clock() - t0
+            lat = self._latency_s  # a race between I/O threads only loses an observation
+            self._latency_s = dt if lat is None else lat + _EWMA * (dt - lat)
+            self._add_io(reads, dt)
+
+    @staticmethod
+    def _add_io(reads: _Reads, seconds: float) -> None:
+        reads.io_seconds += seconds  # (a race between I/O threads only loses an observation, as above)
+
+    def io_seconds(self, task_id: int) -> float:
+        """Seconds the reads of a task's samples took, summed over the threads that ran them (they
+        overlap each other and the decoding); 0 for a task not added or discarded."""
+        reads = self._tasks.get(task_id)
+        return 0.0 if reads is None else reads.io_seconds
 
     def add(self, task_id: int, read: Callable[[int], bytes], indices: Sequence[int]) -> None:
         """Queue the reads of a task's samples (``read(index)`` for each of ``indices``, in order),
@@ -116,7 +129,11 @@ class SampleReader:
             if future is None:
                 reads.started = max(reads.started, k + 1)
                 self._fill()
-                return reads.read(reads.indices[k])
+                t0 = self._clock()
+                try:
+                    return reads.read(reads.indices[k])
+                finally:
+                    self._add_io(reads, self._clock() - t0)
             self._outstanding -= 1
             self._fill()  # keep the threads busy while this one waits or decodes
             if while_waiting is not None and not future.done():
@@ -175,5 +192,5 @@ class SampleReader:
                 reads.started += 1
                 if k in reads.unwanted:
                     continue
-                reads.futures[k] = self._executor.submit(self._timed_read, reads.read, reads.indices[k])
+                reads.futures[k] = self._executor.submit(self._timed_read, reads, reads.indices[k])
                 self._outstanding += 1

@@ -58,13 +58,18 @@ _computation_ids = itertools.count(1)
 
 @dataclass(slots=True)
 class ReadyBatch:
-    """A finished batch waiting in its slot. ``Stream.release`` must be called once it is sent."""
+    """A finished batch waiting in its slot. ``Stream.release`` must be called once it is sent.
+
+    timings: the worker's ``BatchDone.timings`` plus "queued" and "worker" (``WorkerPool``);
+    ready_at: ``time.monotonic()`` when it came back from its worker (its reorder wait starts).
+    """
 
     batch_index: int
     slot: Segment
     tensors: tuple[TensorLayout, ...]
     timings: dict[str, float] = field(default_factory=dict)
     skipped: tuple[int, ...] = ()
+    ready_at: float = 0.0
 
 
 class _Moved(Exception):

@@ -55,6 +55,9 @@ _STREAM_GAUGES = (
      "waiting_seconds"),
     ("batchd_stream_age_seconds", "Seconds since the stream opened.", "age_seconds"),
 )
+# only for streams whose client reports its training loop's wait (StreamProgress.wait_ratio)
+_STREAM_WAIT = ("batchd_stream_data_wait_ratio", "Fraction of the client's training-loop time spent waiting for "
+                "this stream's batches, as the client reports it (moving over about 10 s).")
 
 
 class StatsCollector(Collector):
@@ -106,10 +109,39 @@ class StatsCollector(Collector):
         yield counter("batchd_worker_restarts", "Worker processes that died and were replaced.", p.restarts)
         yield counter("batchd_batches_rebuilt", "Batches in flight on a worker that died, queued again for another.",
                       p.batches_rebuilt)
-        yield counter("batchd_worker_busy_seconds", "Seconds workers spent building batches (load, pipeline, copy).",
+        yield counter("batchd_worker_busy_seconds", "Seconds workers spent building batches (read, decode, "
+                      "pipeline, cache, write).",
                       p.busy_seconds)
         yield gauge("batchd_worker_utilization_ratio",
                     "Fraction of worker time spent building batches, moving over about 10 s.", p.utilization)
+        yield gauge("batchd_workers_busy_ratio", "Fraction of the workers' time with a batch to build, moving over "
+                    "about 10 s (the same as batchd_worker_utilization_ratio; scale on it).", p.utilization)
+        yield gauge("batchd_trainer_data_wait_ratio", "Mean fraction of their training loop's time the clients of "
+                    "the open streams spend waiting for data, as they report it (0 when none reports).",
+                    s.trainer_data_wait_ratio)
+        yield gauge("batchd_workers_min", "The fewest workers the pool runs (config workers, or workers.min).",
+                    p.min_workers)
+        yield gauge("batchd_workers_max", "The most workers the pool runs (workers.max capped by the CPU quota).",
+                    p.max_workers)
+        yield gauge("batchd_workers_cpu_quota", "CPUs the workers may use (the cgroup limit, else the CPUs "
+                    "available); 0 for a fixed pool.", p.cpu_quota)
+        scaling = CounterMetricFamily("batchd_worker_scaling", "Workers started (direction up, reason "
+                                      "clients_waiting) and retired (down, idle) by the pool's sizing.",
+                                      labels=["direction", "reason"])
+        for direction, reason in (("up", "clients_waiting"), ("down", "idle")):
+            scaling.add_metric([direction, reason], (s.scaling or {}).get((direction, reason), 0))
+        yield scaling
+        per_worker = GaugeMetricFamily("batchd_worker_busy_ratio", "Fraction of a worker's time with a batch to "
+                                       "build, moving over about 10 s.", labels=["worker"])
+        for w in p.worker_stats:
+            per_worker.add_metric([str(w.id)], w.busy_ratio)
+        yield per_worker
+        stages = CounterMetricFamily("batchd_batch_stage_seconds", "Seconds of each stage of the batches sent "
+                                     "(BatchTimings: queued, read, decode, pipeline, cache, write, reorder, send; "
+                                     "read_io overlaps the others).", labels=["stage"])
+        for stage, seconds in (s.stage_seconds or {}).items():
+            stages.add_metric([stage], seconds)
+        yield stages
         yield gauge("batchd_tasks_in_flight", "Batches sent to workers and not back yet (the work queue).",
                     p.tasks_in_flight)
         yield gauge("batchd_shm_slots_in_use", "Shared-memory slots holding a batch (lent slots not included).",
@@ -124,11 +156,15 @@ class StatsCollector(Collector):
         families = [CounterMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_COUNTERS]
         families += [GaugeMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_GAUGES]
         attrs = [a for _, _, a in _STREAM_COUNTERS + _STREAM_GAUGES]
+        wait = GaugeMetricFamily(*_STREAM_WAIT, labels=_STREAM_LABELS)
         for st in s.streams:
             labels = [str(st.id), st.dataset, st.pipeline, str(st.rank), st.transport]
             for family, attr in zip(families, attrs):
                 family.add_metric(labels, getattr(st, attr))
+            if st.reports_wait:
+                wait.add_metric(labels, st.wait_ratio)
         yield from families
+        yield wait
 
 
 def _cache_families(cache):

@@ -195,6 +195,7 @@ class BatchLoaderService:
         """
         patient_until = time.monotonic() + LEASE_WAIT_S
         data = None
+        stream.send_started = time.perf_counter()  # the batch's send_seconds count from here (Transport)
         try:
             while data is None:
                 data = self.loader.transport.encode(stream, batch, patient=time.monotonic() < patient_until)

@@ -73,6 +73,55 @@ class RateMeter:
         return value / (self.window * -math.expm1(-age / self.window))
 
 
+class BusyClock:
+    """How much of its time a worker has had a batch to build: an on/off state (``set``), its
+    total on-time (``busy_seconds``, the current stretch included) and alive time
+    (``alive_seconds``), and the on fraction as a moving ratio over about ``window`` seconds
+    (``ratio``: exponentially weighted, corrected for a clock younger than the window, as
+    ``RateMeter``). Times are ``time.monotonic()`` seconds. Thread-safe."""
+
+    __slots__ = ("window", "_start", "_t", "_on", "_value", "_busy", "_lock")
+
+    def __init__(self, window: float = RATE_WINDOW_S, *, now: float | None = None):
+        self.window = window
+        self._start = self._t = time.monotonic() if now is None else now
+        self._on = False
+        self._value = 0.0  # the weighted on-time, as of _t
+        self._busy = 0.0  # total on-time up to _t
+        self._lock = threading.Lock()
+
+    def _advance(self, now: float) -> tuple[float, float]:
+        dt = max(0.0, now - self._t)
+        if not self._on:
+            return self._value * math.exp(-dt / self.window), self._busy
+        return self._value * math.exp(-dt / self.window) - self.window * math.expm1(-dt / self.window), self._busy + dt
+
+    def set(self, on: bool, *, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if now > self._t:
+                self._value, self._busy = self._advance(now)
+                self._t = now
+            self._on = on
+
+    def ratio(self, *, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            value, _ = self._advance(now)
+            age = now - self._start
+        if age <= 0:
+            return 1.0 if self._on else 0.0
+        return min(1.0, value / (self.window * -math.expm1(-age / self.window)))
+
+    def busy_seconds(self, *, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._advance(now)[1]
+
+    def alive_seconds(self, *, now: float | None = None) -> float:
+        return max(0.0, (time.monotonic() if now is None else now) - self._start)
+
+
 @dataclass(frozen=True, slots=True)
 class StreamStats:
     """One open StreamBatches call."""
@@ -103,6 +152,9 @@ class StreamStats:
     images_per_second: float  # moving rate (RateMeter), samples taken per second (0: the client reports nothing)
     images_per_second_sent: float  # moving rate, samples handed to gRPC per second
     waiting_seconds: float  # how long the RPC has been waiting for its next batch now (0 if not waiting)
+    wait_ratio: float = 0.0  # the client's training loop: fraction of its time waiting for data (as it reports), 0..1
+    verdict: str = ""  # the client's profile verdict ("" when it reports none)
+    reports_wait: bool = False  # the client reported a wait ratio
 
     @property
     def batches_ahead(self) -> int:
@@ -111,22 +163,39 @@ class StreamStats:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker process."""
+
+    id: int
+    pid: int
+    busy_ratio: float  # moving fraction of its time spent building batches, 0..1
+    stage: str  # now: idle, read, decode, pipeline, cache, write (server/compute/stages.py), starting, retiring
+    tasks: int  # batches assigned to it now
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStats:
     """The worker processes and the shared memory they write."""
 
-    workers: int  # configured worker processes
+    workers: int  # worker processes running now
     ready: int  # started and answering (a replacement counts once it said Ready)
     busy: int  # workers with at least one batch assigned right now
     restarts: int  # workers that died and were replaced
     batches_rebuilt: int  # batches in flight on a worker that died, queued again for another
-    busy_seconds: float  # seconds workers spent building batches (load + pipeline + copy), all time
-    utilization: float  # moving fraction of worker time spent building batches, 0..1
+    busy_seconds: float  # seconds workers spent building batches (read, decode, pipeline, cache, write), all time
+    utilization: float  # moving fraction of worker time with a batch to build, 0..1
     tasks_in_flight: int  # batches sent to workers and not yet back (the work queue)
     slots_in_use: int  # shared-memory slots holding a batch (not counting those lent to clients)
     max_slots: int
     shm_bytes: int  # bytes of shared-memory slots: the server's and those lent to clients
     leases_held: int  # slots lent to same-host clients
     sessions: int  # open shared-memory sessions
+    min_workers: int = 0  # the pool's bounds (equal for a fixed pool; max after the CPU limit)
+    max_workers: int = 0
+    cpu_quota: float = 0.0  # CPUs the workers may use (cgroup limit, else the CPUs available); 0: a fixed pool
+    scale_ups: int = 0  # workers started because clients waited for data
+    scale_downs: int = 0  # workers retired after a cool-down
+    worker_stats: tuple[WorkerStats, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +242,14 @@ class ServerStats:
     computations: int = 0  # running computations (identical streams share one); not in the proto
     computations_started: int = 0
     cache: tuple[CacheStats, ...] = ()  # per dataset; empty without a cache
+    stage_seconds: dict[str, float] | None = None  # BatchTimings stage -> seconds over all batches sent; not in the proto
+    scaling: dict[tuple[str, str], int] | None = None  # (direction, reason) -> workers started/retired; not in the proto
+
+    @property
+    def trainer_data_wait_ratio(self) -> float:
+        """The mean wait ratio the open streams' clients report (0..1; 0 when none reports)."""
+        reported = [s.wait_ratio for s in self.streams if s.reports_wait]
+        return sum(reported) / len(reported) if reported else 0.0
 
 
 # Loader.counters keys, for the streams that have closed (open ones are added by snapshot).
@@ -220,6 +297,9 @@ def stream_stats(stream: "Stream", now: float) -> StreamStats:
         images_per_second=stream.taken_meter.rate(now=now),
         images_per_second_sent=stream.meter.rate(now=now),
         waiting_seconds=0.0 if waiting_since is None else max(0.0, now - waiting_since),
+        wait_ratio=stream.wait_ratio or 0.0,
+        verdict=stream.verdict,
+        reports_wait=stream.wait_ratio is not None,
     )
 
 
@@ -240,6 +320,7 @@ def snapshot(loader: "Loader") -> ServerStats:
         computations = loader.computations
     pool, slots, leases = loader.pool, loader.slots, loader.leases
     load = pool.load()
+    scaling = dict(pool.scaling)
     pool_stats = PoolStats(
         workers=pool.num_workers,
         ready=load["ready"],
@@ -247,13 +328,19 @@ def snapshot(loader: "Loader") -> ServerStats:
         restarts=pool.restarts,
         batches_rebuilt=pool.batches_rebuilt,
         busy_seconds=pool.work_seconds,
-        utilization=min(1.0, pool.work_meter.rate(now=now) / max(1, pool.num_workers)),
+        utilization=pool.busy_ratio(now),
         tasks_in_flight=load["tasks_in_flight"],
         slots_in_use=slots.in_use,
         max_slots=slots.max_slots,
         shm_bytes=slots.bytes_mapped,
         leases_held=leases.held_total,
         sessions=leases.sessions,
+        min_workers=pool.min_workers,
+        max_workers=pool.max_workers,
+        cpu_quota=pool.autoscaler.cpu_quota if pool.autoscaler is not None else 0.0,
+        scale_ups=sum(n for (direction, _), n in scaling.items() if direction == "up"),
+        scale_downs=sum(n for (direction, _), n in scaling.items() if direction == "down"),
+        worker_stats=tuple(WorkerStats(**w) for w in pool.workers(now)),
     )
     totals = Totals(
         streams_started=counters.get("streams_started", 0),
@@ -269,7 +356,7 @@ def snapshot(loader: "Loader") -> ServerStats:
     return ServerStats(
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,
         computations=computations, computations_started=counters.get("computations_started", 0),
-        cache=_cache_stats(loader),
+        cache=_cache_stats(loader), stage_seconds=dict(loader.transport.stage_seconds), scaling=scaling,
     )
 
 

@@ -16,6 +16,8 @@ from batchd.server.serve.stats import RateMeter
 __all__ = ["Computation", "ReadyBatch", "Stream"]
 
 _stream_ids = itertools.count(1)
+# what a client's profile may report (StreamProgress.verdict; batchd.client.profile.VERDICTS)
+VERDICTS = frozenset({"trainer-bound", "storage-bound", "cpu-bound", "transport-bound", "copy-bound"})
 
 
 class Stream:
@@ -47,6 +49,13 @@ class Stream:
         self.samples_taken = 0
         self.reports_progress = False  # the client reports progress: released leases no longer count
         self.taken_meter = RateMeter()  # samples taken per second, moving
+        self.reorder_seconds = 0.0  # how long the batch being sent waited, built, in the reorder buffer
+        self.send_started: float | None = None  # perf_counter() when the servicer began sending it
+        self.busy_mark: tuple[float, float] | None = None  # the pool's (busy, alive) worker-seconds at its first batch
+        # what the client reports of its training loop (StreamProgress): wait_ratio None until it does
+        self.wait_ratio: float | None = None
+        self.verdict = ""
+        self.wait_reported_at = 0.0  # time.monotonic() of the last report
         self._lock = threading.Lock()
 
     @property
@@ -84,6 +93,7 @@ class Stream:
                 continue
             if batch is not None:
                 self._from = computation  # where release() must return it
+                self.reorder_seconds = max(0.0, time.monotonic() - batch.ready_at) if batch.ready_at else 0.0
                 if computation.readers > 1:
                     self.was_shared = True
             return batch
@@ -135,6 +145,14 @@ class Stream:
                 self.samples_taken += samples
         if added:
             self.taken_meter.add(added)
+
+    def client_waits(self, wait_ratio: float, verdict: str) -> None:
+        """The client's report of its training loop (StreamProgress): the fraction of its time spent
+        waiting for this stream's batches (clipped to [0, 1]) and its profile verdict (one of
+        ``VERDICTS``; anything else is kept as "")."""
+        self.wait_ratio = min(1.0, max(0.0, float(wait_ratio))) if wait_ratio == wait_ratio else 0.0  # NaN: 0
+        self.verdict = verdict if verdict in VERDICTS else ""
+        self.wait_reported_at = time.monotonic()
 
     def backlog(self) -> tuple[int, int]:
         """(batches being built, batches built and waiting) in this stream's computation."""

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 import lz4.frame as lz4_frame
 
@@ -47,6 +48,7 @@ from batchd.server.serve.shm import SlotPool
 from batchd.server.serve.stream import ReadyBatch, Stream
 from batchd.v1 import loader_pb2 as pb
 
+STAGE_FIELDS = {name[: -len("_seconds")]: name for name in wire.WireTimings.__slots__ if name.endswith("_seconds")}
 LEASE_WAIT_S = 2.0  # how long a stream at its session's lease cap waits for one to come back
 WAIT_SLICE_S = 0.25  # ... in slices, so that the caller sees a cancelled call
 
@@ -54,12 +56,17 @@ WAIT_SLICE_S = 0.25  # ... in slices, so that the caller sees a cancelled call
 class Transport:
     """Lend or copy, and account for it. Thread-safe (RPC threads call every method)."""
 
-    def __init__(self, slots: SlotPool, leases: LeaseTable):
+    def __init__(self, slots: SlotPool, leases: LeaseTable, busy_ratio: Callable[[Stream], float] = lambda s: 0.0):
+        """busy_ratio(stream): the workers' busy ratio since ``stream``'s first batch (0..1, ``Loader``),
+        written into each of its batches' timings."""
         self.slots, self.leases = slots, leases
+        self.busy_ratio = busy_ratio
         self._lock = threading.Lock()
         self._open: dict[int, Stream] = {}  # stream id -> open stream
         self._tags: dict[tuple[str, str], Stream] = {}  # (session, stream_tag) -> open stream
         self.bytes_copied = {"shm": 0, "inline": 0}
+        # seconds per BatchTimings stage, summed over every batch sent (batchd_batch_stage_seconds_total)
+        self.stage_seconds = dict.fromkeys(STAGE_FIELDS, 0.0)
 
     def open(self, stream: Stream) -> None:
         """Start accounting for ``stream`` (its progress reports and released leases count as taken)."""
@@ -94,6 +101,7 @@ class Transport:
         lease takes a reference of its own on the slot.
         """
         r = stream.request
+        t0 = time.perf_counter()
         lease = None
         if r.transport == "shm":
             samples = batch.tensors[0].samples if batch.tensors else 0
@@ -107,7 +115,7 @@ class Transport:
             tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset, **ragged_fields(t))
                        for t in batch.tensors]
             return wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, segment=batch.slot.name,
-                                     lease=lease, skipped=batch.skipped)
+                                     lease=lease, skipped=batch.skipped, timings=self._timings(stream, batch, t0))
         buf = batch.slot.buf
         tensors, copied = [], 0
         for t in batch.tensors:
@@ -118,11 +126,31 @@ class Transport:
                                                compression=pb.COMPRESSION_LZ4, **ragged_fields(t)))
             else:
                 tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, data, **ragged_fields(t)))
-        data = wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, skipped=batch.skipped)
+        data = wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, skipped=batch.skipped,
+                                 timings=self._timings(stream, batch, t0))
         with self._lock:
             self.bytes_copied[r.transport] += copied
             stream.bytes_copied += copied
         return data
+
+    def _timings(self, stream: Stream, batch: ReadyBatch, t0: float) -> wire.WireTimings:
+        """The batch's ``BatchTimings``: its worker's stages, its waits, and ``send`` from
+        ``stream.send_started`` (the first ``encode`` of this batch, as the servicer sets it; else
+        ``t0``, this one) until now. The one copy of an inline batch's bytes into the message comes
+        after (``encode_batch`` joins them), so it is not in ``send`` (about 0.1 ms per MB)."""
+        t = batch.timings
+        start = t0 if stream.send_started is None else stream.send_started
+        timings = wire.WireTimings(
+            queued_seconds=t.get("queued", 0.0), read_seconds=t.get("read", 0.0), decode_seconds=t.get("decode", 0.0),
+            pipeline_seconds=t.get("pipeline", 0.0), cache_seconds=t.get("cache", 0.0),
+            write_seconds=t.get("write", 0.0), reorder_seconds=stream.reorder_seconds,
+            send_seconds=time.perf_counter() - start, read_io_seconds=t.get("read_io", 0.0),
+            cache_hits=int(t.get("cache_hits", 0)), worker=int(t.get("worker", 0)),
+            workers_busy_ratio=min(1.0, max(0.0, self.busy_ratio(stream))))
+        with self._lock:
+            for stage, name in STAGE_FIELDS.items():
+                self.stage_seconds[stage] += getattr(timings, name)
+        return timings
 
     def release(self, request: pb.ReleaseLeasesRequest) -> None:
         """Apply a ReleaseLeases request (leases freed, a call abandoned, progress per call)."""
@@ -139,6 +167,8 @@ class Transport:
         for stream, p in reported:
             if stream is not None:
                 stream.took(p.batches_taken, p.samples_taken, reported=True)
+                if p.verdict:  # a client that profiles its loop (batchd.client.timings)
+                    stream.client_waits(p.wait_ratio, p.verdict)
 
 
 def ragged_fields(t: TensorLayout) -> dict[str, Any]:

@@ -82,7 +82,7 @@ class FakeTransfer:
         self.copies = 0
         FakeTransfer.built.append(self)
 
-    def to_device(self, batch, stopping=None, *, registered=False, finish=None, seed=0, epoch=0):
+    def to_device(self, batch, stopping=None, *, registered=False, finish=None, seed=0, epoch=0, marks=None):
         self.copies += 1
         return batch, "event"
 

@@ -2,7 +2,7 @@
 
 No cluster runs here. Every object is validated against the Kubernetes v1.33 JSON schema (strict:
 an unknown or misspelt field fails) vendored in tests/k8s-schema.json: the definitions that Pod,
-Deployment, Service and ConfigMap reference, taken from the PyPI package kubernetes-validate
+Deployment, Service, ConfigMap and HorizontalPodAutoscaler (autoscaling/v2) reference, taken from the PyPI package kubernetes-validate
 1.37.0 (``kubernetes-json-schema/v1.33.0-local-strict/_definitions.json``, sha256 c6ac7ea7...1cd3)
 with their descriptions removed; Apache-2.0, see tests/k8s-schema.LICENSE. Then what the schema
 cannot say is checked (mounts name volumes that exist, probes hit declared ports, /dev/shm is a
@@ -34,6 +34,7 @@ KINDS = {
     ("apps/v1", "Deployment"): "io.k8s.api.apps.v1.Deployment",
     ("v1", "Service"): "io.k8s.api.core.v1.Service",
     ("v1", "ConfigMap"): "io.k8s.api.core.v1.ConfigMap",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "io.k8s.api.autoscaling.v2.HorizontalPodAutoscaler",
 }
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,9 +119,11 @@ def validator():
 
 def test_manifests_exist():
     names = {p.name for p in K8S.glob("*.yaml")}
-    assert {"sidecar-pod.yaml", "batchd-deployment.yaml", "batchd-service.yaml", "configmap.yaml"} <= names
+    assert {"sidecar-pod.yaml", "batchd-deployment.yaml", "batchd-service.yaml", "configmap.yaml", "batchd-hpa.yaml",
+            "prometheus-adapter-rules.yaml"} <= names
     assert {(d["kind"], d["metadata"]["name"]) for _, d in documents()} >= {
-        ("Pod", "fashion-mnist-trainer"), ("Deployment", "batchd"), ("Service", "batchd"), ("ConfigMap", "batchd-config")}
+        ("Pod", "fashion-mnist-trainer"), ("Deployment", "batchd"), ("Service", "batchd"), ("ConfigMap", "batchd-config"),
+        ("HorizontalPodAutoscaler", "batchd"), ("ConfigMap", "batchd-prometheus-adapter")}
 
 
 def test_every_object_validates_against_the_kubernetes_schema(validator):
@@ -200,7 +203,7 @@ def test_sidecar_pod_shares_a_socket_and_starts_batchd_first():
 
 def test_headless_service_selects_the_deployment():
     deployment, service = one("Deployment", "batchd"), one("Service", "batchd")
-    assert deployment["spec"]["replicas"] == 3
+    assert "replicas" not in deployment["spec"], "the HorizontalPodAutoscaler owns the replica count (batchd-hpa.yaml)"
     selector = deployment["spec"]["selector"]["matchLabels"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= labels.items(), "the Deployment's selector must match its own pods"

@@ -43,8 +43,11 @@ TENSOR_FIELDS = common_fields(wire.WireTensor, pb.Tensor)
 
 
 def test_the_core_fields_are_shared():
-    assert {"batch_index", "epoch", "num_batches", "tensors"} <= set(BATCH_FIELDS)
+    assert {"batch_index", "epoch", "num_batches", "tensors", "timings"} <= set(BATCH_FIELDS)
     assert {"name", "dtype", "shape", "data"} <= set(TENSOR_FIELDS)
+    # WireTimings mirrors BatchTimings field for field, in field-number order
+    assert [f.name for f in dataclasses.fields(wire.WireTimings)] == [
+        fd.name for fd in sorted(pb.BatchTimings.DESCRIPTOR.fields, key=lambda fd: fd.number)]
 
 
 def scalar_strategy(fd):
@@ -64,6 +67,8 @@ def scalar_strategy(fd):
         return st.binary(max_size=48)
     if fd.type == FD.TYPE_BOOL:
         return st.booleans()
+    if fd.type == FD.TYPE_DOUBLE:
+        return st.floats(allow_nan=False) | st.sampled_from([0.0, -0.0, 1e-6, 3600.0])
     raise NotImplementedError(f"no strategy for field {fd.full_name}")
 
 
@@ -86,12 +91,20 @@ def tensor_dicts(draw, nonempty_strings: bool = False):
 
 
 @st.composite
+def message_dicts(draw, message):
+    """A dict of a message's scalar fields (e.g. BatchTimings), zero often."""
+    return {fd.name: draw(st.just(fd.default_value) | scalar_strategy(fd)) for fd in message.DESCRIPTOR.fields}
+
+
+@st.composite
 def batch_dicts(draw, nonempty_strings: bool = False):
     out = {}
     for name in BATCH_FIELDS:
         fd = pb.Batch.DESCRIPTOR.fields_by_name[name]
         if name == "tensors":
             out[name] = draw(st.lists(tensor_dicts(nonempty_strings), max_size=4))
+        elif fd.message_type is not None:  # a message field (timings): absent, or its fields
+            out[name] = draw(st.none() | message_dicts(getattr(pb, fd.message_type.name)))
         else:
             # zero often, so that omitted fields are exercised
             out[name] = draw(st.just(fd.default_value) | scalar_strategy(fd))
@@ -99,7 +112,8 @@ def batch_dicts(draw, nonempty_strings: bool = False):
 
 
 def to_proto(d: dict) -> pb.Batch:
-    return pb.Batch(**{k: v for k, v in d.items() if k != "tensors"}, tensors=[pb.Tensor(**t) for t in d["tensors"]])
+    return pb.Batch(**{k: v for k, v in d.items() if k != "tensors" and v is not None},
+                    tensors=[pb.Tensor(**t) for t in d["tensors"]])
 
 
 def to_wire_args(d: dict):
@@ -107,12 +121,27 @@ def to_wire_args(d: dict):
     tensors = [wire.WireTensor(**t) for t in d["tensors"]]
     core = (d["batch_index"], d["epoch"], d["num_batches"], tensors)
     extra = {k: v for k, v in d.items() if k not in ("batch_index", "epoch", "num_batches", "tensors")}
+    if extra.get("timings") is not None:
+        extra["timings"] = wire.WireTimings(**extra["timings"])
     return core, extra
+
+
+def assert_same_message(w, m) -> None:
+    """A wire dataclass (e.g. WireTimings) and a protobuf message: absent alike, or equal fields (bit for bit)."""
+    if w is None:
+        assert m is None
+        return
+    for fd in m.DESCRIPTOR.fields:
+        got, want = getattr(w, fd.name), getattr(m, fd.name)
+        assert got == want and str(got) == str(want), fd.name  # str: -0.0 is not 0.0
 
 
 def assert_same(w: wire.WireBatch, m: pb.Batch) -> None:
     for name in BATCH_FIELDS:
-        if name != "tensors":
+        fd = pb.Batch.DESCRIPTOR.fields_by_name[name]
+        if fd.message_type is not None and name != "tensors":
+            assert_same_message(getattr(w, name), getattr(m, name) if m.HasField(name) else None)
+        elif name != "tensors":
             assert getattr(w, name) == getattr(m, name), name
     assert len(w.tensors) == len(m.tensors)
     for wt, mt in zip(w.tensors, m.tensors):
@@ -176,6 +205,19 @@ def test_encode_numpy_buffers(dtype, shape, seed):
     (wt,) = wire.decode_batch(data).tensors
     back = np.frombuffer(wt.data, dtype=wt.dtype).reshape(wt.shape)
     np.testing.assert_array_equal(back, arr)
+
+
+@SETTINGS
+@given(message_dicts(pb.BatchTimings))
+def test_timings_are_byte_identical_to_protobuf(d):
+    # the timings field goes last (field 8, after the tensors): as protobuf writes it
+    tensor = wire.WireTensor("image", "uint8", (2,), b"ab")
+    got = wire.encode_batch(5, 1, 9, [tensor], timings=wire.WireTimings(**d))
+    want = pb.Batch(batch_index=5, epoch=1, num_batches=9, tensors=[pb.Tensor(name="image", dtype="uint8", shape=[2],
+                                                                              data=b"ab")],
+                    timings=pb.BatchTimings(**d)).SerializeToString(deterministic=True)
+    assert got == want
+    assert_same_message(wire.decode_batch(got).timings, pb.Batch.FromString(got).timings)
 
 
 # --- decode -----------------------------------------------------------------------------------

@@ -57,14 +57,18 @@ class ReleaseLeasesRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., leases: _Optional[_Iterable[int]] = ..., abandoned_stream: _Optional[str] = ..., received_leases: _Optional[_Iterable[int]] = ..., progress: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ...) -> None: ...
 
 class StreamProgress(_message.Message):
-    __slots__ = ("stream_tag", "batches_taken", "samples_taken")
+    __slots__ = ("stream_tag", "batches_taken", "samples_taken", "wait_ratio", "verdict")
     STREAM_TAG_FIELD_NUMBER: _ClassVar[int]
     BATCHES_TAKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     stream_tag: str
     batches_taken: int
     samples_taken: int
-    def __init__(self, stream_tag: _Optional[str] = ..., batches_taken: _Optional[int] = ..., samples_taken: _Optional[int] = ...) -> None: ...
+    wait_ratio: float
+    verdict: str
+    def __init__(self, stream_tag: _Optional[str] = ..., batches_taken: _Optional[int] = ..., samples_taken: _Optional[int] = ..., wait_ratio: _Optional[float] = ..., verdict: _Optional[str] = ...) -> None: ...
 
 class ReleaseLeasesResponse(_message.Message):
     __slots__ = ()
@@ -202,7 +206,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., sample_ndim: _Optional[int] = ..., sample_shapes: _Optional[_Iterable[int]] = ..., sample_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("batch_index", "epoch", "num_batches", "tensors", "segment", "lease", "skipped_indices")
+    __slots__ = ("batch_index", "epoch", "num_batches", "tensors", "segment", "lease", "skipped_indices", "timings")
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +214,7 @@ class Batch(_message.Message):
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_INDICES_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     batch_index: int
     epoch: int
     num_batches: int
@@ -217,7 +222,36 @@ class Batch(_message.Message):
     segment: str
     lease: int
     skipped_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., num_batches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., segment: _Optional[str] = ..., lease: _Optional[int] = ..., skipped_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    timings: BatchTimings
+    def __init__(self, batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., num_batches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., segment: _Optional[str] = ..., lease: _Optional[int] = ..., skipped_indices: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[BatchTimings, _Mapping]] = ...) -> None: ...
+
+class BatchTimings(_message.Message):
+    __slots__ = ("queued_seconds", "read_seconds", "decode_seconds", "pipeline_seconds", "cache_seconds", "write_seconds", "reorder_seconds", "send_seconds", "read_io_seconds", "cache_hits", "worker", "workers_busy_ratio")
+    QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REORDER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READ_IO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_BUSY_RATIO_FIELD_NUMBER: _ClassVar[int]
+    queued_seconds: float
+    read_seconds: float
+    decode_seconds: float
+    pipeline_seconds: float
+    cache_seconds: float
+    write_seconds: float
+    reorder_seconds: float
+    send_seconds: float
+    read_io_seconds: float
+    cache_hits: int
+    worker: int
+    workers_busy_ratio: float
+    def __init__(self, queued_seconds: _Optional[float] = ..., read_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., pipeline_seconds: _Optional[float] = ..., cache_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., reorder_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., read_io_seconds: _Optional[float] = ..., cache_hits: _Optional[int] = ..., worker: _Optional[int] = ..., workers_busy_ratio: _Optional[float] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("type", "message", "dataset", "indices", "paths", "reason")
@@ -240,7 +274,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StreamStats(_message.Message):
-    __slots__ = ("id", "peer", "dataset", "pipeline", "batch_size", "epoch", "rank", "world_size", "transport", "shared", "num_batches", "next_batch", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "batches_in_flight", "batches_ready", "prefetch", "age_seconds", "images_per_second", "waiting_seconds", "batches_taken", "samples_taken", "bytes_copied", "images_per_second_sent")
+    __slots__ = ("id", "peer", "dataset", "pipeline", "batch_size", "epoch", "rank", "world_size", "transport", "shared", "num_batches", "next_batch", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "batches_in_flight", "batches_ready", "prefetch", "age_seconds", "images_per_second", "waiting_seconds", "batches_taken", "samples_taken", "bytes_copied", "images_per_second_sent", "wait_ratio", "verdict", "reports_wait")
     ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +301,9 @@ class StreamStats(_message.Message):
     SAMPLES_TAKEN_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_PER_SECOND_SENT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_WAIT_FIELD_NUMBER: _ClassVar[int]
     id: int
     peer: str
     dataset: str
@@ -293,10 +330,27 @@ class StreamStats(_message.Message):
     samples_taken: int
     bytes_copied: int
     images_per_second_sent: float
-    def __init__(self, id: _Optional[int] = ..., peer: _Optional[str] = ..., dataset: _Optional[str] = ..., pipeline: _Optional[str] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[str] = ..., shared: _Optional[bool] = ..., num_batches: _Optional[int] = ..., next_batch: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., batches_in_flight: _Optional[int] = ..., batches_ready: _Optional[int] = ..., prefetch: _Optional[int] = ..., age_seconds: _Optional[float] = ..., images_per_second: _Optional[float] = ..., waiting_seconds: _Optional[float] = ..., batches_taken: _Optional[int] = ..., samples_taken: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., images_per_second_sent: _Optional[float] = ...) -> None: ...
+    wait_ratio: float
+    verdict: str
+    reports_wait: bool
+    def __init__(self, id: _Optional[int] = ..., peer: _Optional[str] = ..., dataset: _Optional[str] = ..., pipeline: _Optional[str] = ..., batch_size: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[str] = ..., shared: _Optional[bool] = ..., num_batches: _Optional[int] = ..., next_batch: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., batches_in_flight: _Optional[int] = ..., batches_ready: _Optional[int] = ..., prefetch: _Optional[int] = ..., age_seconds: _Optional[float] = ..., images_per_second: _Optional[float] = ..., waiting_seconds: _Optional[float] = ..., batches_taken: _Optional[int] = ..., samples_taken: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., images_per_second_sent: _Optional[float] = ..., wait_ratio: _Optional[float] = ..., verdict: _Optional[str] = ..., reports_wait: _Optional[bool] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("id", "pid", "busy_ratio", "stage", "tasks")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    BUSY_RATIO_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    pid: int
+    busy_ratio: float
+    stage: str
+    tasks: int
+    def __init__(self, id: _Optional[int] = ..., pid: _Optional[int] = ..., busy_ratio: _Optional[float] = ..., stage: _Optional[str] = ..., tasks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions", "batches_rebuilt")
+    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions", "batches_rebuilt", "min_workers", "max_workers", "cpu_quota", "scale_ups", "scale_downs", "worker_stats")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +364,12 @@ class PoolStats(_message.Message):
     LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_REBUILT_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    SCALE_UPS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_DOWNS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STATS_FIELD_NUMBER: _ClassVar[int]
     workers: int
     ready: int
     busy: int
@@ -323,7 +383,13 @@ class PoolStats(_message.Message):
     leases_held: int
     sessions: int
     batches_rebuilt: int
-    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ...) -> None: ...
+    min_workers: int
+    max_workers: int
+    cpu_quota: float
+    scale_ups: int
+    scale_downs: int
+    worker_stats: _containers.RepeatedCompositeFieldContainer[WorkerStats]
+    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., cpu_quota: _Optional[float] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ..., worker_stats: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
 
 class StatsTotals(_message.Message):
     __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent")

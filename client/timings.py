@@ -1,0 +1,267 @@
+"""Where a loader's batches spent their time: each batch's stages, and the training loop's wait.
+
+Every batch brings the server's ``BatchTimings`` (loader.proto: queued, read, decode, pipeline,
+cache, write, reorder, send). The receiver thread adds its own stages (``BatchTimes``):
+``receive`` (waiting for the message from gRPC), ``unpack`` (message -> tensors: parsing, LZ4,
+mapping a shared-memory slot, decoding JPEGs for ``decode_on_client``), ``copy`` (host to
+device) and ``gpu_transform``. On CUDA the last two are device times, read from CUDA events
+once they have completed (until then they count as 0); without a device ``gpu_transform`` is
+its CPU time and ``copy`` is 0.
+
+The training loop's side is ``LoopTimings``, fed by ``RemoteDataLoader.__iter__``: ``wait`` is
+the time ``__next__`` blocked for a batch (inside a ``torch.profiler.record_function("batchd.wait")``
+range while a profiler runs, and an NVTX range of that name on CUDA, so traces show it), and
+``step`` is the time between two ``__next__`` calls (the training step). The first batch of an
+iteration is not counted as wait (it includes connecting and the pipeline's warm-up): it is
+``startup``. ``wait_ratio`` = wait / (wait + step), over the epoch so far; a moving version
+(about the last ``WINDOW_S`` seconds) is what the loader reports to each server
+(``StreamProgress.wait_ratio``), so a server sizes its workers by the recent wait, not the
+epoch's.
+
+All times are seconds (floats) and ratios are in [0, 1]. ``batchd.client.profile`` turns the
+totals into ``loader.profile()``'s verdict.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+
+from batchd.wire import WireTimings
+
+T = TypeVar("T")
+WAIT_RANGE = "batchd.wait"  # the profiler / NVTX range around the loop's wait for a batch
+
+SERVER_STAGES = ("queued", "read", "decode", "pipeline", "cache", "write", "reorder", "send")
+WORKER_STAGES = ("read", "decode", "pipeline", "cache", "write")  # a worker's time on a batch
+CLIENT_STAGES = ("receive", "unpack", "copy", "gpu_transform")  # the receiver thread, per batch
+LOOP_STAGES = ("wait", "step")  # the training loop
+STAGES = (*LOOP_STAGES, *SERVER_STAGES, *CLIENT_STAGES)
+WINDOW_S = 10.0  # time constant of the moving wait ratio reported to servers (seconds)
+_SERVER_ATTRS = tuple((stage, f"{stage}_seconds") for stage in SERVER_STAGES)
+
+
+@dataclass(slots=True)
+class BatchTimes:
+    """One batch's timings: the server's (``WireTimings``; None from a server that sends none)
+    and this client's, in seconds. ``events``: CUDA events (start, copied, finished) recorded
+    with timing on the copy's stream; ``resolve()`` turns them into ``copy`` and
+    ``gpu_transform`` once they have completed."""
+
+    server: WireTimings | None = None
+    receive: float = 0.0
+    unpack: float = 0.0
+    copy: float = 0.0
+    gpu_transform: float = 0.0
+    events: tuple[Any, Any, Any] | None = None
+
+    def resolve(self, wait: bool = False) -> bool:
+        """Read the CUDA events' times if they have completed (``wait``: synchronize first).
+        True once nothing is pending."""
+        if self.events is None:
+            return True
+        start, copied, finished = self.events
+        if not wait and not finished.query():
+            return False
+        finished.synchronize()
+        self.copy = start.elapsed_time(copied) / 1000.0  # ms -> s
+        self.gpu_transform = copied.elapsed_time(finished) / 1000.0
+        self.events = None
+        return True
+
+
+_delivered = threading.local()
+
+
+def delivered(times: BatchTimes | None, record: Any, samples: int | None = None) -> None:
+    """The consumer's thread hands the training loop a batch of ``samples`` samples: remember its
+    timings and its call's ``CallRecord`` for ``timed`` (``take_delivered``), in the same thread,
+    right after."""
+    _delivered.item = (times, record, samples)
+
+
+def take_delivered() -> tuple[BatchTimes | None, Any, int | None]:
+    """The (timings, call record, samples) of the batch delivered last in this thread; (None,
+    None, None) if none."""
+    item = getattr(_delivered, "item", None)
+    _delivered.item = None
+    return item if item is not None else (None, None, None)
+
+
+class WaitMeter:
+    """The fraction of recent loop time spent waiting: exponentially weighted sums of wait and of
+    wait + step, time constant ``window`` seconds. ``ratio`` is 0..1 (0 before any batch)."""
+
+    __slots__ = ("window", "_t", "_wait", "_loop")
+
+    def __init__(self, window: float = WINDOW_S):
+        self.window, self._t, self._wait, self._loop = window, None, 0.0, 0.0
+
+    def add(self, wait: float, step: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        decay = 1.0 if self._t is None else math.exp(-max(0.0, now - self._t) / self.window)
+        self._t = now
+        self._wait = self._wait * decay + wait
+        self._loop = self._loop * decay + wait + step
+
+    @property
+    def ratio(self) -> float:
+        return min(1.0, self._wait / self._loop) if self._loop > 0 else 0.0
+
+
+@dataclass
+class LoopTimings:
+    """Totals for the epoch so far (``begin`` with another epoch starts over): seconds per stage
+    (``STAGES``), batches counted, the first batch's wait (``startup``), the workers' busy ratio
+    the latest batch of each call carried (each is the pool's since that call's stream opened),
+    and the moving wait ratio. Used from the consumer's thread."""
+
+    epoch: int | None = None
+    batches: int = 0
+    startup: float = 0.0
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    busy: dict[int, float] = field(default_factory=dict)  # id(call) -> its latest BatchTimings.workers_busy_ratio
+    moving: WaitMeter = field(default_factory=WaitMeter)
+    _pending: list[BatchTimes] = field(default_factory=list)  # CUDA times not read yet
+    _first: bool = True
+
+    def begin(self, epoch: int) -> None:
+        """An iteration starts: its first batch is ``startup``; a new epoch resets the totals."""
+        if epoch != self.epoch:
+            self.__init__(epoch=epoch)  # type: ignore[misc]
+        self._first = True
+
+    def add(self, wait: float, step: float, times: BatchTimes | None, call: object = None) -> float:
+        """One batch taken: the loop waited ``wait`` seconds in ``__next__`` after a step of ``step``
+        seconds (since the previous batch was handed over); ``times``: its stages; ``call``: the
+        StreamBatches call it came on (its server). Returns the wait counted (0 for an iteration's
+        first batch: its wait is ``startup``)."""
+        first, self._first = self._first, False
+        if first:
+            self.startup += wait
+            wait = 0.0
+        else:
+            self.totals["wait"] += wait
+        self.totals["step"] += step
+        self.moving.add(wait, step)
+        self.batches += 1
+        if times is None:
+            return wait
+        if times.server is not None:
+            self.busy[id(call)] = times.server.workers_busy_ratio
+        if times.events is not None:
+            self._pending.append(times)
+        self._count(times)
+        self._resolve()
+        return wait
+
+    def finished_step(self, step: float) -> None:
+        """The loop came back after its last batch (the iteration ended): count that step."""
+        self.totals["step"] += step
+
+    def _count(self, times: BatchTimes) -> None:
+        totals, s = self.totals, times.server
+        if s is not None:
+            for stage, attr in _SERVER_ATTRS:
+                totals[stage] += getattr(s, attr)
+        totals["receive"] += times.receive
+        totals["unpack"] += times.unpack
+        totals["copy"] += times.copy
+        totals["gpu_transform"] += times.gpu_transform
+
+    def _resolve(self, wait: bool = False) -> None:
+        """Add the CUDA times of batches whose copies have completed."""
+        done = []
+        for times in self._pending:
+            if times.resolve(wait):
+                done.append(times)
+        for times in done:
+            self._pending.remove(times)
+            self.totals["copy"] += times.copy
+            self.totals["gpu_transform"] += times.gpu_transform
+
+    @property
+    def wait_ratio(self) -> float:
+        """wait / (wait + step) over the epoch so far, the first batch left out: 0..1."""
+        loop = self.totals["wait"] + self.totals["step"]
+        return min(1.0, self.totals["wait"] / loop) if loop > 0 else 0.0
+
+    @property
+    def workers_busy_ratio(self) -> float:
+        """How busy the servers' workers were (0..1; 0 without timings): the mean over the calls of
+        this epoch of what each one's latest batch says."""
+        return sum(self.busy.values()) / len(self.busy) if self.busy else 0.0
+
+    def snapshot(self) -> "LoopTimings":
+        """A copy with every completed CUDA time read (waiting for those in flight)."""
+        self._resolve(wait=True)
+        return LoopTimings(self.epoch, self.batches, self.startup, dict(self.totals), dict(self.busy))
+
+
+def waiting(take: Callable[[], T], cuda: bool) -> T:
+    """``take()`` inside a ``torch.profiler.record_function(WAIT_RANGE)`` range while a profiler
+    runs (about 30 us a call, so not otherwise), and an NVTX range of that name when ``cuda`` and
+    torch has NVTX (Nsight Systems shows it)."""
+    rf = torch.profiler.record_function(WAIT_RANGE) if torch.autograd._profiler_enabled() else None
+    if rf is not None:
+        rf.__enter__()
+    nvtx = cuda and _nvtx()
+    if nvtx:
+        torch.cuda.nvtx.range_push(WAIT_RANGE)
+    try:
+        return take()
+    finally:
+        if nvtx:
+            torch.cuda.nvtx.range_pop()
+        if rf is not None:
+            rf.__exit__(None, None, None)
+
+
+@functools.cache
+def _nvtx() -> bool:
+    """Whether this torch can mark NVTX ranges (a CPU build cannot)."""
+    try:
+        torch.cuda.nvtx.range_push(WAIT_RANGE)
+        torch.cuda.nvtx.range_pop()
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+_END = object()  # what ``next`` gives at the end (a collate_fn may return None for a batch)
+
+
+def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Callable[[float], str],
+          stats: Any = None) -> Iterator[T]:
+    """``batches`` as the training loop takes them, timed: each ``next`` is a wait (``waiting``), the
+    time between two is a step; both go to ``timings`` and to the batch's call record (its
+    progress reports them), with ``verdict(now)``, and each wait, as measured, to ``stats`` (a
+    ``batchd.client.loader_stats.LoaderStats``: ``loader.stats()``). Closing it closes ``batches``."""
+    handed = None  # perf_counter() when the loop got the previous batch
+    try:
+        while True:
+            asked = time.perf_counter()
+            if stats is not None:
+                stats.asking(asked)
+            step = asked - handed if handed is not None else 0.0
+            batch = waiting(lambda: next(batches, _END), cuda)
+            if batch is _END:
+                if handed is not None:
+                    timings.finished_step(step)
+                return
+            handed = time.perf_counter()
+            times, record, samples = take_delivered()
+            if stats is not None:
+                stats.waited(handed - asked, batch, handed, samples)
+            wait = timings.add(handed - asked, step, times, record)
+            if record is not None:
+                record.loop_waited(wait, step, verdict(handed))
+            yield batch
+    finally:
+        batches.close()
