@@ -329,3 +329,8 @@ def test_decode_on_client_refuses_a_dataset_with_targets(tmp_path):
     assert encoded.check_request(plain, "jpeg", "") == (0, 0)
     with pytest.raises(ValueError, match=r"dataset 'photos' has targets or other fields \(boxes\)"):
         encoded.check_request(WithBoxes("photos", cfg, tmp_path, build=True), "jpeg", "")
+    from batchd.server.compute import python_pipeline
+
+    text = python_pipeline.preset_json("mine", {"python": "batchd_testdata:make_flip", "args": {}})
+    with pytest.raises(ValueError, match="the pipeline is a python preset"):  # it runs on the server's pixels
+        encoded.check_request(plain, "jpeg", text)
