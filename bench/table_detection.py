@@ -194,9 +194,9 @@ def render(r: dict) -> str:
         f"{r['seq_images']}) after a warm-up of {2 * WORKERS} batches; median of {r['repeats']} interleaved repeats "
         f"(largest spread (max-min)/median: {worst:.0%}). CPU per image: every process of the run in the timed "
         "window (client, server and its workers, DataLoader workers).\n\n")
-    head = ["step", "T2 / T1", "method", "per step ms", "per step / max(T1, T2)", "data wait ms per sample",
-            "data wait % of step"]
-    rows = [[f"sleep {row['t2'] * 1e3:.0f} ms", f"{row['t2_over_t1']:g}",
+    head = ["step", "T2 / T1 (set)", "T2 / T1 (measured)", "method", "per step ms", "per step / max(T1, T2)",
+            "data wait ms per sample", "data wait % of step"]
+    rows = [[f"sleep {row['t2'] * 1e3:.0f} ms", f"{row['t2_over_t1']:g}", f"{row['t2'] / r['t1']:.2f}",
              {"sequential": "sequential (load, then train)", "dataloader": "DataLoader, 2 workers",
               "batchd_shm": "batchd shm, 2 workers"}[row["method"]], f"{row['per_step'] * 1e3:.0f}",
              f"{row['ratio']:.2f}", f"{row['wait'] / r['batch_size'] * 1e3:.1f}", f"{row['wait'] / row['per_step']:.1%}"]
@@ -213,15 +213,16 @@ def targets(r: dict) -> list[dict]:
     ratio = by["batchd_shm"]["median"] / by["dataloader"]["median"]
     best = max(by["batchd_shm"]["rates"]) / max(by["dataloader"]["rates"])
     cpu = by["dataloader"]["cpu_per_image"] / by["batchd_shm"]["cpu_per_image"]
-    heavy = [row for row in r["steps"] if row["method"] == "batchd_shm" and row["t2_over_t1"] >= 1]
+    heavy = [row for row in r["steps"] if row["method"] == "batchd_shm" and row["t2"] >= r["t1"]]  # T1 as measured
     return [
         {"name": "batchd shm >= 1.0x DataLoader images/s (COCO boxes + masks, bbox_params pipeline, 2 workers)",
          "passed": ratio >= 1.0,
          "detail": f"{ratio:.2f}x ({by['batchd_shm']['median']:.0f} vs {by['dataloader']['median']:.0f} img/s; best of "
                    f"{r['repeats']} each: {best:.2f}x); the DataLoader uses {cpu:.2f}x batchd's CPU per image"},
-        {"name": "data wait < 5% of the step when T2 >= T1 (batchd shm, 2 workers, sleep step)",
+        {"name": "data wait < 5% of the step when T2 >= T1 as measured (batchd shm, 2 workers, sleep step)",
          "passed": all(row["wait"] / row["per_step"] < 0.05 for row in heavy),
-         "detail": ", ".join(f"{row['wait'] / row['per_step']:.1%} at T2={row['t2_over_t1']:g}xT1" for row in heavy)},
+         "detail": ", ".join(f"{row['wait'] / row['per_step']:.1%} at T2={row['t2'] / r['t1']:.2f}xT1" for row in heavy)
+                   or "no row with T2 >= T1 as measured"},
     ]
 
 
