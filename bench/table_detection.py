@@ -121,11 +121,17 @@ def _closing(loader, server):
 
 
 def throughput(setup: Setup, method: str, seed: int, warmup: int, timed: int):
+    """``time_stream``'s timing, with ``.client_cpu``: CPU seconds of the training process alone
+    (its every thread: batchd's receiver, the DataLoader's unpickling) in the same window."""
     it = setup.batches(method, warmup + timed, seed)
+    marks = []
     try:
-        return time_stream(it, warmup, timed)
+        r = time_stream(it, warmup, timed, on_start=lambda: marks.append(time.process_time()),
+                        on_end=lambda: marks.append(time.process_time()))
     finally:
         it.close()
+    r.client_cpu = marks[1] - marks[0]
+    return r
 
 
 def step_loop(setup: Setup, method: str, step: SleepStep, seed: int, warmup: int, steps: int) -> tuple[float, float]:
@@ -143,6 +149,7 @@ def run(s, log=print) -> dict:
     setup = Setup(root)
     rates: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
+    client_cpus: dict[str, list[float]] = {}
     loops: dict[str, list[tuple[float, float]]] = {}
     try:
         for m in METHODS:  # first use: workers start, the server's workers build the pipeline
@@ -157,6 +164,7 @@ def run(s, log=print) -> dict:
                 r = measure(lambda: throughput(setup, m, 1000 * rep + 7, 1 if m == "sequential" else warmup, n))
                 rates.setdefault(m, []).append(r.rate)
                 cpus.setdefault(m, []).append(r.cpu_per_image)
+                client_cpus.setdefault(m, []).append(r.client_cpu / r.images)
             for xi, x in enumerate(RATIOS):
                 k = (rep + xi) % len(STEP_METHODS)
                 for m in STEP_METHODS[k:] + STEP_METHODS[:k]:
@@ -168,7 +176,7 @@ def run(s, log=print) -> dict:
         setup.stop()
     t1_measured = median(w for x in RATIOS for _, w in loops[f"{x}|sequential"])  # the loop's own loading time
     rows = [{"method": m, "rates": rates[m], "median": median(rates[m]), "spread": spread(rates[m]),
-             "cpu_per_image": median(cpus[m])} for m in METHODS]
+             "cpu_per_image": median(cpus[m]), "client_cpu_per_image": median(client_cpus[m])} for m in METHODS]
     step_rows = []
     for x in RATIOS:
         for m in STEP_METHODS:
@@ -184,16 +192,19 @@ def run(s, log=print) -> dict:
 def render(r: dict) -> str:
     by = {row["method"]: row for row in r["rows"]}
     dl = by["dataloader"]
-    head = ["method", "images/s", "vs DataLoader", "vs sequential", "CPU ms per image"]
+    head = ["method", "images/s", "vs DataLoader", "vs sequential", "CPU ms per image", "of it, training process"]
     rows = [[LABELS[m], f"{by[m]['median']:.0f}", fx(by[m]["median"] / dl["median"]),
-             fx(by[m]["median"] / by["sequential"]["median"]), f"{by[m]['cpu_per_image'] * 1e3:.2f}"] for m in METHODS]
+             fx(by[m]["median"] / by["sequential"]["median"]), f"{by[m]['cpu_per_image'] * 1e3:.2f}",
+             f"{by[m]['client_cpu_per_image'] * 1e3:.2f}" if "client_cpu_per_image" in by[m] else "-"]
+            for m in METHODS]
     worst = max(row["spread"] for row in r["rows"])
     out = md_table(head, rows) + (
         f"\n\n{r['images']} canvases of 384-512 px, up to 8 objects each, masks decoded per object; batch "
         f"{r['batch_size']}; images/s over {r['timed_images']} images per measurement (sequential: "
         f"{r['seq_images']}) after a warm-up of {2 * WORKERS} batches; median of {r['repeats']} interleaved repeats "
         f"(largest spread (max-min)/median: {worst:.0%}). CPU per image: every process of the run in the timed "
-        "window (client, server and its workers, DataLoader workers).\n\n")
+        "window (client, server and its workers, DataLoader workers); of it, the training process's own (every "
+        "thread: the DataLoader's receiving and unpickling, batchd's receiver; the sequential loop's loading).\n\n")
     head = ["step", "T2 / T1 (set)", "T2 / T1 (measured)", "method", "per step ms", "per step / max(T1, T2)",
             "data wait ms per sample", "data wait % of step"]
     rows = [[f"sleep {row['t2'] * 1e3:.0f} ms", f"{row['t2_over_t1']:g}", f"{row['t2'] / r['t1']:.2f}",

@@ -13,6 +13,7 @@ import os
 import pathlib
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +24,8 @@ import time
 def local_server(config: pathlib.Path, workers: int | None, timeout: float = 120.0):
     """Run ``batchd serve --config config`` on a free port; yields its address, stops it on exit.
     Raises TimeoutError if it is not listening within ``timeout`` seconds, RuntimeError (with its
-    log) if it exits first. ``BATCHD_VERBOSE=1`` echoes its log to stderr."""
+    log) if it exits first. ``BATCHD_VERBOSE=1`` echoes its log to stderr. In the main thread, a
+    SIGTERM to this process exits it through here (SystemExit), so the server is stopped too."""
     cmd = [sys.executable, "-m", "batchd.cli", "serve", "--config", str(config), "--address", "127.0.0.1:0"]
     if workers:
         cmd += ["--workers", str(workers)]
@@ -38,6 +40,8 @@ def local_server(config: pathlib.Path, workers: int | None, timeout: float = 120
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
+    if threading.current_thread() is threading.main_thread():  # a SIGTERM to the example stops its server too
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         deadline, address, log = time.monotonic() + timeout, None, []
         while address is None:

@@ -72,14 +72,14 @@ class CenterNet(nn.Module):
 
     def __init__(self, classes: int) -> None:
         super().__init__()
-        self.s1 = block(3, 32, 2)                                   # 1/2
-        self.s2 = nn.Sequential(block(32, 48, 2), block(48, 48))    # 1/4
-        self.s3 = nn.Sequential(block(48, 96, 2), block(96, 96))    # 1/8
-        self.s4 = nn.Sequential(block(96, 128, 2), block(128, 128))  # 1/16
-        self.r4, self.r3 = nn.Conv2d(128, 64, 1), nn.Conv2d(96, 48, 1)
-        self.d3, self.d2 = block(64 + 96, 96), block(48 + 48, 64)
-        self.neck = block(64, 64)
-        self.heat, self.size, self.offset = nn.Conv2d(64, classes, 1), nn.Conv2d(64, 2, 1), nn.Conv2d(64, 2, 1)
+        self.s1 = block(3, 24, 2)                                  # 1/2
+        self.s2 = nn.Sequential(block(24, 32, 2), block(32, 32))   # 1/4
+        self.s3 = nn.Sequential(block(32, 64, 2), block(64, 64))   # 1/8
+        self.s4 = nn.Sequential(block(64, 96, 2), block(96, 96))   # 1/16
+        self.r4, self.r3 = nn.Conv2d(96, 48, 1), nn.Conv2d(64, 32, 1)
+        self.d3, self.d2 = block(48 + 64, 64), block(32 + 32, 48)
+        self.neck = block(48, 48)
+        self.heat, self.size, self.offset = nn.Conv2d(48, classes, 1), nn.Conv2d(48, 2, 1), nn.Conv2d(48, 2, 1)
         nn.init.constant_(self.heat.bias, -2.19)  # CenterNet's prior: sigmoid = 0.1
 
     def forward(self, x: torch.Tensor):
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=2000, help="train canvases to generate (val: a fifth)")
     parser.add_argument("--fmnist", type=pathlib.Path, default=pathlib.Path("/usr/share/datasets/fashion-mnist"))
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the local server")
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)

@@ -311,7 +311,7 @@ def test_a_clients_bbox_and_keypoint_params_are_checked_field_by_field(rect_serv
 
 
 def test_decode_on_client_refuses_a_dataset_with_targets(tmp_path):
-    from batchd.server.compute import encoded
+    from batchd.server.compute import encoded, python_pipeline
     from batchd.server.config import ImageFolderConfig
     from batchd.server.data.datasets import FieldSpec
     from batchd.server.data.datasets.imagefolder import ImageFolder
@@ -329,8 +329,6 @@ def test_decode_on_client_refuses_a_dataset_with_targets(tmp_path):
     assert encoded.check_request(plain, "jpeg", "") == (0, 0)
     with pytest.raises(ValueError, match=r"dataset 'photos' has targets or other fields \(boxes\)"):
         encoded.check_request(WithBoxes("photos", cfg, tmp_path, build=True), "jpeg", "")
-    from batchd.server.compute import python_pipeline
-
     text = python_pipeline.preset_json("mine", {"python": "batchd_testdata:make_flip", "args": {}})
     with pytest.raises(ValueError, match="the pipeline is a python preset"):  # it runs on the server's pixels
         encoded.check_request(plain, "jpeg", text)
