@@ -4,7 +4,8 @@ arrive as lists of B views of one buffer (zero-copy over shared memory), str / b
 every transport and several servers; malformed layouts raise a clear error naming the field.
 
 To run the same checks end to end against a real dataset kind, build the expected samples with
-that kind's reader and call ``batches.assert_batch_holds`` on the loader's batches.
+that kind's reader and call ``batches.assert_batch_holds`` on the loader's batches. End to end on
+``kind: coco`` and ``kind: segmentation``: tests/client/test_coco_served.py, test_segmentation_served.py.
 """
 
 from __future__ import annotations
