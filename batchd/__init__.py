@@ -25,6 +25,7 @@ from batchd.errors import (
 )
 
 if TYPE_CHECKING:
+    from batchd.client.collate import detection_collate
     from batchd.client.datasets import DatasetInfo, list_datasets
     from batchd.client.finish import GpuTransform
     from batchd.client.hedge import HedgePolicy
@@ -43,10 +44,12 @@ __all__ = [
     "SampleError",
     "ShapeMismatchError",
     "WorkerError",
+    "detection_collate",
     "list_datasets",
 ]
 
 _LAZY = {
+    "detection_collate": "batchd.client.collate",
     "DatasetInfo": "batchd.client.datasets",
     "list_datasets": "batchd.client.datasets",
     "GpuTransform": "batchd.client.finish",

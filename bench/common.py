@@ -49,7 +49,7 @@ def load_image(ds, index: int, min_size):
 
 
 def remote(address: str, dataset: str, *, batch_size: int, pipeline: str, workers: int, transport: str,
-           seed: int = 0, compression: str | None = None) -> "batchd.RemoteDataLoader":
+           seed: int = 0, compression: str | None = None, **kw) -> "batchd.RemoteDataLoader":
     """A RemoteDataLoader as the tables use it: shuffled, drop_last, prefetch 2 x workers.
 
     prefetch = 2 x workers matches DataLoader's default prefetch_factor=2 per worker (and keeps
@@ -58,9 +58,10 @@ def remote(address: str, dataset: str, *, batch_size: int, pipeline: str, worker
     Every loader gets a seed of its own (``seed`` is mixed with a counter): the server shares one
     computation between streams whose requests agree on everything that fixes the bytes, so a
     second stream with the same seed would read batches already built for the first one.
+    ``kw``: other RemoteDataLoader arguments (e.g. ``collate_fn``).
     """
     seed = seed * 1_000_003 + next(_unique)
     return batchd.RemoteDataLoader(
         address, dataset, batch_size=batch_size, shuffle=True, seed=seed, drop_last=True, transform=pipeline,
-        prefetch=max(2, 2 * workers), transport=transport, compression=compression, timeout=300,
+        prefetch=max(2, 2 * workers), transport=transport, compression=compression, timeout=300, **kw,
     )

@@ -14,6 +14,7 @@ PHOTOS = DATA / "photos"
 CACHE = DATA / "cache"              # the servers' index cache
 LOCAL_CACHE = DATA / "cache-local"  # this process's (sequential loop, DataLoader) index cache
 PHOTO_COUNT = 3000
+FASHION_COCO = DATA / "fashion-coco-384"  # detection: canvases of 384-512 px, up to 8 objects
 
 
 def ensure_photos(count: int = PHOTO_COUNT) -> pathlib.Path:
@@ -72,3 +73,24 @@ def ensure_big_manifest(rows: int) -> tuple[pathlib.Path, float]:
             w.write_table(pa.table({"path": path, "label": pa.array(label)}))
     os.replace(tmp, out)
     return out, time.perf_counter() - t0
+
+
+def ensure_fashion_coco(count: int = 1000) -> pathlib.Path:
+    """examples/make_fashion_coco.py: ``count`` train canvases of 384-512 px with up to 8 Fashion-MNIST
+    items each (COCO JSON with polygon and RLE masks), in FASHION_COCO; made once (about a minute)."""
+    import json
+
+    annotations = FASHION_COCO / "annotations" / "instances_train.json"
+    try:
+        if len(json.loads(annotations.read_text())["images"]) == count:
+            return FASHION_COCO
+    except (OSError, ValueError, KeyError):
+        pass
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(BENCH.parent / "examples" / "make_fashion_coco.py"), "--out",
+                        str(FASHION_COCO), "--images", str(count), "--val-images", "0", "--min-size", "384",
+                        "--max-size", "512", "--max-items", "8", "--seed", "0"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"examples/make_fashion_coco.py failed ({r.returncode}):\n{r.stdout}{r.stderr}")
+    print(r.stdout.strip(), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return FASHION_COCO

@@ -39,18 +39,23 @@ def consume(batch) -> None:
     """What a trainer does at least: read the batch (one byte per page of every tensor).
 
     Shared-memory tensors are mapped lazily, so without this their page faults would not be
-    counted at all; a GPU copy would read every byte.
+    counted at all; a GPU copy would read every byte. ``batch``: a dict, list or tuple of tensors,
+    nested (a ragged field's list, detection's (images, targets)); other values are skipped.
     """
     tensors = batch.values() if isinstance(batch, dict) else batch
     for t in tensors:
-        flat = t.reshape(-1)
-        step = max(1, PAGE // t.element_size())
-        flat[::step].sum()
+        if isinstance(t, (dict, list, tuple)):
+            consume(t)
+        elif hasattr(t, "element_size") and t.numel():
+            flat = t.reshape(-1)
+            step = max(1, PAGE // t.element_size())
+            flat[::step].sum()
 
 
 def batch_images(batch) -> int:
+    """Images in a batch: a dict's ``image`` or a tuple's first entry, a tensor [B, ...] or B tensors."""
     image = batch["image"] if isinstance(batch, dict) else batch[0]
-    return int(image.shape[0])
+    return len(image) if isinstance(image, (list, tuple)) else int(image.shape[0])
 
 
 @dataclass

@@ -11,16 +11,16 @@
 * the i-th str / bytes of a str / bytes field.
 
 So ``torch.utils.data.default_collate`` rebuilds the dict batch wherever shapes agree, and
-``lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))`` gives torchvision's detection models
-their (images, targets), as ``tuple(zip(*x))`` does over its references' (image, target) samples
-(``tuple(zip(*x))`` over dict samples gives the dicts' keys, with DataLoader too).
+``detection_collate`` (below) gives torchvision's detection models their (images, targets), as
+``tuple(zip(*x))`` does over its references' (image, target) samples (``tuple(zip(*x))`` over
+dict samples gives the dicts' keys, with DataLoader too).
 A batch's ``skipped`` indices (dataset ``on_error: skip``) are not a sample: ``fn`` gets the
 B - K samples that were read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 BATCH_FIELDS = ("skipped",)  # fields of the batch, not of its samples
 
@@ -42,3 +42,34 @@ def samples(batch: dict[str, Any]) -> list[dict[str, Any]]:
 def collate(batch: dict[str, Any], collate_fn: Callable[[list[dict[str, Any]]], Any]) -> Any:
     """``collate_fn(samples(batch))``: what the loader yields with a ``collate_fn``."""
     return collate_fn(samples(batch))
+
+
+def detection_collate(samples: Sequence[dict[str, Any]], *, image: str = "image") -> tuple[tuple, tuple]:
+    """``(images, targets)`` for torchvision's detection models, from B dict samples.
+
+    ``images``: a tuple of the B samples' ``image`` tensors (as the server sends them: uint8
+    [H_i, W_i, C] unless the pipeline changes the dtype; torchvision's models take float [C, H, W]
+    in [0, 1]: ``im.permute(2, 0, 1).float().div(255)``). ``targets``: a tuple of B dicts, each the
+    sample's other fields in the batch's order (``index``, ``position``, then e.g. ``boxes``
+    float32 [N_i, 4] xyxy pixels, ``labels`` int64 [N_i], ``masks`` uint8 [N_i, H_i, W_i],
+    ``image_id``...). This is exactly what ``DataLoader(..., collate_fn=lambda x: tuple(zip(*x)))``
+    gives over a ``Dataset`` of ``(image, target)`` pairs, torchvision's detection references'
+    convention, except that a batch whose every sample was skipped gives ``((), ())`` (a pair
+    still). The samples are not modified. ``image``: the name of the image field.
+
+    Use: ``RemoteDataLoader(..., collate_fn=batchd.detection_collate)``;
+    ``for images, targets in loader: loss = sum(model(list(images), list(targets)).values())``.
+
+    Raises ValueError naming the sample (its position in the batch and its ``index``) and its
+    fields if a sample has no ``image`` field.
+    """
+    images, targets = [], []
+    for i, sample in enumerate(samples):
+        if image not in sample:
+            index = sample.get("index")
+            where = f" (dataset index {int(index)})" if index is not None else ""
+            raise ValueError(f"detection_collate: sample {i} of the batch{where} has no {image!r} field; "
+                             f"its fields: {sorted(sample)}")
+        images.append(sample[image])
+        targets.append({k: v for k, v in sample.items() if k != image})
+    return tuple(images), tuple(targets)

@@ -95,8 +95,10 @@ class RemoteDataLoader:
             tensors; the i-th tensor of each ragged field; the i-th str / bytes), and the loop gets
             what fn returns, exactly as DataLoader's collate_fn over a Dataset of those dicts:
             ``torch.utils.data.default_collate`` gives the dict batch back where shapes agree, and
-            ``lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))`` gives torchvision's
-            detection models their (images, targets) as ``tuple(zip(*x))`` does over its
+            ``batchd.detection_collate`` gives torchvision's detection models their ``(images,
+            targets)``: a tuple of the B ``image`` tensors and a tuple of B dicts of the other
+            fields (``boxes`` float32 [N_i, 4] xyxy pixels, ``labels`` int64 [N_i], ``masks`` uint8
+            [N_i, H, W], ``index``, ``position``, ...), as ``tuple(zip(*x))`` does over its
             references' (image, target) samples. ``skipped`` is not a sample: fn gets the B - K
             samples that were read. fn runs in the receiver thread, overlapping the training step
             as DataLoader's workers do (with several servers, in several threads at once); with a

@@ -193,6 +193,22 @@ def make_split(out: pathlib.Path, split: str, count: int, seed: int, fmnist: pat
     return coco
 
 
+def ensure(out: pathlib.Path, images: int, val_images: int | None = None, seed: int = 0,
+           fmnist: pathlib.Path = pathlib.Path("/usr/share/datasets/fashion-mnist")) -> pathlib.Path:
+    """``out``, generated (``main``'s defaults otherwise) unless it already holds ``images`` train
+    and ``val_images`` (default ``images // 5``) val canvases of ``seed``. Returns ``out``."""
+    val = images // 5 if val_images is None else val_images
+    try:
+        done = [json.loads((out / "annotations" / f"instances_{split}.json").read_text()) for split in ("train", "val")]
+        if [len(d["images"]) for d in done] == [images, val] and done[0]["info"]["description"].endswith(f"seed {seed}"):
+            return out
+    except (OSError, ValueError, KeyError):
+        pass
+    main(["--out", str(out), "--images", str(images), "--val-images", str(val), "--seed", str(seed),
+          "--fmnist", str(fmnist)])
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True, help="folder to write (created)")

@@ -11,14 +11,8 @@ accuracy is about 0.88-0.90 on a CPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import pathlib
-import queue
-import re
-import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -27,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 import batchd
+from local_server import local_server
 
 HERE = pathlib.Path(__file__).resolve().parent
 # Fashion-MNIST's pixel mean and std over the training set (x / 255).
@@ -54,47 +49,6 @@ class SmallCNN(nn.Module):
 def to_input(image: torch.Tensor) -> torch.Tensor:
     """uint8 [B, 28, 28, 1] -> normalised float [B, 1, 28, 28]."""
     return (image.permute(0, 3, 1, 2).float() / 255.0 - MEAN) / STD
-
-
-@contextlib.contextmanager
-def local_server(config: pathlib.Path, workers: int | None, timeout: float = 120.0):
-    """Run ``batchd serve`` on a free port; yields its address, stops it on exit."""
-    cmd = [sys.executable, "-m", "batchd.cli", "serve", "--config", str(config), "--address", "127.0.0.1:0"]
-    if workers:
-        cmd += ["--workers", str(workers)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:  # keep reading the server's log so it never blocks on a full pipe
-        for line in proc.stderr:
-            lines.put(line)
-            if os.environ.get("BATCHD_VERBOSE"):
-                sys.stderr.write("[server] " + line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        deadline, address, log = time.monotonic() + timeout, None, []
-        while address is None:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"the batchd server did not start within {timeout:g} s:\n{''.join(log)}") from None
-            if line is None:
-                raise RuntimeError(f"the batchd server exited with code {proc.wait()}:\n{''.join(log)}")
-            log.append(line)
-            m = re.search(r"listening on (\S+)", line)
-            if m:
-                address = m.group(1)
-        print(f"batchd server (pid {proc.pid}) listening on {address}", file=sys.stderr)
-        yield address
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def evaluate(model: nn.Module, loader: batchd.RemoteDataLoader, device: torch.device) -> float:

@@ -47,6 +47,22 @@ def digest(batch) -> str:
     return h.hexdigest()
 
 
+def fields_digest(batch: dict) -> str:
+    """SHA-256 over every field of a batch, in name order: a stacked tensor's dtype, shape and
+    bytes; a list (ragged field) element by element (str / bytes as they are)."""
+    h = hashlib.sha256()
+    for name in sorted(batch):
+        value = batch[name]
+        h.update(f"{name}:{type(value).__name__}:".encode())
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, (str, bytes)):
+                h.update(repr(t).encode())
+                continue
+            h.update(f"{t.dtype}:{tuple(t.shape)}:".encode())
+            h.update(t.cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def assert_raise_names_then_skip_serves_the_rest(open_loader, missing: int, path: str) -> None:
     """Through a server: dataset "rows" (``on_error: raise``) fails with a SampleError naming sample
     ``missing`` and its ``path``; "rows-skip" serves every other sample once and lists ``missing``

@@ -98,17 +98,30 @@ def test_collate_fn_gets_what_dataloader_gives_its_collate_fn(server, transport,
     assert_same(got, want)
 
 
-def test_the_detection_recipe_gives_torchvisions_images_and_targets(server):
+def test_detection_collate_gives_torchvisions_images_and_targets(server):
     """torchvision's detection references: a Dataset of (image, target) and collate_fn=lambda x:
-    tuple(zip(*x)) give (images, targets); with batchd's dict samples, the image popped out of each
-    sample gives the same."""
+    tuple(zip(*x)) give (images, targets); batchd.detection_collate over batchd's dict samples gives
+    the same (the README's earlier one-liner, which pops the image out of each sample, too)."""
     want = list(DataLoader(ImageTarget(N), batch_size=B, collate_fn=lambda x: tuple(zip(*x))))
-    with batchd.RemoteDataLoader(server.address, "handmade", batch_size=B,
-                                 collate_fn=lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))) as loader:
-        got = list(loader)
-    assert_same(got, want)
+    for fn in (batchd.detection_collate, lambda x: tuple(zip(*[(s.pop("image"), s) for s in x]))):
+        with batchd.RemoteDataLoader(server.address, "handmade", batch_size=B, collate_fn=fn) as loader:
+            got = list(loader)
+        assert_same(got, want)
     images, targets = got[0]
     assert len(images) == len(targets) == B and tuple(targets[3]["boxes"].shape) == (3, 4)
+
+
+def test_detection_collate_leaves_the_samples_alone_and_always_gives_a_pair():
+    samples = [Samples(N)[i] for i in range(3)]
+    fields = [list(s) for s in samples]
+    images, targets = batchd.detection_collate(samples)
+    assert [list(s) for s in samples] == fields, "detection_collate modified the samples"
+    assert images[1] is samples[1]["image"] and targets[1]["boxes"] is samples[1]["boxes"]
+    assert batchd.detection_collate([]) == ((), ())  # every sample skipped: still (images, targets)
+    assert tuple(zip(*[])) == ()  # where the one-liner gives nothing to unpack
+    with pytest.raises(ValueError, match=r"sample 1 of the batch \(dataset index 1\) has no 'image' field; "
+                                         r"its fields: \['blob', 'boxes'"):
+        batchd.detection_collate([samples[0], {k: v for k, v in samples[1].items() if k != "image"}])
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
@@ -178,15 +191,16 @@ def test_samples_kept_by_collate_fn_keep_the_slot_lent(server):
         masks = next(iter(loader))
         session = loader._shm.session
         assert wait_until(lambda: not server.transport._open)  # the abandoned stream has ended
-        held = server.leases.held(session)
-        assert held >= 1
+        # the batches received behind the first go back (asynchronously): only the first stays lent
+        assert wait_until(lambda: server.leases.held(session) == 1), server.leases.held(session)
         kept = masks[3]
         del masks
         gc.collect()
-        assert server.leases.held(session) == held, "a sample's mask still lies on the slot"
+        assert not wait_until(lambda: server.leases.held(session) == 0, timeout=1.0), \
+            "the slot went back while a sample's mask still lies on it"
         del kept
         gc.collect()
-        assert wait_until(lambda: server.leases.held(session) == held - 1)
+        assert wait_until(lambda: server.leases.held(session) == 0), "the lease did not come back"
 
 
 def test_collate_fn_must_be_callable(server):

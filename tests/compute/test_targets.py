@@ -177,37 +177,55 @@ def test_a_clients_bbox_format_is_the_format_of_the_boxes_it_gets(testdata, tmp_
     assert [len(b) for b in voc["boxes"]] == [len(b) for b in other["boxes"]] and any(len(b) for b in voc["boxes"])
 
 
-def test_flips_stay_independent_with_targets_present(testdata, tmp_path):
-    """The independence statistics of tests/compute/test_randomness.py with boxes, masks and
-    keypoints in every sample; each sample's flips read from its boxes agree with its pixels."""
+FLIPS = A.Compose([A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)])
+
+
+def read_flips(samples, ds, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """(horizontal, vertical) flip flags, bool [M], of the samples (dicts of numpy values) of ``ds``
+    (Rectangles of ``side``, one object at most) that went through FLIPS, read from each sample's
+    box; checks that its image and mask were flipped alike. Samples whose flips cannot be told
+    (no object, or its box centred on an axis) are left out."""
+    h, v = [], []
+    for s in samples:
+        original = ds[int(s["index"])]
+        if not len(original["boxes"]):
+            continue
+        box, was = s["boxes"][0], original["boxes"][0]
+        if was[0] + was[2] == side or was[1] + was[3] == side:
+            continue  # a box centred on an axis looks the same flipped
+        flipped_h, flipped_v = abs(box[0] - was[0]) > 0.5, abs(box[1] - was[1]) > 0.5
+        assert np.allclose(box, [side - was[2] if flipped_h else was[0], side - was[3] if flipped_v else was[1],
+                                 side - was[0] if flipped_h else was[2], side - was[1] if flipped_v else was[3]],
+                           atol=1e-3), (box, was)
+        image = original["image"][:, ::-1] if flipped_h else original["image"]
+        assert np.array_equal(s["image"], image[::-1] if flipped_v else image), "boxes and pixels disagree"
+        mask = original["masks"][0][:, ::-1] if flipped_h else original["masks"][0]
+        assert np.array_equal(s["masks"][0], mask[::-1] if flipped_v else mask), "masks and pixels disagree"
+        h.append(flipped_h)
+        v.append(flipped_v)
+    return np.array(h), np.array(v)
+
+
+def assert_independent_flips(h: np.ndarray, v: np.ndarray, what: str, min_count: int = 1100) -> None:
+    """Chi-square: the two flips independent of each other and each p = 0.5 (test_randomness.py's
+    tests), over at least ``min_count`` samples."""
     from test_randomness import assert_chi2, chi2_independence, chi2_uniform, contingency
 
+    table = contingency(h, v)
+    assert table.sum() > min_count and table.min() > 0, table
+    assert_chi2(chi2_independence(table), f"HorizontalFlip x VerticalFlip independence {what}", table)
+    assert_chi2(chi2_uniform(table), f"HorizontalFlip x VerticalFlip {what}, each p=0.5", table)
+
+
+def test_flips_stay_independent_with_targets_present(testdata, tmp_path):
+    """The independence statistics of tests/compute/test_randomness.py with boxes, masks and
+    keypoints in every sample; each sample's flips read from its boxes agree with its pixels.
+    (Through a real server: tests/compute/test_targets_served.py.)"""
     n, side = 1600, 40
-    flips = A.Compose([A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)])
-    ds = testdata.Rectangles(n, side, max_objects=1)
-    h, v = [], []
     with InWorker({"rect": rectangles(n, side, max_objects=1)}, tmp_path) as w:
-        for s in samples(w.epoch("rect", n, 64, flips, seed=2024)):
-            original = ds[int(s["index"])]
-            if not len(original["boxes"]):
-                continue
-            box, was = s["boxes"][0], original["boxes"][0]
-            if was[0] + was[2] == side or was[1] + was[3] == side:
-                continue  # a box centred on an axis looks the same flipped
-            flipped_h, flipped_v = abs(box[0] - was[0]) > 0.5, abs(box[1] - was[1]) > 0.5
-            assert np.allclose(box, [side - was[2] if flipped_h else was[0], side - was[3] if flipped_v else was[1],
-                                     side - was[0] if flipped_h else was[2], side - was[1] if flipped_v else was[3]],
-                               atol=1e-3), (box, was)
-            image = original["image"][:, ::-1] if flipped_h else original["image"]
-            assert np.array_equal(s["image"], image[::-1] if flipped_v else image), "boxes and pixels disagree"
-            mask = original["masks"][0][:, ::-1] if flipped_h else original["masks"][0]
-            assert np.array_equal(s["masks"][0], mask[::-1] if flipped_v else mask), "masks and pixels disagree"
-            h.append(flipped_h)
-            v.append(flipped_v)
-    table = contingency(np.array(h), np.array(v))
-    assert table.sum() > 1100 and table.min() > 0, table
-    assert_chi2(chi2_independence(table), "HorizontalFlip x VerticalFlip independence with targets", table)
-    assert_chi2(chi2_uniform(table), "HorizontalFlip x VerticalFlip with targets, each p=0.5", table)
+        h, v = read_flips(samples(w.epoch("rect", n, 64, FLIPS, seed=2024)), testdata.Rectangles(n, side, max_objects=1),
+                          side)
+    assert_independent_flips(h, v, "with targets")
 
 
 def test_the_cache_gives_the_same_bytes_with_targets(testdata, tmp_path):
@@ -293,7 +311,7 @@ def test_a_clients_bbox_and_keypoint_params_are_checked_field_by_field(rect_serv
 
 
 def test_decode_on_client_refuses_a_dataset_with_targets(tmp_path):
-    from batchd.server.compute import encoded
+    from batchd.server.compute import encoded, python_pipeline
     from batchd.server.config import ImageFolderConfig
     from batchd.server.data.datasets import FieldSpec
     from batchd.server.data.datasets.imagefolder import ImageFolder
@@ -311,3 +329,6 @@ def test_decode_on_client_refuses_a_dataset_with_targets(tmp_path):
     assert encoded.check_request(plain, "jpeg", "") == (0, 0)
     with pytest.raises(ValueError, match=r"dataset 'photos' has targets or other fields \(boxes\)"):
         encoded.check_request(WithBoxes("photos", cfg, tmp_path, build=True), "jpeg", "")
+    text = python_pipeline.preset_json("mine", {"python": "batchd_testdata:make_flip", "args": {}})
+    with pytest.raises(ValueError, match="the pipeline is a python preset"):  # it runs on the server's pixels
+        encoded.check_request(plain, "jpeg", text)

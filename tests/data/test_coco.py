@@ -1,9 +1,7 @@
 """kind: coco against its oracle: pycocotools' reading of the same JSON, in torchvision's order.
 
-The expected target of an image is what torchvision's ``CocoDetection`` (sorted image ids,
-``coco.loadAnns(coco.getAnnIds(id))``) with the detection references' box conversion gives:
-float32 xywh -> xyxy, clamped to the image, boxes without area dropped; masks from
-``coco.annToMask``. Crowd annotations are kept (with ``iscrowd``), as torchvision's v2 wrapper does.
+The oracle (tests/coco_oracle.py) is what torchvision's ``CocoDetection`` with the detection
+references' box conversion gives, with pycocotools' masks.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import threading
 import cv2
 import numpy as np
 import pytest
-import torch
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 
@@ -27,32 +24,14 @@ from batchd.errors import SampleError
 from batchd.server.config import CocoConfig
 from batchd.server.data.datasets import open_dataset
 from batchd.server.data.datasets.coco_segments import rle_string_counts
+import coco_oracle
+from coco_oracle import expected
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def coco_dataset(images, annotations, cache_dir, build=True, **kw):
     return open_dataset("det", CocoConfig(kind="coco", images=images, annotations=annotations, **kw), cache_dir, build=build)
-
-
-def expected(coco: COCO, img_id: int, masks: bool) -> tuple[dict, list[int]]:
-    """The oracle's sample (torchvision's order and box conversion, pycocotools' masks) and the
-    ids of the annotations it keeps."""
-    img = coco.imgs[img_id]
-    h, w = img["height"], img["width"]
-    anns = coco.loadAnns(coco.getAnnIds(imgIds=img_id))
-    boxes = torch.as_tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
-    boxes[:, 2:] += boxes[:, :2]  # references/detection/coco_utils.py ConvertCocoPolysToMask
-    boxes[:, 0::2].clamp_(min=0, max=w)
-    boxes[:, 1::2].clamp_(min=0, max=h)
-    keep = ((boxes[:, 3] > boxes[:, 1]) & (boxes[:, 2] > boxes[:, 0])).numpy()
-    anns = [a for a, k in zip(anns, keep) if k]
-    out = {"boxes": boxes.numpy()[keep], "labels": np.array([a["category_id"] for a in anns], np.int64),
-           "iscrowd": np.array([a["iscrowd"] for a in anns], np.int64),
-           "area": np.array([a["area"] for a in anns], np.float32), "image_id": img_id}
-    if masks:
-        out["masks"] = np.array([coco.annToMask(a) for a in anns], np.uint8).reshape(-1, h, w)
-    return out, [a["id"] for a in anns]
 
 
 def assert_matches_pycocotools(ds, json_path: pathlib.Path, images: pathlib.Path, masks: bool) -> COCO:
@@ -70,8 +49,7 @@ def assert_matches_pycocotools(ds, json_path: pathlib.Path, images: pathlib.Path
                 np.testing.assert_array_equal(got, value, err_msg=f"sample {i} field {name}")
             else:
                 assert got == value
-        bgr = cv2.imread(str(images / coco.imgs[img_id]["file_name"]))
-        np.testing.assert_array_equal(sample["image"], cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+        np.testing.assert_array_equal(sample["image"], coco_oracle.image(coco, img_id, images))
         assert ds.annotation_ids(i) == ann_ids
     return coco
 

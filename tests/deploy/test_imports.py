@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -82,11 +83,19 @@ def _tree(pid: int) -> list[int]:
 
 
 def test_a_running_server_and_its_workers_never_load_torch(tmp_path):
-    write_png(tmp_path / "photos" / "cat" / "0.png", np.zeros((8, 8, 3), np.uint8))
+    """Also once they built pipelines: albumentations' ``from_dict`` imports ``albumentations.pytorch``
+    (torch) on each call where torch is installed; the first batch of each worker took 3-5 s more."""
+    import albumentations as A
+
+    import batchd
+
+    for i in range(2):
+        write_png(tmp_path / "photos" / "cat" / f"{i}.png", np.zeros((8, 8, 3), np.uint8))
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({
         "address": "127.0.0.1:0", "workers": 2, "cache_dir": str(tmp_path / "cache"),
         "datasets": {"photos": {"kind": "imagefolder", "root": str(tmp_path / "photos")}},
+        "pipelines": {"flip": A.to_dict(A.Compose([A.HorizontalFlip(p=0.5)]))},
     }))
     log = tmp_path / "server.log"
     with open(log, "w") as out:
@@ -97,6 +106,13 @@ def test_a_running_server_and_its_workers_never_load_torch(tmp_path):
         while "listening on" not in log.read_text():  # logged once every worker is ready
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
+        address = re.search(r"listening on (\S+)", log.read_text()).group(1)
+        # a pipeline built by the server and by each worker (albumentations' from_dict imports its
+        # torch part whenever torch is installed): a client-sent one with boxes' params, and a preset
+        flip = A.Compose([A.HorizontalFlip(p=0.5)], bbox_params=A.BboxParams(format="pascal_voc"))
+        for transform in (flip, "flip"):
+            with batchd.RemoteDataLoader(address, "photos", batch_size=1, transform=transform) as loader:
+                assert len(list(loader)) == 2
         pids = _tree(proc.pid)
         assert len(pids) >= 4, pids  # the server, the forkserver, 2 workers
         maps = {pid: pathlib.Path(f"/proc/{pid}/maps").read_text() for pid in pids}
