@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchd.errors import (
     AuthenticationError,
@@ -187,13 +188,27 @@ def open_channel(address: str, *, connect_timeout: float = 10.0,
     TLS file cannot be read.
     """
     channel = make_channel(address, tls=tls, token=token, max_message_bytes=max_message_bytes)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=connect_timeout)
-    except grpc.FutureTimeoutError:
+    if not wait_for_server(channel, connect_timeout):
         channel.close()
         hint = "; is it a TLS server (tls_ca=...)?" if tls is None else "; check the TLS settings (tls_ca, tls_cert, tls_key)"
         raise ConnectionError(f"no batchd server answered at {address} within {connect_timeout:g} s{hint}") from None
     return channel
+
+
+def wait_for_server(channel: grpc.Channel, timeout: float) -> bool:
+    """Whether a server answers on ``channel`` within ``timeout`` seconds (it connects, or
+    reconnects, meanwhile).
+
+    One health ``Check`` call with ``wait_for_ready``: any answer, even UNIMPLEMENTED or
+    UNAUTHENTICATED, is a server. Not ``grpc.channel_ready_future``: its connectivity polling
+    thread can deadlock a later ``channel.close()`` (grpc/grpc#20026; seen here in CI).
+    """
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=max(0.0, timeout),
+                                                  wait_for_ready=True)
+    except grpc.RpcError as e:
+        return e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+    return True
 
 
 def translate(e: grpc.RpcError, address: str) -> Exception:

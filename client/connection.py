@@ -20,7 +20,7 @@ import torch
 
 from batchd import wire
 from batchd.client import decode, fields
-from batchd.client.channel import open_channel, translate
+from batchd.client.channel import open_channel, translate, wait_for_server
 from batchd.client.collate import collate
 from batchd.client.datasets import DatasetInfo, describe
 from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
@@ -188,11 +188,7 @@ class ServerConnection:
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether the channel is (again) connected within ``timeout`` seconds."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=max(0.0, timeout))
-            return True
-        except grpc.FutureTimeoutError:
-            return False
+        return wait_for_server(self._channel, timeout)
 
     def serving(self, timeout: float) -> bool:
         """Whether the server's gRPC health service says SERVING (not draining) within ``timeout`` s."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import gc
 import inspect
 import pathlib
+import sys
 
 import albucore
 import albumentations as A
@@ -107,8 +109,31 @@ def source() -> _Source:
     out = _Source()
     for package, prefix_ in ((ROOT, ""), (pathlib.Path(albucore.__file__).parent, "albucore:")):
         for path in sorted(package.rglob("*.py")):
-            _Scan(prefix_ + str(path.relative_to(package)), out).visit(ast.parse(path.read_text()))
+            _Scan(prefix_ + str(path.relative_to(package)), out).visit(_parse(path))
     return out
+
+
+def _parse(path: pathlib.Path) -> ast.AST:
+    """ast.parse, shielded from CPython < 3.11.8's shared AST recursion counter (gh-106905): a
+    conversion in another thread meanwhile (a garbage collection running a finalizer, a thread
+    switch) raises "SystemError: AST constructor recursion depth mismatch". No collection, no
+    thread switch while parsing; and once more if it happens anyway."""
+    text = path.read_text()
+    interval, collecting = sys.getswitchinterval(), gc.isenabled()
+    sys.setswitchinterval(60.0)
+    gc.disable()
+    try:
+        for attempt in range(3):
+            try:
+                return ast.parse(text, str(path))
+            except SystemError:
+                if attempt == 2:
+                    raise
+    finally:
+        sys.setswitchinterval(interval)
+        if collecting:
+            gc.enable()
+    raise AssertionError("unreachable")
 
 
 def _methods(cls: type) -> set[tuple[str, str]]:

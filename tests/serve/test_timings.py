@@ -64,7 +64,8 @@ def test_a_batch_behind_another_on_its_worker_counts_queued(make_server, fmnist_
     try:
         t0, t1, t2 = (take(loader, stream) for _ in range(3))
         # one worker is sent two tasks at once: the second waits while the first is built
-        assert t1.queued_seconds >= 0.8 * work(t0) and t1.queued_seconds > 10 * t0.queued_seconds
+        # (t0 may wait too, on a loaded machine: for the worker's pipe; t1 waits that and t0's work)
+        assert t1.queued_seconds >= 0.8 * work(t0) and t1.queued_seconds > t0.queued_seconds
         assert t0.pipeline_seconds > 0.5 * work(t0)  # the blurs are the work
         # every batch: its worker's stages add up to what the pool counted as worker time
         busy = snapshot(loader).pool.busy_seconds
