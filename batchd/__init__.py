@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from batchd.errors import (
     AuthenticationError,
     BatchdError,
+    DatasetChangedError,
     DatasetNotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError",
     "BatchdError",
+    "DatasetChangedError",
     "DatasetInfo",
     "DatasetNotFoundError",
     "GpuTransform",

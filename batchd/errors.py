@@ -52,3 +52,29 @@ class AuthenticationError(BatchdError, PermissionError):
 class PermissionDeniedError(BatchdError, PermissionError):
     """The token is valid but may not read this dataset (gRPC PERMISSION_DENIED). The message is
     the same whether or not the dataset exists."""
+
+
+class DatasetChangedError(BatchdError, ValueError):
+    """A server's dataset is no longer the one this loader was reading: after a reconnect (the
+    server restarted) it has another number of samples (always an error: the epoch's batch plan,
+    ``len(loader)``, no longer holds), or, with ``strict``, another dataset or build fingerprint.
+    Raised before any batch of the new data is yielded.
+
+    Attributes: dataset (name), address (the server), num_samples ``(before, now)`` where the
+    number of samples differs, else None; changes (the fingerprints that differ, each "before vs
+    now", e.g. ``"dataset fingerprint 3f2a... vs 9c41..."``, ``"opencv 4.10.0 vs 5.0.0"``).
+    """
+
+    def __init__(self, dataset: str, address: str, changes: list[str] | tuple[str, ...] = (),
+                 num_samples: tuple[int, int] | None = None):
+        self.dataset, self.address = dataset, address
+        self.changes, self.num_samples = tuple(changes), None if num_samples is None else tuple(num_samples)
+        what = [f"{self.num_samples[0]} samples before, {self.num_samples[1]} now"] if self.num_samples else []
+        what += [f"{c} (before vs now)" for c in self.changes]
+        why = ("the epoch's batch plan (len(loader)) no longer holds; start a new loader for the new data"
+               if self.num_samples else "strict=False goes on with the new data")
+        super().__init__(f"dataset {dataset!r} at {address} changed while the loader was reconnecting: "
+                         f"{'; '.join(what)}; {why}")
+
+    def __reduce__(self):
+        return (type(self), (self.dataset, self.address, self.changes, self.num_samples))

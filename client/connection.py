@@ -22,13 +22,14 @@ from batchd import wire
 from batchd.client import decode, fields
 from batchd.client.channel import open_channel, translate, wait_for_server
 from batchd.client.collate import collate
-from batchd.client.datasets import DatasetInfo, describe
+from batchd.client.datasets import DatasetInfo, Difference, describe, difference
 from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Received, Receiver, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
 from batchd.client.timings import BatchTimes, delivered
 from batchd.client.transfer import check_finishable, finish
+from batchd.errors import DatasetChangedError
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
@@ -189,6 +190,28 @@ class ServerConnection:
     def wait_ready(self, timeout: float) -> bool:
         """Whether the channel is (again) connected within ``timeout`` seconds."""
         return wait_for_server(self._channel, timeout)
+
+    def check_unchanged(self, timeout: float) -> Difference:
+        """After a reconnect, before any stream on it: describe the dataset again and compare it
+        with ``self.info`` (``batchd.client.datasets.difference``), since a restarted server may
+        serve other files under the same name.
+
+        Returns what differs (empty: nothing known). ``self.info`` becomes the new description;
+        where fingerprints differ without ``options.strict``, a warning says so. Raises
+        DatasetChangedError (a ValueError) naming the dataset, this address and what changed if
+        the number of samples differs, or (strict) a dataset or build fingerprint; ConnectionError
+        or TimeoutError if the server does not answer within ``timeout`` seconds;
+        DatasetNotFoundError if it no longer serves the dataset.
+        """
+        now = describe(self._channel, self.address, self.options.dataset, timeout=timeout)
+        changed = difference(self.info, now)
+        if changed.refused(self.options.strict):
+            raise DatasetChangedError(self.options.dataset, self.address, changed.fingerprints, changed.num_samples)
+        if changed:
+            log.warning("dataset %r at %s changed while the loader was reconnecting: %s (before vs now); going on "
+                        "with the new data (strict=False)", self.options.dataset, self.address, changed)
+        self.info = now
+        return changed
 
     def serving(self, timeout: float) -> bool:
         """Whether the server's gRPC health service says SERVING (not draining) within ``timeout`` s."""

@@ -124,7 +124,10 @@ class RemoteDataLoader:
         compression: None, or "lz4" to compress inline tensor bytes (for slow remote links).
         reconnect_timeout: if the stream breaks (server restarted, connection lost), seconds to
             keep reconnecting (gRPC's exponential backoff) before raising ConnectionError; the
-            stream resumes at the next batch, none missing or repeated. 0 disables.
+            stream resumes at the next batch, none missing or repeated, once the dataset there is
+            described again: another number of samples raises ``batchd.DatasetChangedError`` (a
+            ValueError), other fingerprints too under ``strict`` (else a warning, and ``info``
+            is the new description). 0 disables.
         failover_timeout: with several servers, seconds a broken server's stream may take to
             resume before its batches go to the other servers (at most reconnect_timeout).
         probe_interval: with several servers, seconds between probes of servers that are down
@@ -144,8 +147,10 @@ class RemoteDataLoader:
             the token may not read, PermissionDeniedError (both PermissionErrors).
         strict: refuse to mix batches that cannot be byte-identical (as ``strict`` in
             ``nn.Module.load_state_dict``): several servers whose dataset or build fingerprints
-            differ raise ValueError, and so does ``load_state_dict`` of a state saved against
-            other fingerprints. False: accept, with a warning (see ``DatasetInfo``).
+            differ raise ValueError, and so do ``load_state_dict`` of a state saved against
+            other fingerprints and a reconnect to a server whose fingerprints changed
+            (``DatasetChangedError``; with several servers, that server is left out). False:
+            accept, with a warning (see ``DatasetInfo``).
 
     Memory: over shared memory, a batch's tensors (a ragged field's per-sample tensors included)
     are views of a server slot lent to this client, mapped copy-on-write (a write stays in this
@@ -159,7 +164,8 @@ class RemoteDataLoader:
     ValueError (bad preset or pipeline, with the server's explanation), SampleError (a sample
     could not be read; names dataset, index and file), ShapeMismatchError, WorkerError,
     ResourceExhaustedError (a server limit: open streams, batch bytes), ConnectionError (server
-    gone) or TimeoutError. With auth: AuthenticationError / PermissionDeniedError.
+    gone), TimeoutError or DatasetChangedError (a restarted server serves other data; see
+    ``reconnect_timeout``). With auth: AuthenticationError / PermissionDeniedError.
 
     Epochs: each complete pass advances ``epoch`` by one (so shuffle differs per pass, as with
     DataLoader); ``set_epoch(e)`` picks the epoch explicitly, as with DistributedSampler.
@@ -213,7 +219,6 @@ class RemoteDataLoader:
                 address, addresses, self.options, self._transfer, self._stats)
         else:
             self.servers = SingleServerLoader(addresses[0], self.options, self._transfer, self._stats)
-        self.info: DatasetInfo = self.servers.info
         self.address: str = self.servers.address
         self.epoch = 0
         self._start_position = 0  # the epoch at self.epoch is read from this global position (elastic resume)
@@ -236,6 +241,8 @@ class RemoteDataLoader:
     transport = property(lambda self: self.options.transport)
     strict = property(lambda self: self.options.strict)
     reconnect_timeout = property(lambda self: self.options.reconnect_timeout)
+    # what the server(s) serve: with one server, as described again on each reconnect (strict=False)
+    info: DatasetInfo = property(lambda self: self.servers.info)  # type: ignore[assignment]
 
     @property
     def _pipeline(self) -> pb.Pipeline | None:
@@ -411,7 +418,10 @@ class SingleServerLoader:
         self.address = address
         self.loader_stats = stats if stats is not None else LoaderStats()
         self.connection = ServerConnection(address, options, transfer)
-        self.info = self.connection.info
+
+    @property
+    def info(self) -> DatasetInfo:
+        return self.connection.info
 
     @property
     def _shm(self):
@@ -424,9 +434,11 @@ class SingleServerLoader:
         self.connection.close()
 
     def _reconnect(self, epoch: int, next_batch: int, error: ConnectionError, start_position: int = 0) -> Receiver:
-        """Wait for the server to come back (gRPC's own reconnect backoff) and resume at next_batch.
+        """Wait for the server to come back (gRPC's own reconnect backoff), check that it serves
+        the same dataset (``ServerConnection.check_unchanged``), and resume at next_batch.
 
-        Raises ConnectionError after ``reconnect_timeout`` seconds.
+        Raises ConnectionError after ``reconnect_timeout`` seconds; DatasetChangedError if the
+        dataset there has another size or (strict) other fingerprints, before any batch of it.
         """
         timeout = self.options.reconnect_timeout
         deadline = time.monotonic() + timeout
@@ -443,10 +455,11 @@ class SingleServerLoader:
             if not self.connection.wait_ready(remaining):
                 continue
             try:
+                self.connection.check_unchanged(min(remaining, self.options.connect_timeout))
                 receiver = self.connection.open_stream(epoch, next_batch, start_position=start_position)
                 log.info("resumed the stream from %s at epoch %d, batch %d", self.address, epoch, next_batch)
                 return receiver
-            except ConnectionError as e:
+            except (ConnectionError, TimeoutError) as e:
                 error = e
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchd.client.connection import ServerConnection
-from batchd.client.datasets import mismatches
+from batchd.client.datasets import difference, mismatches
 
 log = logging.getLogger("batchd.client.multi")
 
@@ -117,17 +117,10 @@ class ServerSet:
             server.error = "its health service does not say SERVING"
             fresh.close()
             return False
-        if fresh.info.num_samples != self.info.num_samples:
-            msg = (f"dataset {self.options.dataset!r} has {fresh.info.num_samples} samples there, "
-                   f"{self.info.num_samples} on the others")
-            if server.error != msg:
-                log.warning("batchd server %s is left out: %s", server.address, msg)
-            server.error = msg
-            fresh.close()
-            return False
-        differ = mismatches(self.info.identity(), fresh.info.identity())
-        if differ and self.options.strict:
-            msg = f"dataset {self.options.dataset!r} differs there from the other servers: {'; '.join(differ)} (strict=False accepts it)"
+        changed = difference(self.info, fresh.info)  # the check a reconnect makes (check_unchanged)
+        if changed.refused(self.options.strict):
+            msg = (f"dataset {self.options.dataset!r} differs there from the other servers: {changed} (the others vs "
+                   f"there){'' if changed.num_samples else ' (strict=False accepts it)'}")
             if server.error != msg:
                 log.warning("batchd server %s is left out: %s", server.address, msg)
             server.error = msg

@@ -12,7 +12,9 @@ what they mean with one server.
 A new split starts at the next batch to deliver when
 
 * a server fails: its stream breaks (ConnectionError) and it does not take a new one within
-  ``failover_timeout`` seconds (at most ``reconnect_timeout``), or it sends nothing for
+  ``failover_timeout`` seconds (at most ``reconnect_timeout``), or it comes back serving what the
+  prober would leave out (``ServerConnection.check_unchanged``: another number of samples, or
+  other fingerprints under ``strict``; named in its ``server_stats`` error), or it sends nothing for
   ``timeout`` seconds while others are up. It is marked down and the remaining servers share the
   remaining batches. Batches the others had prefetched under the old split are dropped and
   rebuilt (same bytes);
@@ -54,6 +56,7 @@ from batchd.client.loader_stats import LoaderStats
 from batchd.client.membership import PROBE_CONNECT_S, ServerSet, _Server
 from batchd.client.options import LoaderOptions
 from batchd.client.receiver import Receiver, _End
+from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,9 @@ class MultiServerLoader(ServerSet):
     At least one server must answer at construction; the others are probed later. Raises
     ValueError if the servers disagree on the dataset's size, or (``strict``, the default) on
     its dataset or build fingerprint, naming the servers and what differs; a server that
-    rejoins later with other fingerprints is left out. ``strict=False`` accepts them.
+    rejoins later (probed) or comes back after a broken stream (reconnected) with another
+    dataset size, or other fingerprints, is left out (``difference``, the same check both ways)
+    and the others take its batches. ``strict=False`` accepts other fingerprints.
     """
 
     def __init__(self, source: Any, addresses: list[str], options: LoaderOptions, transfer: Any = None,
@@ -164,7 +169,8 @@ class MultiServerLoader(ServerSet):
 
     def _reconnect_one(self, split: _Split, i: int, epoch: int, b: int) -> Receiver | None:
         """Server i of the split broke: a new stream of the same batches from b on, within the
-        failover window, or None."""
+        failover window, or None. Raises DatasetChangedError / DatasetNotFoundError where the
+        server came back with another dataset (``check_unchanged``), before any stream on it."""
         server = split.servers[i]
         now = time.monotonic()
         if server.failing_since is None:
@@ -179,9 +185,10 @@ class MultiServerLoader(ServerSet):
             if remaining <= 0 or not conn.wait_ready(remaining):
                 return None
             try:
+                conn.check_unchanged(min(remaining, o.connect_timeout))
                 # same batches as before: b is this server's next one, the stride is unchanged
                 return conn.open_stream(epoch, b, len(split.servers), 0, start_position=split.start_position)
-            except ConnectionError:
+            except (ConnectionError, TimeoutError):
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
@@ -192,7 +199,10 @@ class MultiServerLoader(ServerSet):
         if receiver is not None:
             receiver.stop()
         if isinstance(error, ConnectionError):
-            again = self._reconnect_one(split, i, epoch, b)
+            try:
+                again = self._reconnect_one(split, i, epoch, b)
+            except (DatasetChangedError, DatasetNotFoundError) as e:  # left out, as _probe leaves it out
+                again, error = None, e
             if again is not None:
                 log.info("resumed the stream from %s at epoch %d, batch %d", server.address, epoch, b)
                 self.loader_stats.count("reconnects")
