@@ -55,8 +55,8 @@ class PermissionDeniedError(BatchdError, PermissionError):
 
 
 class DatasetChangedError(BatchdError, ValueError):
-    """A server's dataset is no longer the one this loader was reading: after a reconnect (the
-    server restarted) it has another number of samples (always an error: the epoch's batch plan,
+    """A server's dataset is no longer the one this loader was reading: after a reconnect, or at
+    the start of an epoch after a restart between epochs, it has another number of samples (always an error: the epoch's batch plan,
     ``len(loader)``, no longer holds), or, with ``strict``, another dataset or build fingerprint.
     Raised before any batch of the new data is yielded.
 
@@ -73,7 +73,7 @@ class DatasetChangedError(BatchdError, ValueError):
         what += [f"{c} (before vs now)" for c in self.changes]
         why = ("the epoch's batch plan (len(loader)) no longer holds; start a new loader for the new data"
                if self.num_samples else "strict=False goes on with the new data")
-        super().__init__(f"dataset {dataset!r} at {address} changed while the loader was reconnecting: "
+        super().__init__(f"dataset {dataset!r} at {address} changed since the loader last read it (a restart): "
                          f"{'; '.join(what)}; {why}")
 
     def __reduce__(self):

@@ -63,6 +63,9 @@ class ServerConnection:
         self._tag_prefix = new_tag_prefix()
         self._tags = itertools.count()
         self.receiver: Receiver | None = None  # the latest stream opened
+        # a stream was opened since the dataset was last described: the server may have restarted since
+        # (gRPC reconnects a channel silently between calls), so the next epoch checks first
+        self.streamed = False
         try:
             self.info: DatasetInfo = describe(self._channel, address, options.dataset, timeout=options.connect_timeout)
         except BaseException:
@@ -169,6 +172,7 @@ class ServerConnection:
         does not become ``self.receiver``. Raises ConnectionError and the errors of ``translate``.
         """
         tag = f"{self._tag_prefix}-{next(self._tags)}"
+        self.streamed = True
         request = self.request(epoch, start_batch, stride, offset, tag, start_position=start_position,
                                end_batch=end_batch, hedge=hedge)
         record = CallRecord(tag, request.session)
@@ -192,7 +196,7 @@ class ServerConnection:
         return wait_for_server(self._channel, timeout)
 
     def check_unchanged(self, timeout: float) -> Difference:
-        """After a reconnect, before any stream on it: describe the dataset again and compare it
+        """After a reconnect, and before an epoch on a connection that streamed before: describe the dataset again and compare it
         with ``self.info`` (``batchd.client.datasets.difference``), since a restarted server may
         serve other files under the same name.
 
@@ -204,11 +208,12 @@ class ServerConnection:
         DatasetNotFoundError if it no longer serves the dataset.
         """
         now = describe(self._channel, self.address, self.options.dataset, timeout=timeout)
+        self.streamed = False
         changed = difference(self.info, now)
         if changed.refused(self.options.strict):
             raise DatasetChangedError(self.options.dataset, self.address, changed.fingerprints, changed.num_samples)
         if changed:
-            log.warning("dataset %r at %s changed while the loader was reconnecting: %s (before vs now); going on "
+            log.warning("dataset %r at %s changed since the loader last read it (a restart): %s (before vs now); going on "
                         "with the new data (strict=False)", self.options.dataset, self.address, changed)
         self.info = now
         return changed

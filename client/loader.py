@@ -470,6 +470,8 @@ class SingleServerLoader:
         if self.connection.closed:
             raise RuntimeError("the loader is closed")
         self.connection.stop_stream()  # a previous iteration was abandoned: one stream at a time
+        if self.connection.streamed:  # the server may have restarted since, over other data
+            self.connection.check_unchanged(self.options.connect_timeout)
         receiver = self.connection.open_stream(epoch, start_batch, start_position=start_position)
         expected = start_batch
         try:

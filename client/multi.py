@@ -192,6 +192,22 @@ class MultiServerLoader(ServerSet):
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
+    def _check_unchanged(self) -> None:
+        """Before an epoch: describe the dataset again on each working server that streamed
+        since it was last described (it may have restarted over other data between epochs);
+        one that changed is left out, as on a reconnect. One that does not answer is left to
+        its stream's failure (and to ``_reconnect_one``'s check)."""
+        for server in self._working():
+            if not server.conn.streamed:
+                continue
+            try:
+                server.conn.check_unchanged(self.options.connect_timeout)
+            except (DatasetChangedError, DatasetNotFoundError) as e:
+                log.warning("batchd server %s is left out: %s", server.address, e)
+                self._mark_down(server, e)
+            except (ConnectionError, TimeoutError):
+                pass
+
     def _recover(self, split: _Split, i: int, epoch: int, b: int, total: int, error: BaseException) -> _Split:
         """Server i of ``split`` failed at batch b: reconnect to it, or split again without it."""
         server = split.servers[i]
@@ -241,6 +257,7 @@ class MultiServerLoader(ServerSet):
         ``start_position``), in order, from the servers that are up."""
         if self._closed:
             raise RuntimeError("the loader is closed")
+        self._check_unchanged()
         split = self._start_split(epoch, start_batch, total, "", start_position=start_position)
         hedger = self._hedger
         if hedger is not None:

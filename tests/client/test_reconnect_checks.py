@@ -179,6 +179,40 @@ def test_several_servers_leave_out_one_restarted_over_other_images(server_procs,
     seen = np.concatenate(indices)
     assert sorted(seen.tolist()) == list(range(N)), "a sample is missing or repeated"
     assert [s["up"] for s in stats] == [True, False], stats
-    assert "changed while the loader was reconnecting: dataset fingerprint" in stats[1]["error"], stats
+    assert "changed since the loader last read it (a restart): dataset fingerprint" in stats[1]["error"], stats
     assert b.address in stats[1]["error"] and "resumed the stream" not in caplog.text
     assert f"batchd server {b.address} failed" in caplog.text
+
+
+# --- a restart between epochs: no stream breaks, gRPC reconnects the channel silently ---------------
+
+
+def test_a_restart_between_epochs_over_other_images_is_caught_before_the_next_epoch(server_procs, tmp_path):
+    root = tmp_path / "photos"
+    photos(root, N, seed=0)
+    server = start(server_procs, tmp_path, root)
+    with batchd.RemoteDataLoader(server.address, "photos", **KW) as ld:
+        before = ld.info.fingerprint
+        assert len([digest(b) for b in ld]) == 10  # epoch 0, whole
+        restart_over(server, server_procs, tmp_path, root, lambda r: replace(r, seed=1))
+        with pytest.raises(batchd.DatasetChangedError, match="dataset fingerprint"):
+            next(iter(ld))  # epoch 1
+        assert ld.info.fingerprint == before
+
+
+def test_several_servers_leave_out_one_restarted_between_epochs(server_procs, tmp_path, caplog):
+    root_a, root_b = tmp_path / "a", tmp_path / "b"
+    photos(root_a, N, seed=0)
+    shutil.copytree(root_a, root_b, copy_function=shutil.copy2)  # mtimes kept: the same fingerprint
+    a, b = start(server_procs, tmp_path, root_a, root_b)
+    with batchd.RemoteDataLoader([a.address, b.address], "photos", probe_interval=60, hedge=False, **KW) as ld:
+        assert len(list(ld)) == 10  # epoch 0
+        restart_over(b, server_procs, tmp_path, root_b, lambda r: replace(r, seed=1))
+        got = [digest(x) for x in ld]  # epoch 1: a alone
+        stats = ld.server_stats()
+    with batchd.RemoteDataLoader(a.address, "photos", **KW) as one:
+        one.set_epoch(1)
+        reference = [digest(x) for x in one]
+    assert got == reference, "epoch 1 mixed in batches of the restarted server's other images"
+    assert [s["up"] for s in stats] == [True, False], stats
+    assert "changed since the loader last read it (a restart): dataset fingerprint" in stats[1]["error"], stats
