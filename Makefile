@@ -1,7 +1,7 @@
 # batchd: the single entry point for developers and CI.
 #
 #   make install   create .venv, install torch, then batchd (editable) with its client and test extras;
-#                  installs the Fashion-MNIST Debian package when it is missing (root + apt)
+#                  installs the Fashion-MNIST and prometheus (promtool) Debian packages when missing (root + apt)
 #   make test      run the test suite            (PYTEST_ARGS='-k deploy -x' to pass options)
 #   make demo      train a small CNN on Fashion-MNIST through a local batchd server (ARGS=...)
 #   make bench     run the benchmarks (ARGS=...); installs the bench extra (tensorflow-cpu) and photos
@@ -57,7 +57,7 @@ define apt_provide
 	  :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo ">> $(2) is missing: apt-get install $(1)"; \
-	  { apt-get update -q && apt-get install -y -q $(1); } \
+	  { apt-get update -q && apt-get install -y -q --no-install-recommends $(1); } \
 	    || echo "!! apt-get install $(1) failed; $(3) will not work until it is installed" >&2; \
 	else \
 	  echo "!! $(2) is missing (wanted by $(3))." >&2; \
@@ -84,6 +84,7 @@ $(STAMP): pyproject.toml | $(PY)
 
 datasets:
 	$(call apt_provide,dataset-fashion-mnist,$(FMNIST_FILE),the Fashion-MNIST demo and tests)
+	$(call apt_provide,prometheus,/usr/bin/promtool,tests/serve/test_metrics_names.py (promtool check metrics))
 
 demo: install
 	$(PY) examples/train_fashion_mnist.py $(ARGS)
