@@ -65,3 +65,38 @@ def remote(address: str, dataset: str, *, batch_size: int, pipeline: str, worker
         address, dataset, batch_size=batch_size, shuffle=True, seed=seed, drop_last=True, transform=pipeline,
         prefetch=max(2, 2 * workers), transport=transport, compression=compression, timeout=300, **kw,
     )
+
+
+def table_main(table, argv=None, *, photos: bool = False, load_note: bool = False,
+               quick_help: str = "fewer batches and 1 repeat", per: str = "configuration") -> int:
+    """The command line of one table's module ``table`` (its ``__doc__``, ``TITLE``, ``run``,
+    ``render``, ``targets``): --quick, --repeats; threads pinned, photos made if ``photos``,
+    other processes' load waited out; prints the table, the load the noise guard saw if
+    ``load_note``, each target PASS/FAIL and the seconds taken. Returns the exit status (0)."""
+    import argparse
+    import time
+
+    from bench import noise
+    from bench.measure import pin_threads
+    from bench.settings import Settings
+
+    p = argparse.ArgumentParser(description=table.__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--repeats", type=int, help=f"repeats per {per} (default 3; --quick: 1)")
+    args = p.parse_args(argv)
+    settings = Settings(quick=args.quick, repeats=args.repeats or (1 if args.quick else 3))
+    pin_threads()
+    if photos:
+        data.ensure_photos()
+    noise.configure(budget_s=5.0 if args.quick else 60.0)  # wait out (briefly) other processes' load
+    t0 = time.perf_counter()
+    r = table.run(settings, log=lambda msg: print(msg, flush=True))
+    print(f"\n## {table.TITLE}\n\n{table.render(r)}\n")
+    if load_note:
+        g = noise.GUARD.take()
+        print(f"Other processes used a median {g['foreign_median']:.0%} (max {g['foreign_max']:.0%}) of the machine's "
+              f"CPU during the {g['measurements']} measurements ({g['retried']} re-measured).")
+    for t in table.targets(r):
+        print(f"- {'PASS' if t['passed'] else 'FAIL'} {t['name']}: {t['detail']}")
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+    return 0

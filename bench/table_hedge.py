@@ -19,7 +19,6 @@ interleaved, and count the batches the servers built for hedges
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import pathlib
@@ -201,24 +200,7 @@ def targets(r: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from bench.measure import pin_threads
-    from bench.settings import Settings
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer batches and 1 repeat")
-    p.add_argument("--repeats", type=int, help="repeats per configuration (default 3; --quick: 1)")
-    args = p.parse_args(argv)
-    settings = Settings(quick=args.quick, repeats=args.repeats or (1 if args.quick else 3))
-    pin_threads()
-    data.ensure_photos()
-    noise.configure(budget_s=5.0 if args.quick else 60.0)
-    t0 = time.perf_counter()
-    r = run(settings, log=lambda msg: print(msg, flush=True))
-    print(f"\n## {TITLE}\n\n{render(r)}\n")
-    for t in targets(r):
-        print(f"- {'PASS' if t['passed'] else 'FAIL'} {t['name']}: {t['detail']}")
-    print(f"\n({time.perf_counter() - t0:.0f} s)")
-    return 0
+    return common.table_main(sys.modules[__name__], argv, photos=True)
 
 
 if __name__ == "__main__":

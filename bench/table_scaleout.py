@@ -14,7 +14,6 @@ the core count; CPU seconds per image tell what separate hosts would do (see ``r
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import sys
@@ -25,7 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
-from bench import common, data, noise, pipelines  # noqa: E402
+from bench import common, data, pipelines  # noqa: E402
 from bench.measure import median, spread, time_stream, tree_cpu_seconds  # noqa: E402
 from bench.noise import measure  # noqa: E402
 from bench.report import md_table  # noqa: E402
@@ -148,27 +147,7 @@ def targets(r: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from bench.measure import pin_threads
-    from bench.settings import Settings
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer images and 1 repeat")
-    p.add_argument("--repeats", type=int, help="repeats per configuration (default 3; --quick: 1)")
-    args = p.parse_args(argv)
-    settings = Settings(quick=args.quick, repeats=args.repeats or (1 if args.quick else 3))
-    pin_threads()
-    data.ensure_photos()
-    noise.configure(budget_s=5.0 if args.quick else 60.0)  # wait out (briefly) other processes' load
-    t0 = time.perf_counter()
-    r = run(settings, log=lambda msg: print(msg, flush=True))
-    g = noise.GUARD.take()
-    print(f"\n## {TITLE}\n\n{render(r)}\n")
-    print(f"Other processes used a median {g['foreign_median']:.0%} (max {g['foreign_max']:.0%}) of the machine's "
-          f"CPU during the {g['measurements']} measurements ({g['retried']} re-measured).")
-    for t in targets(r):
-        print(f"- {'PASS' if t['passed'] else 'FAIL'} {t['name']}: {t['detail']}")
-    print(f"\n({time.perf_counter() - t0:.0f} s)")
-    return 0
+    return common.table_main(sys.modules[__name__], argv, photos=True, load_note=True, quick_help="fewer images and 1 repeat")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ would need the two runs to differ by under 1%, far below this machine's run-to-r
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import sys
@@ -40,7 +39,7 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import albumentations as A  # noqa: E402
 
-from bench import common, data, noise  # noqa: E402
+from bench import common, data  # noqa: E402
 from bench.measure import median, time_stream  # noqa: E402
 from bench.noise import measure  # noqa: E402
 from bench.report import md_table  # noqa: E402
@@ -226,23 +225,7 @@ def targets(r: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from bench.measure import pin_threads
-    from bench.settings import Settings
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer batches and 1 repeat")
-    p.add_argument("--repeats", type=int, help="repeats per workload (default 3; --quick: 1)")
-    args = p.parse_args(argv)
-    settings = Settings(quick=args.quick, repeats=args.repeats or (1 if args.quick else 3))
-    pin_threads()
-    noise.configure(budget_s=5.0 if args.quick else 60.0)
-    t0 = time.perf_counter()
-    r = run(settings, log=lambda msg: print(msg, flush=True))
-    print(f"\n## {TITLE}\n\n{render(r)}\n")
-    for t in targets(r):
-        print(f"- {'PASS' if t['passed'] else 'FAIL'} {t['name']}: {t['detail']}")
-    print(f"\n({time.perf_counter() - t0:.0f} s)")
-    return 0
+    return common.table_main(sys.modules[__name__], argv, per="workload")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from typing import Any, Callable
 
 import numpy as np

@@ -23,7 +23,6 @@ import time
 
 import albumentations as A
 import cv2
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -16,7 +16,7 @@ import batchd
 from batchd.client.profile import COPY_SHARE, GROUPS, READ_SHARE, TRAINER_BOUND_WAIT, WORKERS_BUSY, judge
 from batchd.client.stats import get_stats
 from batchd.client.timings import LoopTimings
-from helpers import ThrottledProxy, wait_until, write_class_tree
+from helpers import ThrottledProxy, write_class_tree
 from seaweed import seaweed  # noqa: F401  (the session fixture)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
@@ -56,7 +56,7 @@ def test_a_sleeping_training_step_is_trainer_bound(make_server, fmnist_root):
     with batchd.RemoteDataLoader(server.address, "fmnist", batch_size=100, prefetch=4) as loader:
         it = iter(loader)
         steps = 0.0  # from a batch in hand to the next call: what the loader counts as step
-        t0 = asked = time.perf_counter()
+        t0 = time.perf_counter()
         for i in range(30):
             next(it)
             got = time.perf_counter()
@@ -64,7 +64,6 @@ def test_a_sleeping_training_step_is_trainer_bound(make_server, fmnist_root):
             asked_next = time.perf_counter()
             if i < 29:
                 steps += asked_next - got
-            asked = asked_next
         p = loader.profile()
         assert p["verdict"] == "trainer-bound", p.table()
         assert p["wait_ratio"] < TRAINER_BOUND_WAIT
