@@ -129,7 +129,7 @@ class ServerConnection:
             raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
         transfer, registered, encoded = self.transfer, False, decode.is_encoded(raw)
         if transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
-            batch, registered = shm.host_tensors(raw, transfer.register)  # copied straight from the slot
+            batch, registered = shm.host_tensors(raw, transfer.register, transfer.unregister)  # copied from the slot
         else:
             batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
         if raw.skipped:

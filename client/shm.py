@@ -13,6 +13,14 @@ becomes this process's own copy; the server's slot, which other readers of a sha
 its last tensor: a long-lived mapping would keep a written page private and show it again when
 the slot comes back with another batch.
 
+Copies to a GPU (``host_tensors``) read the slot instead: each segment is mapped once (shared,
+read-only) and registered with CUDA once, since registering costs far more than a copy. Such a
+mapping goes, unregistered first, once the server has unlinked its segment (it replaced or
+retired the slot) and no batch's tensors use it: a batch uses it from ``host_tensors`` until the
+reporter has sent its lease's release (``forget``), and each release round unmaps the idle
+mappings of unlinked files. So a session maps at most the server's live segments and the few it
+unlinked since the last round, not every segment it ever saw (tests/client/test_shm_mappings.py).
+
 The session call stays open while any lease is outstanding, even after ``close``: the server
 returns every slot of a session whose call ended, and a tensor the caller still holds must
 never see its slot reused.
@@ -29,6 +37,8 @@ import threading
 import uuid
 import warnings
 import weakref
+from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -67,6 +77,55 @@ def map_private(name: str, length: int) -> mmap.mmap:
         os.close(fd)
 
 
+@dataclass(eq=False)
+class HostMapping:
+    """One segment mapped shared and read-only for copies to a GPU (``SharedMemorySession.host_tensors``).
+
+    file: the mapped file's (st_dev, st_ino), to see it unlinked or replaced. registered: passed
+    to CUDA (``register``); unregister: how to undo that (None: it cannot be undone here, so the
+    mapping stays until the session ends). leases: the batches whose tensors may still use it.
+    """
+
+    mm: mmap.mmap
+    address: int
+    size: int
+    file: tuple[int, int]
+    registered: bool = False
+    unregister: Callable[[int], None] | None = None
+    leases: set[int] = field(default_factory=set)
+
+    @classmethod
+    def open(cls, name: str) -> "HostMapping":
+        """Map segment ``name`` whole. Raises SharedMemoryUnavailable for an invalid name, OSError
+        (FileNotFoundError once the server has unlinked it) if it cannot be mapped."""
+        fd = os.open(_segment_path(name), os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return cls(mm, np.frombuffer(mm, dtype=np.uint8).ctypes.data, len(mm), (st.st_dev, st.st_ino))
+
+    def droppable(self, name: str) -> bool:
+        """No batch uses it, it can be unregistered, and segment ``name`` is no longer this file."""
+        if self.leases or (self.registered and self.unregister is None):
+            return False
+        try:
+            st = os.stat(_segment_path(name))
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != self.file
+
+    def close(self) -> None:
+        """Unregister (no copy reads it any more), then unmap."""
+        if self.registered and self.unregister is not None:
+            self.unregister(self.address)
+        try:
+            self.mm.close()
+        except BufferError:  # a view still exists somewhere: unmapped when it is collected
+            pass
+
+
 class SharedMemorySession:
     """One OpenSession call and the leases received under it. Thread-safe.
 
@@ -83,8 +142,9 @@ class SharedMemorySession:
         self._outstanding: set[int] = set()
         self._closing = False
         self._ended = False
-        self._host_maps: dict[str, tuple[mmap.mmap, int, bool]] = {}  # segment -> (mapping, address, registered)
-        self._unregister = None
+        self._maps_lock = threading.Lock()  # _host_maps and _host_leases (receiver and reporter threads)
+        self._host_maps: dict[str, HostMapping] = {}  # segment name -> its mapping for copies to a GPU
+        self._host_leases: dict[int, str] = {}  # lease -> the segment its batch's tensors (may) use
         reporter.add_session(self)
 
     @classmethod
@@ -119,37 +179,51 @@ class SharedMemorySession:
         base = np.frombuffer(map_private(batch.segment, end), dtype=np.uint8) if end else np.zeros(0, np.uint8)
         return self._wrap(base, batch)
 
-    def host_tensors(self, batch: wire.WireBatch, register) -> tuple[dict[str, fields.Field], bool]:
+    def host_tensors(self, batch: wire.WireBatch, register: Callable[[int, int], bool],
+                     unregister: Callable[[int], None] | None = None) -> tuple[dict[str, fields.Field], bool]:
         """Read-only CPU tensors on the batch's slot, for a copy to a GPU straight from it.
 
         Each segment is mapped once (shared, read-only: these tensors are never handed to the
         caller, only copied from) and passed once to ``register(address, size) -> bool`` (a
-        ``CudaTransfer.register``). Returns the tensors and whether their memory is registered.
+        ``CudaTransfer.register``). The mapping is unregistered (``unregister(address)``; by
+        default the ``unregister`` of the object ``register`` is bound to) and unmapped once the
+        server has unlinked the segment and no batch's tensors use it (see the module docstring).
+        Returns the tensors and whether their memory is registered. Raises OSError if the
+        segment cannot be mapped (FileNotFoundError: the server unlinked it).
         """
-        entry = self._host_maps.get(batch.segment)
-        if entry is None:
-            fd = os.open(_segment_path(batch.segment), os.O_RDONLY)
-            try:
-                mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
-            entry = self._host_maps[batch.segment] = (mm, address, bool(register(address, len(mm))))
-            if entry[2]:
-                self._unregister = getattr(register, "__self__", None)
-        mm, _, registered = entry
-        return self._wrap(np.frombuffer(mm, dtype=np.uint8, count=_end(batch)), batch), registered
+        if unregister is None:  # a bound CudaTransfer.register: its transfer undoes it
+            unregister = getattr(getattr(register, "__self__", None), "unregister", None)
+        with self._maps_lock:
+            entry = self._host_maps.get(batch.segment)
+            if entry is None:
+                entry = HostMapping.open(batch.segment)
+                entry.registered = bool(register(entry.address, entry.size))
+                entry.unregister = unregister if entry.registered else None
+                self._host_maps[batch.segment] = entry
+            entry.leases.add(batch.lease)
+            self._host_leases[batch.lease] = batch.segment
+        return self._wrap(np.frombuffer(entry.mm, dtype=np.uint8, count=_end(batch)), batch), entry.registered
+
+    def _drop_host_maps(self, leases: list[int]) -> None:
+        """The batches of ``leases`` are gone (their releases sent): unmap the mappings that no
+        batch uses whose segment the server has unlinked (unregistered first)."""
+        with self._maps_lock:
+            for lease in leases:
+                segment = self._host_leases.pop(lease, None)
+                if segment is not None:
+                    self._host_maps[segment].leases.discard(lease)
+            dropped = [self._host_maps.pop(name) for name, m in list(self._host_maps.items()) if m.droppable(name)]
+        for m in dropped:
+            m.close()
 
     def _unmap_host(self) -> None:
         """Session ended, nothing outstanding: no copy reads these mappings any more."""
-        for mm, address, registered in self._host_maps.values():
-            if registered and self._unregister is not None:
-                self._unregister.unregister(address)
-            try:
-                mm.close()
-            except BufferError:  # a view still exists somewhere: unmapped when it is collected
-                pass
-        self._host_maps.clear()
+        with self._maps_lock:
+            maps = list(self._host_maps.values())
+            self._host_maps.clear()
+            self._host_leases.clear()
+        for m in maps:
+            m.close()
 
     def _wrap(self, base: np.ndarray, batch: wire.WireBatch) -> dict[str, fields.Field]:
         """The batch's fields as views of ``base`` (stacked tensors, ``Ragged`` flat values; str and
@@ -171,9 +245,12 @@ class SharedMemorySession:
         self._reporter.freed(self.session, lease)
 
     def forget(self, leases: list[int]) -> None:
-        """The reporter told the server about ``leases`` (reporter thread)."""
+        """The reporter told the server about ``leases`` (reporter thread): no tensor uses their
+        batches any more; mappings of segments the server has unlinked meanwhile go."""
         with self._lock:
             self._outstanding.difference_update(leases)
+        if self._host_maps:
+            self._drop_host_maps(leases)
 
     def end_if_done(self) -> bool:
         """Once closing with nothing outstanding: end the session call (the server returns what is

@@ -12,7 +12,9 @@ Pattern from ffcv's ``loader/epoch_iterator.py`` and spdl's ``io/_transfer.py``:
 * same-host batches are copied straight from the server's shared-memory slot: each segment is
   mapped read-only once and registered with CUDA once (``cudaHostRegister``, from a helper
   thread: client/host_register.py), and the batch (its lease) is kept until its copy's event has
-  completed; if CUDA refuses, batches go through the pinned buffers;
+  completed; once the server has unlinked a segment and no batch uses it, the session
+  unregisters and unmaps it (client/shm.py); if CUDA refuses, batches go through the pinned
+  buffers;
 * ``hand_over`` makes the consumer's current stream wait for that copy's event and marks the
   device tensors as used on it (``record_stream``), so the caching allocator never recycles
   them early;

@@ -96,7 +96,7 @@ class Loader:
         # streams_started, and how closed streams ended + what they sent (server/serve/stats.py); under _lock
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
-        self.draining = False  # set on shutdown: open streams end with UNAVAILABLE
+        self.draining = False  # set by drain() on shutdown: nothing more is built, open streams end with UNAVAILABLE
 
     def __enter__(self) -> "Loader":
         return self
@@ -175,7 +175,7 @@ class Loader:
         indices = None  # this shard's order, computed outside the lock when no computation can be joined
         while True:
             with self._lock:  # join a running computation or register a new one: one decision, one lock
-                if self._closed:
+                if self._closed or self.draining:
                     raise RuntimeError("the loader is shutting down")
                 if len(self.streams) >= cfg.max_streams:
                     raise ResourceExhaustedError(
@@ -236,7 +236,7 @@ class Loader:
         have a reader that nobody detaches).
         """
         with self._lock:
-            if stream.closed or self._closed:
+            if stream.closed or self._closed or self.draining:
                 return
             old = stream.computation
             new = self._new_computation(stream, old.request, old.indices, old.num_batches)
@@ -295,6 +295,20 @@ class Loader:
         if pool is not None:
             pool.wake()
 
+    def drain(self) -> None:
+        """Shutting down: build nothing more. The pool dispatches no task from now on and every
+        computation closes (its built batches go back; tasks already running finish into slots
+        that were free when they were sent), so no slot is written again: a slot lent to a client
+        that the shared-memory sessions give back afterwards keeps its batch's bytes
+        (tests/serve/test_shutdown_batches.py). Open streams then end with UNAVAILABLE; new ones
+        are refused. Idempotent."""
+        with self._lock:
+            self.draining = True
+            computations = [c for group in self._computations.values() for c in group]
+        self.pool.stop_dispatch()  # returns once no dispatch is under way
+        for c in computations:
+            c.close()
+
     def close_stream(self, stream: Stream, reason: str = "finished") -> None:
         with self._lock:
             stream.closed = True
@@ -336,6 +350,7 @@ class Loader:
                 return
             self._closed = True
             computations = [c for group in self._computations.values() for c in group]
+        self.pool.stop_dispatch()  # before leases go back: nothing is built into a slot a client still holds
         for c in computations:
             c.close()
         self.leases.close_all()

@@ -12,7 +12,8 @@ sentinels and a wake-up pipe, and in each round:
 4. dispatches new tasks: streams are served round robin, each stream at most ``prefetch``
    batches in flight or buffered; a worker is sent its next tasks before the current one
    finishes (at least one waiting, more while fewer than ``read_ahead`` samples wait, see
-   ``handles.WorkerHandle.wants_task``), so its reader reads their samples ahead;
+   ``handles.WorkerHandle.wants_task``), so its reader reads their samples ahead; nothing once
+   ``stop_dispatch`` was called (the server is shutting down);
 5. with an ``Autoscaler`` (config ``workers: {min, max}``), starts a worker while clients wait for
    data, or retires one after a cool-down (``server/compute/autoscale.py``): a retiring worker
    gets no new task, is told to stop once its tasks are done, and is reaped when it has exited.
@@ -111,6 +112,8 @@ class WorkerPool(PoolSizing):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closing = False
+        self._dispatch_lock = threading.Lock()  # held by the scheduler through each _dispatch
+        self._dispatch_stopped = False  # stop_dispatch(): no task is sent any more
         self.restarts = 0
         self.batches_rebuilt = 0  # batches in flight on a worker that died, queued again for another
         self.batches_built = 0  # batches workers finished (a batch shared by several streams counts once)
@@ -140,6 +143,13 @@ class WorkerPool(PoolSizing):
             except ValueError:
                 pass
         self.wake()
+
+    def stop_dispatch(self) -> None:
+        """Send no task from now on (shutting down). Returns once a dispatch under way has ended:
+        afterwards no slot is handed to a worker, so a slot freed later is never written again.
+        Tasks already sent run on (into slots that were free when they were sent). Idempotent."""
+        with self._dispatch_lock:
+            self._dispatch_stopped = True
 
     def wake(self) -> None:
         if self._closing:
@@ -390,6 +400,11 @@ class WorkerPool(PoolSizing):
             )
 
     def _dispatch(self) -> None:
+        with self._dispatch_lock:
+            if not self._dispatch_stopped:
+                self._dispatch_locked()
+
+    def _dispatch_locked(self) -> None:
         with self._lock:  # least recently served first
             streams = [s for s in self._streams if not s.closed]
         while streams:

@@ -118,8 +118,14 @@ class BatchLoaderService:
             return self._long_calls
 
     def drain(self) -> None:
-        """Shutting down: open streams end with UNAVAILABLE, idle sessions end now (not after the grace period)."""
-        self.loader.draining = True
+        """Shutting down: batches stop being built (``Loader.drain``: no slot is written again), open
+        streams end with UNAVAILABLE, then idle sessions end now (not after the grace period).
+
+        In that order: ending a session gives back every slot lent to it, while the client may
+        still hold the batches in them (mapped copy-on-write: pages it has not written follow
+        the slot). Were the pool still dispatching, it would build new batches into those slots.
+        """
+        self.loader.drain()
         with self._lock:
             waiting = list(self._sessions_waiting)
         for event in waiting:

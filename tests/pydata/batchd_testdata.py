@@ -7,6 +7,8 @@ dataset gives in-process.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 # distinct, saturated colours: object with label l is painted PALETTE[l]
@@ -133,6 +135,24 @@ class Versioned(Mixed):
 
     def fingerprint(self) -> str:
         return self.version
+
+
+class Paced:
+    """Sample i: image uint8 [4, 4] filled with i % 256, label i. Reading it takes ``seconds``, and
+    ``stall_seconds`` for sample ``stall_at``: batches come at a steady pace but one, which a stream
+    waits for while the workers build the batches after it (tests/serve/test_shutdown_batches.py)."""
+
+    def __init__(self, n: int = 2000, seconds: float = 0.0, stall_at: int = -1, stall_seconds: float = 0.0):
+        self.n, self.seconds, self.stall_at, self.stall_seconds = n, seconds, stall_at, stall_seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        time.sleep(self.stall_seconds if i == self.stall_at else self.seconds)
+        return {"image": np.full((4, 4), i % 256, np.uint8), "label": i}
 
 
 def build_failing(**args):
