@@ -128,10 +128,17 @@ class ServerConnection:
         if raw.segment and shm is None:
             raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
         transfer, registered, encoded = self.transfer, False, decode.is_encoded(raw)
-        if transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
-            batch, registered = shm.host_tensors(raw, transfer.register, transfer.unregister)  # copied from the slot
-        else:
-            batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
+        try:
+            if transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
+                batch, registered = shm.host_tensors(raw, transfer.register, transfer.unregister)  # copied from the slot
+            else:
+                batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
+        except FileNotFoundError:
+            # the server unlinked the slot: it ended the session (shutting down) after gRPC had
+            # buffered this message. A broken stream, resumed like one (reconnect_timeout)
+            raise ConnectionError(f"batchd server at {self.address} ended the shared-memory session of batch "
+                                  f"{raw.batch_index} (epoch {raw.epoch}) before it was read: the server is "
+                                  f"shutting down or restarting") from None
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
         o, event = self.options, None
