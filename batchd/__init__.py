@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from batchd import _grpc_fork  # noqa: F401  (first: before anything imports grpc; see there)
 from batchd.errors import (
     AuthenticationError,
     BatchdError,

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from batchd.client import forks
 from batchd.errors import (
     AuthenticationError,
     BatchdError,
@@ -156,7 +157,11 @@ _warned_clear_token: set[str] = set()
 
 def make_channel(address: str, *, tls: TLS | None = None, token: str | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """A channel to ``address`` (not waited for): TLS per ``tls``, ``token`` on every call."""
+    """A channel to ``address`` (not waited for): TLS per ``tls``, ``token`` on every call.
+
+    Raises RuntimeError in a process forked from one where gRPC runs (``batchd.client.forks``).
+    """
+    forks.check_grpc(address)
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", 64 << 20),

@@ -19,7 +19,7 @@ import grpc
 import torch
 
 from batchd import wire
-from batchd.client import decode, fields
+from batchd.client import decode, fields, forks
 from batchd.client.channel import open_channel, translate, wait_for_server
 from batchd.client.collate import collate
 from batchd.client.datasets import DatasetInfo, Difference, describe, difference
@@ -51,7 +51,9 @@ class ServerConnection:
         self._channel = open_channel(address, connect_timeout=options.connect_timeout,
                                      max_message_bytes=options.max_message_bytes, tls=options.tls, token=options.token)
         self.reporter = Reporter(self._channel, address)
-        self._finalizer = weakref.finalize(self, self.reporter.close, self._channel.close)
+        self._owner = forks.owner()  # a forked child neither uses nor closes this channel (batchd.client.forks)
+        forks.keep(self)
+        self._finalizer = weakref.finalize(self, forks.in_owner(self._owner, self.reporter.close), self._channel.close)
         # StreamBatches is parsed by batchd.wire (tensors as views of the message, no copies)
         self._stream_batches = self._channel.unary_stream(
             "/batchd.v1.BatchLoader/StreamBatches",
@@ -242,7 +244,10 @@ class ServerConnection:
 
     def close(self, wait: float = 2.0) -> None:
         """Cancel the stream; the shared-memory session ends once no batch on it is held, then the
-        channel closes (at once, waiting up to ``wait`` seconds, when none is). Idempotent."""
+        channel closes (at once, waiting up to ``wait`` seconds, when none is). Idempotent. Nothing
+        in a forked child: the channel is the parent's."""
+        if forks.forked(self._owner):
+            return
         self.stop_stream()
         if self._finalizer.alive:
             self._finalizer.detach()

@@ -22,6 +22,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from batchd.client import forks
+
 log = logging.getLogger(__name__)
 
 PORTABLE, READ_ONLY = 0x01, 0x08  # cudaHostRegisterPortable, cudaHostRegisterReadOnly
@@ -62,6 +64,7 @@ class HostRegistry:
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}  # address -> bytes
         self._closed = False
+        self._owner = forks.owner()  # a forked child has no CUDA context and no helper thread: no calls there
 
     @property
     def registered(self) -> dict[int, int]:
@@ -71,7 +74,9 @@ class HostRegistry:
 
     def register(self, address: int, size: int) -> bool:
         """Register ``size`` bytes at ``address`` (once). False, logged with CUDA's reason, if CUDA
-        refuses, the helper thread cannot start, or the registry is closed."""
+        refuses, the helper thread cannot start, or the registry is closed (False in a forked child)."""
+        if forks.forked(self._owner):
+            return False
         with self._lock:
             if address in self._registered:
                 return True
@@ -87,7 +92,10 @@ class HostRegistry:
 
     def unregister(self, address: int) -> None:
         """Undo ``register`` (the caller guarantees no copy from it is in flight); nothing if
-        ``address`` is not registered (or the registry closed, which unregistered it)."""
+        ``address`` is not registered (or the registry closed, which unregistered it), or in a
+        forked child."""
+        if forks.forked(self._owner):
+            return
         with self._lock:
             if self._registered.pop(address, None) is None:
                 return
@@ -96,7 +104,10 @@ class HostRegistry:
             log.warning("cudaHostUnregister of a shared-memory segment failed: %s", refused)
 
     def close(self) -> None:
-        """Unregister everything still registered and end the helper thread. Idempotent."""
+        """Unregister everything still registered and end the helper thread. Idempotent. Nothing in
+        a forked child."""
+        if forks.forked(self._owner):
+            return
         with self._lock:
             if self._closed:
                 return

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import grpc
 import tenacity
 
+from batchd.client import forks
 from batchd.client.timings import WaitMeter
 from batchd.v1 import loader_pb2 as pb
 
@@ -133,14 +134,17 @@ class Reporter:
         self._closing = False
         self._then: Callable[[], None] | None = None
         self._sending = ""  # the session of the request being sent
+        self._owner = forks.owner()  # no thread here in a forked child: nothing is queued there
         self._thread = threading.Thread(target=self._loop, name="batchd-report", daemon=True)
         self._thread.start()
 
     # --- called from other threads --------------------------------------------------------------
 
     def freed(self, session: str, lease: int) -> None:
-        """A batch's tensors were freed. Reentrant (SimpleQueue.put): safe in a finalizer."""
-        self._queue.put(("freed", session, lease))
+        """A batch's tensors were freed. Reentrant (SimpleQueue.put): safe in a finalizer. Nothing
+        in a forked child (the lease is the parent's)."""
+        if not forks.forked(self._owner):
+            self._queue.put(("freed", session, lease))
 
     def wake(self) -> None:
         """Run a round now (e.g. a session is closing)."""

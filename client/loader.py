@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from batchd.client import elastic
+from batchd.client import elastic, forks
 from batchd.client.addresses import may_grow, server_addresses
 from batchd.client.connection import ServerConnection, deliver
 from batchd.client.datasets import DatasetInfo, mismatches
@@ -182,6 +182,12 @@ class RemoteDataLoader:
     Profile: ``profile()`` says where this epoch's time went (each batch's stages on the server
     and here, the loop's wait for data) and what bounds it (``batchd.client.profile``); the wait
     shows as a ``batchd.wait`` range in PyTorch profiler traces (and NVTX on CUDA).
+
+    Fork: the process may fork while the loader reads (DataLoader workers, a multiprocessing pool,
+    ``subprocess`` with ``preexec_fn``); the children live, and the loader reads on undisturbed.
+    A loader belongs to the process that created it: iterating it (or an iterator of it) in a
+    forked child raises RuntimeError, and ``close`` there does nothing. Create a loader in the
+    process that uses it (``batchd.client.forks``).
     """
 
     def __init__(self, address: Any, dataset: str, *, batch_size: int = 1, shuffle: bool = False, seed: int = 0,
@@ -193,6 +199,8 @@ class RemoteDataLoader:
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, strict: bool = True, gpu_transform: Any = None,
                  decode_on_client: bool = False, collate_fn: Any = None, hedge: Any = True):
+        self._owner = forks.owner()  # the process that may use it (batchd.client.forks)
+        forks.warn_if_handlers()
         extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
         self.options = LoaderOptions.from_arguments(
             dataset, transform=transform, rank=rank, world_size=world_size, device=device, compression=compression,
@@ -283,6 +291,7 @@ class RemoteDataLoader:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[Any]:
+        forks.check(self._owner)
         start, self._resume_batch = self._resume_batch, 0
         return self._iterate(self.epoch, self._start_position, start)
 
@@ -297,8 +306,12 @@ class RemoteDataLoader:
                 b += 1
                 self._position = (epoch, start_position, b)
                 yield batch
+                forks.check(self._owner)  # an iterator resumed in a forked child
         finally:
-            batches.close()
+            if forks.forked(self._owner):
+                forks.hold(batches)  # the parent's stream: neither closed nor freed here
+            else:
+                batches.close()
         if b != total:
             raise RuntimeError(f"the server ended epoch {epoch} after {b} of {total} batches")
         if self.epoch == epoch:
@@ -333,7 +346,10 @@ class RemoteDataLoader:
 
     def close(self) -> None:
         """Cancel any stream in progress and close the channels (a shared-memory session ends once
-        the batches still held on it are freed). Idempotent."""
+        the batches still held on it are freed). Idempotent. Nothing in a forked child: the
+        channels are the parent's."""
+        if forks.forked(self._owner):
+            return
         self.servers.close()
         if self._transfer is not None:
             self._transfer.close()

@@ -20,7 +20,7 @@ import lz4.frame as lz4_frame
 import torch
 
 from batchd import wire
-from batchd.client import fields
+from batchd.client import fields, forks
 from batchd.client.channel import translate
 from batchd.v1 import loader_pb2 as pb
 
@@ -98,6 +98,8 @@ class Receiver(threading.Thread):
         self._on_end = on_end
         self._release = release
         self._stopped = False
+        self._owner = forks.owner()  # a forked child neither cancels the call nor waits for this thread
+        forks.keep(self)
 
     def run(self) -> None:
         try:
@@ -165,10 +167,13 @@ class Receiver(threading.Thread):
 
     def stop(self) -> None:
         """Cancel the call, join the thread (at most a second or so), drop what it received
-        ahead, and report the end (``on_end``). Idempotent."""
+        ahead, and report the end (``on_end``). Idempotent. Nothing in a forked child but noting it
+        stopped: the call is the parent's, and the thread and the locks it held are not there."""
         if self._stopped:
             return
         self._stopped = True
+        if forks.forked(self._owner):
+            return
         self.stopping.set()
         self.call.cancel()
         if self is not threading.current_thread():

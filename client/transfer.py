@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from batchd.client import fields
+from batchd.client import fields, forks
 from batchd.client.host_register import HostRegistry
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class CudaTransfer:
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
         self.host = HostRegistry(torch.cuda.cudart(), bind=functools.partial(torch.cuda.set_device, device))
+        forks.keep(self)  # a forked child never frees these CUDA objects (batchd.client.forks)
         self._holding_lock = threading.Lock()  # _holding alone (hand_over never waits for a copy)
         self._holding: collections.deque = collections.deque()  # (event, source batch) until copied
 

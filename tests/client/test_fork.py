@@ -1,0 +1,181 @@
+"""A process that forks while a loader reads: the children live, the loader reads on, and a child
+that touches the loader gets a RuntimeError saying where to create one (``batchd.client.forks``,
+``batchd._grpc_fork``).
+
+The server is a ``batchd serve`` subprocess: the forking process holds a client's gRPC state only,
+as a training script does (an in-process server would fork a ``grpc.server`` too, which gRPC
+never supports). Before the fix, gRPC's fork handlers restarted its threads in every child on the
+parent's calls and sockets: about 1 DataLoader in 4 lost a worker to SIGSEGV, 1 ``preexec_fn``
+child in 10 died of it, and a child could read the parent's stream.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import batchd
+from helpers import free_port
+from procs import ServerProcess, write_server_config
+
+pytestmark = pytest.mark.timeout(120)
+
+BATCH = 64  # fmnist-test, not shuffled: batch k holds samples k*64 .. k*64+63
+
+
+class Numbers(Dataset):
+    """A trivial map-style dataset: item i is tensor(i)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+@pytest.fixture(scope="module")
+def address(fmnist_root, tmp_path_factory):
+    assert not batchd._grpc_fork.FORK_HANDLERS, "gRPC's fork handlers are on in the test process"
+    server = ServerProcess(write_server_config(tmp_path_factory.mktemp("fork"), fmnist_root),
+                           f"127.0.0.1:{free_port()}").start()
+    try:
+        yield server.address
+    finally:
+        server.kill()
+
+
+def open_loader(address: str) -> batchd.RemoteDataLoader:
+    return batchd.RemoteDataLoader(address, "fmnist-test", batch_size=BATCH, timeout=30, connect_timeout=10,
+                                   reconnect_timeout=0)  # a stream the child broke would raise, not resume
+
+
+def check_batch(batch: dict, k: int) -> None:
+    assert torch.equal(batch["index"], torch.arange(k * BATCH, (k + 1) * BATCH)), f"batch {k} is not the one due"
+
+
+def test_dataloader_workers_live_while_a_loader_reads(address):
+    """20 times: a new loader, one batch read, then DataLoader(num_workers=2) forks its workers and
+    is iterated while the loader reads a batch per DataLoader batch. 20 of 20 must complete."""
+    failures = []
+    for attempt in range(20):
+        with open_loader(address) as loader:
+            it = iter(loader)
+            check_batch(next(it), 0)
+            try:
+                total, k = 0, 1
+                for numbers in DataLoader(Numbers(), batch_size=4, num_workers=2, timeout=2):
+                    total += int(numbers.sum())
+                    check_batch(next(it), k)
+                    k += 1
+                assert total == sum(range(16))
+            except (RuntimeError, AssertionError) as e:  # "DataLoader worker (pid N) exited unexpectedly"
+                failures.append(f"attempt {attempt}: {type(e).__name__}: {e}")
+            assert loader.stats()["reconnects"] == 0
+    assert not failures, f"{len(failures)} of 20 DataLoaders failed:\n" + "\n".join(failures)
+
+
+def test_a_loader_used_in_a_forked_child_raises(address):
+    """The child: the parent's iterator and a new iteration raise RuntimeError saying to create the
+    loader in the process that uses it; so does a new loader (gRPC cannot start there); close,
+    dropping the iterator and the finalizers do nothing. The parent then reads on, same batches."""
+    loader = open_loader(address)
+    it = iter(loader)
+    check_batch(next(it), 0)
+    check_batch(next(it), 1)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            os.close(read)
+            report = {}
+            for name, use in (("next", lambda: next(it)), ("iter", lambda: next(iter(loader))),
+                              ("new", lambda: open_loader(address))):
+                try:
+                    use()
+                    report[name] = "no error"
+                except Exception as e:
+                    report[name] = f"{type(e).__name__}: {e}"
+            loader.close()
+            it.close()
+            gc.collect()
+            loader.servers.connection._finalizer()  # as at interpreter exit (weakref.finalize's atexit)
+            report["stats"] = loader.stats()["batches"]
+            os.write(write, json.dumps(report).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], 30)
+        data = os.read(read, 1 << 16) if ready else b""
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(read)
+        status = os.waitpid(pid, 0)[1]
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child ended with {os.waitstatus_to_exitcode(status)}"
+    report = json.loads(data)
+    for name in ("next", "iter"):
+        assert report[name].startswith("RuntimeError: this RemoteDataLoader was created in process"), report[name]
+        assert "worker_init_fn" in report[name] and f"process {os.getpid()}" in report[name], report[name]
+    assert report["new"].startswith("RuntimeError: cannot open a gRPC channel"), report["new"]
+    assert "forked from process" in report["new"] and "spawn" in report["new"], report["new"]
+    assert report["stats"] == 2
+    for k in range(2, 12):  # the child's close and finalizers did not touch the parent's stream
+        check_batch(next(it), k)
+    assert loader.stats()["reconnects"] == 0
+    loader.close()
+
+
+def test_subprocess_with_preexec_fn_while_a_loader_reads(address):
+    """20 subprocesses with a ``preexec_fn`` (Python code in the forked child before exec), each
+    started while the loader reads: all exit 0 and the loader's batches are the ones due."""
+    with open_loader(address) as loader:
+        it = iter(loader)
+        check_batch(next(it), 0)
+        codes = []
+        for k in range(1, 21):
+            child = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=os.setpgrp)
+            check_batch(next(it), k)
+            codes.append(child.wait(30))
+        assert codes == [0] * 20, codes
+        assert loader.stats()["reconnects"] == 0
+
+
+@pytest.mark.parametrize("code, env, expected", [
+    ("import batchd", None, "0 False"),
+    ("import batchd", "1", "1 True"),
+    ("import grpc, batchd", None, "None True"),  # too late to turn the handlers off: the loader warns
+])
+def test_importing_batchd_turns_grpcs_fork_handlers_off(code, env, expected):
+    clean = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    if env is not None:
+        clean["GRPC_ENABLE_FORK_SUPPORT"] = env
+    out = subprocess.run(
+        [sys.executable, "-c", code + "; import os; print(os.environ.get('GRPC_ENABLE_FORK_SUPPORT'), "
+                                      "batchd._grpc_fork.FORK_HANDLERS)"],
+        env=clean, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == expected
+
+
+def test_a_loader_warns_once_where_grpcs_fork_handlers_are_on(monkeypatch, caplog):
+    from batchd.client import forks
+
+    monkeypatch.setattr(batchd._grpc_fork, "FORK_HANDLERS", True)
+    monkeypatch.setattr(forks, "_warned_handlers", False)
+    caplog.set_level(logging.WARNING, logger="batchd.client.loader")
+    forks.warn_if_handlers()
+    forks.warn_if_handlers()
+    warnings = [r.getMessage() for r in caplog.records if "fork handlers are on" in r.getMessage()]
+    assert len(warnings) == 1 and "GRPC_ENABLE_FORK_SUPPORT=0" in warnings[0], warnings
