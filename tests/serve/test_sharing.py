@@ -164,6 +164,9 @@ def test_different_streams_share_the_workers_fairly(server, monkeypatch):
     assert all(0.49 <= n / len(both) <= 0.51 for n in counts.values()), (counts, order)
 
 
+# a wide window: b's stream opens while a's races ahead into gRPC's buffers (tiny shared-memory
+# messages); under load a got more than 8 batches ahead first and b read alone from the start
+@pytest.mark.parametrize("server", [64], indirect=True)
 def test_a_client_leaving_a_shared_computation_does_not_disturb_the_other(server):
     a_out = []
     with open_loader(server) as a:
