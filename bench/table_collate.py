@@ -38,6 +38,7 @@ from batchd.server.compute import pipeline as pipelines  # noqa: E402
 from batchd.server.compute.collate import BatchWriter  # noqa: E402
 from batchd.server.compute.layout import align  # noqa: E402
 from batchd.server.compute.protocol import Task  # noqa: E402
+from batchd.server.compute.stages import STAGES  # noqa: E402
 from batchd.server.compute.worker import _Worker  # noqa: E402
 from batchd.server.config import load_config  # noqa: E402
 from batchd.server.serve.shm import Segment  # noqa: E402
@@ -118,7 +119,7 @@ def measure(quick: bool, runs: int) -> dict:
                     task = Task(start, name, pipelines.pipeline_key(text), text, np.asarray(ix, np.int64), key,
                                 np.asarray(pos, np.int64), slot.name, slot.capacity)
                     timings = worker.run(task).timings
-                    work.append(timings["load"] + timings["pipeline"] + timings["copy"])
+                    work.append(sum(timings[s] for s in STAGES))  # the worker's whole batch: read .. write
                     outputs = []
                     for i, p in zip(ix, pos):
                         sample = ds.load_sample(i, plan.min_size)
