@@ -147,11 +147,11 @@ def _client_cost() -> float:
         t1 = time.perf_counter()
         times = BatchTimes(server, receive=t1 - t0)
         times.unpack = time.perf_counter() - t1
-        delivered(times, record)
+        delivered(times, record, 8)
         asked = time.perf_counter()
         waiting(lambda: None, cuda=False)
         handed = time.perf_counter()
-        times, rec = take_delivered()
+        times, rec, _ = take_delivered()
         wait = loop.add(handed - asked, 1e-3, times, rec)
         rec.loop_waited(wait, 1e-3, "trainer-bound")
 
