@@ -111,7 +111,9 @@ def test_the_board_shows_what_each_worker_is_doing(make_server, fmnist_root):
     loader = server.loader
     stages = snapshot(loader).pool.worker_stats
     assert [(w.id, w.stage, w.tasks) for w in stages] == [(0, "idle", 0)]
-    stream = loader.open_stream(StreamRequest(dataset="fmnist", batch_size=8, prefetch=2, albumentations_json=HEAVY))
+    # prefetch 16: the worker builds for a while before anyone reads (with 2, a fast machine built
+    # both batches between two polls and the board was seen only idle, then writing)
+    stream = loader.open_stream(StreamRequest(dataset="fmnist", batch_size=8, prefetch=16, albumentations_json=HEAVY))
     try:
         seen = set()
 
