@@ -56,9 +56,10 @@ class PermissionDeniedError(BatchdError, PermissionError):
 
 class DatasetChangedError(BatchdError, ValueError):
     """A server's dataset is no longer the one this loader was reading: after a reconnect, or at
-    the start of an epoch after a restart between epochs, it has another number of samples (always an error: the epoch's batch plan,
-    ``len(loader)``, no longer holds), or, with ``strict``, another dataset or build fingerprint.
-    Raised before any batch of the new data is yielded.
+    the start of an epoch after a restart between epochs, it has another number of samples
+    (always an error: the epoch's batch plan, ``len(loader)``, no longer holds), or, with
+    ``strict``, another dataset or build fingerprint. Raised before any batch of the new data is
+    yielded.
 
     Attributes: dataset (name), address (the server), num_samples ``(before, now)`` where the
     number of samples differs, else None; changes (the fingerprints that differ, each "before vs

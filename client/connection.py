@@ -205,9 +205,9 @@ class ServerConnection:
         return wait_for_server(self._channel, timeout)
 
     def check_unchanged(self, timeout: float) -> Difference:
-        """After a reconnect, and before an epoch on a connection that streamed before: describe the dataset again and compare it
-        with ``self.info`` (``batchd.client.datasets.difference``), since a restarted server may
-        serve other files under the same name.
+        """After a reconnect, and before an epoch on a connection that streamed before: describe
+        the dataset again and compare it with ``self.info`` (``batchd.client.datasets.difference``),
+        since a restarted server may serve other files under the same name.
 
         Returns what differs (empty: nothing known). ``self.info`` becomes the new description;
         where fingerprints differ without ``options.strict``, a warning says so. Raises

@@ -180,19 +180,17 @@ class SharedMemorySession:
         return self._wrap(base, batch)
 
     def host_tensors(self, batch: wire.WireBatch, register: Callable[[int, int], bool],
-                     unregister: Callable[[int], None] | None = None) -> tuple[dict[str, fields.Field], bool]:
+                     unregister: Callable[[int], None]) -> tuple[dict[str, fields.Field], bool]:
         """Read-only CPU tensors on the batch's slot, for a copy to a GPU straight from it.
 
         Each segment is mapped once (shared, read-only: these tensors are never handed to the
         caller, only copied from) and passed once to ``register(address, size) -> bool`` (a
-        ``CudaTransfer.register``). The mapping is unregistered (``unregister(address)``; by
-        default the ``unregister`` of the object ``register`` is bound to) and unmapped once the
-        server has unlinked the segment and no batch's tensors use it (see the module docstring).
+        ``CudaTransfer.register``). The mapping is unregistered (``unregister(address)``, a
+        ``CudaTransfer.unregister``) and unmapped once the server has unlinked the segment and no
+        batch's tensors use it (see the module docstring).
         Returns the tensors and whether their memory is registered. Raises OSError if the
         segment cannot be mapped (FileNotFoundError: the server unlinked it).
         """
-        if unregister is None:  # a bound CudaTransfer.register: its transfer undoes it
-            unregister = getattr(getattr(register, "__self__", None), "unregister", None)
         with self._maps_lock:
             entry = self._host_maps.get(batch.segment)
             if entry is None:

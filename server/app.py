@@ -202,7 +202,7 @@ def serve(config: ServerConfig) -> int:
     def on_signal(signum, _frame):
         # only a plain append here: the handler runs in the main thread between two bytecodes, and
         # taking a lock the main thread may hold (Event.set() while it sat in Event.wait()) hung
-        # the server on SIGTERM in 2 of 15 tries (tests/data/test_python_dataset.py caught it)
+        # the server on SIGTERM in 2 of 15 tries (tests/serve/test_signals.py)
         received.append(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -98,7 +98,11 @@ def test_batches_buffered_past_a_sigterm_are_resumed_not_lost(server_procs, tmp_
     try:
         it = iter(ld)
         labels = [next(it)["label"].tolist() for _ in range(3)]
-        time.sleep(1.0)  # the server runs ahead: messages wait in gRPC's buffers and the receiver's queue
+        # the server runs ahead: 8 leases (the session's cap) fill the receiver's queue, the rest go
+        # inline, and the slots the 3 read batches freed are lent again once their releases arrive:
+        # those shm messages wait unread in gRPC's buffers. No figure says when re-lending happened
+        # (waiting for batches_sent alone passed without the fix), so a second stands for it
+        time.sleep(1.0)
         srv.signal(signal.SIGTERM)
         assert srv.wait(30) == 0, srv.log
         srv.start()  # same address
