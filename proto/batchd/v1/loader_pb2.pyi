@@ -101,7 +101,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build", "on_error")
+    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build", "on_error", "server_id")
     class BuildEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class DatasetInfo(_message.Message):
     BUILD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BUILD_FIELD_NUMBER: _ClassVar[int]
     ON_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     num_samples: int
@@ -127,7 +128,8 @@ class DatasetInfo(_message.Message):
     build_fingerprint: str
     build: _containers.ScalarMap[str, str]
     on_error: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ..., on_error: _Optional[str] = ...) -> None: ...
+    server_id: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ..., on_error: _Optional[str] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("preset", "albumentations_json")
@@ -138,7 +140,7 @@ class Pipeline(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., albumentations_json: _Optional[str] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding", "start_position", "end_batch", "hedge")
+    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding", "start_position", "end_batch", "hedge", "expect_num_samples", "expect_fingerprint", "expect_build_fingerprint")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,9 @@ class StreamBatchesRequest(_message.Message):
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     END_BATCH_FIELD_NUMBER: _ClassVar[int]
     HEDGE_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_BUILD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     pipeline: Pipeline
     batch_size: int
@@ -181,7 +186,24 @@ class StreamBatchesRequest(_message.Message):
     start_position: int
     end_batch: int
     hedge: bool
-    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ...) -> None: ...
+    expect_num_samples: int
+    expect_fingerprint: str
+    expect_build_fingerprint: str
+    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ..., expect_num_samples: _Optional[int] = ..., expect_fingerprint: _Optional[str] = ..., expect_build_fingerprint: _Optional[str] = ...) -> None: ...
+
+class BatchesControl(_message.Message):
+    __slots__ = ("open", "grant", "revoke", "release", "progress")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    open: StreamBatchesRequest
+    grant: _containers.RepeatedScalarFieldContainer[int]
+    revoke: _containers.RepeatedScalarFieldContainer[int]
+    release: _containers.RepeatedScalarFieldContainer[int]
+    progress: StreamProgress
+    def __init__(self, open: _Optional[_Union[StreamBatchesRequest, _Mapping]] = ..., grant: _Optional[_Iterable[int]] = ..., revoke: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[int]] = ..., progress: _Optional[_Union[StreamProgress, _Mapping]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "offset", "compression", "sample_ndim", "sample_shapes", "sample_offsets")

@@ -49,6 +49,11 @@ class BatchLoaderStub:
                 request_serializer=batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.SerializeToString,
                 response_deserializer=batchd_dot_v1_dot_loader__pb2.Batch.FromString,
                 _registered_method=True)
+        self.Batches = channel.stream_stream(
+                '/batchd.v1.BatchLoader/Batches',
+                request_serializer=batchd_dot_v1_dot_loader__pb2.BatchesControl.SerializeToString,
+                response_deserializer=batchd_dot_v1_dot_loader__pb2.Batch.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_stream(
                 '/batchd.v1.BatchLoader/OpenSession',
                 request_serializer=batchd_dot_v1_dot_loader__pb2.OpenSessionRequest.SerializeToString,
@@ -95,6 +100,24 @@ class BatchLoaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Batches(self, request_iterator, context):
+        """The batches a client asks for, as it asks (credits): the dynamic, deterministic way to read
+        an epoch from one server or to spread it over several (docs/design/stream-protocol.md).
+        The first BatchesControl carries `open` (what to stream, as StreamBatches); later ones grant
+        batch indices, revoke grants, release leases and report progress. The server builds every
+        granted batch (a batch is a pure function of the request and its index, so any server gives
+        the same bytes) and sends each as soon as it is built, NOT necessarily in grant or index
+        order: Batch.batch_index names it, and the client puts batches back in order. A batch is
+        sent at most once per call. The call ends (OK) once the client half-closed and every batch
+        granted and not revoked was sent. The response's initial metadata carries
+        `batchd-server-id` (DatasetInfo.server_id). Errors as StreamBatches, and
+        FAILED_PRECONDITION (trailing `batchd-error-bin`, type "DatasetChangedError") when the
+        request's expect_* fields do not match the dataset served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenSession(self, request, context):
         """A client on the server's host opens a session to receive batches in shared memory. The
         first event names a probe segment the client must be able to read (same /dev/shm); the
@@ -135,6 +158,11 @@ def add_BatchLoaderServicer_to_server(servicer, server):
             'StreamBatches': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamBatches,
                     request_deserializer=batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.FromString,
+                    response_serializer=batchd_dot_v1_dot_loader__pb2.Batch.SerializeToString,
+            ),
+            'Batches': grpc.stream_stream_rpc_method_handler(
+                    servicer.Batches,
+                    request_deserializer=batchd_dot_v1_dot_loader__pb2.BatchesControl.FromString,
                     response_serializer=batchd_dot_v1_dot_loader__pb2.Batch.SerializeToString,
             ),
             'OpenSession': grpc.unary_stream_rpc_method_handler(
@@ -233,6 +261,33 @@ class BatchLoader:
             target,
             '/batchd.v1.BatchLoader/StreamBatches',
             batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.SerializeToString,
+            batchd_dot_v1_dot_loader__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/batchd.v1.BatchLoader/Batches',
+            batchd_dot_v1_dot_loader__pb2.BatchesControl.SerializeToString,
             batchd_dot_v1_dot_loader__pb2.Batch.FromString,
             options,
             channel_credentials,
