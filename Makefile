@@ -5,6 +5,7 @@
 #   make test      run the test suite            (PYTEST_ARGS='-k deploy -x' to pass options)
 #   make demo      train a small CNN on Fashion-MNIST through a local batchd server (ARGS=...)
 #   make bench     run the benchmarks (ARGS=...); installs the bench extra (tensorflow-cpu) and photos
+#   make docs      build the docs site into site/ (mkdocs, --strict: broken links fail)
 #   make proto     regenerate batchd.v1's *_pb2 code from proto/batchd/v1/*.proto
 #   make clean     remove .venv and everything generated
 #
@@ -66,10 +67,10 @@ define apt_provide
 	fi
 endef
 
-.PHONY: help install datasets demo test proto bench bench-deps clean
+.PHONY: help install datasets demo test docs proto bench bench-deps clean
 
 help:
-	@sed -n '3,9p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,10p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 install: $(STAMP) datasets
 
@@ -92,6 +93,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 proto: $(STAMP)
 	$(PY) proto/generate.py
 
@@ -105,5 +109,5 @@ bench: install bench-deps
 	$(PY) bench/run_all.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .cache bench/data
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .hypothesis .cache bench/data
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
