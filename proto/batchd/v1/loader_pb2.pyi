@@ -11,6 +11,7 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSPORT_INLINE: _ClassVar[Transport]
     TRANSPORT_SHARED_MEMORY: _ClassVar[Transport]
+    TRANSPORT_SOCKET: _ClassVar[Transport]
 
 class ImageEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPRESSION_LZ4: _ClassVar[Compression]
 TRANSPORT_INLINE: Transport
 TRANSPORT_SHARED_MEMORY: Transport
+TRANSPORT_SOCKET: Transport
 IMAGE_ENCODING_DECODED: ImageEncoding
 IMAGE_ENCODING_JPEG: ImageEncoding
 COMPRESSION_NONE: Compression
