@@ -57,6 +57,7 @@ class Stream:
         self.revoked_total = 0
         self.half_closed = False  # the client will grant nothing more
         self.interrupted = False  # stop waiting: the call ends (a control error)
+        self.failed = False  # the call ended with an error (a batch's, or a control message's)
         self.computation: Computation | None = None
         self.closed = False  # set by Loader.close_stream; a closed stream is never moved
         self._from: Computation | None = None  # the computation of the batch being sent

@@ -279,6 +279,7 @@ def test_invalid_grants_and_messages_are_refused_naming_what(server, stub):
                 pass
         return e.value
 
+    before = _totals(stub)
     e = refused(grant=[2, NUM_BATCHES])
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and f"batch {NUM_BATCHES} is not in [0, {NUM_BATCHES})" in e.details()
     e = refused(grant=[3, 1, 3])
@@ -297,6 +298,7 @@ def test_invalid_grants_and_messages_are_refused_naming_what(server, stub):
                 list(bidi(iter([payload]), timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in e.value.details()
     assert wait_until(lambda: _settled(server))
+    assert _delta(_totals(stub), before, "streams_failed")["streams_failed"] == 4  # the other two opened none
 
 
 def test_more_grants_than_max_grants_are_refused(make_server, fmnist_root):
