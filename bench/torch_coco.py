@@ -52,7 +52,7 @@ class CocoMasks(Dataset):
             spec = A.from_dict(self.pipeline)
             params = dict(self.pipeline["transform"].get("bbox_params") or {"format": "pascal_voc"})
             params["label_fields"] = ["objects"]
-            params["min_width"] = max(params.get("min_width") or 0.0, 0.01)  # as the server (targets.MIN_SIDE)
+            params["min_width"] = max(params.get("min_width") or 0.0, 0.01)  # as the server (targets.MIN_SIDE, docs/targets.md)
             params["min_height"] = max(params.get("min_height") or 0.0, 0.01)
             self._compose = A.Compose(spec.transforms, bbox_params=A.BboxParams(**params))
         return self._compose
