@@ -41,6 +41,7 @@ from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, Tas
 from batchd.server.data.cache import SharedCache, sample_key
 from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
+from batchd.server.data.datasets.values import as_value
 from batchd.server.compute.stages import CACHE, DECODE, IDLE, PIPELINE, READ, WRITE, StageBoard, StageClock
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
 from batchd.server.serve.shm import Segment
@@ -175,7 +176,7 @@ class _Worker:
         if task.task_id not in self.reader:  # in memory: nothing to read
             if clock.on:
                 clock.enter(DECODE)
-            return ds.load_sample(index, min_size)
+            return ds.load_sample(index, min_size, key=task.random_key)
         if clock.on:
             clock.enter(READ)
         self.between_samples()
@@ -201,7 +202,7 @@ class _Worker:
     def _cache_key(self, ds: Dataset, plan: "_Plan", index: int) -> bytes | None:
         """The cache key of sample ``index``'s prefix output; None when it is not cached (no cache,
         no dataset fingerprint, or a pipeline that cannot be split)."""
-        if self.cache is None or plan.split is None or not ds.fingerprint:
+        if self.cache is None or plan.split is None or not ds.fingerprint or not getattr(ds, "deterministic", True):
             return None
         build = self.builds.get(ds.name)
         if build is None:
@@ -214,14 +215,17 @@ class _Worker:
         cache, else is computed (and stored there), and ``TargetPipeline.end`` then runs the
         rest. The prefix runs whether or not a cache is configured, so the bytes cannot depend on
         it. If a prefix transform would draw a random number for this sample
-        (``prefix.RandomDrawn``: the prefix runs with generators that raise), the decoded sample
-        goes through the whole pipeline instead, and nothing is stored."""
+        (``prefix.RandomDrawn``: the prefix runs with generators that raise), or the dataset drew
+        some to build it (``Dataset.last_sample_drew``: it depends on the epoch), the decoded
+        sample goes through the whole pipeline instead, and nothing is stored."""
         if plan.split is None:
             return self._load(ds, task, k, index, plan.min_size), False
         decoded = []
 
         def compute() -> dict:
             decoded.append(self._load(ds, task, k, index, plan.split.min_size))
+            if ds.last_sample_drew:  # (kind python) drew random numbers for (seed, epoch, index): not cached
+                raise prefixes.RandomDrawn(f"dataset {ds.name!r}: sample {index} drew random numbers")
             return self._prefix(plan, ds, decoded[0], index, then=CACHE if key is not None else PIPELINE)
         key = self._cache_key(ds, plan, index)
         try:
@@ -262,23 +266,14 @@ class _Worker:
             on = clock.on = not k % every
             try:
                 sample, prefixed = self._sample(ds, task, k, index, plan)
+                if on:
+                    clock.enter(PIPELINE)
+                sample = self._pipeline(plan, ds, task, sample, prefixed, index, position)
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise
                 skipped.append((index, e.path, e.reason))
                 continue
-            if on:
-                clock.enter(PIPELINE)
-            if plan.fn is not None or plan.targets is not None:
-                self.random.start(task.random_key, position)
-                try:
-                    if plan.fn is not None:
-                        sample = python_pipeline.run(plan.fn, sample, self.random.generator)
-                    else:
-                        sample = plan.targets.end(sample, per_object, prefixed)
-                except Exception as e:
-                    e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
-                    raise
             image = sample.get("image")
             if image is not None and getattr(image, "ndim", 3) != 3:
                 sample = {**sample, "image": _as_hwc_array(image, ds.name, index)}
@@ -292,6 +287,29 @@ class _Worker:
         seg, grown = slot
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, self.timings(task),
                          tuple(skipped))
+
+    def _pipeline(self, plan: "_Plan", ds: Dataset, task: Task, sample: dict, prefixed: bool, index: int,
+                  position: int) -> dict:
+        """The sample after the pipeline's rest (``TargetPipeline.end``) or the python pipeline,
+        under the sample's stream. Raises what the pipeline raises (with a note naming dataset
+        and sample), or SampleError naming the field for a python pipeline's field that cannot
+        become an array (``values.as_value``; ``on_error: skip`` applies)."""
+        if plan.fn is None and plan.targets is None:
+            return sample
+        self.random.start(task.random_key, position)
+        try:
+            if plan.fn is None:
+                return plan.targets.end(sample, self.per_object[ds.name], prefixed)
+            sample = python_pipeline.run(plan.fn, sample, self.random.generator)
+        except Exception as e:
+            e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
+            raise
+        for name, value in sample.items():
+            try:
+                as_value(name, value)
+            except TypeError as e:
+                raise SampleError(ds.name, index, ds.source(index), f"the python pipeline returned {e}") from None
+        return sample
 
     def _prefix(self, plan: "_Plan", ds: Dataset, sample: dict, index: int, then: int = PIPELINE) -> dict:
         """The pipeline's deterministic prefix on the decoded sample: its state

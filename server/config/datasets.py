@@ -208,6 +208,10 @@ class PythonConfig(_DatasetBase):
     args: keyword arguments for the factory (YAML values: str, numbers, lists, mappings).
     per_object_fields: the fields with one entry per object (dropped with their boxes, sent as
         lists); default: those of boxes, labels, masks, keypoints, iscrowd, area the samples have.
+    deterministic: true (the default): the server refuses a dataset whose ``__getitem__`` draws
+        randomness batchd cannot key to (seed, epoch, index) (a generator of its own made in
+        ``__init__``...; server/data/datasets/python.py); false: it warns and serves it, and never
+        caches its samples (its batches then differ run to run).
     max_pixels does not apply (the dataset decodes its own images).
     """
 
@@ -215,6 +219,7 @@ class PythonConfig(_DatasetBase):
     factory: str = Field(pattern=FACTORY_PATTERN)
     args: dict[str, Any] = Field(default_factory=dict)
     per_object_fields: tuple[str, ...] | None = None
+    deterministic: bool = True
 
 
 DatasetConfig = Annotated[
