@@ -148,7 +148,9 @@ class TargetPipeline:
             state[STATE_BOXES] = np.asarray(data["bboxes"])
         if "keypoints" in data:
             state[STATE_KEYPOINTS] = np.asarray(data["keypoints"])
-        state[STATE_DTYPES] = json.dumps({name: str(sample[name].dtype) for name in ("mask", "masks") if name in sample})
+        dtypes = [f"{name}={sample[name].dtype.str}" for name in ("mask", "masks") if name in sample]
+        if dtypes:  # "mask=|u1,masks=|u1": what end() casts them back to (albumentations may widen them)
+            state[STATE_DTYPES] = ",".join(dtypes)
         return state
 
     def end(self, state: dict, per_object: Callable[[str], bool], prefixed: bool) -> dict:
@@ -159,7 +161,7 @@ class TargetPipeline:
             compose, _ = self._variant(state, per_object)
             return _targets_out(compose(**_targets_in(state, per_object, self._format())), state, per_object)
         compose, _ = self._variant(state, per_object)
-        dtypes = json.loads(str(state[STATE_DTYPES]))
+        dtypes = dict(part.split("=") for part in str(state[STATE_DTYPES]).split(",")) if STATE_DTYPES in state else {}
         data = {name: state[name] for name in _TARGETS if name in state and not (name == "masks" and not len(state[name]))}
         if STATE_BOXES in state:
             data["bboxes"] = state[STATE_BOXES]
