@@ -54,7 +54,8 @@ class CocoMasks(Dataset):
             params = dict(self.pipeline["transform"].get("bbox_params") or {"format": "pascal_voc"})
             self._format = params.get("format", "pascal_voc")
             params["label_fields"] = ["objects"]
-            params["min_width"] = max(params.get("min_width") or 0.0, 0.01)  # as the server (targets.MIN_SIDE, docs/targets.md)
+            # as the server (targets.MIN_SIDE, docs/targets.md)
+            params["min_width"] = max(params.get("min_width") or 0.0, 0.01)
             params["min_height"] = max(params.get("min_height") or 0.0, 0.01)
             self._compose = A.Compose(spec.transforms, bbox_params=A.BboxParams(**params))
         return self._compose

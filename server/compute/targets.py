@@ -162,7 +162,9 @@ class TargetPipeline:
             return _targets_out(compose(**_targets_in(state, per_object, self._format())), state, per_object)
         compose, _ = self._variant(state, per_object)
         dtypes = dict(part.split("=") for part in str(state[STATE_DTYPES]).split(",")) if STATE_DTYPES in state else {}
-        data = {name: state[name] for name in _TARGETS if name in state and not (name == "masks" and not len(state[name]))}
+        data = {name: state[name] for name in _TARGETS if name in state}
+        if "masks" in data and not len(data["masks"]):
+            del data["masks"]  # albumentations cannot stack 0 masks (_targets_in)
         if STATE_BOXES in state:
             data["bboxes"] = state[STATE_BOXES]
         if STATE_KEYPOINTS in state:
@@ -240,7 +242,8 @@ def _targets_in(sample: dict, per_object: Callable[[str], bool], bbox_format: st
         if keypoints.ndim != 3 or keypoints.shape[2] < 2:
             raise ValueError(f"keypoints must be [N, K, 2 or more] (x, y, ...), got {list(keypoints.shape)}")
         n, k, d = keypoints.shape
-        data["keypoints"] = np.column_stack([keypoints.reshape(-1, d), np.repeat(np.arange(n, dtype=keypoints.dtype), k)])
+        objects = np.repeat(np.arange(n, dtype=keypoints.dtype), k)
+        data["keypoints"] = np.column_stack([keypoints.reshape(-1, d), objects])
     return data
 
 

@@ -182,3 +182,21 @@ def test_every_dual_transform_is_covered():
     """A transform added to the allowlist is in the grid above by construction; this says which."""
     assert {"Affine", "RandomCrop", "HorizontalFlip", "PadIfNeeded", "LongestMaxSize", "CoarseDropout"} <= set(DUAL)
     assert not set(ARGS) - set(DUAL), "arguments for a transform that is not an allowlisted dual transform"
+
+
+@pytest.mark.parametrize("params", [
+    {"clip": True}, {"min_area": 40.0}, {"filter_invalid_bboxes": True, "clip": True}, {"max_accept_ratio": 3.0},
+    {"min_visibility": 0.0}, {"min_width": 6.0, "min_height": 6.0},
+], ids=lambda p: ",".join(p))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_other_bbox_params_equal_one_compose_too(testdata, workers, fmt, params):
+    """The processors' other filters (clipping, min_area, invalid boxes, aspect ratio, min sizes),
+    under the prefix and an Affine that moves boxes out of the image, cache off, miss and hit."""
+    plain, cached, _ = workers
+    pipe = A.Compose([*PREFIX, transform("Affine")],
+                     bbox_params=A.BboxParams(format=fmt, label_fields=["labels"], **{"min_visibility": 0.3, **params}),
+                     keypoint_params=A.KeypointParams(format="xy", remove_invisible=False))
+    allowlist.check(json.loads(json.dumps(A.to_dict(pipe))), PipelineLimits())
+    ds = testdata.Rectangles(N, SIZE)
+    for worker, what in ((plain, "no cache"), (cached, "cache miss"), (cached, "cache hit")):
+        assert_equals_one_compose(worker, pipe, fmt, ds, f"{fmt} {params}, {what}")

@@ -163,7 +163,8 @@ def keyed_call(getitem: Callable, index: int, key: np.ndarray | None, with_rng: 
         rng_state = repr(rng.bit_generator.state) if rng is not None else None
         out = getitem(index, rng=rng) if with_rng else getitem(index)
         after = random.getstate()
-        drawn = Drawn(python=not _python_seeded(after) if python is None else after != python, numpy=not _NUMPY.same(numpy),
+        drawn = Drawn(python=not _python_seeded(after) if python is None else after != python,
+                      numpy=not _NUMPY.same(numpy),
                       torch=torch is not None and not torch.equal(torch.default_generator.get_state(), torch_state),
                       rng=rng is not None and repr(rng.bit_generator.state) != rng_state)
     finally:
