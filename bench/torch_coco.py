@@ -4,7 +4,8 @@
 (``CocoDetection``'s order), read and decoded by OpenCV (RGB), its annotations converted as
 ``references/detection/coco_utils.py`` converts them (``bbox`` xywh -> xyxy float32, clamped,
 boxes without area dropped; masks by pycocotools' ``annToMask``; labels, iscrowd, area), then the
-same albumentations ``Compose`` a batchd server runs (``A.from_dict`` of the preset), with a label
+same albumentations ``Compose`` a batchd server runs (``A.from_dict`` of the preset; boxes given in
+its ``bbox_params`` format by albumentations' converters), with a label
 field per box so that dropped boxes drop their masks, labels, iscrowd and area, as batchd's
 ``server/compute/targets.py`` does. The target: ``boxes`` float32 [N, 4], ``labels`` int64 [N],
 ``masks`` uint8 [N, H, W], ``image_id`` int64 [], ``area`` float32 [N], ``iscrowd`` int64 [N]
@@ -51,8 +52,10 @@ class CocoMasks(Dataset):
 
             spec = A.from_dict(self.pipeline)
             params = dict(self.pipeline["transform"].get("bbox_params") or {"format": "pascal_voc"})
+            self._format = params.get("format", "pascal_voc")
             params["label_fields"] = ["objects"]
-            params["min_width"] = max(params.get("min_width") or 0.0, 0.01)  # as the server (targets.MIN_SIDE)
+            # as the server (targets.MIN_SIDE, docs/targets.md)
+            params["min_width"] = max(params.get("min_width") or 0.0, 0.01)
             params["min_height"] = max(params.get("min_height") or 0.0, 0.01)
             self._compose = A.Compose(spec.transforms, bbox_params=A.BboxParams(**params))
         return self._compose
@@ -83,7 +86,8 @@ class CocoMasks(Dataset):
         compose = self._transform()
         if compose is not None:
             extra = {"masks": masks} if len(masks) else {}  # albumentations cannot stack no masks
-            out = compose(image=image, bboxes=boxes, objects=np.arange(len(boxes)), **extra)
+            out = compose(image=image, bboxes=_in_format(boxes, self._format, (h, w)), objects=np.arange(len(boxes)),
+                          **extra)
             kept = np.asarray(out["objects"], np.int64)
             image = out["image"]
             boxes = np.asarray(out["bboxes"], np.float32).reshape(-1, 4)
@@ -93,6 +97,16 @@ class CocoMasks(Dataset):
         target = {"boxes": torch.from_numpy(boxes), "labels": torch.from_numpy(labels), "masks": torch.from_numpy(masks),
                   "image_id": torch.tensor(img_id), "area": torch.from_numpy(area), "iscrowd": torch.from_numpy(iscrowd)}
         return torch.from_numpy(np.ascontiguousarray(image)), target
+
+
+def _in_format(boxes: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarray:
+    """xyxy pixel boxes in albumentations' ``fmt`` (its own converters), as the pipeline takes them."""
+    if fmt == "pascal_voc" or not len(boxes):
+        return boxes
+    from albumentations.core import bbox_utils
+
+    normalized = bbox_utils.convert_bboxes_to_albumentations(boxes, "pascal_voc", shape)
+    return normalized if fmt == "albumentations" else bbox_utils.convert_bboxes_from_albumentations(normalized, fmt, shape)
 
 
 class Order(torch.utils.data.Sampler):

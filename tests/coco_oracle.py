@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pathlib
 
-import cv2
 import numpy as np
 import torch
+from PIL import Image
 from pycocotools.coco import COCO
 
 
@@ -39,10 +39,12 @@ def expected(coco: COCO, img_id: int, masks: bool) -> tuple[dict, list[int]]:
 
 
 def image(coco: COCO, img_id: int, images: pathlib.Path) -> np.ndarray:
-    """Image ``img_id`` decoded as torchvision's ``CocoDetection`` would give it, RGB uint8 [H, W, 3]
-    (by OpenCV, as the server decodes)."""
-    bgr = cv2.imread(str(images / coco.imgs[img_id]["file_name"]))
-    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    """Image ``img_id`` as torchvision's ``CocoDetection._load_image`` reads it, RGB uint8 [H, W, 3]:
+    ``PIL.Image.open(path).convert("RGB")``, the stored pixels (no EXIF turn). Not OpenCV: its
+    ``imread`` turns a JPEG by its EXIF orientation, as the server once did, and an oracle that
+    shares the server's reader cannot see that the boxes did not turn with it."""
+    with Image.open(images / coco.imgs[img_id]["file_name"]) as im:
+        return np.asarray(im.convert("RGB"))
 
 
 def samples(json_path: pathlib.Path, images: pathlib.Path, masks: bool = True) -> list[dict]:

@@ -20,7 +20,7 @@ copied once, after the last sample.
 Errors: ``ShapeMismatchError`` (a ValueError) when a field's dtype (or number of dimensions)
 differs between samples, or a field is missing from some samples, naming the field and both
 samples; ValueError when a sample's per-object fields disagree on N; TypeError for a value of
-another type (list, dict, None...), naming the field.
+another type (list, dict, None...), naming the field (``values.as_value``, server/data/datasets/).
 """
 
 from __future__ import annotations
@@ -32,37 +32,10 @@ import numpy as np
 from batchd.errors import ResourceExhaustedError, ShapeMismatchError
 from batchd.server.compute.layout import align
 from batchd.server.compute.protocol import TensorLayout, storage_dtype
+from batchd.server.data.datasets.values import as_value
 
 RESERVED = ("index", "position", "skipped")  # batch tensors batchd adds; samples may not have these fields
 _STRINGS = ("str", "bytes")
-
-
-def as_value(name: str, value: Any) -> tuple[np.ndarray, str]:
-    """A field's value as (array, dtype name): arrays as they are, Python and numpy scalars as 0-d
-    arrays (int -> int64, float -> float64, bool -> bool), str as its UTF-8 bytes (dtype "str") and
-    bytes as uint8 (dtype "bytes"). Raises TypeError naming the field for anything else."""
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind in "OUSVMm":
-            raise TypeError(f"field {name!r} is a numpy array of dtype {value.dtype}; batchd sends numbers and "
-                            "booleans (a str or bytes field is one Python str or bytes per sample)")
-        return value, value.dtype.name
-    if isinstance(value, (bool, np.bool_)):
-        return np.asarray(value, np.bool_), "bool"
-    if isinstance(value, int):
-        try:
-            return np.asarray(value, np.int64), "int64"
-        except OverflowError:
-            raise TypeError(f"field {name!r}: {value} does not fit in int64") from None
-    if isinstance(value, float):
-        return np.asarray(value, np.float64), "float64"
-    if isinstance(value, np.generic) and value.dtype.kind not in "OUSVMm":
-        return np.asarray(value), value.dtype.name
-    if isinstance(value, str):
-        return np.frombuffer(value.encode("utf-8"), np.uint8), "str"
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return np.frombuffer(bytes(value), np.uint8), "bytes"
-    raise TypeError(f"field {name!r} is a {type(value).__name__}; a field is a numpy array, a Python int, float, "
-                    "bool, str or bytes (make lists numpy arrays)")
 
 
 class _Field:

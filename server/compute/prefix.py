@@ -34,6 +34,9 @@ transforms (even at ``p=1``) and a prefix transform draws none for the sample, s
 prefix transforms one by one and then ``rest`` (a ``Compose`` with the same settings and the
 remaining transforms) consumes the sample's random stream exactly as the whole ``Compose`` did
 (tests/compute/test_prefix.py checks the bytes; tests/data/test_cache_bytes.py through servers).
+That holds for the image; for boxes and keypoints two Composes would convert, clip and filter
+them between the two (other boxes under ``check_each_transform: false``, other rounding), so the
+worker runs ONE Compose in two stages instead (server/compute/targets.py, ``TargetPipeline``).
 A top-level ``Compose`` with ``p < 1`` may skip every transform, so its prefix is decode alone.
 
 ``canonical`` names the prefix for cache keys: the decode size and the prefix transforms'
@@ -55,8 +58,10 @@ import cv2
 import numpy as np
 
 # version of the rule that decides the prefix, in the build fingerprint (server/build.py):
-# 1: a vetted list of types and parameters; 2: types as a filter, then proven by running sealed
-PREFIX_RULES = "2"
+# 1: a vetted list of types and parameters; 2: types as a filter, then proven by running sealed;
+# 3: as 2, and what is cached is the state of one Compose run in two stages (targets.py: boxes
+# and keypoints in albumentations' internal format), no longer a Compose of the prefix's output
+PREFIX_RULES = "3"
 
 CACHEABLE = (A.Resize, A.LongestMaxSize, A.SmallestMaxSize, A.CenterCrop, A.PadIfNeeded, A.ToGray)
 
@@ -90,8 +95,11 @@ SEALED_RANDOM = _Sealed("random.Random")
 
 
 def sealed(transform: Any) -> Any:
-    """A deep copy of ``transform`` whose generators raise RandomDrawn when drawn from."""
-    t = copy.deepcopy(transform)
+    """A deep copy of ``transform`` whose generators raise RandomDrawn when drawn from. Its own
+    generators are not copied (one attached to a worker's stream cannot be: ``pipeline.SampleRandom``)."""
+    memo = {id(g): s for g, s in ((getattr(transform, "random_generator", None), SEALED_GENERATOR),
+                                  (getattr(transform, "py_random", None), SEALED_RANDOM)) if g is not None}
+    t = copy.deepcopy(transform, memo)
     t.set_random_state(SEALED_GENERATOR, SEALED_RANDOM)
     return t
 

@@ -4,36 +4,55 @@ A sample's fields meet a pipeline's ``Compose`` as albumentations targets:
 
 * ``image`` -> ``image=``; ``mask`` (semantic segmentation, [H, W]) -> ``mask=``; ``masks``
   ([N, H, W], one per object) -> ``masks=``;
-* ``boxes`` (float32 [N, 4], xyxy in pixels) -> ``bboxes=`` under ``BboxParams(format="pascal_voc")``;
+* ``boxes`` (float32 [N, 4], xyxy in pixels) -> ``bboxes=`` in the pipeline's ``BboxParams`` format;
 * ``keypoints`` ([N, K, D], D >= 2: x, y, then e.g. visibility) -> ``keypoints=`` as N*K points
   under ``KeypointParams(format="xy", remove_invisible=False)``; columns after x, y travel along.
 
 So a flip, crop, resize or rotation moves every target with the image, drawn from the sample's one
 random stream (the Compose's transforms draw from it, ``pipeline.SampleRandom``).
 
-**Objects stay aligned.** Every box carries its object number in an internal label field
-(``BOX_OBJECT``); when albumentations drops a box (cropped away, under ``min_area`` or
-``min_visibility``), every per-object field of the sample (``labels``, ``masks``, ``keypoints``,
-``iscrowd``, ``area``, the dataset's own; ``FieldSpec.per_object``) is indexed with the surviving
-numbers, so it drops the same objects (albumentations never drops masks itself). Keypoints are
-never dropped on their own (``remove_invisible`` must be false): an object keeps its K points, in
-or out of the image. Other fields (Python ints, floats, str, bytes, other arrays) pass through
-untouched; ``area`` is not recomputed.
+**One Compose, in two stages.** A pipeline is ONE albumentations ``Compose`` (per kind of sample:
+with or without boxes, keypoints), run as ``Compose.__call__`` runs it: the boxes are converted
+into the pipeline's format once, at its edge (albumentations' own converters), ``preprocess``
+takes them into albumentations' internal format, each transform is followed by
+``check_data_post_transform`` (the filters, when ``check_each_transform``), and ``postprocess``
+filters and converts back into the pipeline's format at the other edge. ``begin`` runs
+``preprocess`` and the deterministic prefix (``prefix.py``: sealed copies of the first
+``prefix`` transforms, which raise ``prefix.RandomDrawn`` if drawn from); its output, the
+*state*, is what the cache stores (image, masks and the internal boxes and keypoints). ``end``
+draws the Compose's own ``random() < p`` (a prefix exists only at p = 1, and it drew nothing, so
+the stream is consumed exactly as by one call), runs the remaining transforms with their checks,
+and ``postprocess``. Nothing is converted, clipped or filtered between the two stages that one
+Compose would not, so prefix or not, cache or not, ``check_each_transform`` true or false, the
+targets are those of one Compose (tests/compute/test_targets_oracle.py, every allowlisted dual
+transform and bbox format).
+
+**What differs from one plain Compose** (docs/targets.md): ``min_width`` / ``min_height`` are at
+least ``MIN_SIDE`` (albumentations keeps boxes cropped to zero width, and a later rotation widens
+them again over none of their object's pixels), and masks and every other per-object field drop
+with their boxes (albumentations never drops masks itself).
+
+**Objects stay aligned.** Every box and every keypoint carries its object number in a last
+column of its own (the user's ``label_fields`` are not needed: each name given must be a
+per-object field of the sample, and every per-object field follows the boxes anyway); when
+albumentations drops a box (cropped away, under ``min_area`` or ``min_visibility``), every
+per-object field of the sample (``labels``, ``masks``, ``keypoints``, ``iscrowd``, ``area``, the
+dataset's own; ``FieldSpec.per_object``) is indexed with the surviving numbers. Keypoints are
+never dropped on their own (``remove_invisible`` must be false; a transform that drops points
+anyway, such as ElasticTransform for points it moves out of the image, is an error naming it):
+an object keeps its K points, in or out of the image. Other fields (Python ints, floats, str,
+bytes, other arrays) pass through untouched; ``area`` is not recomputed. Targets keep their
+dtype (albumentations gives float32 boxes and may widen masks).
 
 **Params.** A Compose's own ``bbox_params`` / ``keypoint_params`` are used (a client's are
-allowlisted, ``allowlist_fields.bbox_params``) with their ``label_fields`` replaced by the object
-number (each name given must be a per-object field of the sample), and ``min_width`` /
-``min_height`` at least ``MIN_SIDE`` (albumentations keeps boxes cropped to zero width, and a
-later rotation widens them again over none of their object's pixels). Without them, a sample with
-boxes gets ``BboxParams(format="pascal_voc")`` and one with keypoints ``KeypointParams(format="xy",
-remove_invisible=False)``. A bbox ``format`` other than pascal_voc (coco, yolo, albumentations):
-the boxes are converted into it before the Compose (albumentations' own conversions) and come out
-in it. Targets keep their dtype (albumentations returns float64 boxes and may widen masks).
+allowlisted, ``allowlist_fields.bbox_params``). Without them, a sample with boxes gets
+``BboxParams(format="pascal_voc")`` and one with keypoints ``KeypointParams(format="xy",
+remove_invisible=False)``. The boxes come out in the params' format (pascal_voc, coco, yolo,
+albumentations).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, Callable
 
@@ -41,11 +60,15 @@ import albumentations as A
 import numpy as np
 from albumentations.core import bbox_utils
 
-BOX_OBJECT = "batchd_box_object"  # internal label fields: each box's / keypoint's object number
-KEYPOINT_OBJECT = "batchd_keypoint_object"
+from batchd.server.compute import prefix as prefixes
+
 GEOMETRIC = ("boxes", "keypoints")  # fields that need a processor (bbox_params / keypoint_params)
 _BOX_FORMATS = ("pascal_voc", "coco", "yolo", "albumentations")
 MIN_SIDE = 0.01  # pixels: a box thinner than this after a transform was cut away (its object is dropped)
+# the state's fields (``TargetPipeline.begin``): boxes and keypoints in albumentations' internal
+# format, each with its object number in the last column, and the targets' dtypes
+STATE_BOXES, STATE_KEYPOINTS, STATE_DTYPES = "batchd_state_bboxes", "batchd_state_keypoints", "batchd_state_dtypes"
+_TARGETS = ("image", "mask", "masks")
 
 
 def has_geometry(sample: dict) -> bool:
@@ -73,155 +96,191 @@ def check_objects(sample: dict, per_object: Callable[[str], bool]) -> int | None
 
 
 class TargetPipeline:
-    """An albumentations Compose applied to a sample dict (see the module docstring).
+    """An albumentations Compose applied to sample dicts, whole or in two stages (module docstring).
 
     ``spec``: the Compose as ``A.to_dict`` returns it; ``compose``: that Compose itself, used as
     it is for samples without boxes or keypoints when it has no bbox/keypoint params (so those
     samples are augmented exactly as an image-only pipeline augments them). ``attach(compose)`` is
-    called on every Compose built here (``SampleRandom.attach``: they draw from the sample's stream).
+    called on every Compose built here (``SampleRandom.attach``: they draw from the sample's
+    stream). ``prefix``: how many leading transforms ``begin`` runs (the deterministic prefix,
+    ``prefix.split``; 0: ``begin`` returns the sample as it is).
     """
 
     def __init__(self, spec: dict[str, Any], compose: A.Compose | None = None,
-                 attach: Callable[[A.Compose], None] | None = None, force_apply: bool = False):
+                 attach: Callable[[A.Compose], None] | None = None, prefix: int = 0):
         self.spec = spec
-        self.force_apply = force_apply  # run without the Compose's own p draw (a prefix: p is 1)
         top = spec["transform"]
         self.bbox_params = top.get("bbox_params") or None
         self.keypoint_params = top.get("keypoint_params") or None
+        self.prefix = prefix
         self._attach = attach
-        self._variants: dict[tuple[bool, bool], A.Compose] = {}
+        self._variants: dict[tuple[bool, bool], tuple[A.Compose, tuple[Any, ...]]] = {}
         if compose is not None and self.bbox_params is None and self.keypoint_params is None:
-            self._variants[(False, False)] = compose
+            self._variants[(False, False)] = (compose, self._sealed(compose))
 
     @classmethod
-    def of(cls, compose: A.Compose, attach: Callable[[A.Compose], None] | None = None) -> "TargetPipeline":
-        return cls(A.to_dict(compose), compose, attach)
-
-    @classmethod
-    def of_transforms(cls, transforms, like: "TargetPipeline | None",
-                      seal: Callable[[A.Compose], None]) -> "TargetPipeline":
-        """A Compose of ``transforms`` with ``like``'s bbox and keypoint params, run with
-        ``force_apply`` (no draw for its p): a cacheable prefix applied to samples with boxes or
-        keypoints. ``seal(compose)`` gives it the random state it may not draw from."""
-        top = {"__class_fullname__": "Compose", "p": 1.0, "transforms": [t.to_dict()["transform"] for t in transforms]}
-        if like is not None:
-            top["bbox_params"], top["keypoint_params"] = like.bbox_params, like.keypoint_params
-        return cls({"transform": top}, attach=seal, force_apply=True)
+    def of(cls, compose: A.Compose, attach: Callable[[A.Compose], None] | None = None,
+           prefix: int = 0) -> "TargetPipeline":
+        return cls(A.to_dict(compose), compose, attach, prefix)
 
     def __call__(self, sample: dict, per_object: Callable[[str], bool]) -> dict:
-        """The sample after the Compose (see ``apply``)."""
-        compose = self._variant("boxes" in sample, "keypoints" in sample, sample, per_object)
-        call = functools.partial(compose, force_apply=True) if self.force_apply else compose
-        return apply(call, sample, per_object, (self.bbox_params or {}).get("format", "pascal_voc"))
+        """The sample after the whole Compose (one ``Compose.__call__``)."""
+        return self.end(sample, per_object, prefixed=False)
 
-    def _variant(self, boxes: bool, keypoints: bool, sample: dict, per_object: Callable[[str], bool]) -> A.Compose:
-        """The Compose for a sample with (or without) boxes and keypoints, built once each."""
+    def begin(self, sample: dict, per_object: Callable[[str], bool]) -> dict:
+        """The state of ``sample`` after ``preprocess`` and the prefix transforms (sealed: raises
+        ``prefix.RandomDrawn`` if one would draw for this sample): the sample's fields, with
+        image, mask and masks transformed and boxes and keypoints in albumentations' internal
+        format (``STATE_BOXES``, ``STATE_KEYPOINTS``; arrays, so the cache can store it). The
+        sample itself when there is no prefix. Raises ValueError for targets that do not fit."""
+        if not self.prefix:
+            return sample
+        compose, sealed = self._variant(sample, per_object)
+        data = _targets_in(sample, per_object, self._format())
+        compose.preprocess(data)
+        for t in sealed:
+            data = compose.check_data_post_transform(t(**data))
+        state = dict(sample)
+        for name in _TARGETS:
+            if name in data:
+                state[name] = data[name]
+        if "bboxes" in data:
+            state[STATE_BOXES] = np.asarray(data["bboxes"])
+        if "keypoints" in data:
+            state[STATE_KEYPOINTS] = np.asarray(data["keypoints"])
+        dtypes = [f"{name}={sample[name].dtype.str}" for name in ("mask", "masks") if name in sample]
+        if dtypes:  # "mask=|u1,masks=|u1": what end() casts them back to (albumentations may widen them)
+            state[STATE_DTYPES] = ",".join(dtypes)
+        return state
+
+    def end(self, state: dict, per_object: Callable[[str], bool], prefixed: bool) -> dict:
+        """The sample after the pipeline: from ``begin``'s state (``prefixed``: the Compose's
+        p draw, the transforms after the prefix, ``postprocess``), or from the decoded sample
+        (the whole Compose). Raises ValueError for targets that do not fit."""
+        if not (prefixed and self.prefix):
+            compose, _ = self._variant(state, per_object)
+            return _targets_out(compose(**_targets_in(state, per_object, self._format())), state, per_object)
+        compose, _ = self._variant(state, per_object)
+        dtypes = dict(part.split("=") for part in str(state[STATE_DTYPES]).split(",")) if STATE_DTYPES in state else {}
+        data = {name: state[name] for name in _TARGETS if name in state}
+        if "masks" in data and not len(data["masks"]):
+            del data["masks"]  # albumentations cannot stack 0 masks (_targets_in)
+        if STATE_BOXES in state:
+            data["bboxes"] = state[STATE_BOXES]
+        if STATE_KEYPOINTS in state:
+            data["keypoints"] = state[STATE_KEYPOINTS]
+        compose.py_random.random()  # Compose.__call__'s `random() < p` (p is 1: a prefix exists only then)
+        for t in compose.transforms[self.prefix:]:
+            data = compose.check_data_post_transform(t(**data))
+        out = compose.postprocess(data)
+        sample = {k: v for k, v in state.items() if k not in (STATE_BOXES, STATE_KEYPOINTS, STATE_DTYPES)}
+        return _targets_out(out, sample, per_object, {name: np.dtype(d) for name, d in dtypes.items()})
+
+    def params_name(self) -> str:
+        """The bbox and keypoint params ``begin``'s state depends on, as canonical text: part of
+        a cache entry's name, since a crop under ``min_visibility`` keeps other boxes than one
+        without, and each format converts into the internal one with its own rounding."""
+        if not self.prefix or (self.bbox_params is None and self.keypoint_params is None):
+            return ""  # no prefix: the state is the decoded sample; no params: the defaults, always the same
+        return "|targets:" + json.dumps([self.bbox_params, self.keypoint_params], sort_keys=True, default=str)
+
+    def _format(self) -> str:
+        return (self.bbox_params or {}).get("format", "pascal_voc")
+
+    def _sealed(self, compose: A.Compose) -> tuple[Any, ...]:
+        return tuple(prefixes.sealed(t) for t in compose.transforms[:self.prefix])
+
+    def _variant(self, sample: dict, per_object: Callable[[str], bool]) -> tuple[A.Compose, tuple[Any, ...]]:
+        """(the Compose for a sample with (or without) boxes and keypoints, sealed copies of its
+        prefix transforms), built once each."""
+        boxes = "boxes" in sample or STATE_BOXES in sample
+        keypoints = "keypoints" in sample or STATE_KEYPOINTS in sample
+        key = (boxes, keypoints)
+        built = self._variants.get(key)
+        if built is not None:
+            return built
         for params in (self.bbox_params if boxes else None, self.keypoint_params if keypoints else None):
             for name in (params or {}).get("label_fields") or ():
                 if name not in sample or not per_object(name):
                     raise ValueError(f"label_fields names {name!r}, which is not a per-object field of the sample "
                                      f"(per-object fields: {sorted(f for f in sample if per_object(f))}); every "
                                      "per-object field follows the boxes anyway")
-        key = (boxes, keypoints)
-        compose = self._variants.get(key)
-        if compose is None:
-            top = dict(self.spec["transform"])
-            top["bbox_params"] = _bbox_params(self.bbox_params) if boxes else None
-            top["keypoint_params"] = _keypoint_params(self.keypoint_params) if keypoints else None
-            try:
-                compose = A.from_dict({**self.spec, "transform": top})
-            except Exception as e:  # albumentations raises ValueError, KeyError, pydantic errors...
-                raise ValueError(f"albumentations cannot build the pipeline with targets: {type(e).__name__}: {e}") from None
-            if self._attach is not None:
-                self._attach(compose)
-            self._variants[key] = compose
-        return compose
+        top = dict(self.spec["transform"])
+        top["bbox_params"] = _bbox_params(self.bbox_params) if boxes else None
+        top["keypoint_params"] = _keypoint_params(self.keypoint_params) if keypoints else None
+        try:
+            compose = A.from_dict({**self.spec, "transform": top})
+        except Exception as e:  # albumentations raises ValueError, KeyError, pydantic errors...
+            raise ValueError(f"albumentations cannot build the pipeline with targets: {type(e).__name__}: {e}") from None
+        if self._attach is not None:
+            self._attach(compose)
+        built = self._variants[key] = (compose, self._sealed(compose))
+        return built
 
 
-class Prefix:
-    """A pipeline's deterministic prefix (``prefix.Split.prefix``) applied to a sample dict: one
-    transform at a time to image, mask and masks (as ``Split.apply_prefix`` does to an image), or,
-    for a sample with boxes or keypoints, as a Compose with the pipeline's params (``like``)."""
-
-    def __init__(self, transforms, like: TargetPipeline | None, seal: Callable[[A.Compose], None]):
-        """seal(compose): the random state of the Compose built for samples with boxes or keypoints
-        (its transforms draw nothing: a generator no one else uses, or one that raises if drawn from)."""
-        self.transforms, self.like, self.seal = tuple(transforms), like, seal
-        self._compose: TargetPipeline | None = None
-
-    def __call__(self, sample: dict, per_object: Callable[[str], bool]) -> dict:
-        if not self.transforms:
-            return sample
-        if has_geometry(sample):
-            if self._compose is None:
-                self._compose = TargetPipeline.of_transforms(self.transforms, self.like, self.seal)
-            return self._compose(sample, per_object)
-        return apply(self._chain, sample, per_object)
-
-    def params_name(self) -> str:
-        """The bbox and keypoint params the prefix applies to samples with boxes or keypoints, as
-        canonical text ("" when it has no transforms or the pipeline gives none): part of a cache
-        entry's name, since a crop under ``min_visibility`` keeps other boxes than one without."""
-        if not self.transforms or self.like is None or (self.like.bbox_params is None and self.like.keypoint_params is None):
-            return ""
-        return "|targets:" + json.dumps([self.like.bbox_params, self.like.keypoint_params], sort_keys=True, default=str)
-
-    def _chain(self, **data):
-        for t in self.transforms:
-            data = t(**data)
-        return data
-
-
-def apply(call: Callable[..., dict], sample: dict, per_object: Callable[[str], bool],
-          bbox_format: str = "pascal_voc") -> dict:
-    """``call(image=..., mask=..., masks=..., bboxes=..., keypoints=..., <object numbers>)`` (a
-    Compose, or transforms in turn) on the sample's targets; the result is a new dict (fields not
-    handed to albumentations are the same objects, per-object ones indexed by the surviving
-    boxes). Raises ValueError for targets that do not fit (per-object fields of different N,
-    keypoints not [N, K, >= 2], boxes albumentations refuses)."""
+def _targets_in(sample: dict, per_object: Callable[[str], bool], bbox_format: str) -> dict[str, Any]:
+    """The sample's targets as a Compose takes them: image, mask, masks (unless there are none:
+    albumentations cannot stack 0 masks), bboxes in ``bbox_format`` and keypoints [N*K, D], each
+    box and point with its object number as a last column. Raises ValueError for targets that do
+    not fit (per-object fields of different N, keypoints not [N, K, >= 2], boxes not [N, >= 4])."""
     if "image" not in sample:
         raise ValueError(f"the pipeline needs an 'image' field; the sample has {sorted(sample)}")
-    n = check_objects(sample, per_object)
-    boxes, keypoints = sample.get("boxes"), sample.get("keypoints")
+    check_objects(sample, per_object)
     data: dict[str, Any] = {"image": sample["image"]}
     if "mask" in sample:
         data["mask"] = sample["mask"]
     masks = sample.get("masks")
     if masks is not None and len(masks):
-        data["masks"] = masks  # albumentations cannot stack 0 masks: an empty [0, H, W] is rebuilt below
-    height, width = sample["image"].shape[:2]
+        data["masks"] = masks
+    boxes, keypoints = sample.get("boxes"), sample.get("keypoints")
     if boxes is not None:
         if boxes.ndim != 2 or boxes.shape[1] < 4:
             raise ValueError(f"boxes must be [N, 4] (xyxy pixels), got {list(boxes.shape)}")
-        data["bboxes"] = _to_format(boxes, bbox_format, (height, width))
-        data[BOX_OBJECT] = np.arange(len(boxes))
+        converted = _to_format(boxes, bbox_format, sample["image"].shape[:2])
+        data["bboxes"] = np.column_stack([converted, np.arange(len(boxes), dtype=converted.dtype)])
     if keypoints is not None:
         if keypoints.ndim != 3 or keypoints.shape[2] < 2:
             raise ValueError(f"keypoints must be [N, K, 2 or more] (x, y, ...), got {list(keypoints.shape)}")
-        data["keypoints"] = keypoints.reshape(-1, keypoints.shape[2])
-        data[KEYPOINT_OBJECT] = np.repeat(np.arange(len(keypoints)), keypoints.shape[1])
-    out = call(**data)
+        n, k, d = keypoints.shape
+        objects = np.repeat(np.arange(n, dtype=keypoints.dtype), k)
+        data["keypoints"] = np.column_stack([keypoints.reshape(-1, d), objects])
+    return data
+
+
+def _targets_out(out: dict, sample: dict, per_object: Callable[[str], bool],
+                 dtypes: dict[str, np.dtype] | None = None) -> dict:
+    """The sample after a Compose gave ``out`` for ``_targets_in(sample)``: a new dict (fields not
+    handed to albumentations are the same objects, per-object ones indexed by the surviving boxes).
+    ``dtypes``: of mask and masks, when not those of ``sample``'s (a state's may be widened).
+    Raises ValueError if the pipeline dropped keypoints."""
+    dtypes = dtypes or {}
     result = dict(sample)
     result["image"] = out["image"]
     if "mask" in sample:
-        result["mask"] = _same_dtype(out["mask"], sample["mask"])
+        result["mask"] = _same_dtype(out["mask"], dtypes.get("mask", sample["mask"].dtype))
+    boxes, keypoints, masks = sample.get("boxes"), sample.get("keypoints"), sample.get("masks")
     kept = None
     if boxes is not None:
-        kept = np.asarray(out[BOX_OBJECT], np.int64)
-        result["boxes"] = np.asarray(out["bboxes"]).reshape(-1, boxes.shape[1]).astype(boxes.dtype, copy=False)
+        moved = np.asarray(out["bboxes"]).reshape(-1, boxes.shape[1] + 1)
+        kept = moved[:, -1].astype(np.int64)
+        result["boxes"] = moved[:, :-1].astype(boxes.dtype, copy=False)
     if keypoints is not None:
-        moved = np.asarray(out["keypoints"])
-        if not np.array_equal(np.asarray(out[KEYPOINT_OBJECT]), data[KEYPOINT_OBJECT]):
+        n, k, d = keypoints.shape
+        moved = np.asarray(out["keypoints"]).reshape(-1, d + 1)
+        if not np.array_equal(moved[:, -1].astype(np.int64), np.repeat(np.arange(n), k)):
             raise ValueError("the pipeline dropped keypoints; batchd keeps each object's K keypoints "
-                             "(keypoint_params remove_invisible must be false)")
-        result["keypoints"] = moved.reshape(keypoints.shape).astype(keypoints.dtype, copy=False)
+                             "(keypoint_params remove_invisible must be false, and transforms that drop the points "
+                             "they move out of the image, such as ElasticTransform, GridDistortion and "
+                             "OpticalDistortion, cannot run on samples with keypoints)")
+        result["keypoints"] = moved[:, :-1].reshape(keypoints.shape).astype(keypoints.dtype, copy=False)
     if masks is not None:
+        dtype = dtypes.get("masks", masks.dtype)
         if len(masks):
-            result["masks"] = _same_dtype(np.asarray(out["masks"]), masks)
+            result["masks"] = _same_dtype(np.asarray(out["masks"]), dtype)
         else:
-            result["masks"] = np.zeros((0, *out["image"].shape[:2], *masks.shape[3:]), masks.dtype)
-    if kept is not None and n:
-        for name, value in sample.items():
+            result["masks"] = np.zeros((0, *out["image"].shape[:2], *masks.shape[3:]), dtype)
+    if kept is not None and len(boxes):
+        for name in sample:
             if name != "boxes" and per_object(name):
                 result[name] = result[name][kept]
     return result
@@ -231,7 +290,7 @@ def _bbox_params(given: dict | None) -> dict:
     params = dict(given or {"format": "pascal_voc"})
     if params.get("format") not in _BOX_FORMATS:
         raise ValueError(f"bbox_params format must be one of {list(_BOX_FORMATS)}, got {params.get('format')!r}")
-    params["label_fields"] = [BOX_OBJECT]
+    params["label_fields"] = None  # each box's object number is a column of its own (_targets_in)
     # albumentations keeps a box cropped to zero width or height (min_width 0), which a rotation
     # then widens again over no pixels of its object; such an object is gone: drop it
     for side in ("min_width", "min_height"):
@@ -247,7 +306,7 @@ def _keypoint_params(given: dict | None) -> dict:
     if params.get("remove_invisible", True):
         raise ValueError("keypoint_params remove_invisible must be false: batchd keeps each object's K keypoints "
                          "(A.KeypointParams(format='xy', remove_invisible=False))")
-    params["label_fields"] = [KEYPOINT_OBJECT]
+    params["label_fields"] = None  # each point's object number is a column of its own (_targets_in)
     return params
 
 
@@ -255,10 +314,10 @@ def _to_format(boxes: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarra
     """xyxy pixel boxes [N, 4+] in albumentations' ``fmt`` (columns after 4 are kept)."""
     if fmt == "pascal_voc" or not len(boxes):
         return boxes
-    out = bbox_utils.convert_bboxes_to_albumentations(np.asarray(boxes, np.float64), "pascal_voc", shape)
+    out = bbox_utils.convert_bboxes_to_albumentations(boxes, "pascal_voc", shape)
     return out if fmt == "albumentations" else bbox_utils.convert_bboxes_from_albumentations(out, fmt, shape)
 
 
-def _same_dtype(out: np.ndarray, like: np.ndarray) -> np.ndarray:
+def _same_dtype(out: np.ndarray, dtype: np.dtype) -> np.ndarray:
     out = np.asarray(out)
-    return out if out.dtype == like.dtype else out.astype(like.dtype)
+    return out if out.dtype == dtype else out.astype(dtype)

@@ -41,6 +41,7 @@ from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, Tas
 from batchd.server.data.cache import SharedCache, sample_key
 from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
+from batchd.server.data.datasets.values import as_value
 from batchd.server.compute.stages import CACHE, DECODE, IDLE, PIPELINE, READ, WRITE, StageBoard, StageClock
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
 from batchd.server.serve.shm import Segment
@@ -115,17 +116,14 @@ class _Worker:
                 plan.split = prefixes.split(compose, plan.min_size)
             except ValueError:  # the rest cannot be rebuilt: the whole pipeline runs on each sample, uncached
                 plan.split = None
-            rest = compose if plan.split is None else plan.split.rest
-            whole = targets.TargetPipeline.of(compose) if compose is not None else None
-            if rest is not None:
-                plan.rest = targets.TargetPipeline.of(rest, attach=self.random.attach)
-                self.random.attach(rest)  # its transforms draw in turn from one stream, re-keyed per sample
+            if compose is not None:
+                # one Compose, run in two stages: preprocess + prefix (cached), then the rest
+                # (targets.py); its transforms draw in turn from one stream, re-keyed per sample
+                prefix = len(plan.split.prefix) if plan.split is not None else 0
+                plan.targets = targets.TargetPipeline.of(compose, attach=self.random.attach, prefix=prefix)
+                self.random.attach(compose)
             if plan.split is not None:
-                plan.prefix = targets.Prefix(plan.split.prefix, whole, seal=_seal_prefix)
-                plan.cache_name = plan.split.canonical + plan.prefix.params_name()
-                if plan.split.prefix:  # for samples whose prefix would draw a random number (_sample)
-                    plan.whole = targets.TargetPipeline.of(compose, attach=self.random.attach)
-                    self.random.attach(compose)
+                plan.cache_name = plan.split.canonical + (plan.targets.params_name() if plan.targets else "")
         self.pipelines[key] = plan
         if len(self.pipelines) > _CACHED_PIPELINES:
             self.pipelines.popitem(last=False)
@@ -178,7 +176,7 @@ class _Worker:
         if task.task_id not in self.reader:  # in memory: nothing to read
             if clock.on:
                 clock.enter(DECODE)
-            return ds.load_sample(index, min_size)
+            return ds.load_sample(index, min_size, key=task.random_key)
         if clock.on:
             clock.enter(READ)
         self.between_samples()
@@ -204,41 +202,44 @@ class _Worker:
     def _cache_key(self, ds: Dataset, plan: "_Plan", index: int) -> bytes | None:
         """The cache key of sample ``index``'s prefix output; None when it is not cached (no cache,
         no dataset fingerprint, or a pipeline that cannot be split)."""
-        if self.cache is None or plan.split is None or not ds.fingerprint:
+        if self.cache is None or plan.split is None or not ds.fingerprint or not getattr(ds, "deterministic", True):
             return None
         build = self.builds.get(ds.name)
         if build is None:
             build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
         return sample_key(ds.fingerprint, index, plan.cache_name, build)
 
-    def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: "_Plan"):
-        """(sample k of the task after decode and the pipeline's deterministic prefix, the pipeline
-        to run on it). The prefix output comes from the cache, else is computed (and stored there),
-        and the rest of the pipeline follows (``plan.rest``). The prefix runs whether or not a cache
-        is configured, so the bytes cannot depend on it. If a prefix transform would draw a random
-        number for this sample (``prefix.RandomDrawn``: the prefix runs with generators that raise),
-        the decoded sample goes through the whole pipeline (``plan.whole``) instead, and nothing
-        is stored."""
+    def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: "_Plan") -> tuple[dict, bool]:
+        """(sample k of the task decoded, or its state after the pipeline's deterministic prefix;
+        whether it is that state). The state (``targets.TargetPipeline.begin``) comes from the
+        cache, else is computed (and stored there), and ``TargetPipeline.end`` then runs the
+        rest. The prefix runs whether or not a cache is configured, so the bytes cannot depend on
+        it. If a prefix transform would draw a random number for this sample
+        (``prefix.RandomDrawn``: the prefix runs with generators that raise), or the dataset drew
+        some to build it (``Dataset.last_sample_drew``: it depends on the epoch), the decoded
+        sample goes through the whole pipeline instead, and nothing is stored."""
         if plan.split is None:
-            return self._load(ds, task, k, index, plan.min_size), plan.rest
+            return self._load(ds, task, k, index, plan.min_size), False
         decoded = []
 
         def compute() -> dict:
             decoded.append(self._load(ds, task, k, index, plan.split.min_size))
+            if ds.last_sample_drew:  # (kind python) drew random numbers for (seed, epoch, index): not cached
+                raise prefixes.RandomDrawn(f"dataset {ds.name!r}: sample {index} drew random numbers")
             return self._prefix(plan, ds, decoded[0], index, then=CACHE if key is not None else PIPELINE)
         key = self._cache_key(ds, plan, index)
         try:
             if key is None:
-                return compute(), plan.rest
+                return compute(), True
             self.cache_lookups += 1
             if self.clock.on:
                 self.clock.enter(CACHE)
             sample = self.cache.get_or_compute(ds.name, key, compute)
             self.cache_misses += bool(decoded)
         except prefixes.RandomDrawn:
-            return decoded[0], plan.whole  # the prefix transforms do not write their input
+            return decoded[0], False  # the prefix transforms do not write their input
         self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
-        return sample, plan.rest
+        return sample, True
 
     def _run(self, task: Task) -> BatchDone:
         if task.encoding == "jpeg":  # the files as they are, for the client to decode
@@ -264,24 +265,15 @@ class _Worker:
                 clock.pause()
             on = clock.on = not k % every
             try:
-                sample, rest = self._sample(ds, task, k, index, plan)
+                sample, prefixed = self._sample(ds, task, k, index, plan)
+                if on:
+                    clock.enter(PIPELINE)
+                sample = self._pipeline(plan, ds, task, sample, prefixed, index, position)
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise
                 skipped.append((index, e.path, e.reason))
                 continue
-            if on:
-                clock.enter(PIPELINE)
-            if plan.fn is not None or rest is not None:
-                self.random.start(task.random_key, position)
-                try:
-                    if plan.fn is not None:
-                        sample = python_pipeline.run(plan.fn, sample, self.random.generator)
-                    else:
-                        sample = rest(sample, per_object)
-                except Exception as e:
-                    e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
-                    raise
             image = sample.get("image")
             if image is not None and getattr(image, "ndim", 3) != 3:
                 sample = {**sample, "image": _as_hwc_array(image, ds.name, index)}
@@ -296,16 +288,40 @@ class _Worker:
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, self.timings(task),
                          tuple(skipped))
 
+    def _pipeline(self, plan: "_Plan", ds: Dataset, task: Task, sample: dict, prefixed: bool, index: int,
+                  position: int) -> dict:
+        """The sample after the pipeline's rest (``TargetPipeline.end``) or the python pipeline,
+        under the sample's stream. Raises what the pipeline raises (with a note naming dataset
+        and sample), or SampleError naming the field for a python pipeline's field that cannot
+        become an array (``values.as_value``; ``on_error: skip`` applies)."""
+        if plan.fn is None and plan.targets is None:
+            return sample
+        self.random.start(task.random_key, position)
+        try:
+            if plan.fn is None:
+                return plan.targets.end(sample, self.per_object[ds.name], prefixed)
+            sample = python_pipeline.run(plan.fn, sample, self.random.generator)
+        except Exception as e:
+            e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
+            raise
+        for name, value in sample.items():
+            try:
+                as_value(name, value)
+            except TypeError as e:
+                raise SampleError(ds.name, index, ds.source(index), f"the python pipeline returned {e}") from None
+        return sample
+
     def _prefix(self, plan: "_Plan", ds: Dataset, sample: dict, index: int, then: int = PIPELINE) -> dict:
-        """The pipeline's deterministic prefix on the decoded sample (timed as pipeline; ``then``: the
-        stage that follows, CACHE when the cache stores the result)."""
-        if plan.prefix is None:
+        """The pipeline's deterministic prefix on the decoded sample: its state
+        (``TargetPipeline.begin``; timed as pipeline; ``then``: the stage that follows, CACHE when
+        the cache stores the result)."""
+        if plan.targets is None or not plan.targets.prefix:
             return sample
         clock = self.clock
         if clock.on:
             clock.enter(PIPELINE)
         try:
-            return plan.prefix(sample, self.per_object[ds.name])
+            return plan.targets.begin(sample, self.per_object[ds.name])
         except Exception as e:
             e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
             raise
@@ -333,25 +349,18 @@ class _Worker:
         return seg, True
 
 
-def _seal_prefix(compose) -> None:
-    """The random state of a prefix Compose: generators that raise ``prefix.RandomDrawn`` when
-    drawn from (its transforms draw nothing, prefix.py; the Compose runs with force_apply)."""
-    compose.set_random_state(prefixes.SEALED_GENERATOR, prefixes.SEALED_RANDOM)
-
-
 @dataclass(slots=True)
 class _Plan:
-    """How a worker runs one pipeline: an albumentations ``compose`` (decoded at ``min_size``) split
-    into a cacheable ``prefix`` and the ``rest``, or an operator's python ``fn``. ``split`` None:
-    the pipeline cannot be split, ``rest`` is all of it and nothing is cached."""
+    """How a worker runs one pipeline: an albumentations ``compose`` (decoded at ``min_size``) run
+    as ``targets`` in two stages (its cacheable prefix, ``split``, then the rest), or an
+    operator's python ``fn``. ``split`` None: the pipeline cannot be split, ``targets`` runs all
+    of it on each sample and nothing is cached."""
 
     compose: Any = None
     min_size: tuple[int, int] | None = None
     fn: Any = None
     split: prefixes.Split | None = None
-    prefix: targets.Prefix | None = None
-    rest: targets.TargetPipeline | None = None
-    whole: targets.TargetPipeline | None = None  # for samples whose prefix would draw (_sample)
+    targets: targets.TargetPipeline | None = None
     cache_name: str = ""  # what the prefix's output depends on: its canonical text (+ target params)
 
 

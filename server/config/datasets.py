@@ -142,6 +142,9 @@ class CocoConfig(_DatasetBase):
         (``pip install batchd[coco]``); segmentations are then checked when the index is built.
     skip_empty: leave out images that have no annotation (after zero-size boxes are dropped);
         false (the default, as torchvision's CocoDetection): they are samples with N = 0.
+    apply_exif_orientation: turn a JPEG by its EXIF orientation, and its boxes and masks with it;
+        false (the default): the stored pixels, the frame of the annotations, pycocotools and
+        torchvision's CocoDetection (as ``torchvision.io.decode_image``'s option of that name).
     Images are always decoded at full size (boxes and masks are in the full image's pixels).
     """
 
@@ -150,6 +153,7 @@ class CocoConfig(_DatasetBase):
     annotations: Location
     masks: bool = False
     skip_empty: bool = False
+    apply_exif_orientation: bool = False
     storage_options: StorageOptions = Field(default_factory=StorageOptions)
 
 
@@ -169,6 +173,8 @@ class SegmentationConfig(_DatasetBase):
         "difficult" regions); reported with the dataset, never changed in the masks. None: none.
     classes: class names, mask value ``v`` is ``classes[v]`` (optional: masks are read as they
         are whatever it says).
+    apply_exif_orientation: turn a JPEG by its EXIF orientation, and its mask with it; false (the
+        default): the stored pixels, the frame of the PNG masks (which carry no EXIF).
     Images are always decoded at full size (the mask must match them pixel for pixel).
     """
 
@@ -180,6 +186,7 @@ class SegmentationConfig(_DatasetBase):
     mask_extensions: tuple[str, ...] = (".png",)
     ignore_index: int | None = Field(default=255, ge=0, le=255)
     classes: tuple[str, ...] = ()
+    apply_exif_orientation: bool = False
     storage_options: StorageOptions = Field(default_factory=StorageOptions)
 
     @field_validator("extensions", "mask_extensions")
@@ -201,6 +208,10 @@ class PythonConfig(_DatasetBase):
     args: keyword arguments for the factory (YAML values: str, numbers, lists, mappings).
     per_object_fields: the fields with one entry per object (dropped with their boxes, sent as
         lists); default: those of boxes, labels, masks, keypoints, iscrowd, area the samples have.
+    deterministic: true (the default): the server refuses a dataset whose ``__getitem__`` draws
+        randomness batchd cannot key to (seed, epoch, index) (a generator of its own made in
+        ``__init__``...; server/data/datasets/python.py); false: it warns and serves it, and never
+        caches its samples (its batches then differ run to run).
     max_pixels does not apply (the dataset decodes its own images).
     """
 
@@ -208,6 +219,7 @@ class PythonConfig(_DatasetBase):
     factory: str = Field(pattern=FACTORY_PATTERN)
     args: dict[str, Any] = Field(default_factory=dict)
     per_object_fields: tuple[str, ...] | None = None
+    deterministic: bool = True
 
 
 DatasetConfig = Annotated[

@@ -63,3 +63,66 @@ def test_the_cache_gives_the_same_bytes_with_targets_through_a_server(fashion_co
     assert len(want) == 16 and want[:8] != want[8:], "the two epochs should differ (other draws)"
     assert got == want, "other bytes with the cache than without"
     assert stats["misses"] == 60 and stats["hits"] == 60, stats  # epoch 2 is all hits: the prefix was cached
+
+
+@pytest.mark.parametrize("fmt", ["coco", "yolo", "albumentations"])
+def test_a_clients_format_under_a_cacheable_prefix_equals_one_compose_through_a_server(fashion_coco, tmp_path, fmt):
+    """Table 13's setup through real servers: ``kind: coco`` with masks, boxes asked in ``fmt``
+    under a LongestMaxSize + PadIfNeeded prefix, cache off and on (two epochs: misses then hits):
+    every batch equals ONE albumentations Compose run here on pycocotools' sample (the boxes
+    given in ``fmt`` by albumentations' converters) under the sample's stream. On main the
+    prefix and the rest each converted the boxes: coco and yolo failed ("x_max is less than or
+    equal to x_min"), albumentations' boxes were divided by W and H twice."""
+    import cv2
+    import numpy as np
+    from albumentations.core import bbox_utils
+
+    import coco_oracle
+    from batchd.sampler import sample_key
+    from batchd.server.compute.pipeline import SampleRandom
+
+    pipe = A.Compose([A.LongestMaxSize(max_size=96), A.PadIfNeeded(96, 96, border_mode=cv2.BORDER_CONSTANT),
+                      A.HorizontalFlip(p=0.5), A.RandomCrop(80, 80)],
+                     bbox_params=A.BboxParams(format=fmt, label_fields=["labels"], min_visibility=0.3))
+    oracle = coco_oracle.samples(fashion_coco / "annotations" / "instances_train.json", fashion_coco / "images" / "train")
+
+    def expected(s: dict, position: int, epoch: int) -> dict:
+        spec = A.to_dict(pipe)["transform"]["bbox_params"]
+        one = A.Compose(A.from_dict(A.to_dict(pipe)).transforms, bbox_params=A.BboxParams(
+            **{**spec, "label_fields": ["objects"], "min_width": 0.01, "min_height": 0.01}))
+        rnd = SampleRandom()
+        rnd.attach(one)
+        rnd.start(sample_key(seed=11, epoch=epoch), position)
+        n, shape = len(s["boxes"]), s["image"].shape[:2]
+        boxes = s["boxes"]
+        if n and fmt != "pascal_voc":
+            boxes = bbox_utils.convert_bboxes_to_albumentations(boxes, "pascal_voc", shape)
+            boxes = boxes if fmt == "albumentations" else bbox_utils.convert_bboxes_from_albumentations(boxes, fmt, shape)
+        out = one(image=s["image"], bboxes=boxes, objects=np.arange(n), **({"masks": s["masks"]} if n else {}))
+        kept = np.asarray(out["objects"], np.int64)
+        return {"image": out["image"], "boxes": np.asarray(out["bboxes"], np.float32).reshape(-1, 4),
+                "labels": s["labels"][kept], "masks": np.asarray(out["masks"], np.uint8)[kept] if n else None}
+
+    det = {"det": {"kind": "coco", "images": str(fashion_coco / "images" / "train"),
+                   "annotations": str(fashion_coco / "annotations" / "instances_train.json"), "masks": True}}
+    for cache in (None, {"memory_bytes": "16MiB"}):
+        with running_server(workers=2, cache_dir=tmp_path, datasets=det, **({"cache": cache} if cache else {})) as s:
+            with batchd.RemoteDataLoader(s.address, "det", batch_size=8, shuffle=True, seed=11, transform=pipe,
+                                         timeout=60) as loader:
+                checked = 0
+                for epoch in (0, 1):
+                    loader.set_epoch(epoch)
+                    for b in loader:
+                        for j, (index, position) in enumerate(zip(b["index"].tolist(), b["position"].tolist())):
+                            want = expected(oracle[index], position, epoch)
+                            where = f"{fmt}, cache {'on' if cache else 'off'}, epoch {epoch}, sample {index}"
+                            assert np.array_equal(b["image"][j].numpy(), want["image"]), where
+                            assert np.array_equal(b["boxes"][j].numpy(), want["boxes"]), where
+                            assert np.array_equal(b["labels"][j].numpy(), want["labels"]), where
+                            if want["masks"] is not None:
+                                assert np.array_equal(b["masks"][j].numpy(), want["masks"]), where
+                            checked += 1
+            if cache:
+                stats = s.loader.cache.stats()["det"]
+                assert stats["hits"] == 60 and stats["misses"] == 60, stats
+        assert checked == 120

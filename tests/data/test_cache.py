@@ -406,7 +406,8 @@ def test_a_worker_does_not_read_ahead_the_bytes_of_cached_samples(photos, tmp_pa
         plan = worker.pipelines[task.pipeline_key]
         key = sample_key(ds.fingerprint, 3, plan.split.canonical, worker.builds["photos"])
         assert read(3) is not None
-        cache.get_or_compute("photos", key, lambda: plan.prefix(ds.load_sample(3, plan.split.min_size), lambda f: False))
+        cache.get_or_compute("photos", key,
+                             lambda: plan.targets.begin(ds.load_sample(3, plan.split.min_size), lambda f: False))
         assert read(3) is None and bytes(read(4)) == bytes(ds.read_bytes(4))
         worker.cache.close()
     finally:

@@ -80,12 +80,12 @@ def test_the_build_says_whether_a_cache_serves_and_under_which_prefix_rule(make_
     cached_server = make_server(workers=1, datasets={"pics": {"kind": "imagefolder", "root": str(root)}},
                                 cache={"memory_bytes": "1MiB", "disk_dir": str(tmp_path / "disk"), "disk_bytes": "1MiB"})
     cached = describe_dataset(cached_server.address, "pics")
-    assert cached.build["cache"] == "on" and cached.build["cache_prefix_rules"] == prefix.PREFIX_RULES == "2"
+    assert cached.build["cache"] == "on" and cached.build["cache_prefix_rules"] == prefix.PREFIX_RULES == "3"
     assert cached.fingerprint == plain.fingerprint and cached.build_fingerprint != plain.build_fingerprint
-    assert mismatches(plain.identity(), cached.identity()) == ["cache off vs on", "cache_prefix_rules (none) vs 2"]
+    assert mismatches(plain.identity(), cached.identity()) == ["cache off vs on", "cache_prefix_rules (none) vs 3"]
     stamp = (tmp_path / "disk" / "BUILD").read_text().strip()
     assert stamp == build_fingerprint(build_parts(cache=True))  # disk entries of another rule are wiped at start
-    monkeypatch.setattr(prefix, "PREFIX_RULES", "3")
+    monkeypatch.setattr(prefix, "PREFIX_RULES", "4")
     assert build_fingerprint(build_parts(cache=True)) != stamp
 
 

@@ -7,6 +7,7 @@ dataset gives in-process.
 
 from __future__ import annotations
 
+import random
 import time
 
 import numpy as np
@@ -155,6 +156,127 @@ class Paced:
         return {"image": np.full((4, 4), i % 256, np.uint8), "label": i}
 
 
+def _pattern(i: int, size: int) -> np.ndarray:
+    """uint8 [size, size, 3]: every pixel different (so a flip or a transpose shows), shifted by i."""
+    return ((np.arange(size * size * 3).reshape(size, size, 3) * 7 + i) % 251).astype(np.uint8)
+
+
+class TutorialFlips:
+    """Augments in __getitem__ with the global generators, as torchvision's detection tutorial does
+    (``if random.random() < 0.5: flip``): a horizontal flip by Python's ``random``, a vertical one
+    by ``numpy.random`` and a transpose by ``torch.rand`` (when ``use_torch``). Sample i: image
+    uint8 [size, size, 3] (``_pattern(i)`` after the flips), ``flips`` uint8 [3] (which were
+    applied), ``noise`` float64 (``np.random.normal()``), label int (i % 3)."""
+
+    def __init__(self, n: int = 600, size: int = 6, use_torch: bool = True):
+        self.n, self.size, self.use_torch = n, size, use_torch
+        if use_torch:
+            import torch  # noqa: F401  (as the tutorial does, at import time)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        image = _pattern(i, self.size)
+        by_random = random.random() < 0.5
+        by_numpy = bool(np.random.rand() < 0.5)
+        by_torch = False
+        if self.use_torch:
+            import torch
+
+            by_torch = bool(torch.rand(()) < 0.5)
+        if by_random:
+            image = image[:, ::-1]
+        if by_numpy:
+            image = image[::-1]
+        if by_torch:
+            image = image.transpose(1, 0, 2)
+        return {"image": np.ascontiguousarray(image), "flips": np.array([by_random, by_numpy, by_torch], np.uint8),
+                "noise": float(np.random.normal()), "label": i % 3}
+
+
+class RngFlips:
+    """Takes the sample's own generator, as grain hands a random map its rng: ``__getitem__(i,
+    rng=None)`` flips horizontally if ``rng.random() < 0.5`` and vertically if the next draw is
+    (``numpy.random`` when called without one, as a plain DataLoader does). Fields as
+    TutorialFlips' (``flips`` uint8 [2])."""
+
+    def __init__(self, n: int = 600, size: int = 6):
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int, rng: np.random.Generator | None = None) -> dict:
+        rng = np.random.default_rng() if rng is None else rng
+        image = _pattern(i, self.size)
+        h, v = rng.random() < 0.5, rng.random() < 0.5
+        if h:
+            image = image[:, ::-1]
+        if v:
+            image = image[::-1]
+        return {"image": np.ascontiguousarray(image), "flips": np.array([h, v], np.uint8), "label": i % 3}
+
+
+class OwnGenerator(RngFlips):
+    """Draws its flips from a generator made in __init__ (``self.rng``): randomness batchd cannot key."""
+
+    def __init__(self, n: int = 40, size: int = 6):
+        super().__init__(n, size)
+        self.rng = np.random.default_rng()
+
+    def __getitem__(self, i: int) -> dict:
+        return super().__getitem__(i, self.rng)
+
+
+class OwnCompose(RngFlips):
+    """An albumentations Compose made in __init__ (its own generators) run in __getitem__."""
+
+    def __init__(self, n: int = 40, size: int = 6):
+        import albumentations as A
+
+        super().__init__(n, size)
+        self.transform = A.Compose([A.HorizontalFlip(p=0.5)])
+
+    def __getitem__(self, i: int) -> dict:
+        return {"image": self.transform(image=_pattern(i, self.size))["image"], "label": i % 3}
+
+
+class Urandom(RngFlips):
+    """Noise from the operating system in every sample: no generator to find, two builds differ."""
+
+    def __getitem__(self, i: int) -> dict:
+        import os
+
+        return {"image": np.frombuffer(os.urandom(self.size * self.size * 3), np.uint8).reshape(self.size, self.size, 3),
+                "label": i % 3}
+
+
+class BadField:
+    """Sample ``at`` has a field ``extra`` that cannot become an array: ``what`` is "dict", "object",
+    "list", "none" or "bfloat16" (a torch tensor numpy cannot hold); the other samples have
+    ``extra`` float32 [2]. image uint8 [4, 4, 3] filled with i, label i."""
+
+    def __init__(self, n: int = 12, at: int = 5, what: str = "dict"):
+        self.n, self.at, self.what = n, at, what
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        extra: object = np.array([i, -i], np.float32)
+        if i == self.at:
+            if self.what == "bfloat16":
+                import torch
+
+                extra = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+            else:
+                extra = {"dict": {"a": 1}, "object": object(), "list": [1, 2], "none": None}[self.what]
+        return {"image": np.full((4, 4, 3), i % 256, np.uint8), "label": i, "extra": extra}
+
+
 def build_failing(**args):
     raise RuntimeError(f"cannot open the data: {args}")
 
@@ -169,5 +291,15 @@ def jitter(scale: float = 10.0):
         if rng.random() < 0.5:
             out["image"] = 255 - sample["image"]
         return out
+
+    return fn
+
+
+def dict_field_at(label: int = 5):
+    """A python pipeline that adds a field ``note``: a dict (which cannot become an array) in the
+    sample whose ``label`` is ``label``, an int elsewhere."""
+
+    def fn(sample: dict, rng: np.random.Generator) -> dict:
+        return {**sample, "note": {"label": label} if int(sample["label"]) == label else 0}
 
     return fn

@@ -154,6 +154,13 @@ def jpeg_orientation(mv: memoryview) -> int:
     return 1
 
 
+def exif_orientation(data) -> int:
+    """The EXIF orientation (1-8) of an encoded image's bytes (bytes-like or uint8 array): a
+    JPEG's (``jpeg_orientation``), 1 for any other format or none. Never raises."""
+    mv = memoryview(data).cast("B")
+    return jpeg_orientation(mv) if bytes(mv[:2]) == b"\xff\xd8" else 1
+
+
 def _tiff_orientation(tiff: bytes) -> int:
     """Tag 0x0112 (Orientation, SHORT) of the first IFD of a TIFF header block, or 1."""
     order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
@@ -186,19 +193,22 @@ def _jpeg_truncated(buf: np.ndarray) -> bool:
 _REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2))
 
 
-def _decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[int, int] | None) -> int:
+def _decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[int, int] | None,
+                 upright: bool = True) -> int:
     """IMREAD_COLOR, or the largest JPEG DCT-domain reduction (1/2, 1/4, 1/8) whose output is
     still at least ``min_size`` (height, width) once turned upright (EXIF orientation 5-8 swap
-    the stored width and height): libjpeg then skips most of the work."""
+    the stored width and height): libjpeg then skips most of the work. ``upright`` False: with
+    IMREAD_IGNORE_ORIENTATION (the stored pixels, not turned)."""
+    keep = 0 if upright else cv2.IMREAD_IGNORE_ORIENTATION
     if min_size is None or size is None or buf[:2].tobytes() != b"\xff\xd8":
-        return cv2.IMREAD_COLOR
+        return cv2.IMREAD_COLOR | keep
     w, h = size
-    if jpeg_orientation(memoryview(buf).cast("B")) >= 5:
+    if upright and jpeg_orientation(memoryview(buf).cast("B")) >= 5:
         w, h = h, w
     for factor, flag in _REDUCED:
         if -(-h // factor) >= min_size[0] and -(-w // factor) >= min_size[1]:  # libjpeg rounds up
-            return flag
-    return cv2.IMREAD_COLOR
+            return flag | keep
+    return cv2.IMREAD_COLOR | keep
 
 
 def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
@@ -214,11 +224,14 @@ def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[in
     return decode_rgb(buf, max_pixels, min_size)
 
 
-def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
+def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None,
+               upright: bool = True) -> np.ndarray:
     """Decode an encoded image (bytes-like or uint8 array): uint8 [H, W, 3], RGB.
 
     Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
-    alpha is dropped, 16-bit images are scaled to 8 bits, and EXIF orientation is applied.
+    alpha is dropped, 16-bit images are scaled to 8 bits, and EXIF orientation is applied
+    (``upright`` False: not applied, ``IMREAD_IGNORE_ORIENTATION``: the stored pixels, the frame
+    Pillow's ``Image.open`` and pycocotools' annotations use; tests/data/test_exif_frame.py).
     With ``min_size`` (height, width), a JPEG at least twice that size in both dimensions (once
     upright: ``jpeg_orientation``) is decoded reduced by 2, 4 or 8 (the pipeline downsizes it
     anyway; measured here: a 1000x750 JPEG decodes about 2x faster at 1/2).
@@ -236,7 +249,7 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
         # OpenCV >= 5 rejects these; 4.x returns the decoded part with grey below it.
         raise ImageReadError(f"truncated JPEG: no end-of-image marker after the last scan ({buf.size} bytes)")
     try:
-        bgr = cv2.imdecode(buf, _decode_flag(buf, size, min_size))
+        bgr = cv2.imdecode(buf, _decode_flag(buf, size, min_size, upright))
     except cv2.error:
         bgr = None
     if bgr is None:
@@ -260,7 +273,11 @@ class FileDataset(Dataset):
     Subclasses build or find the index, then call ``_attach(index, root)``. Samples decode with
     ``read_rgb``: uint8 [H, W, 3] RGB, shapes varying (sample_spec ``(-1, -1, 3)``).
     ``reduced_decode=False``: always decode JPEGs at full size (``min_size`` is ignored).
+    ``upright``: ``decode`` applies the EXIF orientation (the kinds without targets); False: the
+    stored pixels (coco and segmentation, whose annotations are in that frame).
     """
+
+    upright = True
 
     def __init__(self, name: str, *, max_pixels: int = DEFAULT_MAX_PIXELS, reduced_decode: bool = True,
                  storage_options: StorageOptions | None = None):
@@ -344,11 +361,11 @@ class FileDataset(Dataset):
         """Decode ``data`` (what ``read_bytes(index)`` returned): uint8 [H, W, 3] RGB.
 
         ``min_size``: see ``decode_rgb`` (reduced JPEG decoding; ignored with reduced_decode off).
-        Raises SampleError (see ``decode_rgb``'s reasons).
+        EXIF orientation applied if ``upright``. Raises SampleError (see ``decode_rgb``'s reasons).
         """
         if not self.reduced_decode:
             min_size = None
         try:
-            return decode_rgb(data, self.max_pixels, min_size)
+            return decode_rgb(data, self.max_pixels, min_size, self.upright)
         except ImageReadError as e:
             raise self.sample_error(index, e.reason) from None

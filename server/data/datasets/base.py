@@ -71,6 +71,9 @@ class Dataset(abc.ABC):
 
     name: str
     kind: str
+    # whether the last ``load_sample`` drew random numbers (kind python: ``__getitem__``, keyed to
+    # the sample); such a sample depends on the epoch, and the worker does not cache it
+    last_sample_drew: bool = False
 
     @abc.abstractmethod
     def __len__(self) -> int:
@@ -97,10 +100,12 @@ class Dataset(abc.ABC):
         spec = self.sample_spec
         return (FieldSpec("image", spec.image_dtype, tuple(spec.image_shape)), FieldSpec("label", "int64", ()))
 
-    def load_sample(self, index: int, min_size: tuple[int, int] | None = None) -> dict:
+    def load_sample(self, index: int, min_size: tuple[int, int] | None = None, key: np.ndarray | None = None) -> dict:
         """Sample ``index`` as a dict of fields (see the module docstring). Default: ``{"image":
         load_image(index, min_size), "label": label(index)}``; kinds whose samples carry more
         (targets, extra fields) override it, or ``decode_sample`` when they read from storage.
+        ``key``: uint64 [2], ``batchd.sampler.sample_key(seed, epoch)``, for kinds whose samples
+        draw random numbers (kind python keys them to (key, index)); others ignore it.
 
         Raises IndexError out of range; SampleError (naming dataset, index and file) if the
         sample cannot be read or decoded.

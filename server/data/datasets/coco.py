@@ -8,7 +8,8 @@ import pathlib
 import numpy as np
 
 from ._cache import ArrayFile, cache_path, file_fingerprint, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset
+from ._files import DEFAULT_MAX_PIXELS, FileDataset, exif_orientation
+from ._orientation import orient_sample
 from ._fingerprint import content_fingerprint, with_settings
 from .base import FieldSpec
 from .coco_index import build_index
@@ -44,6 +45,11 @@ class Coco(FileDataset):
         image_id  int64 []         the image's id
         masks     uint8 [N, H, W]  0/1, pycocotools' ``annToMask`` (only with ``masks: true``)
 
+    The frame is the stored pixels (EXIF orientation not applied), as pycocotools, torchvision's
+    ``CocoDetection`` (Pillow's ``Image.open``) and the annotation tools use it; with
+    ``apply_exif_orientation`` a JPEG's EXIF orientation turns image, boxes and masks together
+    (``_orientation``; H, W are then the turned image's). tests/data/test_exif_frame.py.
+
     An image without annotations has N = 0 (``boxes`` [0, 4], ``masks`` [0, H, W]). Annotations
     of zero width or height, or wholly outside their image, are dropped at index build and
     counted (``info``, and a warning in the server's log). There is no ``label`` (one class per
@@ -59,10 +65,12 @@ class Coco(FileDataset):
     """
 
     kind = "coco"
+    upright = False  # decode the stored pixels; decode_sample turns image and targets together if asked
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
         options = getattr(cfg, "storage_options", None) or StorageOptions()
         super().__init__(name, max_pixels=max_pixels, reduced_decode=False, storage_options=options)
+        self.apply_exif_orientation = bool(getattr(cfg, "apply_exif_orientation", False))
         self.masks = bool(cfg.masks)
         self._mask = _mask_utils(name) if self.masks else None
         skip_empty = bool(cfg.skip_empty)
@@ -133,6 +141,10 @@ class Coco(FileDataset):
         out by ``skip_empty``), as decimal text."""
         return {k: str(v) for k, v in sorted(self._counts.items())}
 
+    @property
+    def decode_settings(self) -> dict[str, str]:
+        return {**super().decode_settings, "exif_orientation": "applied" if self.apply_exif_orientation else "stored"}
+
     def image_id(self, index: int) -> int:
         """The COCO id of sample ``index``'s image."""
         return int(self._image_ids[self._check(index)])
@@ -145,8 +157,8 @@ class Coco(FileDataset):
     def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None) -> dict:
         """Sample ``index`` (fields in the class docstring) from its image file's bytes ``data``.
 
-        Raises SampleError naming the image file if it cannot be decoded or its size is not the
-        JSON's ``height`` x ``width``.
+        Raises SampleError naming the image file if it cannot be decoded or its stored size is not
+        the JSON's ``height`` x ``width``.
         """
         index = self._check(index)
         image = self.decode(index, data)
@@ -165,6 +177,8 @@ class Coco(FileDataset):
         }
         if self.masks:
             sample["masks"] = self._decode_masks(range(start, end), h, w)
+        if self.apply_exif_orientation:
+            sample = orient_sample(sample, exif_orientation(data))
         return sample
 
     def _decode_masks(self, rows: range, h: int, w: int) -> np.ndarray:

@@ -5,9 +5,21 @@ imports ``factory`` (installed, on ``PYTHONPATH``, or on ``python_path`` / ``bat
 --python-path DIR``) and calls it with ``args`` once in the server (length, fields, fingerprint)
 and once in each worker process. The result has ``__len__`` and ``__getitem__(i) -> dict`` of
 fields (README "Samples and targets"); torch tensors and PIL images in it become numpy arrays
-(``.numpy()`` / ``np.asarray``, without importing torch here). ``__getitem__`` must be a pure
-function of the index (the cache and the invariant rely on it); it runs on the worker's own
+(``.numpy()`` / ``np.asarray``, without importing torch here). It runs on the worker's own
 thread, one sample at a time.
+
+Randomness: a sample must be a pure function of (seed, epoch, index) (the cache and the
+invariant rely on it). ``__getitem__`` may draw from Python's ``random``, ``numpy.random`` and
+torch's default generator: batchd seeds them for each sample from (seed, epoch, index) and
+restores them afterwards; and it may take a generator of its own, ``def __getitem__(self,
+index, rng=None)`` (a numpy Generator keyed the same way, as grain hands a random map its
+``rng``). See ``_keyed``. Randomness batchd cannot key (a generator built in ``__init__``, an
+albumentations Compose with its own generators) is caught when the server opens the dataset:
+the generators the dataset holds (``_keyed.held_generators``) must not move while it builds
+sample 0, twice under the same keys, and the two builds must be equal; else the server refuses
+the dataset, naming it and where the randomness must go, or only warns with ``deterministic:
+false`` (whose samples are then never cached). Samples whose ``__getitem__`` drew are never
+cached either (their bytes depend on the epoch).
 
 Fields: ``fields`` on the dataset (an attribute or a method) mapping name -> (dtype, shape) or
 name -> {"dtype", "shape", "per_object"}, with -1 for a dimension that varies; else read from
@@ -21,7 +33,9 @@ and to the libraries it uses (README).
 
 Errors: a factory that cannot be imported or built raises its own error (the server stops at
 start-up); a raise in ``__getitem__`` is a SampleError naming dataset and index whose reason
-carries the exception and the user's traceback (``on_error: skip`` applies).
+carries the exception and the user's traceback (``on_error: skip`` applies); so is a field that
+cannot become an array (a dict, a list, None, an object, a bfloat16 tensor: ``values.as_value``),
+naming the field.
 """
 
 from __future__ import annotations
@@ -36,9 +50,17 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+import logging
+
 import numpy as np
 
+from batchd.sampler import sample_key
+
+from ._keyed import held_generators, keyed_call, takes_rng
 from .base import Dataset, FieldSpec, SampleSpec
+from .values import as_value
+
+log = logging.getLogger(__name__)
 
 
 def add_python_path(dirs) -> None:
@@ -62,10 +84,15 @@ def import_factory(spec: str) -> Any:
 
 
 def to_numpy(value: Any) -> Any:
-    """A torch tensor or PIL image as a numpy array (torch is not imported here); anything else as it is."""
+    """A torch tensor or PIL image as a numpy array (torch is not imported here); anything else as
+    it is. Raises TypeError for a tensor numpy cannot hold (bfloat16...), naming its dtype."""
     module = type(value).__module__
     if module == "torch" or module.startswith("torch."):
-        return value.detach().cpu().numpy()
+        try:
+            return value.detach().cpu().numpy()
+        except TypeError as e:
+            raise TypeError(f"is a torch tensor of dtype {value.dtype}, which numpy cannot hold ({e}); convert it "
+                            "in __getitem__ (e.g. .float())") from None
     if module.startswith("PIL."):
         return np.asarray(value)
     return value
@@ -92,32 +119,77 @@ class PythonDataset(Dataset):
         self._factory = factory
         self._fields: tuple[FieldSpec, ...] | None = None
         self._fingerprint: str | None = None
+        self._takes_rng = takes_rng(self.obj.__getitem__)
+        self.deterministic = bool(getattr(cfg, "deterministic", True))
+        self.last_sample_drew = False
         if build:  # the server: fail at start-up, not at the first batch
             _ = self.fields, self.fingerprint
+            self._check_keyable()
 
     def __len__(self) -> int:
         return self._len
 
-    def load_sample(self, index: int, min_size: tuple[int, int] | None = None) -> dict:
-        """``dataset[index]`` as a dict of fields (torch tensors and PIL images as numpy arrays).
-        Raises IndexError out of range; SampleError if ``__getitem__`` raises (the reason carries
-        its exception and traceback) or returns something other than a dict with str keys."""
+    def load_sample(self, index: int, min_size: tuple[int, int] | None = None, key: np.ndarray | None = None) -> dict:
+        """``dataset[index]`` as a dict of fields (torch tensors and PIL images as numpy arrays),
+        its randomness keyed to (``key``, index) (``_keyed.keyed_call``; ``key``: uint64 [2],
+        ``sampler.sample_key(seed, epoch)``; None: seed 0, epoch 0); ``last_sample_drew`` says
+        whether it drew. Raises IndexError out of range; SampleError if ``__getitem__`` raises
+        (the reason carries its exception and traceback), returns something other than a dict
+        with str keys, or a field that cannot become an array (naming the field)."""
         index = self._check(index)
         try:
-            sample = self.obj[index]
+            sample, drawn = keyed_call(self.obj.__getitem__, index, key, self._takes_rng)
         except Exception as e:
             frames = traceback.extract_tb(e.__traceback__)[1:]  # the dataset's own, from its __getitem__ on
+            frames = [f for f in frames if not f.filename.endswith("_keyed.py")]
             where = "".join(traceback.format_list(frames)).rstrip()
             raise self.sample_error(index, f"{type(e).__name__}: {e}\nin the dataset (most recent call last):\n{where}") \
                 from None
+        self.last_sample_drew = drawn.any
         if not isinstance(sample, Mapping):
             raise self.sample_error(index, f"__getitem__ returned a {type(sample).__name__}, not a dict of fields")
         out = {}
-        for key, value in sample.items():
-            if not isinstance(key, str):
-                raise self.sample_error(index, f"__getitem__ returned a dict with key {key!r}; field names are str")
-            out[key] = to_numpy(value)
+        for name, value in sample.items():
+            if not isinstance(name, str):
+                raise self.sample_error(index, f"__getitem__ returned a dict with key {name!r}; field names are str")
+            try:
+                out[name] = to_numpy(value)
+            except TypeError as e:
+                raise self.sample_error(index, f"field {name!r} {e}") from None
+            try:
+                as_value(name, out[name])
+            except TypeError as e:
+                raise self.sample_error(index, str(e)) from None
         return out
+
+    def _check_keyable(self) -> None:
+        """Build sample 0 twice under the same keys; refuse the dataset (ValueError naming it and
+        where its randomness must go) if the two differ or a generator it holds moved; only a
+        warning with ``deterministic: false``."""
+        if not self._len:
+            return
+        key = sample_key(seed=0, epoch=0)
+        held = held_generators(self.obj)
+        builds = [self.load_sample(0, key=key) for _ in range(2)]
+        moved = sorted(path for path, state in held_generators(self.obj).items() if held.get(path) != state)
+        differ = _first_difference(*builds)
+        if not moved and differ is None:
+            return
+        what = (f"it draws from generator(s) it holds itself ({', '.join(moved)})" if moved else
+                f"field {differ!r} of sample 0 differs between two builds under the same seed, epoch and index")
+        message = (
+            f"dataset {self.name!r} (kind python, {self.cfg.factory}): {what}, randomness batchd cannot key to the "
+            "sample (a generator made in __init__, an albumentations Compose with its own generator...), so its "
+            "batches would differ from run to run, with the worker count and after a resume. Draw in __getitem__ "
+            "from Python's random, numpy.random or torch's default generator (batchd seeds them per sample from "
+            "(seed, epoch, index)), or take the sample's own generator: def __getitem__(self, index, rng=None) "
+            "(a numpy Generator); seed an albumentations Compose from it (compose.set_random_seed(int("
+            "rng.integers(2**32)))) or make it the server's pipeline. Or set deterministic: false in the "
+            "dataset's config (batches then differ run to run, and are never cached)")
+        if self.deterministic:
+            raise ValueError(message)
+        log.warning("%s (deterministic: false: serving it anyway)", message)
+
 
     @property
     def fields(self) -> tuple[FieldSpec, ...]:
@@ -203,6 +275,21 @@ class PythonDataset(Dataset):
 
     def source(self, index: int) -> str:
         return f"#{index}"
+
+
+def _first_difference(a: dict, b: dict) -> str | None:
+    """The first field (name order) whose value differs between two builds of a sample, or None."""
+    if a.keys() != b.keys():
+        return sorted(a.keys() ^ b.keys())[0]
+    for name in sorted(a):
+        x, y = a[name], b[name]
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            x, y = np.asarray(x), np.asarray(y)
+            if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+                return name
+        elif type(x) is not type(y) or (x != y and repr(x) != repr(y)):  # (NaN == NaN here)
+            return name
+    return None
 
 
 def _source_digest(factory: Any) -> str:

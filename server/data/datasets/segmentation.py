@@ -12,7 +12,8 @@ import numpy as np
 from batchd.errors import SampleError
 
 from ._cache import ArrayFileWriter, cache_path, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, ImageReadError, PackedStrings, pack_strings
+from ._files import DEFAULT_MAX_PIXELS, FileDataset, ImageReadError, PackedStrings, exif_orientation, pack_strings
+from ._orientation import orient_pixels, orient_sample
 from ._fingerprint import file_list_fingerprint, listing_fingerprint, with_settings
 from .base import FieldSpec
 from .storage import Storage, StorageOptions, is_remote, join, local_path, safe_url
@@ -137,6 +138,10 @@ class Segmentation(FileDataset):
                                 colours), an 8-bit grey PNG's values; ``ignore_index`` (VOC: 255)
                                 passes through unchanged
 
+    The frame is the stored pixels (EXIF orientation not applied; a PNG mask has none); with
+    ``apply_exif_orientation`` an image's EXIF orientation turns image and mask together
+    (tests/data/test_exif_frame.py).
+
     ``info``: ``ignore_index`` ("none" if unset). ``classes``: the config's ``classes`` (mask
     value v is ``classes[v]``), or [] . There is no ``label``: ``label(i)`` raises TypeError.
     The folders are listed again every time the server opens the dataset (``build=True``).
@@ -149,10 +154,12 @@ class Segmentation(FileDataset):
     """
 
     kind = "segmentation"
+    upright = False  # decode the stored pixels; decode_sample turns image and mask together if asked
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
         options = getattr(cfg, "storage_options", None) or StorageOptions()
         super().__init__(name, max_pixels=max_pixels, reduced_decode=False, storage_options=options)
+        self.apply_exif_orientation = bool(getattr(cfg, "apply_exif_orientation", False))
         image_root, mask_root = (str(r).rstrip("/") if is_remote(str(r)) else local_path(r) for r in (cfg.images, cfg.masks))
         split = cfg.split_file
         split = None if split is None else (str(split) if is_remote(str(split)) else local_path(split))
@@ -206,6 +213,10 @@ class Segmentation(FileDataset):
     def info(self) -> dict[str, str]:
         return {"ignore_index": "none" if self.ignore_index is None else str(self.ignore_index)}
 
+    @property
+    def decode_settings(self) -> dict[str, str]:
+        return {**super().decode_settings, "exif_orientation": "applied" if self.apply_exif_orientation else "stored"}
+
     def mask_source(self, index: int) -> str:
         """The mask's path relative to the mask folder (a URL without credentials if absolute)."""
         return safe_url(self._mask_paths[self._check(index)])
@@ -219,15 +230,17 @@ class Segmentation(FileDataset):
         return image, self.read_file(index, self.mask_storage, mask_location, self.mask_source(index))
 
     def decode(self, index: int, data, min_size: tuple[int, int] | None = None) -> np.ndarray:
-        """The image alone, uint8 [H, W, 3] RGB at full size, from ``data`` = (image bytes, mask
-        bytes) as ``read_bytes`` returns them (so ``load_image`` works). Raises SampleError."""
-        return super().decode(index, data[0])
+        """The image alone, uint8 [H, W, 3] RGB at full size (turned with apply_exif_orientation),
+        from ``data`` = (image bytes, mask bytes) as ``read_bytes`` returns them (so ``load_image``
+        works). Raises SampleError."""
+        image = super().decode(index, data[0])
+        return orient_pixels(image, exif_orientation(data[0])) if self.apply_exif_orientation else image
 
     def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None) -> dict:
         """``{"image", "mask"}`` from ``data`` = (image bytes, mask bytes); raises SampleError
-        naming the image or the mask file."""
+        naming the image or the mask file (a mask of another size than the stored image)."""
         index = self._check(index)
-        image = self.decode(index, data)
+        image = super().decode(index, data[0])
         mask_data = data[1]
         try:
             mask = decode_mask(mask_data, self.max_pixels)
@@ -236,7 +249,8 @@ class Segmentation(FileDataset):
         if mask.shape != image.shape[:2]:
             raise self.mask_error(index, f"the mask is {mask.shape[1]}x{mask.shape[0]} pixels, its image "
                                          f"{self.source(index)} {image.shape[1]}x{image.shape[0]}")
-        return {"image": image, "mask": mask}
+        sample = {"image": image, "mask": mask}
+        return orient_sample(sample, exif_orientation(data[0])) if self.apply_exif_orientation else sample
 
     def mask_error(self, index: int, reason: str) -> SampleError:
         return SampleError(dataset=self.name, index=index, path=self.mask_source(index), reason=reason)
