@@ -258,7 +258,7 @@ class PageRun:
             self.files[block.argument] = block
             if block.lang == "yaml":
                 self.take_config(block)
-            self.write_file(block.argument)
+            self.write_file(block.argument, serve=False)
         elif block.lang == "yaml":
             self.take_config(block)
         elif block.lang == "python":
@@ -285,11 +285,13 @@ class PageRun:
             raise AssertionError(f"{block.where}: not a valid server config: {e}") from None
         self.config, self.version = raw, self.version + 1
 
-    def write_file(self, name: str) -> None:
+    def write_file(self, name: str, *, serve: bool = True) -> None:
+        """Write a file block; with ``serve``, the servers it names are started first (a script about to run)."""
         block = self.files[name]
         text = block.text.replace("/data/", f"{self.data}/")
         if block.lang != "yaml":
-            self.ensure_servers(text, block)
+            if serve:
+                self.ensure_servers(text, block)
             text = self.local(text)
         (self.folder / name).write_text(text)
 
@@ -299,8 +301,6 @@ class PageRun:
         exec(code, self.namespace)  # noqa: S102  (the documentation's own example)
 
     def run_shell(self, block: Block) -> None:
-        for name in self.files:  # scripts a command may run name addresses too
-            self.write_file(name)
         chunk: list[str] = []
         for line in re.sub(r"\\\n", " ", block.text).splitlines():
             words = shlex.split(line, comments=True)
@@ -324,6 +324,8 @@ class PageRun:
         script = "\n".join(lines)
         if not script.strip():
             return
+        for name in self.files:  # scripts a command may run name addresses too
+            self.write_file(name)
         self.ensure_servers(script, block)
         done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", self.local(script)], cwd=self.folder,
                               env=self.env, capture_output=True, text=True, timeout=240)
