@@ -186,3 +186,11 @@ def test_the_compose_excerpt_is_the_compose_file(page):
             assert shown == actual, f"{where}: {shown!r} vs docker-compose.yml's {actual!r}"
 
     check(excerpt, real, "compose")
+
+
+def test_every_profile_verdict_has_a_section_to_link_to():
+    from batchd.client.profile import VERDICTS
+
+    text = (ROOT / "docs" / "tuning.md").read_text()
+    missing = [v for v in VERDICTS if not re.search(rf"^### {v} \{{#{v}\}}$", text, re.M)]
+    assert not missing, f"docs/tuning.md has no section (anchor) for {missing}"
