@@ -8,7 +8,6 @@ from __future__ import annotations
 import inspect
 import pathlib
 import re
-import tomllib
 
 import pytest
 import yaml
@@ -64,6 +63,7 @@ def test_the_readmes_first_two_commands_run_the_demo_then_the_tests_as_ci_does()
 
 
 def test_every_extra_the_pages_name_exists():
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib reads pyproject.toml")
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     named = set()
     for page in PAGES:
