@@ -394,12 +394,9 @@ def test_the_pages_code_blocks_run(page, doc_data, tmp_path, tmp_path_factory, m
                 run.run(b)
             except AssertionError:
                 raise
-            except BaseException as e:
+            except Exception as e:
                 raise AssertionError(f"{b.where}: {type(e).__name__}: {e}{run.server_logs()}") from e
-            took = time.monotonic() - started
-            print(f"{b.where} {b.lang} {b.marker or 'ran'} {took:.1f} s")
-            if took > 60:
-                print(f"{b.where} took {took:.0f} s")
+            print(f"{b.where} {b.lang}: {b.marker or 'ran'} ({time.monotonic() - started:.1f} s)")
     finally:
         run.close()
         for name in list(sys.modules):  # the pages' own modules (mydata, myaug): fresh per page
