@@ -15,7 +15,7 @@ hedge), table13 (COCO detection with boxes and masks: batchd vs DataLoader, and 
 sample beside a training step; alias: detection), table14 (the cost of per-batch timings; alias:
 timings), table15 (workers sized to demand vs fixed pools; alias: autoscale). Results: ``results.json`` (raw numbers; a run replaces the tables
 it ran and keeps the others), ``results.md`` (tables and PASS/FAIL targets), ``throughput.png`` and
-``latency.png`` (Table 9)
+``latency.png`` (Table 9), and ``fragments/`` (the tables the docs include, bench/fragments.py)
 in ``--out`` (default bench/results; for --quick, /tmp/batchd-bench-quick, so that a smoke run never
 overwrites the real results).
 """
@@ -39,7 +39,7 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 from bench import (chart, data, machine, measure, report, table_batch, table_latency, table_overlap,  # noqa: E402
                    table_profile, table_scale, table_scaleout, table_seeding, table_sharing, table_workers)
 from bench import table_autoscale, table_cache, table_collate, table_detection, table_hedge, table_timings  # noqa: E402
-from bench import noise  # noqa: E402
+from bench import fragments, noise  # noqa: E402
 from bench.settings import Settings  # noqa: E402
 
 MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile, table_scaleout, table_sharing,
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - t0
         r.update(run_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), quick=settings.quick,
                  seconds=seconds, foreign_cpu=(meter.seconds() - n0) / (seconds * (os.cpu_count() or 1)),
-                 guard=noise.GUARD.take())
+                 guard=noise.GUARD.take(), machine=fragments.machine_line(info))
         gc.collect()
         results[m.NAME] = r
         wall[m.NAME] = r["seconds"]
@@ -114,6 +114,9 @@ def main(argv=None) -> int:
     meter.stop()
     wall["total"] = time.perf_counter() - start
     path = report.write(out, report.render(results, MODULES, machine.render(info), wall))
+    folder = fragments.write(out, results, MODULES)  # what the docs include (bench/fragments.py)
+    if out.resolve() == (ROOT / "bench" / "results").resolve():
+        fragments.sync_readme((folder / "headline.md").read_text())
     png = chart.draw(results, out / "throughput.png")
     latency_png = chart.draw_latency(results, out / "latency.png")
     print(f"\nwrote {path}" + (f" and {png}" if png else "") + (f" and {latency_png}" if latency_png else "")

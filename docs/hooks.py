@@ -4,7 +4,8 @@ The API pages are generated from the docstrings by mkdocstrings, which reads the
 statically (griffe) and so needs the package as it imports: ``batchd/`` with ``client/``,
 ``server/`` and ``v1/`` inside it. The repository keeps those at the top level (``client/``,
 ``server/``, ``proto/batchd/v1/``; pyproject.toml's package-dir maps them), so before each build
-this hook lays out ``build/api-src/batchd/`` as symbolic links to the real files.
+this hook lays out ``build/api-src/batchd/`` as symbolic links to the real files. It also
+serves the charts of bench/results/ beside the pages (``on_files``).
 """
 
 from __future__ import annotations
@@ -34,3 +35,12 @@ def lay_out_sources() -> pathlib.Path:
 
 def on_startup(command: str, dirty: bool) -> None:  # noqa: ARG001 (the MkDocs hook signature)
     lay_out_sources()
+
+
+def on_files(files, config):  # noqa: ANN001 (the MkDocs hook signature)
+    """The charts bench/ draws (bench/results/*.png), served as bench/<name>.png beside the pages."""
+    from mkdocs.structure.files import File
+
+    for png in sorted((ROOT / "bench" / "results").glob("*.png")):
+        files.append(File.generated(config, f"bench/{png.name}", abs_src_path=str(png)))
+    return files
