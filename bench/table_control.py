@@ -24,7 +24,7 @@ cache) is timed the same way in this process: its main process's CPU per batch. 
 between repeats; medians.
 
 B. Counts per batch in the same windows, from the server's ``Stats`` before and after (outside
-the window): scheduler rounds, dispatches, wake-ups and selector waits
+the window): scheduler rounds, selector waits and timeouts, wake-ups and tasks sent
 (``PoolStats.scheduler_*``), and, where the server counts them, control RPCs and stream control
 messages (``StatsTotals`` fields about RPCs, releases, describes and control messages); "n/a" where
 the server does not export a count. A regression shows as a number here before it shows as a time.
@@ -67,7 +67,7 @@ CACHE_BYTES = "640MiB"  # every photo's Resize(224, 224) output (3000 x 147 KiB)
 TARGET_MS = 1.0
 # PoolStats fields (this table's counts per batch), and the words that mark StatsTotals fields as
 # counts of control work (RPCs, lease releases, describes, stream control messages)
-POOL_COUNTS = ("scheduler_rounds", "scheduler_dispatches", "scheduler_wakeups", "scheduler_waits")
+POOL_COUNTS = ("scheduler_rounds", "scheduler_waits", "scheduler_timeouts", "scheduler_wakeups", "scheduler_dispatches")
 CONTROL_WORDS = ("rpc", "release", "describe", "control", "message", "grant")
 
 

@@ -32,8 +32,8 @@ that can end that wait; the others are noted, not signalled, and a wake-up alrea
 the next. A reason that came while the round ran and matches what it ended on runs another round
 at once. So in steady state a batch costs the round of its worker's answer and at most one more
 (its stream taking it, or its slot coming back, when that was what the dispatch waited for):
-``counts`` (``SchedulerCounts``: rounds, selector waits, wake-ups written, dispatch passes, tasks
-sent) shows it per batch, in Stats and on /metrics.
+``counts`` (``SchedulerCounts``: rounds, selector waits and timeouts, wake-ups written, tasks sent)
+shows it per batch, in Stats and on /metrics.
 
 Worker liveness comes from the same sentinels: a death is handled in the round its sentinel fires,
 before that round dispatches, so no process is polled per task. Task expiry is checked at most
@@ -94,18 +94,21 @@ class SchedulerCounts:
     """What the scheduler did since the pool started (``PoolStats.scheduler_*``): written by its
     thread (``wakeups`` by the waking threads, under the pool's wake lock), read by stats from any.
 
-    rounds: rounds run (after an event, a timeout, or at once when something they waited for
-    changed meanwhile). waits: times the loop waited on its selector. wakeups: wake-ups written
-    to the wake pipe by other threads (a wake that cannot end the loop's wait is not written).
-    passes: dispatch passes (a round that could send a task tries; one that could not, skips).
-    dispatches: tasks sent to workers.
+    rounds: rounds run (after an event, a timeout, or at once when a wake reason that mattered came
+    in during the previous round). waits: times the loop blocked on its selector (a round run at
+    once polls it without waiting). timeouts: waits that ended with nothing ready (an idle pool:
+    about 1 / ``_POLL_S`` per second). wakeups: wake-ups written to the wake pipe by other threads
+    (a wake that cannot end the loop's wait is only noted). dispatches: tasks sent to workers.
+    late: tasks sent in a round that began on a timeout: something changed that no event or wake
+    signalled (a lost wake-up costs up to ``_POLL_S``); 0 in steady state (tests; not exported).
     """
 
     rounds: int = 0
     waits: int = 0
+    timeouts: int = 0
     wakeups: int = 0
-    passes: int = 0
     dispatches: int = 0
+    late: int = 0
 
 
 def _available(fd: int) -> int:
@@ -393,14 +396,17 @@ class WorkerPool(PoolSizing):
 
     def _loop(self) -> None:
         again = False
+        counts = self.counts
         while not self._closing:
             try:
                 events = self._selector.select(0 if again else _POLL_S)
             except OSError:
                 continue
-            self.counts.waits += 1
+            if not again:
+                counts.waits += 1
+                counts.timeouts += not events
             try:
-                again = self._round(events)
+                again = self._round(events, timed_out=not events and not again)
             except Exception as e:  # a scheduler bug or an OS error must not leave streams hanging
                 again = False
                 log.exception("scheduler round failed; failing the open streams")
@@ -411,10 +417,11 @@ class WorkerPool(PoolSizing):
         if self._closing:
             self._selector.close()
 
-    def _round(self, events) -> bool:
+    def _round(self, events, timed_out: bool = False) -> bool:
         """Handle the events, then dispatch. True if a wake reason that matters for what the dispatch
         ended on came in meanwhile (run another round now)."""
         self.counts.rounds += 1
+        sent = self.counts.dispatches
         woken = any(key.data[0] == _WAKE for key, _ in events)
         with self._wake_lock:
             self._waiting_for = 0  # wakes during the round are noted (_changed) and checked at its end
@@ -438,6 +445,8 @@ class WorkerPool(PoolSizing):
             self._next_expire = now + _EXPIRE_EVERY_S
             self._expire(now)
         waits_for = self._dispatch()
+        if timed_out and self.counts.dispatches > sent:
+            self.counts.late += self.counts.dispatches - sent
         if self._retired or any(w.retiring for w in self._workers.values()):
             self._retire_idle()
         self._autoscale()
@@ -530,7 +539,6 @@ class WorkerPool(PoolSizing):
         with self._dispatch_lock:
             if self._dispatch_stopped:
                 return 0
-            self.counts.passes += 1
             return self._dispatch_locked()
 
     def _dispatch_locked(self) -> int:

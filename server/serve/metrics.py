@@ -175,11 +175,11 @@ def _scheduler_counters(p: "stats.PoolStats"):
     return (
         ("batchd_scheduler_rounds", "Rounds the worker pool's scheduler ran (in steady state at most 2 per batch).",
          p.scheduler_rounds),
-        ("batchd_scheduler_waits", "Times the scheduler waited on its selector.", p.scheduler_waits),
+        ("batchd_scheduler_waits", "Times the scheduler blocked on its selector.", p.scheduler_waits),
+        ("batchd_scheduler_timeouts", "Scheduler waits that ended with nothing to do (about 2 a second when idle).",
+         p.scheduler_timeouts),
         ("batchd_scheduler_wakeups", "Wake-ups other threads wrote to the scheduler (those that could let it "
          "dispatch).", p.scheduler_wakeups),
-        ("batchd_scheduler_dispatch_passes", "Scheduler rounds that tried to send tasks to workers.",
-         p.scheduler_passes),
         ("batchd_scheduler_tasks_sent", "Tasks (batches to build) the scheduler sent to workers.",
          p.scheduler_dispatches),
     )

@@ -199,8 +199,8 @@ class PoolStats:
     # the scheduler's own work since start (server/compute/pool.py SchedulerCounts)
     scheduler_rounds: int = 0
     scheduler_waits: int = 0
+    scheduler_timeouts: int = 0
     scheduler_wakeups: int = 0
-    scheduler_passes: int = 0
     scheduler_dispatches: int = 0
 
 
@@ -349,8 +349,8 @@ def snapshot(loader: "Loader") -> ServerStats:
         worker_stats=tuple(WorkerStats(**w) for w in pool.workers(now)),
         scheduler_rounds=pool.counts.rounds,
         scheduler_waits=pool.counts.waits,
+        scheduler_timeouts=pool.counts.timeouts,
         scheduler_wakeups=pool.counts.wakeups,
-        scheduler_passes=pool.counts.passes,
         scheduler_dispatches=pool.counts.dispatches,
     )
     totals = Totals(
