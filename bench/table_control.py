@@ -23,11 +23,14 @@ itself costs, not reading the pixels, which costs the same whoever delivered the
 cache) is timed the same way in this process: its main process's CPU per batch. Cases rotate
 between repeats; medians.
 
-B. Counts per batch in the same windows, from the server's ``Stats`` before and after (outside
-the window): scheduler rounds, selector waits and timeouts, wake-ups and tasks sent
-(``PoolStats.scheduler_*``), and, where the server counts them, control RPCs and stream control
-messages (``StatsTotals`` fields about RPCs, releases, describes and control messages); "n/a" where
-the server does not export a count. A regression shows as a number here before it shows as a time.
+B. Counts per batch. From the server's ``Stats`` before and after each window of A (outside it):
+scheduler rounds, selector waits and timeouts, wake-ups and tasks sent (``PoolStats.scheduler_*``),
+and, where the server counts them, control RPCs and stream control messages (``StatsTotals``
+fields about RPCs, releases, describes and control messages); "n/a" where the server does not
+export a count. From the trainer, in one more window per case after A's (its channels are then
+wrapped by a counting interceptor, which costs the trainer CPU of its own, so A's windows have
+none): the gRPC calls it made per batch, by method, and the messages it sent on streaming calls
+(grants, releases, progress). A regression shows as a number here before it shows as a time.
 
 C. Same work: images/s of batchd (shared memory) against DataLoader doing the same work (decode
 + L3 on the photo set, batch 64, 2 workers, no cache on either side), medians of ``repeats``
@@ -40,6 +43,7 @@ same-work images/s >= 1.0x DataLoader.
 
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
 import sys
@@ -71,6 +75,60 @@ POOL_COUNTS = ("scheduler_rounds", "scheduler_waits", "scheduler_timeouts", "sch
 CONTROL_WORDS = ("rpc", "release", "describe", "control", "message", "grant")
 
 
+class _Calls:
+    """Counts this process's gRPC calls by method and the messages it sends on streaming calls, on the
+    channels made while ``on`` (``grpc.insecure_channel`` and ``grpc.secure_channel`` wrapped by an
+    interceptor: whatever client code makes them)."""
+
+    def __init__(self):
+        import grpc
+
+        self.on = False
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.sent: collections.Counter[str] = collections.Counter()
+        counter = self
+
+        class Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                          grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+            def intercept_unary_unary(self, continuation, details, request):
+                counter.calls[details.method] += 1
+                return continuation(details, request)
+
+            def intercept_unary_stream(self, continuation, details, request):
+                counter.calls[details.method] += 1
+                return continuation(details, request)
+
+            def intercept_stream_unary(self, continuation, details, requests):
+                counter.calls[details.method] += 1
+                return continuation(details, counter._count(details.method, requests))
+
+            def intercept_stream_stream(self, continuation, details, requests):
+                counter.calls[details.method] += 1
+                return continuation(details, counter._count(details.method, requests))
+
+        interceptor = Interceptor()
+        insecure, secure = grpc.insecure_channel, grpc.secure_channel
+
+        def wrap(make):
+            def made(*args, **kwargs):
+                channel = make(*args, **kwargs)
+                return grpc.intercept_channel(channel, interceptor) if self.on else channel
+            return made
+
+        grpc.insecure_channel, grpc.secure_channel = wrap(insecure), wrap(secure)
+
+    def _count(self, method: str, requests):
+        for message in requests:
+            self.sent[method] += 1
+            yield message
+
+    def take(self) -> tuple[dict, dict]:
+        calls, sent = dict(self.calls), dict(self.sent)
+        self.calls.clear()
+        self.sent.clear()
+        return calls, sent
+
+
 def r224() -> dict:
     import albumentations as A
 
@@ -86,7 +144,9 @@ def run(s, log=print) -> dict:
     torch_ds = PhotoDataset("photos", cfg, data.LOCAL_CACHE, presets)
     dl, plan = make_loader(torch_ds, WORKERS)
     control: dict[str, list[dict]] = {}
+    calls: dict[str, dict] = {}
     same: dict[str, list[float]] = {}
+    counter = _Calls()
     try:
         srv = ServerProcess(datasets=common.server_datasets(photos=cfg), pipelines=presets, workers=WORKERS,
                             cache_dir=data.CACHE, extra={"cache": {"memory_bytes": CACHE_BYTES}}).start()
@@ -109,6 +169,15 @@ def run(s, log=print) -> dict:
                             r = _batchd(srv, bs, "shm" if case == "batchd_shm" else "inline", timed[bs], seed)
                         control.setdefault(f"{case}|{bs}", []).append(r)
                 log(f"  {NAME}: control path, repeat {rep + 1}/{s.repeats} done")
+            counter.on = True  # the trainer's calls, counted (channels made from now on)
+            try:
+                for bs in BATCHES:
+                    for case in ("batchd_shm", "batchd_tcp"):
+                        r = _batchd(srv, bs, "shm" if case == "batchd_shm" else "inline", timed[bs], 999,
+                                    counter=counter)
+                        calls[f"{case}|{bs}"] = r["calls"]
+            finally:
+                counter.on = False
         finally:
             srv.stop()
         srv = ServerProcess(datasets=common.server_datasets(photos=cfg), pipelines=presets, workers=WORKERS,
@@ -129,7 +198,8 @@ def run(s, log=print) -> dict:
             srv.stop()
     finally:
         del dl
-    return {"control": control, "same": same, "timed": timed, "repeats": s.repeats, "cpus": os.cpu_count()}
+    return {"control": control, "calls": calls, "same": same, "timed": timed, "repeats": s.repeats,
+            "cpus": os.cpu_count()}
 
 
 def _endless(loader):
@@ -141,7 +211,7 @@ def _endless(loader):
         epoch += 1
 
 
-def _batchd(srv: ServerProcess, bs: int, transport: str, timed: int, seed: int) -> dict:
+def _batchd(srv: ServerProcess, bs: int, transport: str, timed: int, seed: int, counter: _Calls | None = None) -> dict:
     from batchd.client.stats import get_stats
 
     try:
@@ -151,16 +221,21 @@ def _batchd(srv: ServerProcess, bs: int, transport: str, timed: int, seed: int) 
             for _ in range(2 * WORKERS):  # the stream is open and the workers busy
                 next(it)
             before = get_stats(srv.address)
+            if counter is not None:
+                counter.take()
             s0, c0, t0 = cpu_seconds(srv.pid), time.process_time(), time.perf_counter()
             for _ in range(timed):
                 next(it)
             t1, c1, s1 = time.perf_counter(), time.process_time(), cpu_seconds(srv.pid)
+            calls, sent = counter.take() if counter is not None else ({}, {})
             after = get_stats(srv.address)
             it.close()
     finally:
         srv.wait_idle()
     return {"server_s": (s1 - s0) / timed, "trainer_s": (c1 - c0) / timed, "rate": timed * bs / (t1 - t0),
-            "counts": _counts(before, after, timed)}
+            "counts": _counts(before, after, timed),
+            "calls": {**{f"calls {m.rsplit('/', 1)[-1]}": n / timed for m, n in calls.items()},
+                      **{f"sent on {m.rsplit('/', 1)[-1]}": n / timed for m, n in sent.items()}}}
 
 
 def _counts(before, after, batches: int) -> dict[str, float | None]:
@@ -260,8 +335,15 @@ def render(r: dict) -> str:
                     values = [v for v in values if v is not None]
                     cells.append(f"{median(values):.2f}" if values else "n/a")
                 rows.append([bs, LABELS[case], *cells])
-        out += ("\n\n**Counts per batch** (the server's Stats before and after each timed window; n/a: this server "
+        out += ("\n\n**Counts per batch, server** (its Stats before and after each timed window; n/a: this server "
                 "does not count it)\n\n" + md_table(head, rows))
+    names = sorted({n for c in r.get("calls", {}).values() for n in c})
+    if names:
+        rows = [[key.split("|")[1], LABELS[key.split("|")[0]], *(f"{c.get(n, 0):.2f}" for n in names)]
+                for key, c in r["calls"].items()]
+        out += ("\n\n**Counts per batch, trainer** (gRPC calls it made by method, and messages it sent on "
+                "streaming calls; one window per case, its channels wrapped by a counting interceptor)\n\n"
+                + md_table(["batch", "loader", *names], rows))
     if r["same"]:
         m = {k: median(v) for k, v in r["same"].items()}
         out += ("\n\n**Same work** (decode + L3, batch 64, 2 workers, no cache; images/s, median of "
