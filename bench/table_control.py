@@ -198,7 +198,8 @@ def run(s, log=print) -> dict:
             srv.stop()
     finally:
         del dl
-    return {"control": control, "calls": calls, "same": same, "timed": timed, "repeats": s.repeats,
+    return {"control": control, "calls": calls, "same": same, "timed": {str(k): v for k, v in timed.items()},
+            "repeats": s.repeats,
             "cpus": os.cpu_count()}
 
 
@@ -312,7 +313,7 @@ def render(r: dict) -> str:
             rows.append([bs, LABELS[case], _ms(_med(runs, "server_s")), _ms(trainer),
                          fx(trainer / dl) if dl and case != "dataloader" else "", f"{_med(runs, 'rate') / bs:.0f}"])
     out = md_table(head, rows) + (
-        f"\n\nCPU per batch over {r['timed'][64]} batches of 64 and {r['timed'][256]} of 256 (epoch boundaries "
+        f"\n\nCPU per batch over {r['timed']['64']} batches of 64 and {r['timed']['256']} of 256 (epoch boundaries "
         f"included: a new stream per epoch), median of {r['repeats']} rotated repeats; the batches are not read "
         f"(no page touched), so this is what the loader costs besides the pixels. Server: the R224 pipeline "
         f"from a warm decoded-sample cache. DataLoader: the same decode and R224 in its workers (no cache); its row "
