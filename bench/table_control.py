@@ -71,7 +71,8 @@ CACHE_BYTES = "640MiB"  # every photo's Resize(224, 224) output (3000 x 147 KiB)
 TARGET_MS = 1.0
 # PoolStats fields (this table's counts per batch), and the words that mark StatsTotals fields as
 # counts of control work (RPCs, lease releases, describes, stream control messages)
-POOL_COUNTS = ("scheduler_rounds", "scheduler_waits", "scheduler_timeouts", "scheduler_wakeups", "scheduler_dispatches")
+POOL_COUNTS = ("scheduler_rounds", "scheduler_waits", "scheduler_timeouts", "scheduler_wakeups", "scheduler_passes",
+               "scheduler_dispatches")
 CONTROL_WORDS = ("rpc", "release", "describe", "control", "message", "grant")
 
 

@@ -30,7 +30,8 @@ was freed), or ``WAKE_ANY``. Each dispatch ends on what it lacked: a worker that
 stream that wants work, or a free slot. Until the next round the loop is woken only by a reason
 that can end that wait; the others are noted, not signalled, and a wake-up already pending absorbs
 the next. A reason that came while the round ran and matches what it ended on runs another round
-at once. So in steady state a batch costs the round of its worker's answer and at most one more
+at once. A round that only received built batches, after a dispatch that ended on a stream or a
+slot with no wake for it since, skips the dispatch (a built batch frees a worker, not that). So in steady state a batch costs the round of its worker's answer and at most one more
 (its stream taking it, or its slot coming back, when that was what the dispatch waited for):
 ``counts`` (``SchedulerCounts``: rounds, selector waits and timeouts, wake-ups written, tasks sent)
 shows it per batch, in Stats and on /metrics.
@@ -98,8 +99,8 @@ class SchedulerCounts:
     in during the previous round). waits: times the loop blocked on its selector (a round run at
     once polls it without waiting). timeouts: waits that ended with nothing ready (an idle pool:
     about 1 / ``_POLL_S`` per second). wakeups: wake-ups written to the wake pipe by other threads
-    (a wake that cannot end the loop's wait is only noted). dispatches: tasks sent to workers.
-    late: tasks sent in a round that began on a timeout: something changed that no event or wake
+    (a wake that cannot end the loop's wait is only noted). passes: dispatch passes (a round whose
+    events cannot have let a task be sent skips it). dispatches: tasks sent to workers. late: tasks sent in a round that began on a timeout: something changed that no event or wake
     signalled (a lost wake-up costs up to ``_POLL_S``); 0 in steady state (tests; not exported).
     """
 
@@ -107,6 +108,7 @@ class SchedulerCounts:
     waits: int = 0
     timeouts: int = 0
     wakeups: int = 0
+    passes: int = 0
     dispatches: int = 0
     late: int = 0
 
@@ -184,6 +186,8 @@ class WorkerPool(PoolSizing):
         self._waiting_for = WAKE_ANY  # the wake reasons that can end the loop's wait now
         self._changed = 0  # wake reasons seen since the current round began
         self._wake_pending = False  # a byte is in the wake pipe, not read yet
+        self._blocked = WAKE_ANY  # what the last dispatch pass ended on (WAKE_ANY: none yet)
+        self._plain = False  # this round's events so far cannot have let a task be sent (batches built)
         self.counts = SchedulerCounts()
         self._next_expire = 0.0
         self._closing = False
@@ -353,6 +357,7 @@ class WorkerPool(PoolSizing):
 
     def _on_death(self, w: WorkerHandle) -> None:
         """Its sentinel fired: reap it, then free its slots, rebuild its tasks, start a replacement."""
+        self._plain = False
         self._receive(w, readable=False)  # batches it finished before dying still count
         w.process.join(_JOIN_S)  # reap first: only then can no write of it reach a slot
         if w.process.exitcode is None:  # not reaped (cannot happen once the sentinel fired): keep its slots
@@ -424,12 +429,14 @@ class WorkerPool(PoolSizing):
         sent = self.counts.dispatches
         woken = any(key.data[0] == _WAKE for key, _ in events)
         with self._wake_lock:
+            changed = self._changed  # the reasons noted since the last round ended
             self._waiting_for = 0  # wakes during the round are noted (_changed) and checked at its end
             self._changed = 0
             if woken:
                 self._wake_pending = False
         if woken:
             os.read(self._wake_r, 4096)
+        self._plain = not timed_out
         dead = []
         for key, _ in events:
             kind, w = key.data
@@ -444,7 +451,14 @@ class WorkerPool(PoolSizing):
         if now >= self._next_expire:
             self._next_expire = now + _EXPIRE_EVERY_S
             self._expire(now)
-        waits_for = self._dispatch()
+        if self._plain and self._blocked in (WAKE_STREAM, WAKE_SLOT):
+            with self._wake_lock:
+                changed |= self._changed
+            skip = not changed & (self._blocked | _ALWAYS)  # still no stream that wants work, or no slot
+        else:
+            skip = False
+        waits_for = self._blocked if skip else self._dispatch()
+        self._blocked = waits_for
         if timed_out and self.counts.dispatches > sent:
             self.counts.late += self.counts.dispatches - sent
         if self._retired or any(w.retiring for w in self._workers.values()):
@@ -466,6 +480,8 @@ class WorkerPool(PoolSizing):
             self._unwatch(w, sentinel=False)
 
     def _handle(self, w: WorkerHandle, msg) -> None:
+        if not isinstance(msg, BatchDone):  # (a built batch frees a worker, never a stream's place or a slot)
+            self._plain = False
         if isinstance(msg, Ready):
             w.became_ready()
             return
@@ -539,6 +555,7 @@ class WorkerPool(PoolSizing):
         with self._dispatch_lock:
             if self._dispatch_stopped:
                 return 0
+            self.counts.passes += 1
             return self._dispatch_locked()
 
     def _dispatch_locked(self) -> int:

@@ -31,7 +31,7 @@ _SCALE_EVERY_S = 0.25  # how often the autoscaler is asked
 class PoolSizing:
     """Mixed into ``WorkerPool``: needs its ``_workers``, ``_retired``, ``_gone``, ``autoscaler``,
     ``_demand``, ``scaling``, ``_scaled_at``, ``max_workers``, ``board``, ``_closing``,
-    ``_start_worker`` and ``_unwatch``."""
+    ``_start_worker``, ``_unwatch`` and ``wake``."""
 
     def busy_ratio(self, now: float | None = None) -> float:
         """Fraction of the workers' time with a batch to build, moving over about 10 s: 0..1."""
@@ -98,6 +98,7 @@ class PoolSizing:
         if retiring:
             w = min(retiring, key=lambda w: w.worker_id)
             w.retiring = False
+            self.wake()  # it takes tasks again: the next round dispatches
             log.info("workers: keeping worker %d, which was retiring (%s): %s", w.worker_id, decision.reason,
                      decision.why)
             return True

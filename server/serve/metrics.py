@@ -180,6 +180,8 @@ def _scheduler_counters(p: "stats.PoolStats"):
          p.scheduler_timeouts),
         ("batchd_scheduler_wakeups", "Wake-ups other threads wrote to the scheduler (those that could let it "
          "dispatch).", p.scheduler_wakeups),
+        ("batchd_scheduler_dispatch_passes", "Scheduler rounds that tried to send tasks (the others only received "
+         "built batches while no stream or slot was free).", p.scheduler_passes),
         ("batchd_scheduler_tasks_sent", "Tasks (batches to build) the scheduler sent to workers.",
          p.scheduler_dispatches),
     )

@@ -202,6 +202,7 @@ class PoolStats:
     scheduler_timeouts: int = 0
     scheduler_wakeups: int = 0
     scheduler_dispatches: int = 0
+    scheduler_passes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +353,7 @@ def snapshot(loader: "Loader") -> ServerStats:
         scheduler_timeouts=pool.counts.timeouts,
         scheduler_wakeups=pool.counts.wakeups,
         scheduler_dispatches=pool.counts.dispatches,
+        scheduler_passes=pool.counts.passes,
     )
     totals = Totals(
         streams_started=counters.get("streams_started", 0),

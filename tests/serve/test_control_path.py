@@ -47,10 +47,10 @@ def test_a_batch_costs_at_most_two_scheduler_rounds(make_server, fmnist_root, tr
     batches = delta("scheduler_dispatches")
     rounds, timeouts, wakeups = delta("scheduler_rounds"), delta("scheduler_timeouts"), delta("scheduler_wakeups")
     counts = {"batches": batches, "rounds": rounds, "timeouts": timeouts, "wakeups": wakeups,
-              "waits": delta("scheduler_waits"), "late": late}
+              "waits": delta("scheduler_waits"), "passes": delta("scheduler_passes"), "late": late}
     assert batches >= BATCHES // 2, counts  # the window saw steady work
     # the window's edges: up to PREFETCH batches were in flight when it began, and as many when it ended
     assert rounds - timeouts <= K * batches + PREFETCH, counts
     assert wakeups <= batches + PREFETCH, counts  # the stream's and the slots' wakes: at most one written
-    assert counts["waits"] <= rounds, counts
+    assert counts["waits"] <= rounds and counts["passes"] <= rounds, counts
     assert late == 0, counts  # every dispatch followed the event that allowed it, none a timeout
