@@ -198,7 +198,7 @@ def run(s, log=print) -> dict:
         finally:
             srv.stop()
     finally:
-        del dl
+        dl = None  # its persistent workers stop
     return {"control": control, "calls": calls, "same": same, "timed": {str(k): v for k, v in timed.items()},
             "repeats": s.repeats,
             "cpus": os.cpu_count()}
@@ -353,7 +353,8 @@ def render(r: dict) -> str:
         out += ("\n\n**Same work** (decode + L3, batch 64, 2 workers, no cache; images/s, median of "
                 f"{len(r['same']['dataloader'])} alternated rounds)\n\n"
                 + md_table(["batchd shm", "DataLoader", "batchd / DataLoader"],
-                           [[f"{m['batchd_shm']:.0f}", f"{m['dataloader']:.0f}", fx(m["batchd_shm"] / m["dataloader"])]]))
+                           [[f"{m['batchd_shm']:.0f}", f"{m['dataloader']:.0f}",
+                             fx(m["batchd_shm"] / m["dataloader"])]]))
     return out
 
 

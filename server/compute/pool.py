@@ -31,10 +31,11 @@ stream that wants work, or a free slot. Until the next round the loop is woken o
 that can end that wait; the others are noted, not signalled, and a wake-up already pending absorbs
 the next. A reason that came while the round ran and matches what it ended on runs another round
 at once. A round that only received built batches, after a dispatch that ended on a stream or a
-slot with no wake for it since, skips the dispatch (a built batch frees a worker, not that). So in steady state a batch costs the round of its worker's answer and at most one more
-(its stream taking it, or its slot coming back, when that was what the dispatch waited for):
-``counts`` (``SchedulerCounts``: rounds, selector waits and timeouts, wake-ups written, tasks sent)
-shows it per batch, in Stats and on /metrics.
+slot with no wake for it since, skips the dispatch (a built batch frees a worker, not that). So in
+steady state a batch costs the round of its worker's answer and at most one more (its stream
+taking it, or its slot coming back, when that was what the dispatch waited for): ``counts``
+(``SchedulerCounts``: rounds, selector waits and timeouts, wake-ups written, dispatch passes,
+tasks sent) shows it per batch, in Stats and on /metrics.
 
 Worker liveness comes from the same sentinels: a death is handled in the round its sentinel fires,
 before that round dispatches, so no process is polled per task. Task expiry is checked at most
@@ -100,8 +101,9 @@ class SchedulerCounts:
     once polls it without waiting). timeouts: waits that ended with nothing ready (an idle pool:
     about 1 / ``_POLL_S`` per second). wakeups: wake-ups written to the wake pipe by other threads
     (a wake that cannot end the loop's wait is only noted). passes: dispatch passes (a round whose
-    events cannot have let a task be sent skips it). dispatches: tasks sent to workers. late: tasks sent in a round that began on a timeout: something changed that no event or wake
-    signalled (a lost wake-up costs up to ``_POLL_S``); 0 in steady state (tests; not exported).
+    events cannot have let a task be sent skips it). dispatches: tasks sent to workers. late: tasks
+    sent in a round that began on a timeout: something changed that no event or wake signalled (a
+    lost wake-up costs up to ``_POLL_S``); 0 in steady state (tests; not exported).
     """
 
     rounds: int = 0
@@ -178,16 +180,17 @@ class WorkerPool(PoolSizing):
         self._in_flight: dict[int, InFlight] = {}
         self._task_ids = iter(range(1, 1 << 62))
         self._random_keys: weakref.WeakKeyDictionary[Computation, np.ndarray] = weakref.WeakKeyDictionary()
+        # the wake-up pipe, and the selector the loop waits on (epoll on Linux): one for its lifetime
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._selector = selectors.DefaultSelector()  # the loop's, for its lifetime
+        self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, (_WAKE, None))
         self._wake_lock = threading.Lock()  # guards the three below, and counts.wakeups
         self._waiting_for = WAKE_ANY  # the wake reasons that can end the loop's wait now
         self._changed = 0  # wake reasons seen since the current round began
         self._wake_pending = False  # a byte is in the wake pipe, not read yet
         self._blocked = WAKE_ANY  # what the last dispatch pass ended on (WAKE_ANY: none yet)
-        self._plain = False  # this round's events so far cannot have let a task be sent (batches built)
+        self._plain = False  # this round's events so far cannot have let a task be sent (built batches only)
         self.counts = SchedulerCounts()
         self._next_expire = 0.0
         self._closing = False
@@ -480,7 +483,7 @@ class WorkerPool(PoolSizing):
             self._unwatch(w, sentinel=False)
 
     def _handle(self, w: WorkerHandle, msg) -> None:
-        if not isinstance(msg, BatchDone):  # (a built batch frees a worker, never a stream's place or a slot)
+        if not isinstance(msg, BatchDone):  # a built batch frees a worker, never a stream's place or a slot
             self._plain = False
         if isinstance(msg, Ready):
             w.became_ready()
@@ -501,7 +504,7 @@ class WorkerPool(PoolSizing):
             timings = {**msg.timings, "queued": max(0.0, started - job.started) if started else 0.0,
                        "worker": msg.worker_id}
             slot = self.slots.adopt(job.slot, msg.slot_name) if msg.grown else job.slot
-            job.stream.slot_hint = max(t.offset + t.nbytes for t in msg.tensors)  # (nbytes: no numpy call)
+            job.stream.slot_hint = max(t.offset + t.nbytes for t in msg.tensors)  # (no numpy call)
             job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, timings, tuple(i for i, _, _ in msg.skipped),
                                        ready_at=time.monotonic()))
             if msg.skipped:

@@ -188,8 +188,9 @@ import json, os, subprocess, sys, time
 import batchd, grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 report = {"environ": os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), "handlers": batchd._grpc_fork.FORK_HANDLERS}
-report["subprocess"] = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('GRPC_ENABLE_FORK_SUPPORT'))"],
-                                      capture_output=True, text=True, check=True).stdout.strip()
+report["subprocess"] = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.environ.get('GRPC_ENABLE_FORK_SUPPORT'))"],
+    capture_output=True, text=True, check=True).stdout.strip()
 channel = grpc.insecure_channel(sys.argv[1])  # gRPC runs in this process: its threads are up
 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
 read, write = os.pipe()
