@@ -1,4 +1,4 @@
-"""gRPC's own fork handlers, turned off before gRPC is imported: training processes fork.
+"""gRPC's own fork handlers, turned off for this process: training processes fork.
 
 With its fork support on (the grpcio wheels' default), gRPC core installs ``pthread_atfork``
 handlers that restart its threads (event engine, timers, executor) in every child, on a copy of the
@@ -13,14 +13,24 @@ child and waits for gRPC to shut down), left 2 to 4 DataLoaders of 20 waiting fo
 their timeout instead. With the handlers off, a child starts no gRPC thread and never touches the
 parent's sockets: 100 DataLoaders of 100 lived.
 
-So importing batchd sets ``GRPC_ENABLE_FORK_SUPPORT=0`` unless the environment sets it. gRPC reads
-it once, when it is imported, so ``batchd/__init__.py`` imports this module before anything
-imports grpc. The cost: a process forked from one where gRPC runs cannot use gRPC itself (a new
-channel there never connects); ``batchd.client.forks`` says so instead of hanging. A process that
-imported grpc before batchd, or sets ``GRPC_ENABLE_FORK_SUPPORT=1``, keeps gRPC's handlers:
-``FORK_HANDLERS`` is then True and a loader warns once.
+So importing batchd imports grpc with ``GRPC_ENABLE_FORK_SUPPORT=0`` in the environment, unless
+the environment sets the variable, and then puts the environment back as it was: the effect stays
+in this process. gRPC reads the variable while it is imported (grpcio 1.85: its core and its Cython
+layer both; ``tests/client/test_fork.py`` checks that a process whose variable is gone again still
+starts no gRPC thread in a forked child), so ``batchd/__init__.py`` imports this module before
+anything imports grpc, and importing batchd costs grpc's import (about 30 ms) where it did not
+import it before.
 
-The variable is inherited by subprocesses (the server's included), as any environment variable.
+What remains:
+
+* a process forked from this one (no ``exec``: ``DataLoader`` workers, ``multiprocessing``'s fork)
+  inherits the handlers off, which is the point, and so cannot start gRPC itself once this
+  process used it: ``batchd.client.forks`` says so (RuntimeError) instead of hanging;
+* a subprocess that runs a new program (``subprocess``, ``spawn``, ``forkserver``) gets the
+  user's environment, not batchd's setting: if it imports batchd it turns the handlers off itself,
+  if it uses grpc without batchd it gets grpc's default (on);
+* a process that imported grpc before batchd, or sets ``GRPC_ENABLE_FORK_SUPPORT=1``, keeps
+  gRPC's handlers: ``FORK_HANDLERS`` is then True and a loader warns once.
 """
 
 from __future__ import annotations
@@ -32,7 +42,32 @@ ENV = "GRPC_ENABLE_FORK_SUPPORT"
 _OFF = ("0", "false", "f", "no", "n")
 
 _imported_before = "grpc" in sys.modules  # then gRPC has read the variable already
-_value = os.environ.get(ENV) if _imported_before else os.environ.setdefault(ENV, "0")
+_value = os.environ.get(ENV)
+if not _imported_before and _value is None:
+    _value = os.environ[ENV] = "0"
+    try:
+        import grpc  # noqa: F401  (it reads the variable now)
+    except ImportError:  # no grpcio: nothing here uses gRPC
+        pass
+    finally:
+        os.environ.pop(ENV, None)  # the user's environment again, for every subprocess
 
 FORK_HANDLERS: bool = _value is None or _value.strip().lower() not in _OFF
 """Whether gRPC's fork handlers run in this process (gRPC's default when the variable is unset)."""
+
+FORKED_FROM_GRPC: int | None = None
+"""In a process forked (without exec) from one that had gRPC loaded: that process's pid (the
+nearest such ancestor); gRPC may not start here (``batchd.client.forks.grpc_stalled``). None
+elsewhere. Kept here, imported with batchd, so that every fork after ``import batchd`` is seen."""
+
+_pid = os.getpid()
+
+
+def _after_in_child() -> None:
+    global FORKED_FROM_GRPC, _pid
+    if "grpc._cython.cygrpc" in sys.modules:
+        FORKED_FROM_GRPC = _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_in_child)

@@ -193,24 +193,43 @@ def open_channel(address: str, *, connect_timeout: float = 10.0,
     TLS file cannot be read.
     """
     channel = make_channel(address, tls=tls, token=token, max_message_bytes=max_message_bytes)
-    if not wait_for_server(channel, connect_timeout):
+    if not wait_for_server(channel, connect_timeout, address):
         channel.close()
         hint = "; is it a TLS server (tls_ca=...)?" if tls is None else "; check the TLS settings (tls_ca, tls_cert, tls_key)"
         raise ConnectionError(f"no batchd server answered at {address} within {connect_timeout:g} s{hint}") from None
     return channel
 
 
-def wait_for_server(channel: grpc.Channel, timeout: float) -> bool:
+_DEADLINE_GRACE_S = 1.0  # how long past its own deadline a call may take to end before gRPC counts as stalled
+
+
+def wait_for_server(channel: grpc.Channel, timeout: float, address: str = "") -> bool:
     """Whether a server answers on ``channel`` within ``timeout`` seconds (it connects, or
     reconnects, meanwhile).
 
     One health ``Check`` call with ``wait_for_ready``: any answer, even UNIMPLEMENTED or
     UNAUTHENTICATED, is a server. Not ``grpc.channel_ready_future``: its connectivity polling
     thread can deadlock a later ``channel.close()`` (grpc/grpc#20026; seen here in CI).
+
+    The call's own deadline ends it; this thread waits for it no longer than that deadline plus
+    ``_DEADLINE_GRACE_S``. A call that outlives it means gRPC does not run in this process: in a
+    child forked from a process that had loaded gRPC, raises the RuntimeError that says so
+    (``forks.grpc_stalled``; the call and the channel are then held, never touched again, as
+    anything done with them there would hang too); elsewhere the server did not answer (False).
     """
+    timeout = max(0.0, timeout)
+    call = health_pb2_grpc.HealthStub(channel).Check.future(health_pb2.HealthCheckRequest(), timeout=timeout,
+                                                            wait_for_ready=True)
     try:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=max(0.0, timeout),
-                                                  wait_for_ready=True)
+        call.result(timeout=timeout + _DEADLINE_GRACE_S)
+    except grpc.FutureTimeoutError:
+        error = forks.grpc_stalled(f"the server at {address}" if address else "the server", timeout)
+        if error is not None:
+            forks.hold(call)
+            forks.hold(channel)
+            raise error from None
+        call.cancel()
+        return False
     except grpc.RpcError as e:
         return e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
     return True

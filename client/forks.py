@@ -20,6 +20,11 @@ the parent's sockets. gRPC's own fork handlers are off (``batchd._grpc_fork``), 
 * using the parent's loader raises RuntimeError (``check``), and so does opening a channel
   (``check_grpc``) where the parent had opened a channel: gRPC cannot start in such a child (its channel
   never connects), which is the price of the handlers being off.
+* where the parent used gRPC itself, outside batchd (its own channels), ``check_grpc`` cannot know:
+  the connection's first call then never ends, not even at its own deadline (gRPC's timers do not
+  run in the child). ``client/channel.py`` waits for it no longer than that deadline and a grace
+  (``wait_for_server``), and in a child forked from a process that had loaded gRPC raises the
+  RuntimeError of ``grpc_stalled``: the cause, and what to do.
 
 Nothing runs before a fork: the parent's streams go on undisturbed, and pausing them at every
 fork (DataLoader forks its workers each epoch) would buy nothing once a child never enters gRPC.
@@ -100,6 +105,22 @@ def check_grpc(what: str) -> None:
             f"where gRPC runs, and gRPC cannot start in such a child (batchd turns gRPC's fork handlers off, "
             f"GRPC_ENABLE_FORK_SUPPORT=0, so that children live: batchd._grpc_fork). {ADVICE}; or fork before "
             "the parent opens its first channel.")
+
+
+def grpc_stalled(what: str, deadline: float) -> RuntimeError | None:
+    """The error for a gRPC call that its own deadline (``deadline`` seconds) did not end, in a
+    process forked from one that had loaded gRPC: gRPC cannot start there. None in any other
+    process (the caller reports what it would report for a call that timed out)."""
+    parent = _grpc_fork.FORKED_FROM_GRPC
+    if parent is None or _grpc_fork.FORK_HANDLERS:
+        return None
+    return RuntimeError(
+        f"cannot use gRPC in process {os.getpid()} (a call to {what} did not end even at its own deadline, "
+        f"{deadline:g} s): this process was forked from process {parent}, which had loaded gRPC, and a "
+        f"forked child of a gRPC-using process cannot start gRPC (its fork handlers are off: "
+        f"GRPC_ENABLE_FORK_SUPPORT=0, batchd._grpc_fork). Start this process with the 'spawn' or 'forkserver' "
+        f"method instead (multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context='spawn'), "
+        f"and create the loader in it, e.g. in worker_init_fn), or fork before the parent first uses gRPC.")
 
 
 def warn_if_handlers() -> None:

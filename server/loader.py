@@ -27,7 +27,7 @@ from batchd.server.data.datasets import Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
 from batchd.server.serve.leases import LeaseTable
 from batchd.server.compute.autoscale import RPC_WAIT_UP_S, WAIT_UP, Autoscaler, Demand
-from batchd.server.compute.pool import WorkerPool
+from batchd.server.compute.pool import WAKE_SLOT, WorkerPool
 from batchd.server.serve.stats import SENT, stream_outcome
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.serve.stream import Computation, Stream
@@ -307,12 +307,12 @@ class Loader:
 
     def _release_slot(self, slot) -> None:
         self.slots.release(slot)
-        self.pool.wake()
+        self.pool.wake(WAKE_SLOT)
 
     def _wake_pool(self) -> None:
         pool = getattr(self, "pool", None)
         if pool is not None:
-            pool.wake()
+            pool.wake(WAKE_SLOT)  # a lease came back: its slot may be free
 
     def drain(self) -> None:
         """Shutting down: build nothing more. The pool dispatches no task from now on and every

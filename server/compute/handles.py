@@ -61,6 +61,10 @@ class WorkerHandle:
     held_slots: list[Segment] = field(default_factory=list)
     retiring: bool = False
     busy: BusyClock = field(default_factory=BusyClock)
+    fd: int = field(init=False, default=-1)  # the pipe's file descriptor (the pool's selector watches it)
+
+    def __post_init__(self) -> None:
+        self.fd = self.conn.fileno()
 
     def became_ready(self) -> None:
         """It said Ready: it takes tasks from now on, and its busy ratio counts from now."""
@@ -78,8 +82,13 @@ class WorkerHandle:
     def wants_task(self, in_flight: dict[int, InFlight], read_ahead: int) -> bool:
         """True if it should be sent another task: alive as far as the scheduler knows, fewer than
         ``MIN_DEPTH`` tasks, or (up to ``MAX_DEPTH``) fewer than ``read_ahead`` samples queued
-        behind the running task, so that its reader has samples to read ahead."""
-        if self.killed or self.retiring or not self.ready or not self.process.is_alive():
+        behind the running task, so that its reader has samples to read ahead.
+
+        "Alive as far as the scheduler knows": not killed by it, and its sentinel has not fired.
+        The pool's loop waits on every worker's sentinel and handles a death (``_on_death``)
+        before it dispatches in the same round, so no system call is made here: a worker that
+        dies after that is sent a task into its pipe, and its death rebuilds the task."""
+        if self.killed or self.retiring or not self.ready:
             return False
         n = len(self.tasks)
         if n < MIN_DEPTH:

@@ -14,6 +14,7 @@ a worker writes the batch into a shared-memory slot and sends only its layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,7 +138,12 @@ class TensorLayout:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * storage_dtype(self.dtype).itemsize
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+    def __reduce__(self):
+        # a batch's layouts cross the worker pipe once per batch: rebuilt by one constructor call,
+        # not by the dataclass's generic __setstate__ (which lists the fields each time)
+        return (TensorLayout, (self.name, self.dtype, self.shape, self.offset, self.sample_shapes))
 
     @property
     def ragged(self) -> bool:
@@ -154,7 +160,17 @@ def storage_dtype(dtype: str) -> np.dtype:
     return _UINT8 if dtype in ("str", "bytes") else np.dtype(dtype)
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``storage_dtype(dtype)``, looked up once per dtype name (the pool reads
+    every finished batch's size: no numpy call per field and batch)."""
+    size = _ITEMSIZES.get(dtype)
+    if size is None:
+        size = _ITEMSIZES[dtype] = storage_dtype(dtype).itemsize
+    return size
+
+
 _UINT8 = np.dtype(np.uint8)
+_ITEMSIZES: dict[str, int] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +200,22 @@ class Task:
     skip_bad_samples: bool = False
     max_batch_bytes: int = 0
     encoding: str = "decoded"
+
+    def __reduce__(self):
+        # pickled once per batch by the scheduler: the arrays go as their raw bytes (numpy's own
+        # reduction costs a few microseconds per array, each way); the worker gets read-only views
+        return (_task, (self.task_id, self.dataset, self.pipeline_key, self.pipeline_json,
+                        np.ascontiguousarray(self.indices, np.int64).tobytes(),
+                        np.ascontiguousarray(self.random_key, np.uint64).tobytes(),
+                        np.ascontiguousarray(self.positions, np.int64).tobytes(),
+                        self.slot_name, self.slot_capacity, self.skip_bad_samples, self.max_batch_bytes, self.encoding))
+
+
+def _task(task_id, dataset, pipeline_key, pipeline_json, indices: bytes, random_key: bytes, positions: bytes,
+          *rest) -> Task:
+    """A ``Task`` as ``Task.__reduce__`` pickled it."""
+    return Task(task_id, dataset, pipeline_key, pipeline_json, np.frombuffer(indices, np.int64),
+                np.frombuffer(random_key, np.uint64), np.frombuffer(positions, np.int64), *rest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +249,10 @@ class BatchDone:
     tensors: tuple[TensorLayout, ...]
     timings: dict[str, float] = field(default_factory=dict)
     skipped: tuple[tuple[int, str, str], ...] = ()
+
+    def __reduce__(self):  # (as TensorLayout's: once per batch, read by the scheduler)
+        return (BatchDone, (self.task_id, self.worker_id, self.slot_name, self.slot_capacity, self.grown, self.tensors,
+                            self.timings, self.skipped))
 
 
 @dataclass(frozen=True, slots=True)

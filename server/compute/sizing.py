@@ -6,9 +6,13 @@ scheduler thread runs each round to size the pool (config ``workers: {min, max}`
 (``handles.WorkerHandle.busy``, counted from when it is ready) and the pool's cumulative busy and
 alive worker-seconds, from which ``Loader`` derives each stream's ``BatchTimings.workers_busy_ratio``.
 
-Starting: a worker gets the lowest free id below ``max_workers`` (the cache's counter rows and the
-stage board are sized for them) and takes tasks once it says Ready. Retiring: the highest id
-gets no new task, is told to stop once its tasks are done, and is reaped when it has exited.
+Starting: a worker that is retiring but still running its last tasks is kept instead (it is ready,
+its pipelines built); otherwise a new process gets the lowest free id below ``max_workers`` (the
+cache's counter rows and the stage board are sized for them), else the id of a worker that was
+told to stop and has not exited yet, and takes tasks once it says Ready. When no id is left, the
+pool does not grow this time (logged; never an error in the scheduler's round). Retiring: the
+highest id gets no new task, is told to stop once its tasks are done, and is reaped when it has
+exited.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ _SCALE_EVERY_S = 0.25  # how often the autoscaler is asked
 
 class PoolSizing:
     """Mixed into ``WorkerPool``: needs its ``_workers``, ``_retired``, ``_gone``, ``autoscaler``,
-    ``_demand``, ``scaling``, ``_scaled_at``, ``max_workers``, ``board``, ``_closing`` and
-    ``_start_worker``."""
+    ``_demand``, ``scaling``, ``_scaled_at``, ``max_workers``, ``board``, ``_closing``,
+    ``_start_worker``, ``_unwatch`` and ``wake``."""
 
     def busy_ratio(self, now: float | None = None) -> float:
         """Fraction of the workers' time with a batch to build, moving over about 10 s: 0..1."""
@@ -78,23 +82,41 @@ class PoolSizing:
                             alive_seconds=alive, demand=self._demand(), now=now)
         if decision is None:
             return
-        self.scaling[(decision.direction, decision.reason)] += 1
         if decision.direction == "up":
-            running = set(self._workers)
-            free = set(range(self.max_workers)) - running - {w.worker_id for w in self._retired}
-            worker_id = min(free or set(range(self.max_workers)) - running)  # ids of stopping workers last
-            self._workers[worker_id] = self._start_worker(worker_id)
-            log.info("workers: starting worker %d (%s): %s", worker_id, decision.reason, decision.why)
+            if not self._grow(decision):
+                return
         else:
             w = max(active, key=lambda w: w.worker_id)
             w.retiring = True
             log.info("workers: retiring worker %d (%s): %s", w.worker_id, decision.reason, decision.why)
+        self.scaling[(decision.direction, decision.reason)] += 1
+
+    def _grow(self, decision) -> bool:
+        """One more active worker: a retiring one kept (the lowest id; it still runs), else a new
+        process (``new_worker_id``). False, logged, when every id is taken."""
+        retiring = [w for w in self._workers.values() if w.retiring and not w.killed]
+        if retiring:
+            w = min(retiring, key=lambda w: w.worker_id)
+            w.retiring = False
+            self.wake()  # it takes tasks again: the next round dispatches
+            log.info("workers: keeping worker %d, which was retiring (%s): %s", w.worker_id, decision.reason,
+                     decision.why)
+            return True
+        worker_id = new_worker_id(self.max_workers, set(self._workers), {w.worker_id for w in self._retired})
+        if worker_id is None:
+            log.warning("workers: not starting a worker (%s): all %d ids are in use (%s)", decision.reason,
+                        self.max_workers, decision.why)
+            return False
+        self._workers[worker_id] = self._start_worker(worker_id)
+        log.info("workers: starting worker %d (%s): %s", worker_id, decision.reason, decision.why)
+        return True
 
     def _retire_idle(self) -> None:
         """Tell each retiring worker whose tasks are done to stop; reap those that have stopped."""
         for w in [w for w in self._workers.values() if w.retiring and not w.tasks]:
             del self._workers[w.worker_id]
             self._forget_worker(w)
+            self._unwatch(w)  # its pipe's EOF would end every wait of the loop; it is reaped below
             try:
                 w.conn.send(Shutdown())
             except (OSError, ValueError):
@@ -107,3 +129,11 @@ class PoolSizing:
                 self._retired.remove(w)
                 log.info("workers: worker %d (pid %d) stopped; %d running", w.worker_id, w.process.pid,
                          len(self._workers))
+
+
+def new_worker_id(max_workers: int, running: set[int], stopping: set[int]) -> int | None:
+    """The id for a new worker process: the lowest id below ``max_workers`` that no worker has, else
+    the lowest of ``stopping`` (workers told to stop, not yet reaped) that no running worker has;
+    None if every id is taken."""
+    free = set(range(max_workers)) - running
+    return min(free - stopping, default=None) if free - stopping else min(free, default=None)

@@ -149,6 +149,8 @@ class StatsCollector(Collector):
         for direction, reason in (("up", "clients_waiting"), ("down", "idle")):
             scaling.add_metric([direction, reason], (s.scaling or {}).get((direction, reason), 0))
         yield scaling
+        for name, doc, value in _scheduler_counters(p):
+            yield counter(name, doc, value)
         per_worker = GaugeMetricFamily("batchd_worker_busy_ratio", "Fraction of a worker's time with a batch to "
                                        "build, moving over about 10 s.", labels=["worker"])
         for w in p.worker_stats:
@@ -183,6 +185,24 @@ class StatsCollector(Collector):
                 wait.add_metric(labels, st.wait_ratio)
         yield from families
         yield wait
+
+
+def _scheduler_counters(p: "stats.PoolStats"):
+    """(name, help, value) of the pool scheduler's own work (the server's main process); divided by
+    batchd_batches_sent_total they are its cost per batch (docs/tuning-control-path.md)."""
+    return (
+        ("batchd_scheduler_rounds", "Rounds the worker pool's scheduler ran (in steady state at most 2 per batch).",
+         p.scheduler_rounds),
+        ("batchd_scheduler_waits", "Times the scheduler blocked on its selector.", p.scheduler_waits),
+        ("batchd_scheduler_timeouts", "Scheduler waits that ended with nothing to do (about 2 a second when idle).",
+         p.scheduler_timeouts),
+        ("batchd_scheduler_wakeups", "Wake-ups other threads wrote to the scheduler (those that could let it "
+         "dispatch).", p.scheduler_wakeups),
+        ("batchd_scheduler_dispatch_passes", "Scheduler rounds that tried to send tasks (the others only received "
+         "built batches while no stream or slot was free).", p.scheduler_passes),
+        ("batchd_scheduler_tasks_sent", "Tasks (batches to build) the scheduler sent to workers.",
+         p.scheduler_dispatches),
+    )
 
 
 def _cache_families(cache):

@@ -32,6 +32,7 @@ from batchd.server.serve import stats
 from batchd.server.serve.control import CallControl
 from batchd.server.serve.lag import LagLog
 from batchd.server.loader import Loader
+from batchd.server.compute.pool import WAKE_STREAM
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.serve.security import OPEN, Authenticator, Redactor, Scope
 from batchd.server.serve.stream import Stream
@@ -345,7 +346,7 @@ class BatchLoaderService:
             return data
         finally:
             stream.release(batch, sent=data is not None)
-            self.loader.pool.wake()  # a prefetch place is free
+            self.loader.pool.wake(WAKE_STREAM)  # a prefetch place is free
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
         """The first event names the probe segment; then the call stays open, its thread waiting on

@@ -200,6 +200,13 @@ class PoolStats:
     scale_ups: int = 0  # workers started because clients waited for data
     scale_downs: int = 0  # workers retired after a cool-down
     worker_stats: tuple[WorkerStats, ...] = ()
+    # the scheduler's own work since start (server/compute/pool.py SchedulerCounts)
+    scheduler_rounds: int = 0
+    scheduler_waits: int = 0
+    scheduler_timeouts: int = 0
+    scheduler_wakeups: int = 0
+    scheduler_dispatches: int = 0
+    scheduler_passes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +369,12 @@ def snapshot(loader: "Loader") -> ServerStats:
         scale_ups=sum(n for (direction, _), n in scaling.items() if direction == "up"),
         scale_downs=sum(n for (direction, _), n in scaling.items() if direction == "down"),
         worker_stats=tuple(WorkerStats(**w) for w in pool.workers(now)),
+        scheduler_rounds=pool.counts.rounds,
+        scheduler_waits=pool.counts.waits,
+        scheduler_timeouts=pool.counts.timeouts,
+        scheduler_wakeups=pool.counts.wakeups,
+        scheduler_dispatches=pool.counts.dispatches,
+        scheduler_passes=pool.counts.passes,
     )
     totals = Totals(
         streams_started=counters.get("streams_started", 0),

@@ -154,7 +154,7 @@ def test_subprocess_with_preexec_fn_while_a_loader_reads(address):
 
 
 @pytest.mark.parametrize("code, env, expected", [
-    ("import batchd", None, "0 False"),
+    ("import batchd", None, "None False"),  # off, and the environment as it was
     ("import batchd", "1", "1 True"),
     ("import grpc, batchd", None, "None True"),  # too late to turn the handlers off: the loader warns
 ])
@@ -179,3 +179,77 @@ def test_a_loader_warns_once_where_grpcs_fork_handlers_are_on(monkeypatch, caplo
     forks.warn_if_handlers()
     warnings = [r.getMessage() for r in caplog.records if "fork handlers are on" in r.getMessage()]
     assert len(warnings) == 1 and "GRPC_ENABLE_FORK_SUPPORT=0" in warnings[0], warnings
+
+
+# what the processes below run: a fresh interpreter, so that nothing of this test process (its
+# loaders, its channels) is in it
+_SETTING_STAYS = """
+import json, os, subprocess, sys, time
+import batchd, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+report = {"environ": os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), "handlers": batchd._grpc_fork.FORK_HANDLERS}
+report["subprocess"] = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.environ.get('GRPC_ENABLE_FORK_SUPPORT'))"],
+    capture_output=True, text=True, check=True).stdout.strip()
+channel = grpc.insecure_channel(sys.argv[1])  # gRPC runs in this process: its threads are up
+health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # with gRPC's fork handlers on, its threads would be restarted here
+    time.sleep(0.5)
+    os.write(write, str(len(os.listdir("/proc/self/task"))).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+report["child_threads"] = int(os.read(read, 64))
+report["parent_threads"] = len(os.listdir("/proc/self/task"))
+print(json.dumps(report))
+"""
+
+
+def test_the_setting_stays_in_this_process(address):
+    """The environment is the user's again once gRPC has read it: a subprocess does not inherit the
+    setting, and the handlers are still off in this process (a forked child starts no gRPC thread)."""
+    clean = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    out = subprocess.run([sys.executable, "-c", _SETTING_STAYS, address], env=clean, capture_output=True, text=True,
+                         timeout=60, check=True)
+    report = json.loads(out.stdout)
+    assert report["environ"] is None and report["subprocess"] == "None", report
+    assert report["handlers"] is False, report
+    assert report["parent_threads"] > 1 and report["child_threads"] == 1, report
+
+
+_FORKED_CHILD_CONNECTS = """
+import json, os, select, signal, sys, time
+import batchd, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+address = sys.argv[1]
+channel = grpc.insecure_channel(address)  # this process uses gRPC itself, outside batchd
+health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        batchd.RemoteDataLoader(address, "fmnist-test", batch_size=64, connect_timeout=2)
+        result = "no error"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    os.write(write, result.encode())
+    os._exit(0)
+ready, _, _ = select.select([read], [], [], 60)  # connect_timeout is 2 s: 60 s means it hung
+if not ready:
+    os.kill(pid, signal.SIGKILL)
+os.waitpid(pid, 0)
+print(json.dumps({"child": os.read(read, 1 << 16).decode() if ready else "hung"}))
+"""
+
+
+def test_a_child_forked_from_a_process_using_grpc_raises_within_connect_timeout(address):
+    """The parent used gRPC itself (its own channel, not batchd's), then forked: in the child a new
+    loader cannot connect (gRPC cannot start there). It ends, at connect_timeout and a grace, in a
+    RuntimeError naming the cause and what to do; before the fix it hung, past its connect_timeout."""
+    out = subprocess.run([sys.executable, "-c", _FORKED_CHILD_CONNECTS, address], capture_output=True, text=True,
+                         timeout=120, check=True)
+    child = json.loads(out.stdout)["child"]
+    assert child.startswith("RuntimeError: cannot use gRPC in process"), child
+    assert "forked from process" in child and "a forked child of a gRPC-using process cannot start gRPC" in child
+    assert "'spawn' or 'forkserver'" in child, child

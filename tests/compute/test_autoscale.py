@@ -210,3 +210,78 @@ def test_a_waiting_client_grows_the_pool_and_it_shrinks_back_after(make_server, 
     for b in sorted({0, max(0, grew_at - 1), grew_at, (grew_at + n) // 2, n - 1}):
         assert np.array_equal(got[b], expected_batch(ds, compose, b)), f"batch {b} (pool grew at batch {grew_at})"
     assert num_batches(10_000, BATCH) > n
+
+
+# --- growing while a worker retires (issue 25) ------------------------------------------------
+
+# ~20 ms a Fashion-MNIST sample on one core, back to 28 x 28: a worker's queue of tasks lasts long
+# enough for the pool to decide twice (every 0.25 s) while it is still running them
+SLOWER = A.Compose([A.Resize(512, 512), A.MedianBlur(blur_limit=(15, 15), p=1.0),
+                    A.MedianBlur(blur_limit=(15, 15), p=1.0), A.Resize(28, 28)])
+
+
+class Scripted(Autoscaler):
+    """The policy's decisions in a set order; the pool acts on them with real processes. (The rules
+    that produce them are tested above on a synthetic clock; with the real clock this order, a
+    worker retiring with tasks queued and then the clients waiting again, happens by timing only.)
+
+    up (worker 1 starts); down once worker 1 holds 3 tasks (it retires with them queued); up again
+    while it still holds some."""
+
+    def __init__(self, pool):
+        super().__init__(1, 2, cpu_quota=2)
+        self.pool = pool
+        self.done: list[str] = []
+
+    def decide(self, *, workers, starting, busy_seconds, alive_seconds, demand, now):
+        from batchd.server.compute.autoscale import Decision
+
+        w1, step = self.pool._workers.get(1), len(self.done)  # (the pool's thread calls this: its state is ours)
+        if step == 0:
+            direction = "up"
+        elif step == 1 and w1 is not None and w1.ready and len(w1.tasks) >= 3:
+            direction = "down"
+        elif step == 2 and w1 is not None and w1.retiring and w1.tasks:
+            direction = "up"
+        else:
+            return None
+        self.done.append(direction)
+        return Decision(direction, "clients_waiting" if direction == "up" else "idle", f"scripted step {step}")
+
+
+def test_growing_while_a_retiring_worker_still_has_tasks(make_server, fmnist_root, cache_dir, caplog):
+    """Before the fix the worker-id choice raised ValueError (``min()`` of no id: both ids in use,
+    one by the retiring worker) and the failed scheduler round failed the stream."""
+    server = make_server(workers={"min": 1, "max": 2, "cpu_quota": 2},
+                         datasets={"fmnist": {"kind": "fashion-mnist", "root": str(fmnist_root), "split": "test"}})
+    pool = server.loader.pool
+    script = pool.autoscaler = Scripted(pool)
+    batch, seed, got = 16, 5, {}
+    with caplog.at_level(logging.INFO, logger="batchd.server.compute.pool"):
+        with batchd.RemoteDataLoader(server.address, "fmnist", batch_size=batch, shuffle=True, seed=seed,
+                                     transform=SLOWER, prefetch=8, timeout=60) as loader:
+            for b, x in enumerate(loader):
+                got[b] = (x["index"].tolist(), x["image"].numpy().copy())
+                if len(script.done) == 3 and b >= 24:
+                    break
+                assert b < 200, f"the script stopped at {script.done}"
+    assert script.done == ["up", "down", "up"]
+    logged = [r.getMessage() for r in caplog.records if "workers:" in r.getMessage()]
+    assert any("keeping worker 1, which was retiring" in m for m in logged), logged
+    assert pool.num_workers == 2 and not any(w.retiring for w in pool._workers.values())
+    assert pool.scaling == {("up", "clients_waiting"): 2, ("down", "idle"): 1}
+    # every batch in order, each sample once, the same bytes as the definition
+    order = shard_indices(10_000, shuffle=True, seed=seed, epoch=0, rank=0, world_size=1, drop_last=False)
+    assert [got[b][0] for b in sorted(got)] == [order[b * batch:(b + 1) * batch].tolist() for b in sorted(got)]
+    ds = open_dataset("fmnist", FashionMnistConfig(kind="fashion-mnist", root=fmnist_root, split="test"), cache_dir,
+                      build=True)
+    compose = pipelines.build(pipelines.canonical_json(A.to_dict(SLOWER)))
+    key, rnd = sample_key(seed=seed, epoch=0), pipelines.SampleRandom()
+    rnd.attach(compose)
+    for b in (0, len(got) // 2, len(got) - 1):
+        want = []
+        for index, position in zip(got[b][0], range(b * batch, (b + 1) * batch)):
+            rnd.start(key, position)
+            image = compose(image=ds.load_image(index))["image"]
+            want.append(image[:, :, None] if image.ndim == 2 else image)
+        assert np.array_equal(got[b][1], np.stack(want)), f"batch {b}"

@@ -378,7 +378,7 @@ class WorkerStats(_message.Message):
     def __init__(self, id: _Optional[int] = ..., pid: _Optional[int] = ..., busy_ratio: _Optional[float] = ..., stage: _Optional[str] = ..., tasks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions", "batches_rebuilt", "min_workers", "max_workers", "cpu_quota", "scale_ups", "scale_downs", "worker_stats")
+    __slots__ = ("workers", "ready", "busy", "restarts", "busy_seconds", "utilization", "tasks_in_flight", "slots_in_use", "max_slots", "shm_bytes", "leases_held", "sessions", "batches_rebuilt", "min_workers", "max_workers", "cpu_quota", "scale_ups", "scale_downs", "worker_stats", "scheduler_rounds", "scheduler_waits", "scheduler_timeouts", "scheduler_wakeups", "scheduler_dispatches", "scheduler_passes")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +398,12 @@ class PoolStats(_message.Message):
     SCALE_UPS_FIELD_NUMBER: _ClassVar[int]
     SCALE_DOWNS_FIELD_NUMBER: _ClassVar[int]
     WORKER_STATS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_WAITS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_WAKEUPS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_DISPATCHES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_PASSES_FIELD_NUMBER: _ClassVar[int]
     workers: int
     ready: int
     busy: int
@@ -417,7 +423,13 @@ class PoolStats(_message.Message):
     scale_ups: int
     scale_downs: int
     worker_stats: _containers.RepeatedCompositeFieldContainer[WorkerStats]
-    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., cpu_quota: _Optional[float] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ..., worker_stats: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
+    scheduler_rounds: int
+    scheduler_waits: int
+    scheduler_timeouts: int
+    scheduler_wakeups: int
+    scheduler_dispatches: int
+    scheduler_passes: int
+    def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., cpu_quota: _Optional[float] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ..., worker_stats: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., scheduler_rounds: _Optional[int] = ..., scheduler_waits: _Optional[int] = ..., scheduler_timeouts: _Optional[int] = ..., scheduler_wakeups: _Optional[int] = ..., scheduler_dispatches: _Optional[int] = ..., scheduler_passes: _Optional[int] = ...) -> None: ...
 
 class StatsTotals(_message.Message):
     __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent", "describe_dataset_calls", "list_datasets_calls", "release_leases_calls", "stats_calls", "batches_calls_started", "control_messages", "batches_granted", "batches_revoked", "leases_released_on_calls", "leases_released_by_rpc")
