@@ -1,0 +1,132 @@
+"""Receive buffers for the socket data plane, reused batch after batch, and a batch's tensors as
+views of one (client/dataplane.py receives into them; docs/design/network-path.md).
+
+A fresh buffer costs a page fault per 4 KiB on its first write (about 2,400 for a 64 x 224 x 224
+x 3 uint8 batch); a reused one costs nothing. So ``BufferPool.take`` hands out a free buffer big
+enough, allocating only when none is; ``tensors`` builds the batch's fields as views of the
+buffer (no copy) and puts a ``weakref.finalize`` on their common base, which gives the buffer
+back to the pool once the last of them is freed, exactly as a shared-memory lease goes back
+(client/shm.py). A batch the caller keeps keeps its buffer; the pool never reuses it meanwhile.
+
+Where the loader copies batches to a CUDA device the pool's buffers are pinned (page-locked:
+``allocate=pinned``), so the copy reads them directly, asynchronously, with no staging copy
+(client/transfer.py, ``registered=True``).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Callable
+
+import numpy as np
+import torch
+
+from batchd import wire
+from batchd.client import fields
+
+GRAIN = 1 << 16  # capacities are multiples of 64 KiB, with an eighth to spare: a slightly larger batch still fits
+
+
+def pageable(nbytes: int) -> torch.Tensor:
+    """A uint8 [nbytes] CPU tensor in ordinary memory."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def pinned(nbytes: int) -> torch.Tensor:
+    """A uint8 [nbytes] CPU tensor in page-locked memory (needs CUDA)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def capacity_for(nbytes: int) -> int:
+    """The capacity a new buffer for ``nbytes`` gets: an eighth more, in whole 64 KiB."""
+    want = nbytes + nbytes // 8
+    return max(GRAIN, (want + GRAIN - 1) // GRAIN * GRAIN)
+
+
+class BufferPool:
+    """Reusable uint8 buffers. Thread-safe (the receiver takes; finalizers give back, from any thread).
+
+    allocate(nbytes) -> a contiguous uint8 CPU tensor of nbytes (``pageable`` or ``pinned``).
+    keep: free buffers kept for reuse; one given back beyond that is dropped (the smallest go
+    first). Counters: ``allocated`` (buffers made), ``reused`` (takes served from the free list),
+    ``bytes_free`` (bytes of the free list).
+    """
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] = pageable, *, keep: int = 8):
+        self.allocate = allocate
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self.allocated = 0
+        self.reused = 0
+        self.outstanding = 0  # buffers handed out and not back yet
+
+    @property
+    def pinned(self) -> bool:
+        return self.allocate is pinned
+
+    @property
+    def bytes_free(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes (its contents are whatever it last held)."""
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._free.remove(buf)
+                self.reused += 1
+                self.outstanding += 1
+                return buf
+        buf = self.allocate(capacity_for(nbytes))
+        with self._lock:
+            self.allocated += 1
+            self.outstanding += 1
+        return buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """``buf`` is no longer used (no view of it lives): keep it for reuse, or drop it."""
+        with self._lock:
+            self.outstanding -= 1
+            self._free.append(buf)
+            if len(self._free) > self.keep:
+                self._free.sort(key=lambda b: b.numel())
+                del self._free[0]
+
+    def clear(self) -> None:
+        """Drop every free buffer (those handed out still come back, and are kept up to ``keep``)."""
+        with self._lock:
+            self._free.clear()
+
+
+def payload_length(batch: wire.WireBatch) -> int:
+    """Bytes of payload a batch's tensors span: the end of the last (0 for none). Raises
+    ValueError for a malformed tensor (``fields.nbytes``)."""
+    return max((t.offset + fields.nbytes(t) for t in batch.tensors), default=0)
+
+
+def tensors(batch: wire.WireBatch, buf: torch.Tensor, length: int, give_back: Callable[[torch.Tensor], None]
+            ) -> dict[str, fields.Field]:
+    """The batch's fields as views of the first ``length`` bytes of ``buf`` (no copy; ragged fields
+    one flat tensor each, str / bytes lists are copies), writable, as DataLoader batches are.
+    ``give_back(buf)`` runs once every one of them is freed (also if this raises). Raises
+    ValueError naming a field the server sent malformed or outside the payload."""
+    # every tensor below is a view of this array, and numpy points their base at it (it does not
+    # own its memory, and its own base is a memoryview, where numpy stops collapsing a chain of
+    # views; a slice of ``buf.numpy()`` would be skipped, its finalizer run while views live)
+    base = np.frombuffer(memoryview(buf.numpy()), dtype=np.uint8, count=length)
+    weakref.finalize(base, give_back, buf)
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for t in batch.tensors:
+            end = t.offset + fields.nbytes(t)
+            if end > length:
+                raise ValueError(f"field {t.name!r} ends at byte {end}, beyond the payload's {length}")
+            values = base[t.offset : end].view(fields.numpy_dtype(t.dtype))
+            out[t.name] = fields.field(t, torch.from_numpy(values))
+    return out
