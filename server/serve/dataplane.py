@@ -60,6 +60,16 @@ def _never() -> bool:
     return False
 
 
+def listen_host(addresses: Sequence[str]) -> str | None:
+    """Where the data plane listens: the host of the first TCP address the gRPC server listens on
+    (brackets of an IPv6 literal removed); None when it listens on unix: sockets only (its clients
+    are on its host and use shared memory)."""
+    for address in addresses:
+        if not address.startswith("unix:"):
+            return address.rpartition(":")[0].strip("[]")
+    return None
+
+
 def tls_context(tls: TlsConfig) -> ssl.SSLContext:
     """The server-side TLS context of the data plane: the gRPC port's certificate and key, and
     its client CA (client certificates verified if presented; required with

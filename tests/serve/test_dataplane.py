@@ -347,3 +347,25 @@ def test_connections_beyond_max_handshakes_are_closed_at_once():
         assert p.stats()["connections_refused"] >= 1
         for s in (*held, extra):
             s.close()
+
+
+# --- in the server ------------------------------------------------------------------------------
+
+
+def test_a_server_listens_on_its_data_port_with_its_tls_and_closes_it_on_stop(make_server, pki, tmp_path):
+    from batchd.server.serve.dataplane import listen_host
+
+    server = make_server(datasets={}, workers=1)
+    assert server.data_plane is not None and not server.data_plane.tls
+    assert server.data_address == f"127.0.0.1:{server.data_plane.port}"
+    port = server.data_plane.port
+    server.stop(grace=0)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+    secure = make_server(datasets={}, workers=1, tls={"cert": str(pki["server_cert"]), "key": str(pki["server_key"])})
+    assert secure.data_plane.tls
+    assert make_server(datasets={}, workers=1, data_plane={"enabled": False}).data_plane is None
+    assert make_server(datasets={}, workers=1, address=f"unix:{tmp_path}/s.sock").data_plane is None
+    assert listen_host(["unix:/x.sock", "[::]:50051"]) == "::" and listen_host(["0.0.0.0:1"]) == "0.0.0.0"
+    fixed = make_server(datasets={}, workers=1, data_plane={"port": port})  # free again: the stop closed it
+    assert fixed.data_plane.port == port
