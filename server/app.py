@@ -101,7 +101,7 @@ class Server:
             self.address = self._bind(config.address)
             # every address it listens on, bound (config also_listen: e.g. TCP for probes beside a unix socket)
             self.addresses = [self.address, *(self._bind(a) for a in config.also_listen)]
-            self.data_plane = self._data_plane()
+            self.data_plane = service.data_plane = self.loader.data_plane = self._data_plane()
         except BaseException:
             self.loader.close()
             raise

@@ -434,3 +434,40 @@ class DataPlane:
             except OSError:
                 pass
             t.join(self.handshake_timeout_s + 1.0)
+
+
+class CallSender:
+    """One Batches call's side of the data plane: its one-time token (``metadata``, for the call's
+    initial metadata), then the connection that presented it, which every batch's payload goes
+    on (``send``), in the order of the call's messages.
+
+    cancelled(): whether the call ended (``not context.is_active()``): a wait for the client's
+    connection, or a send to a client that stopped reading, ends then. Raises
+    ConnectionAbortedError if the plane is closed.
+    """
+
+    def __init__(self, plane: DataPlane, cancelled: Callable[[], bool]):
+        self.ticket = plane.expect()
+        self.port = plane.port
+        self._cancelled = cancelled
+        self._connection: DataConnection | None = None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """``batchd-data-port`` and ``batchd-data-token`` (``batchd.datawire.metadata``)."""
+        return datawire.metadata(self.port, self.ticket.token)
+
+    def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int) -> int:
+        """Write one batch's payload (``DataConnection.send``), first waiting for the client's
+        connection (``Ticket.wait``); returns the bytes written (header included). Raises
+        ConnectionError (the client did not connect in time, or went away),
+        ConnectionAbortedError (the call ended, the plane closed)."""
+        if self._connection is None:
+            self._connection = self.ticket.wait(self._cancelled)
+        self._connection.send(batch_index, slot, pieces, length, self._cancelled)
+        return datawire.HEADER.size + length
+
+    def close(self) -> None:
+        """The call ended: withdraw the token, close the connection (the client reads its end)."""
+        self.ticket.close()
+        if self._connection is not None:
+            self._connection.close()
