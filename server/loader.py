@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import dataclasses
+import uuid
 
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
 from batchd.sampler import num_batches, shard_indices
@@ -47,6 +48,8 @@ class Loader:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.started = time.monotonic()
+        # this server process, for clients (DatasetInfo.server_id, metadata batchd-server-id): a restart gets a new one
+        self.server_id = uuid.uuid4().hex
         shm.remove_stale()
         add_python_path(config.python_path)  # kind python factories and python pipelines import from here
         self.datasets: dict[str, Dataset] = {}
@@ -93,7 +96,8 @@ class Loader:
         self._lock = threading.RLock()  # streams, counters, _computations; moving a stream between computations
         self.streams: dict[int, Stream] = {}
         self._computations: dict[tuple, list[Computation]] = {}  # request key -> running computations
-        # streams_started, and how closed streams ended + what they sent (server/serve/stats.py); under _lock
+        # streams_started, and how closed streams ended + what they sent, the control path's calls and
+        # messages (server/serve/stats.py); under _lock
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
         self.draining = False  # set by drain() on shutdown: nothing more is built, open streams end with UNAVAILABLE
@@ -131,8 +135,17 @@ class Loader:
             self._checked[key] = None
         return "custom:" + key[:8], text
 
+    def count(self, key: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``key`` (``Totals``: calls served, control messages, grants...)."""
+        with self._lock:
+            self.counters[key] += n
+
     def open_stream(self, args: StreamRequest) -> Stream:
         """Validate ``args`` (as decoded by ``StreamRequest.from_proto``) and start building its batches.
+
+        A Batches call (``args.granted``) builds nothing until its client grants batch indices
+        (``Stream.grant``); its start_batch, batch_stride, batch_offset, end_batch and prefetch
+        must be 0 (the servicer clears them).
 
         Raises DatasetNotFoundError for an unknown dataset, ValueError naming any other bad field,
         ResourceExhaustedError past ``max_streams``, RuntimeError while shutting down.
@@ -172,6 +185,8 @@ class Loader:
             pipeline_name=name, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text,
         )
         stream = Stream(request, n)
+        if request.granted:
+            stream.prefetch = cfg.max_grants  # what it may have ahead (stats)
         indices = None  # this shard's order, computed outside the lock when no computation can be joined
         while True:
             with self._lock:  # join a running computation or register a new one: one decision, one lock
@@ -187,6 +202,8 @@ class Loader:
                     self.streams[stream.id] = stream
                     self.transport.open(stream)
                     self.counters["streams_started"] += 1
+                    if request.granted:
+                        self.counters["batches_calls_started"] += 1
                     if request.hedge:
                         self.counters["hedge_streams_started"] += 1
                     break
@@ -198,11 +215,12 @@ class Loader:
             self.pool.add_computation(started)
         log.info(
             "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
-            "batches %d..%d%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
-            args.shuffle, args.seed, args.epoch, args.rank, world_size, stream.position, stream.end,
+            "%s%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
+            args.shuffle, args.seed, args.epoch, args.rank, world_size,
+            f"batches {stream.position}..{stream.end}" if stream.ordered else f"granted batches of {n} (Batches call)",
             (f" (stride {stride})" if stride > 1 else "")
             + (f" of the epoch from position {args.start_position}" if args.start_position else "")
-            + (" (hedged request)" if args.hedge else ""), prefetch, args.transport,
+            + (" (hedged request)" if args.hedge else ""), stream.prefetch, args.transport,
             args.peer or "-",
             f"joins computation {joined.id}, shared with {joined.readers - 1} other streams" if joined is not None
             else f"computation {stream.computation.id}",
@@ -222,7 +240,7 @@ class Loader:
         """A computation for ``stream``, registered (under _lock, which the caller holds) so that
         identical streams join it; the caller hands it to the pool."""
         computation = Computation(request, indices, min(n, request.end_batch or n), release_slot=self._release_slot,
-                                  window=self.config.share_window, start=stream.position)
+                                  window=self.config.share_window)
         computation.on_fall_behind = self._fell_behind
         computation.attach(stream, first=True)
         self._computations.setdefault(request.key, []).append(computation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import queue
 import uuid
 
 import grpc
@@ -37,6 +38,55 @@ class RawSession:
 
     def close(self) -> None:
         self.call.cancel()
+
+
+class RawBatches:
+    """One Batches call on ``stub``: the first message opens it with ``open_request`` (a
+    ``pb.StreamBatchesRequest``) and grants ``grant``; ``send(...)`` queues one more
+    ``BatchesControl``; ``close()`` half-closes. Iterating gives the ``pb.Batch`` messages; ``call``
+    is the gRPC call (initial_metadata(), code(), details(), trailing_metadata(), cancel())."""
+
+    def __init__(self, stub: loader_pb2_grpc.BatchLoaderStub, open_request: pb.StreamBatchesRequest, *,
+                 grant=(), metadata=(), timeout: float = 120):
+        self._queue: queue.Queue = queue.Queue()
+        self._queue.put(pb.BatchesControl(open=open_request, grant=list(grant)))
+        self.call = stub.Batches(self._requests(), metadata=metadata, timeout=timeout)
+
+    def _requests(self):
+        while True:
+            try:
+                msg = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.call is not None and self.call.done():  # never outlive the call
+                    return
+                continue
+            if msg is None:
+                return
+            yield msg
+
+    call = None
+
+    def send(self, **fields) -> None:
+        """Queue a BatchesControl(**fields): grant, revoke, release, progress (or a raw message as ``msg``)."""
+        self._queue.put(fields["msg"] if "msg" in fields else pb.BatchesControl(**fields))
+
+    def close(self) -> None:
+        """Half-close: no more control messages."""
+        self._queue.put(None)
+
+    def __iter__(self):
+        return iter(self.call)
+
+    def __next__(self) -> pb.Batch:
+        return next(self.call)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+def server_id(call) -> str:
+    """The ``batchd-server-id`` initial metadata of a call ("" if none)."""
+    return dict(call.initial_metadata() or ()).get("batchd-server-id", "")
 
 
 def tensors(batch: pb.Batch) -> dict[str, np.ndarray]:

@@ -39,6 +39,8 @@ class StreamRequest:
     start_position: the epoch's remainder from this global position on (elastic resume; ``batchd.sampler``).
     end_batch: stop before this batch index (0: the epoch's end). hedge: a hedged request (counted apart).
     peer: the client, as gRPC names it (logs and stats).
+    granted: a Batches call (the client grants the batch indices; start_batch, batch_stride,
+    batch_offset, end_batch and prefetch are 0 and unused), not a StreamBatches call.
     """
 
     dataset: str
@@ -64,6 +66,7 @@ class StreamRequest:
     end_batch: int = 0  # 0: the epoch's end
     hedge: bool = False
     peer: str = ""
+    granted: bool = False  # a Batches call (not part of the key: it shares with StreamBatches)
     # resolved by Loader.open_stream
     pipeline_name: str = ""  # preset name, "none", or "custom:<key prefix>"
     pipeline_key: str = ""

@@ -115,7 +115,10 @@ class ServerConfig(StrictModel):
     auth: bearer tokens and the datasets each may read; None: no authentication (every client
         may read every dataset; a warning is logged when listening beyond loopback).
     unix_socket_mode: permissions of a ``unix:`` socket file (no bits for others allowed).
-    max_streams: open StreamBatches calls at once; more are refused (RESOURCE_EXHAUSTED).
+    max_streams: open StreamBatches and Batches calls at once; more are refused (RESOURCE_EXHAUSTED).
+    max_grants: batches a Batches call may have granted and not yet received at once (its
+        client's window); a grant beyond it fails the call (RESOURCE_EXHAUSTED). Built batches
+        waiting to be sent hold shared-memory slots, so max_slots bounds them as well.
     max_batch_bytes: a batch larger than this (all its tensors) fails its stream (RESOURCE_EXHAUSTED).
     max_request_bytes: gRPC receive limit for requests (they are small; batches are only sent).
     pipeline_limits: what a client-sent albumentations pipeline may contain (see allowlist.py).
@@ -147,6 +150,7 @@ class ServerConfig(StrictModel):
     auth: AuthConfig | None = None
     unix_socket_mode: int = Field(default=0o600, ge=0, le=0o770)
     max_streams: int = Field(default=32, ge=1)
+    max_grants: int = Field(default=256, ge=1)
     max_batch_bytes: int = Field(default=1 << 30, ge=MiB)
     max_request_bytes: int = Field(default=MiB, ge=64 * 1024)
     pipeline_limits: PipelineLimits = Field(default_factory=PipelineLimits)

@@ -1,35 +1,54 @@
-"""Computations: what to build next for the streams reading them, and the ordered reorder buffer.
+"""Computations: what to build next for the streams reading them, and the buffer of built batches.
 
-(``Stream``, one client's cursor, is in ``stream.py``.)
+(``Stream``, one call's cursor, is in ``stream.py``.)
 
 A ``Computation`` builds the batches of one (dataset, pipeline, batch_size, shuffle, seed,
-epoch, drop_last, rank, world_size, start_position): those fields fix every batch's bytes, so streams (clients)
-that agree on them can share one computation. A ``Stream`` is one client's cursor into a
-computation. Workers finish batches in any order; ``Stream.next`` hands them out strictly by
-batch index.
+epoch, drop_last, rank, world_size, start_position): those fields fix every batch's bytes, so streams (calls)
+that agree on them can share one computation. Workers finish batches in any order.
 
-Bounds, with ``front``/``back`` the positions of the fastest/slowest reader:
+Grants. Each reader (``Stream``) *grants* the batch indices it wants built, and the computation
+builds the union of its readers' grants that are not built or being built yet, in the order
+they were granted (``wants_work``/``take_task``):
 
-* batch ``b`` is built only if ``b < front + prefetch`` (prefetch: the largest of the readers'),
-  so a lone reader has at most ``prefetch`` batches in flight or buffered;
-* built batches are kept until every reader has passed them, and then up to ``window`` more
-  as history, so a stream that starts a little later (another experiment launched a few
-  seconds after the first) joins and reads them instead of recomputing; history goes first
-  when the slot pool runs short (``evict_history``). At most ``2 * window + prefetch`` slots;
-* a reader more than ``window`` batches behind the fastest is moved to a computation of its
-  own, starting at its position: it gets the same bytes (recomputed), and nobody waits for it
-  (Ray Data's streaming_split makes every consumer wait for the slowest, ray#41973).
+* a Batches call's client grants indices itself (``grant``; ``revoke`` takes a grant back), and
+  its stream takes any of its granted batches that is built, lowest index first (as built, not
+  in order);
+* a StreamBatches call is the same machinery with the server granting on the client's behalf
+  (an *ordered* stream): every stride-th index from its position, ``prefetch`` of them ahead, up
+  to its end; it takes its batches strictly in order, so old clients get the same bytes in the
+  same order.
+
+Bounds and sharing, with the *front* the position of the furthest reader (a reader's position: an
+ordered stream's next batch; a Batches call's lowest granted batch not yet sent):
+
+* a built batch is kept while a reader needs it (an ordered reader needs every batch of its own
+  from its position on; a Batches call those it granted and has not been sent), and then as
+  history (the last ``window`` of them, lowest index released first), so that a stream that
+  starts a little later (another experiment launched a few seconds after the first) joins and
+  reads them instead of recomputing; history goes first when the slot pool runs short
+  (``evict_history``). A lone ordered reader holds at most ``prefetch`` batches ahead and
+  ``window`` behind; a Batches call at most what it granted;
+* an ordered reader more than ``window`` batches behind the front is moved to a computation of
+  its own, starting at its position: it gets the same bytes (recomputed), and nobody waits for it
+  (Ray Data's streaming_split makes every consumer wait for the slowest, ray#41973). A Batches
+  call is never moved: it holds nothing beyond its own grants.
+
+Failures. ``fail(error, b)``: nothing at or past the lowest failed batch is built any more; a
+reader gets the error in place of that batch, once it has taken every batch it wants before it
+(an ordered reader: its batches before b; a Batches call: its granted batches below b, built and
+sent as usual; granted batches above b that were already built may have been sent before).
 
 The pool thread calls ``wants_work``/``take_task``/``done``/``retry``/``fail`` on computations;
-RPC threads call ``next``/``release``/``close`` on streams. A computation's state is under its
-condition variable.
+RPC threads call ``get``/``put_back``/``grant``/``revoke``/``wake`` (through ``Stream``). A
+computation's state, and the grant state of its readers, is under its condition variable.
 
-Strided streams (a client spreading an epoch over ``stride`` servers) read the batches
-``first, first + stride, ...`` only. Positions are still batch indices and advance by ``stride``;
-``prefetch`` and ``window`` count this stream's batches (so they span ``stride`` times as many
-indices). The residue ``first % stride`` is part of the sharing key: only streams reading the
-same batches share a computation. So is ``end_batch`` (a hedged request for one batch builds
-that batch only, and never limits a stream reading on).
+Strided streams (a client spreading an epoch over ``stride`` servers with StreamBatches) read the
+batches ``first, first + stride, ...`` only. Positions are still batch indices and advance by
+``stride``; ``prefetch`` and ``window`` count this stream's batches (so they span ``stride`` times
+as many indices). The residue ``first % stride`` is part of the sharing key: only streams reading
+the same batches share a computation. So is ``end_batch`` (a hedged request for one batch builds
+that batch only, and never limits a stream reading on). A Batches call's key is a plain
+stream's (stride 1, no end), so it shares with a StreamBatches call of the same request.
 """
 
 from __future__ import annotations
@@ -81,26 +100,28 @@ class Computation:
 
     indices: this shard's sample order, int64 [N] (of the epoch's remainder from
     ``request.start_position``). num_batches: nothing at or past this batch index is built (the
-    epoch's end, or ``request.end_batch``). window: how far (batches) readers may drift apart
-    before the slowest is moved to a computation of its own.
+    epoch's end, or ``request.end_batch``). window: how far (batches) ordered readers may drift
+    behind the front before they are moved to a computation of their own, and how many built
+    batches no reader needs are kept as history.
     """
 
     def __init__(self, request: StreamRequest, indices: np.ndarray, num_batches: int, *,
-                 release_slot: Callable[[Segment], None], window: int, start: int):
+                 release_slot: Callable[[Segment], None], window: int):
         self.id = next(_computation_ids)
         self.request = request
         self.indices = indices
         self.num_batches = num_batches
         self.window = window
-        self.stride = request.stride  # positions step by this; window and prefetch count steps
+        self.stride = request.stride  # ordered positions step by this; window and prefetch count steps
         self._release_slot = release_slot
         self._cond = threading.Condition()
         self._readers: dict[int, Stream] = {}
-        self._next_submit = start
-        self._history_start = start  # every batch in [_history_start, _next_submit) is built or being built
+        self._queue: collections.deque[int] = collections.deque()  # granted, to build (grant order; stale ones skipped)
+        self._queued: set[int] = set()
         self._retry: collections.deque[int] = collections.deque()
         self._in_flight: set[int] = set()
         self._ready: dict[int, ReadyBatch] = {}
+        self._history: dict[int, None] = {}  # built batches no reader needs (a subset of _ready), at most window
         self._users: collections.Counter[int] = collections.Counter()  # readers encoding batch b now
         self.attempts: collections.Counter[int] = collections.Counter()
         self.error: BaseException | None = None  # set on the first failure: nothing new is submitted
@@ -113,17 +134,30 @@ class Computation:
     # --- readers -----------------------------------------------------------------------------
 
     def attach(self, stream: Stream, *, first: bool = False) -> bool:
-        """Add a reader at ``stream.position``; False if this computation cannot serve it from there
-        (its batches before that are gone, or it is too far ahead to share)."""
+        """Add a reader; False if this computation cannot serve it (closed, failed, or an ordered
+        reader's position is more than ``window`` behind the front or past what is being built)."""
         with self._cond:
             if self.closed or self.error is not None:
                 return False
-            if not first and not self._history_start <= stream.position <= self._next_submit:
+            if not first and not self._can_join(stream):
                 return False
             self._readers[stream.id] = stream
             stream.computation = self
+            for b in stream.wanted():
+                self._want(b)
+            for b in [b for b in self._history if stream.needs(b)]:
+                del self._history[b]  # needed again
+            if not stream.ordered:
+                stream.ready.update(b for b in stream.granted if b in self._ready)
             self._cond.notify_all()
             return True
+
+    def _can_join(self, stream: Stream) -> bool:
+        if not stream.ordered:
+            return True
+        front = self._front()
+        ahead = max((r.prefetch for r in self._readers.values() if r.ordered), default=stream.prefetch)
+        return front - self.window * self.stride <= stream.position <= front + max(ahead, stream.prefetch) * self.stride
 
     def detach(self, stream: Stream) -> bool:
         """Remove a reader; its batches go back once nobody needs them. True if no reader is left."""
@@ -132,7 +166,8 @@ class Computation:
             empty = not self._readers
             if empty:
                 self.closed = True
-            self._sweep()
+            for b in list(self._ready):
+                self._settle(b)
             self._cond.notify_all()
             return empty
 
@@ -141,52 +176,75 @@ class Computation:
         with self._cond:
             return len(self._readers)
 
-    def _back(self) -> int:
-        return min((r.position for r in self._readers.values()), default=self._next_submit)
-
     def _front(self) -> int:
-        return max((r.position for r in self._readers.values()), default=self._next_submit)
+        return max((r.position for r in self._readers.values()), default=0)
 
-    def _sweep(self, keep: int | None = None) -> int:
-        """Release built batches that every reader has passed (and none is still sending), oldest
-        first, keeping the last ``keep`` (default: window) as history. Returns how many."""
-        if not self._readers:  # nobody will read anything: release all that is not being sent
-            idle = [b for b in self._ready if not self._users[b]]
-            for b in idle:
-                self._release_slot(self._ready.pop(b).slot)
-            return len(idle)
-        limit = min(self._back(), self._front() - (self.window if keep is None else keep) * self.stride)
+    def _back(self) -> int:
+        return min((r.position for r in self._readers.values()), default=0)
+
+    def _needed(self, b: int) -> bool:
+        return any(r.needs(b) for r in self._readers.values())
+
+    def _wanted(self, b: int) -> bool:
+        return any(r.wants(b) for r in self._readers.values())
+
+    def _want(self, b: int) -> None:
+        """Queue batch b to be built (a reader granted it), unless it is built, building or queued."""
+        if b not in self._queued and b not in self._ready and b not in self._in_flight:
+            self._queue.append(b)
+            self._queued.add(b)
+
+    def _settle(self, b: int) -> None:
+        """Batch b may no longer be needed: keep it as history, or release it (nobody reads here)."""
+        batch = self._ready.get(b)
+        if batch is None or self._users[b] or b in self._history or self._needed(b):
+            return
+        if self.closed or not self._readers:
+            del self._ready[b]
+            self._release_slot(batch.slot)
+            return
+        self._history[b] = None
+        self._trim_history(self.window)
+
+    def _trim_history(self, keep: int) -> int:
+        """Release history beyond ``keep`` batches, lowest index first. Returns how many."""
         released = 0
-        while self._history_start < limit:
-            b = self._history_start
-            if self._users[b]:
-                break
-            batch = self._ready.pop(b, None)
-            if batch is not None:
-                self._release_slot(batch.slot)
-                released += 1
-            self._users.pop(b, None)
-            self._history_start = b + self.stride
+        while len(self._history) > keep:
+            b = min(self._history)
+            del self._history[b]
+            self._release_slot(self._ready.pop(b).slot)
+            released += 1
         return released
 
     def evict_history(self) -> int:
-        """Release every passed batch kept as history (the slot pool is short). Returns how many."""
+        """Release every built batch kept as history (the slot pool is short). Returns how many."""
         with self._cond:
-            return self._sweep(keep=0)
+            return self._trim_history(0)
+
+    def _laggards(self) -> list[Stream]:
+        """Ordered readers more than ``window`` batches behind the front (to be moved)."""
+        if len(self._readers) < 2:
+            return []
+        limit = self._front() - self.window * self.stride
+        return [r for r in self._readers.values() if r.ordered and r.position < limit and not r.finished]
 
     # --- pool thread -------------------------------------------------------------------------
+
+    def _buildable(self, b: int, limit: int) -> bool:
+        return b < limit and b not in self._ready and b not in self._in_flight and self._wanted(b)
 
     def wants_work(self) -> bool:
         with self._cond:
             if self.closed or not self._readers:
                 return False
             limit = min(self._failed) if self._failed else self.num_batches  # nothing past a failure
-            back = self._back()
-            self._retry = collections.deque(b for b in self._retry if back <= b < limit)
+            while self._retry and not self._buildable(self._retry[0], limit):
+                self._retry.popleft()
             if self._retry:
                 return True
-            prefetch = max(r.prefetch for r in self._readers.values())
-            return self._next_submit < min(limit, self._front() + prefetch * self.stride)
+            while self._queue and not self._buildable(self._queue[0], limit):
+                self._queued.discard(self._queue.popleft())
+            return bool(self._queue)
 
     def take_task(self) -> int:
         """The batch index to build next (a retried one first). Call only if wants_work()."""
@@ -194,7 +252,8 @@ class Computation:
             if self._retry:
                 b = self._retry.popleft()
             else:
-                b, self._next_submit = self._next_submit, self._next_submit + self.stride
+                b = self._queue.popleft()
+                self._queued.discard(b)
             self._in_flight.add(b)
             return b
 
@@ -214,12 +273,17 @@ class Computation:
         return sample_key(seed=self.request.seed, epoch=self.request.epoch)
 
     def done(self, batch: ReadyBatch) -> None:
+        b = batch.batch_index
         with self._cond:
-            self._in_flight.discard(batch.batch_index)
-            if self.closed or batch.batch_index < self._history_start:
+            self._in_flight.discard(b)
+            if self.closed or b in self._ready:
                 self._release_slot(batch.slot)  # nobody needs it (anymore)
                 return
-            self._ready[batch.batch_index] = batch
+            self._ready[b] = batch
+            for r in self._readers.values():
+                if not r.ordered and b in r.granted:
+                    r.ready.add(b)
+            self._settle(b)
             self._cond.notify_all()
 
     def retry(self, b: int) -> int:
@@ -246,11 +310,14 @@ class Computation:
                 self.error = error
             self._cond.notify_all()
 
-    def backlog(self, position: int = 0) -> tuple[int, int]:
-        """(batches being built, batches built and waiting at or after ``position``); history
-        kept for late joiners does not count."""
+    def backlog(self, stream: Stream) -> tuple[int, int]:
+        """(batches being built, built batches waiting) for ``stream``: an ordered stream counts
+        the computation's batches in flight and those built at or after its position; a Batches
+        call its own granted ones. History kept for late joiners does not count."""
         with self._cond:
-            return len(self._in_flight), sum(1 for b in self._ready if b >= position)
+            if stream.ordered:
+                return len(self._in_flight), sum(1 for b in self._ready if b >= stream.position and b not in self._history)
+            return sum(1 for b in stream.granted if b in self._in_flight), len(stream.ready)
 
     # --- RPC threads -------------------------------------------------------------------------
 
@@ -262,18 +329,14 @@ class Computation:
             while True:
                 if stream.id not in self._readers:
                     raise _Moved
-                b = stream.position
-                batch = self._ready.get(b)
+                batch = self._take(stream)
                 if batch is not None:
-                    self._users[b] += 1
-                    stream.position = b + self.stride
-                    laggards = [r for r in self._readers.values()
-                                if r.position < stream.position - self.window * self.stride]
-                    self._sweep()
+                    laggards = self._laggards()
                     break
-                if self._failed and min(self._failed) <= b:
-                    raise self._failed[min(self._failed)]
-                if b >= self.num_batches or self.closed:
+                failed = min(self._failed) if self._failed else None
+                if failed is not None and failed <= stream.position:
+                    raise self._failed[failed]
+                if self.closed or stream.idle:
                     return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -283,15 +346,76 @@ class Computation:
             self.on_fall_behind(laggard)
         return batch
 
+    def _take(self, stream: Stream) -> ReadyBatch | None:
+        """The stream's next built batch, marked as being sent (under the lock), or None."""
+        if stream.ordered:
+            b = stream.position
+            batch = self._ready.get(b)
+            if batch is None:
+                return None
+            stream.position = b + self.stride
+            top = b + stream.prefetch * self.stride  # entered the stream's prefetch window
+            if top < stream.end:
+                self._want(top)
+        else:
+            if not stream.ready:
+                return None
+            b = min(stream.ready)
+            batch = self._ready[b]
+            stream.sent(b)
+        self._users[b] += 1
+        return batch
+
     def put_back(self, batch: ReadyBatch) -> None:
         """A reader finished sending ``batch`` (a lease, if it lent the slot, holds its own reference)."""
+        b = batch.batch_index
         with self._cond:
-            self._users[batch.batch_index] -= 1
-            if self.closed and not self._users[batch.batch_index] and self._ready.get(batch.batch_index) is batch:
-                del self._ready[batch.batch_index]
+            self._users[b] -= 1
+            if self._users[b] <= 0:
+                del self._users[b]
+            if self.closed and not self._users[b] and self._ready.get(b) is batch:
+                del self._ready[b]
+                self._history.pop(b, None)
                 self._release_slot(batch.slot)
                 return
-            self._sweep()
+            self._settle(b)
+
+    def grant(self, stream: Stream, indices, *, max_grants: int) -> None:
+        """A Batches call's client grants ``indices`` (batch indices): build and send them.
+
+        Raises ValueError naming an index out of [0, num_batches) or granted before on this call,
+        ResourceExhaustedError past ``max_grants`` granted and not sent; then nothing is granted.
+        """
+        with self._cond:
+            stream.check_grants(indices, max_grants)
+            if stream.id not in self._readers:
+                return  # the call is ending
+            for b in indices:
+                stream.add_grant(b)
+                if b in self._ready:
+                    stream.ready.add(b)
+                    self._history.pop(b, None)
+                else:
+                    self._want(b)
+            self._cond.notify_all()
+
+    def revoke(self, stream: Stream, indices) -> int:
+        """A Batches call's client takes grants back: those not sent yet are not sent (a built copy
+        stays as history, as any batch no reader needs). Returns how many were revoked."""
+        with self._cond:
+            revoked = 0
+            for b in indices:
+                if b in stream.granted:
+                    stream.sent(b, revoked=True)
+                    revoked += 1
+                    self._settle(b)
+            self._cond.notify_all()
+            return revoked
+
+    def wake(self) -> None:
+        """Wake the readers waiting in ``get`` (a Batches call's client half-closed or erred)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop: built batches are released now, those in flight when they arrive, and those a reader
@@ -300,7 +424,10 @@ class Computation:
             self.closed = True
             ready = {b: x for b, x in self._ready.items() if not self._users[b]}
             self._ready = {b: x for b, x in self._ready.items() if self._users[b]}
+            self._history.clear()
             self._retry.clear()
+            self._queue.clear()
+            self._queued.clear()
             for error in self._failed.values():
                 # raised from get(), the error's traceback holds frames that hold this
                 # computation: a cycle that would keep the shard's indices (80 MB at 10M rows)
@@ -309,3 +436,4 @@ class Computation:
             self._cond.notify_all()
         for batch in ready.values():
             self._release_slot(batch.slot)
+

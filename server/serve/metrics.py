@@ -77,7 +77,7 @@ class StatsCollector(Collector):
             return CounterMetricFamily(name, doc, value=value)
 
         yield gauge("batchd_uptime_seconds", "Seconds since the server started.", s.uptime_seconds)
-        yield gauge("batchd_streams", "Open streams (StreamBatches calls).", len(s.streams))
+        yield gauge("batchd_streams", "Open streams (StreamBatches and Batches calls).", len(s.streams))
         yield gauge("batchd_streams_shared", "Open streams computed once for several identical clients.",
                     sum(1 for st in s.streams if st.shared))
         yield counter("batchd_streams_started", "Streams opened.", t.streams_started)
@@ -100,6 +100,24 @@ class StatsCollector(Collector):
                       "re-requesting one late batch here).", t.hedge_streams_started)
         yield counter("batchd_hedge_batches_built", "Batches workers built for hedged requests.", t.hedge_batches_built)
         yield counter("batchd_hedge_batches_sent", "Batches sent on hedged requests.", t.hedge_batches_sent)
+        rpcs = CounterMetricFamily("batchd_control_rpcs", "Unary calls served, by method (the control path; "
+                                   "divide by batchd_batches_sent_total for a per-batch cost).", labels=["method"])
+        for method, value in (("DescribeDataset", t.describe_dataset_calls), ("ListDatasets", t.list_datasets_calls),
+                              ("ReleaseLeases", t.release_leases_calls), ("Stats", t.stats_calls)):
+            rpcs.add_metric([method], value)
+        yield rpcs
+        yield counter("batchd_batches_calls_started", "Batches calls opened (also counted in batchd_streams_started).",
+                      t.batches_calls_started)
+        yield counter("batchd_control_messages", "BatchesControl messages received on Batches calls (the open "
+                      "included).", t.control_messages)
+        yield counter("batchd_batches_granted", "Batch indices granted on Batches calls.", t.batches_granted)
+        yield counter("batchd_batches_revoked", "Batch indices revoked on Batches calls before they were sent.",
+                      t.batches_revoked)
+        released = CounterMetricFamily("batchd_leases_released", "Shared-memory leases released by clients, by "
+                                       "how (call: on a Batches call; rpc: ReleaseLeases).", labels=["via"])
+        released.add_metric(["call"], t.leases_released_on_calls)
+        released.add_metric(["rpc"], t.leases_released_by_rpc)
+        yield released
         yield gauge("batchd_computations", "Running computations (identical streams share one).", s.computations)
         yield counter("batchd_computations_started", "Computations started.", s.computations_started)
 

@@ -1,9 +1,18 @@
 """The gRPC servicer: a thin adapter from ``batchd.v1.BatchLoader`` to a ``Loader``.
 
-StreamBatches responses come pre-serialized from ``Transport.encode`` (server/serve/transport.py: the
-slot lent in place, or its bytes copied once into the message), so the handler is registered
-with an identity serializer. The stream's generator never blocks for long: it waits for the next batch in slices
-of ``_POLL_S`` and stops as soon as ``context.is_active()`` turns false (client gone).
+StreamBatches and Batches responses come pre-serialized from ``Transport.encode``
+(server/serve/transport.py: the slot lent in place, or its bytes copied once into the message), so
+their handlers are registered with an identity serializer. A stream's generator never blocks for
+long: it waits for the next batch in slices of ``_POLL_S`` and stops as soon as
+``context.is_active()`` turns false (client gone). A Batches call's requests are read on a thread
+of their own (``CallControl``, server/serve/control.py).
+
+Both calls send initial metadata ``batchd-server-id`` (``Loader.server_id``) before anything
+else, and refuse a request whose ``expect_*`` fields do not match the dataset served
+(FAILED_PRECONDITION, ErrorDetail type "DatasetChangedError"). DescribeDataset and ListDatasets
+answer from a per-dataset cache of ``DatasetInfo`` (the build parts and fingerprints are computed
+once per dataset per process). Every unary call and every control message is counted
+(``Loader.count``; StatsTotals), so per-batch control costs show as numbers.
 """
 
 from __future__ import annotations
@@ -20,10 +29,12 @@ import grpc
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server import build
 from batchd.server.serve import stats
+from batchd.server.serve.control import CallControl
 from batchd.server.serve.lag import LagLog
 from batchd.server.loader import Loader
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.serve.security import OPEN, Authenticator, Redactor, Scope
+from batchd.server.serve.stream import Stream
 from batchd.server.serve.transport import LEASE_WAIT_S
 from batchd.v1 import loader_pb2 as pb
 
@@ -31,7 +42,9 @@ log = logging.getLogger(__name__)
 
 SERVICE = "batchd.v1.BatchLoader"
 ERROR_DETAIL_KEY = "batchd-error-bin"
+SERVER_ID_KEY = "batchd-server-id"
 _POLL_S = 0.25
+OPEN_TIMEOUT_S = 30.0  # a Batches call whose first message (open) does not come within this is refused
 
 
 def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
@@ -56,16 +69,31 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
     )
 
 
+def expected_mismatch(request: pb.StreamBatchesRequest, info: pb.DatasetInfo) -> list[str]:
+    """What differs between the dataset a request expects (its ``expect_*`` fields, where set) and
+    ``info``: ``"num_samples A vs B"``, ``"dataset fingerprint A vs B"``, ``"build fingerprint A vs
+    B"`` (expected vs served), as the client names changes. Empty: it matches."""
+    found = []
+    if request.expect_num_samples and request.expect_num_samples != info.num_samples:
+        found.append(f"num_samples {request.expect_num_samples} vs {info.num_samples}")
+    if request.expect_fingerprint and request.expect_fingerprint != info.fingerprint:
+        found.append(f"dataset fingerprint {request.expect_fingerprint} vs {info.fingerprint or '(none)'}")
+    if request.expect_build_fingerprint and request.expect_build_fingerprint != info.build_fingerprint:
+        found.append(f"build fingerprint {request.expect_build_fingerprint} vs {info.build_fingerprint}")
+    return found
+
+
 class BatchLoaderService:
-    """Implements ListDatasets, DescribeDataset and StreamBatches over ``loader``."""
+    """Implements the ``batchd.v1.BatchLoader`` service over ``loader``."""
 
     def __init__(self, loader: Loader, *, max_long_calls: int | None = None):
-        """max_long_calls: StreamBatches and OpenSession calls served at once (each holds a server
-        thread while open); more are refused with RESOURCE_EXHAUSTED. None: no limit here."""
+        """max_long_calls: StreamBatches, Batches and OpenSession calls served at once (each holds a
+        server thread while open); more are refused with RESOURCE_EXHAUSTED. None: no limit here."""
         self.loader = loader
         self.max_long_calls = max_long_calls
         self._lock = threading.Lock()
         self._long_calls = 0
+        self._infos: dict[str, pb.DatasetInfo] = {}  # DescribeDataset's answers, computed once per dataset
         self._sessions_waiting: set[threading.Event] = set()  # set to end an idle OpenSession call
         # with auth: the interceptor (app.py) refuses calls without a valid token; here, each
         # call's token limits the datasets it may see. Messages to clients go through redact.
@@ -82,15 +110,30 @@ class BatchLoaderService:
             log.info("refused dataset %r to token %r (%s)", name[:100], scope.name, context.peer())
             context.abort(grpc.StatusCode.PERMISSION_DENIED, scope.denied(name))
 
+    def info(self, name: str) -> pb.DatasetInfo:
+        """DescribeDataset's answer for dataset ``name`` with this server's id, computed on first use
+        and kept (a dataset's description does not change while the process runs). Do not modify
+        it. Raises DatasetNotFoundError."""
+        with self._lock:
+            info = self._infos.get(name)
+        if info is None:
+            info = dataset_info(self.loader, name)
+            info.server_id = self.loader.server_id
+            with self._lock:
+                info = self._infos.setdefault(name, info)
+        return info
+
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: grpc.ServicerContext) -> pb.ListDatasetsResponse:
+        self.loader.count("list_datasets_calls")
         scope = self._scope(context)
         names = [n for n in sorted(self.loader.datasets) if scope.allows(n)]
-        return pb.ListDatasetsResponse(datasets=[dataset_info(self.loader, n) for n in names])
+        return pb.ListDatasetsResponse(datasets=[self.info(n) for n in names])
 
     def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: grpc.ServicerContext) -> pb.DatasetInfo:
+        self.loader.count("describe_dataset_calls")
         self._check_dataset(context, request.name)
         try:
-            return dataset_info(self.loader, request.name)
+            return self.info(request.name)
         except DatasetNotFoundError as e:  # the name echoed as sent: a path or not, the same answer
             context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.name,)))
 
@@ -113,7 +156,7 @@ class BatchLoaderService:
 
     @property
     def long_calls(self) -> int:
-        """StreamBatches and OpenSession calls being served now."""
+        """StreamBatches, Batches and OpenSession calls being served now."""
         with self._lock:
             return self._long_calls
 
@@ -135,13 +178,69 @@ class BatchLoaderService:
         self._check_dataset(context, request.dataset)
         self._admit(context, "StreamBatches")
         try:
-            yield from self._stream(request, context)
+            try:
+                args = StreamRequest.from_proto(request, context.peer())
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
+            stream = self._open(request, args, context)
+            yield from self._serve(stream, context)
         finally:
             self._leave()
 
-    def _stream(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
+    def Batches(self, requests, context: grpc.ServicerContext):
+        """The bidirectional call (loader.proto; docs/design/stream-protocol.md): the first message
+        opens the stream, later ones grant, revoke, release and report progress (``CallControl``);
+        batches are sent as they are built. Ends OK once the client half-closed and every grant was
+        sent; INVALID_ARGUMENT for a bad message or grant, RESOURCE_EXHAUSTED past max_grants,
+        UNAVAILABLE when the server shuts down, as StreamBatches otherwise."""
+        self._admit(context, "Batches")
+        control = None
         try:
-            stream = self.loader.open_stream(StreamRequest.from_proto(request, context.peer()))
+            control = CallControl(requests, is_active=context.is_active, transport=self.loader.transport,
+                                  max_grants=self.loader.config.max_grants, count=self.loader.count)
+            request = self._await_open(control, context)
+            if request is None:
+                return  # the client went away first
+            self._check_dataset(context, request.dataset)
+            try:
+                args = StreamRequest.from_proto(request, context.peer())
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
+            args = dataclasses.replace(args, start_batch=0, batch_stride=0, batch_offset=0, end_batch=0, prefetch=0,
+                                       granted=True)
+            stream = self._open(request, args, context)
+            control.attach(stream)
+            yield from self._serve(stream, context, control)
+        finally:
+            if control is not None:
+                control.detach()
+            self._leave()
+
+    def _await_open(self, control: CallControl, context: grpc.ServicerContext) -> pb.StreamBatchesRequest | None:
+        """The Batches call's ``open`` (polling: the call may end meanwhile); None if the call ended.
+        INVALID_ARGUMENT for a first message that does not open, or none within ``OPEN_TIMEOUT_S``."""
+        deadline = time.monotonic() + OPEN_TIMEOUT_S
+        while not control.wait_open(_POLL_S):
+            if not context.is_active():
+                return None
+            if time.monotonic() > deadline:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"Batches: no first BatchesControl (open) within {OPEN_TIMEOUT_S:g} s")
+        if control.error is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(control.error)))
+        return control.open
+
+    def _open(self, request: pb.StreamBatchesRequest, args: StreamRequest, context: grpc.ServicerContext) -> Stream:
+        """Send the server id, check the request's expect_* fields, and open its stream; aborts with
+        the status each refusal maps to (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION,
+        RESOURCE_EXHAUSTED, UNAVAILABLE while shutting down)."""
+        try:
+            context.send_initial_metadata(((SERVER_ID_KEY, self.loader.server_id),))
+        except grpc.RpcError:  # the client went away already
+            context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
+        try:
+            self._check_expected(request, context)
+            return self.loader.open_stream(args)
         except DatasetNotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.dataset,)))
         except ValueError as e:
@@ -151,6 +250,25 @@ class BatchLoaderService:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RuntimeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, self.redact(str(e)))
+
+    def _check_expected(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext) -> None:
+        """FAILED_PRECONDITION (ErrorDetail type DatasetChangedError) unless the dataset served is the
+        one the request expects. Raises DatasetNotFoundError."""
+        if not (request.expect_num_samples or request.expect_fingerprint or request.expect_build_fingerprint):
+            return
+        differ = expected_mismatch(request, self.info(request.dataset))
+        if not differ:
+            return
+        message = (f"dataset {request.dataset!r} on this server is not the one the client expects: "
+                   f"{'; '.join(differ)} (expected vs served)")
+        log.warning("refused a stream from %s: %s", context.peer(), message)
+        detail = pb.ErrorDetail(type="DatasetChangedError", message=message, dataset=request.dataset)
+        context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+    def _serve(self, stream: Stream, context: grpc.ServicerContext, control: CallControl | None = None):
+        """Send ``stream``'s batches as they come (``Stream.next``) until it is finished, fails, the
+        client goes away, or the server drains; then close it."""
         reason = "finished"
         transport = self.loader.transport
         lag = LagLog(stream, self.loader)
@@ -159,8 +277,20 @@ class BatchLoaderService:
                 if self.loader.draining:
                     reason = "ended: the server is shutting down"
                     context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"the server is shutting down; reconnect to resume at batch {stream.next_index}")
-                if stream.waiting_since is None:
+                                  f"the server is shutting down; reconnect to resume at batch {stream.next_index}"
+                                  if stream.ordered else
+                                  "the server is shutting down; grant the batches not received to another server")
+                if control is not None and control.error is not None:
+                    e = control.error
+                    reason = f"failed: {type(e).__name__} in a control message"
+                    code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError)
+                            else grpc.StatusCode.INVALID_ARGUMENT)
+                    context.abort(code, self.redact(str(e)))
+                if control is not None and control.gone:
+                    reason = "cancelled by the client"
+                    return
+                waits = stream.ordered or bool(stream.granted)  # a call with nothing granted waits for its client
+                if stream.waiting_since is None and waits:
                     stream.waiting_since = time.monotonic()
                 try:
                     batch = stream.next(_POLL_S)
@@ -179,7 +309,10 @@ class BatchLoaderService:
                     if not context.is_active():
                         reason = "cancelled by the client"
                         return
-                    lag.waiting()
+                    if waits:
+                        lag.waiting()
+                    else:
+                        stream.waiting_since = None
                     continue
                 lag.got_batch(batch.batch_index)
                 data = self._send(stream, batch, context)
@@ -244,10 +377,14 @@ class BatchLoaderService:
             log.info("shared-memory session %s closed; %d slots it held went back", request.session[:8], returned)
 
     def ReleaseLeases(self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext):
-        self.loader.transport.release(request)
+        self.loader.count("release_leases_calls")
+        released = self.loader.transport.release(request)
+        if released:
+            self.loader.count("leases_released_by_rpc", released)
         return pb.ReleaseLeasesResponse()
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        self.loader.count("stats_calls")
         reply = stats_to_proto(stats.snapshot(self.loader))
         scope = self._scope(context)
         if scope.datasets is not None:  # a token limited to some datasets sees only their streams
@@ -327,7 +464,8 @@ def _refuse_undecodable(method: str, request: _Undecodable, context: grpc.Servic
 
 def _guarded(method: str, handler, streaming: bool):
     """``handler`` with a catch-all: an exception that is not an abort becomes INTERNAL + a log entry;
-    an undecodable request becomes INVALID_ARGUMENT + a warning.
+    an undecodable request becomes INVALID_ARGUMENT + a warning (a bidirectional call's requests
+    are checked one by one by the handler).
 
     An abort (``context.abort``) raises too; it has set the status (``context.code()``) and passes.
     """
@@ -355,25 +493,31 @@ def _guarded(method: str, handler, streaming: bool):
     return guarded
 
 
-# method -> (request type, response serializer, streaming)
+# method -> (request type, response serializer, kind: "unary", "stream" (server streaming) or "bidi")
 _METHODS = {
-    "ListDatasets": (pb.ListDatasetsRequest, pb.ListDatasetsResponse.SerializeToString, False),
-    "DescribeDataset": (pb.DescribeDatasetRequest, pb.DatasetInfo.SerializeToString, False),
-    "StreamBatches": (pb.StreamBatchesRequest, bytes, True),  # batches come pre-serialized (batchd.wire)
-    "OpenSession": (pb.OpenSessionRequest, pb.SessionEvent.SerializeToString, True),
-    "ReleaseLeases": (pb.ReleaseLeasesRequest, pb.ReleaseLeasesResponse.SerializeToString, False),
-    "Stats": (pb.StatsRequest, pb.StatsResponse.SerializeToString, False),
+    "ListDatasets": (pb.ListDatasetsRequest, pb.ListDatasetsResponse.SerializeToString, "unary"),
+    "DescribeDataset": (pb.DescribeDatasetRequest, pb.DatasetInfo.SerializeToString, "unary"),
+    "StreamBatches": (pb.StreamBatchesRequest, bytes, "stream"),  # batches come pre-serialized (batchd.wire)
+    "Batches": (pb.BatchesControl, bytes, "bidi"),  # ... here too
+    "OpenSession": (pb.OpenSessionRequest, pb.SessionEvent.SerializeToString, "stream"),
+    "ReleaseLeases": (pb.ReleaseLeasesRequest, pb.ReleaseLeasesResponse.SerializeToString, "unary"),
+    "Stats": (pb.StatsRequest, pb.StatsResponse.SerializeToString, "unary"),
 }
+_HANDLERS = {"unary": grpc.unary_unary_rpc_method_handler, "stream": grpc.unary_stream_rpc_method_handler,
+             "bidi": grpc.stream_stream_rpc_method_handler}
 
 
-def add_to_server(service: BatchLoaderService, server: grpc.Server) -> None:
-    """Register ``service``; StreamBatches responses are pre-serialized bytes.
+def add_to_server(service, server: grpc.Server) -> None:
+    """Register ``service`` (a ``BatchLoaderService``, or a stand-in with the same methods; one
+    without ``Batches`` leaves that call unimplemented); StreamBatches and Batches responses are
+    pre-serialized bytes.
 
     Every handler is wrapped by ``_guarded``: no traceback or internal detail reaches a client.
     """
     handlers = {}
-    for method, (request_type, serialize, streaming) in _METHODS.items():
-        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method] = make(_guarded(method, getattr(service, method), streaming=streaming),
-                                request_deserializer=_lenient(request_type), response_serializer=serialize)
+    for method, (request_type, serialize, kind) in _METHODS.items():
+        if not hasattr(service, method):
+            continue
+        handlers[method] = _HANDLERS[kind](_guarded(method, getattr(service, method), streaming=kind != "unary"),
+                                           request_deserializer=_lenient(request_type), response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -3,7 +3,9 @@
 ``snapshot`` only reads: the counters it reports are kept where the work happens (``Stream``:
 batches/samples/bytes sent, what the client took, bytes copied, samples skipped; ``WorkerPool``:
 restarts, worker seconds; ``Transport``: bytes copied per transport; ``Loader.counters``: streams
-started and ended, the sent figures of closed streams).
+started and ended, the sent figures of closed streams, and the control path: unary calls served
+by method, Batches calls' control messages, grants, revokes and leases released, so that a
+benchmark or a test can put them per batch).
 
 Sent and taken. ``batches_sent``/``samples_sent`` count what was handed to gRPC, which buffers
 ahead of the client; ``batches_taken``/``samples_taken`` what the client's iterator handed to its
@@ -124,7 +126,7 @@ class BusyClock:
 
 @dataclass(frozen=True, slots=True)
 class StreamStats:
-    """One open StreamBatches call."""
+    """One open StreamBatches or Batches call."""
 
     id: int
     peer: str  # the client's address as gRPC reports it ("" if unknown)
@@ -155,6 +157,8 @@ class StreamStats:
     wait_ratio: float = 0.0  # the client's training loop: fraction of its time waiting for data (as it reports), 0..1
     verdict: str = ""  # the client's profile verdict ("" when it reports none)
     reports_wait: bool = False  # the client reported a wait ratio
+    call: str = "StreamBatches"  # or "Batches" (the client grants; next_batch: the lowest granted not sent)
+    granted: int = 0  # batches granted and neither sent nor revoked (StreamBatches: within prefetch)
 
     @property
     def batches_ahead(self) -> int:
@@ -215,6 +219,17 @@ class Totals:
     hedge_streams_started: int = 0  # hedged requests (one late batch re-requested by a client of several servers)
     hedge_batches_built: int = 0  # batches workers built for them
     hedge_batches_sent: int = 0  # batches sent on them
+    # the control path (issue 26): unary calls served, by method
+    describe_dataset_calls: int = 0
+    list_datasets_calls: int = 0
+    release_leases_calls: int = 0
+    stats_calls: int = 0
+    batches_calls_started: int = 0  # Batches calls opened (also in streams_started)
+    control_messages: int = 0  # BatchesControl messages received (the open included)
+    batches_granted: int = 0  # batch indices granted on Batches calls
+    batches_revoked: int = 0  # ... revoked before they were sent
+    leases_released_on_calls: int = 0  # leases released by BatchesControl.release
+    leases_released_by_rpc: int = 0  # ... by ReleaseLeases.leases
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +270,10 @@ class ServerStats:
 # Loader.counters keys, for the streams that have closed (open ones are added by snapshot).
 ENDED = ("streams_finished", "streams_failed", "streams_cancelled")
 SENT = ("batches_sent", "samples_sent", "bytes_sent", "samples_skipped")
+# Loader.counters keys of the control path (Loader.count), reported as they are
+CONTROL = ("describe_dataset_calls", "list_datasets_calls", "release_leases_calls", "stats_calls",
+           "batches_calls_started", "control_messages", "batches_granted", "batches_revoked",
+           "leases_released_on_calls", "leases_released_by_rpc")
 
 
 def stream_outcome(stream: "Stream") -> str:
@@ -300,6 +319,8 @@ def stream_stats(stream: "Stream", now: float) -> StreamStats:
         wait_ratio=stream.wait_ratio or 0.0,
         verdict=stream.verdict,
         reports_wait=stream.wait_ratio is not None,
+        call="StreamBatches" if stream.ordered else "Batches",
+        granted=stream.outstanding,
     )
 
 
@@ -352,6 +373,7 @@ def snapshot(loader: "Loader") -> ServerStats:
         hedge_batches_built=pool.hedge_batches_built,
         hedge_batches_sent=counters.get("hedge_batches_sent", 0)
         + sum(s.batches_sent for s in loader_streams if s.request.hedge),
+        **{k: counters.get(k, 0) for k in CONTROL},
     )
     return ServerStats(
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,

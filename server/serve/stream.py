@@ -1,14 +1,28 @@
-"""Streams: one StreamBatches call's cursor into a (possibly shared) computation (``computation.py``),
-and what it sent and what its client took (for stats)."""
+"""Streams: one call's cursor into a (possibly shared) computation (``computation.py``), what it
+was granted, what it sent and what its client took (for stats).
+
+Two kinds, one machinery. A StreamBatches call is *ordered*: the server grants on the client's
+behalf every stride-th batch from ``position``, ``prefetch`` ahead, up to ``end``, and sends them
+in index order. A Batches call is *granted*: its client grants batch indices (``grant``; each at
+most once per call, at most ``max_grants`` granted and unsent), takes grants back (``revoke``),
+and the stream sends any granted batch that is built, lowest index first. Its ``position`` is its
+lowest granted batch not yet sent (one past the highest it ever granted while none is
+outstanding).
+
+The grant state (``granted``, ``ready``, ``position``) changes only under the stream's
+computation's lock; stats read it without (an int, a ``len``).
+"""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import time
 
 import numpy as np
 
+from batchd.errors import ResourceExhaustedError
 from batchd.server.serve.computation import Computation, ReadyBatch, _Moved
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.serve.stats import RateMeter
@@ -21,15 +35,28 @@ VERDICTS = frozenset({"trainer-bound", "storage-bound", "cpu-bound", "transport-
 
 
 class Stream:
-    """One StreamBatches call: a client's position in a (possibly shared) computation."""
+    """One StreamBatches call (``request.granted`` false: ordered) or Batches call (granted): a
+    client's place in a (possibly shared) computation."""
 
     def __init__(self, request: StreamRequest, num_batches: int):
         self.id = next(_stream_ids)
         self.request = request
+        self.ordered = not request.granted
         self.num_batches = num_batches  # in the epoch (its remainder from request.start_position) for this shard
         self.end = min(num_batches, request.end_batch or num_batches)  # the stream stops before this batch
         self.prefetch = request.prefetch
-        self.position = request.first_batch  # the batch this client gets next (steps by request.stride)
+        # ordered: the batch this client gets next (steps by request.stride); granted: the lowest granted not sent
+        self.position = request.first_batch if self.ordered else 0
+        # --- a Batches call's grants (under the computation's lock) ---------------------------------
+        self.granted: dict[int, None] = {}  # granted, not sent, not revoked (grant order)
+        self.ready: set[int] = set()  # ... of them built
+        self._ever = bytearray(0 if self.ordered else num_batches)  # 1: granted once on this call
+        self._low: list[int] = []  # heap of granted indices (stale ones popped lazily)
+        self._high = 0  # one past the highest index granted
+        self.granted_total = 0
+        self.revoked_total = 0
+        self.half_closed = False  # the client will grant nothing more
+        self.interrupted = False  # stop waiting: the call ends (a control error)
         self.computation: Computation | None = None
         self.closed = False  # set by Loader.close_stream; a closed stream is never moved
         self._from: Computation | None = None  # the computation of the batch being sent
@@ -104,13 +131,113 @@ class Stream:
 
     @property
     def finished(self) -> bool:
-        return self.position >= self.end
+        """Ordered: sent its last batch. Granted: the client half-closed and every grant was sent (or revoked)."""
+        if self.ordered:
+            return self.position >= self.end
+        return self.half_closed and not self.granted
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to wait for: finished, or (granted) the call is being ended."""
+        return self.finished or self.interrupted
 
     @property
     def batches_due(self) -> int:
-        """Batches this stream sends in all (every stride-th from its first one, up to ``end``)."""
+        """Batches this stream sends in all: ordered, every stride-th from its first one up to
+        ``end``; granted, those granted and not revoked so far."""
+        if not self.ordered:
+            return self.granted_total - self.revoked_total
         first, stride = self.request.first_batch, self.request.stride
         return max(0, -(-(self.end - first) // stride))
+
+    @property
+    def outstanding(self) -> int:
+        """Batches granted and not yet sent (ordered: those of its prefetch window)."""
+        if not self.ordered:
+            return len(self.granted)
+        return len(range(self.position, min(self.end, self.position + self.prefetch * self.request.stride),
+                         self.request.stride))
+
+    # --- grants (called by the computation, under its lock) -----------------------------------------
+
+    def needs(self, b: int) -> bool:
+        """The stream will send batch b if it is built (an ordered stream: any of its batches from
+        its position on; granted: a batch granted and not sent)."""
+        if not self.ordered:
+            return b in self.granted
+        r = self.request
+        return self.position <= b < self.end and (b - r.first_batch) % r.stride == 0
+
+    def wants(self, b: int) -> bool:
+        """Batch b is granted: to be built now (an ordered stream: within ``prefetch`` of its position)."""
+        if not self.ordered:
+            return b in self.granted
+        return self.needs(b) and b < self.position + self.prefetch * self.request.stride
+
+    def wanted(self) -> list[int]:
+        """Every batch granted now, in grant order."""
+        if not self.ordered:
+            return list(self.granted)
+        stride = self.request.stride
+        return list(range(self.position, min(self.end, self.position + self.prefetch * stride), stride))
+
+    def check_grants(self, indices, max_grants: int) -> None:
+        """Raises ValueError naming an index out of [0, num_batches) or granted before on this call
+        (or twice in ``indices``), ResourceExhaustedError if the grants not yet sent would exceed
+        ``max_grants``."""
+        seen = set()
+        for b in indices:
+            if not 0 <= b < self.num_batches:
+                raise ValueError(f"grant: batch {b} is not in [0, {self.num_batches}) (the epoch's batches)")
+            if self._ever[b] or b in seen:
+                raise ValueError(f"grant: batch {b} was already granted on this call")
+            seen.add(b)
+        if len(self.granted) + len(seen) > max_grants:
+            raise ResourceExhaustedError(
+                f"grant: {len(self.granted) + len(seen)} batches granted and not yet sent on this call, more than "
+                f"the server's max_grants={max_grants}")
+
+    def add_grant(self, b: int) -> None:
+        self.granted[b] = None
+        self._ever[b] = 1
+        heapq.heappush(self._low, b)
+        self._high = max(self._high, b + 1)
+        self.granted_total += 1
+        self._lowest()
+
+    def sent(self, b: int, *, revoked: bool = False) -> None:
+        """Granted batch b is being sent (or was revoked): no longer outstanding."""
+        del self.granted[b]
+        self.ready.discard(b)
+        if revoked:
+            self.revoked_total += 1
+        self._lowest()
+
+    def _lowest(self) -> None:
+        low = self._low
+        while low and low[0] not in self.granted:
+            heapq.heappop(low)
+        self.position = low[0] if low else self._high
+
+    # --- the call's side -----------------------------------------------------------------------------
+
+    def grant(self, indices, *, max_grants: int) -> None:
+        """Grant batch indices (a Batches call). Raises as ``check_grants``."""
+        self.computation.grant(self, indices, max_grants=max_grants)
+
+    def revoke(self, indices) -> int:
+        """Take grants back (a Batches call); returns how many were outstanding."""
+        return self.computation.revoke(self, indices)
+
+    def interrupt(self, *, half_closed: bool = False) -> None:
+        """The client half-closed (``half_closed``), or the call must end now: wake its waiting sender."""
+        if half_closed:
+            self.half_closed = True
+        else:
+            self.interrupted = True
+        c = self.computation
+        if c is not None:
+            c.wake()
 
     def release(self, batch: ReadyBatch, *, sent: bool = True) -> None:
         """The batch was sent (copied into a message, or its slot lent under a lease that holds a
@@ -155,5 +282,5 @@ class Stream:
         self.wait_reported_at = time.monotonic()
 
     def backlog(self) -> tuple[int, int]:
-        """(batches being built, batches built and waiting) in this stream's computation."""
-        return self.computation.backlog(self.position) if self.computation is not None else (0, 0)
+        """(batches being built, batches built and waiting) for this stream (``Computation.backlog``)."""
+        return self.computation.backlog(self) if self.computation is not None else (0, 0)

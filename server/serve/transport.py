@@ -29,7 +29,8 @@ the batches of shared-memory streams that fell back to inline), since the server
 
 ``Transport.release`` applies a ReleaseLeases request: leases the client freed, a call it
 abandoned (see ``LeaseTable.abandon``), and the progress it reports per call, which become the
-stream's ``batches_taken`` / ``samples_taken`` (``Stream.took``).
+stream's ``batches_taken`` / ``samples_taken`` (``Stream.took``). A Batches call carries the same
+on the call itself (``release_leases``, ``progress``), without a unary call per batch.
 """
 
 from __future__ import annotations
@@ -152,23 +153,39 @@ class Transport:
                 self.stage_seconds[stage] += getattr(timings, name)
         return timings
 
-    def release(self, request: pb.ReleaseLeasesRequest) -> None:
-        """Apply a ReleaseLeases request (leases freed, a call abandoned, progress per call)."""
+    def release(self, request: pb.ReleaseLeasesRequest) -> int:
+        """Apply a ReleaseLeases request (leases freed, a call abandoned, progress per call).
+        Returns how many leases it released (the abandoned ones not counted)."""
         session = request.session
-        released = self.leases.release(session, request.leases) if request.leases else []
+        released = self.release_leases(session, request.leases) if request.leases else 0
         if request.abandoned_stream:
             self.leases.abandon(session, request.abandoned_stream, request.received_leases)
         with self._lock:
-            credited = [(self._open.get(lease.stream), lease.samples) for lease in released]
             reported = [(self._tags.get((session, p.stream_tag)), p) for p in request.progress if p.stream_tag]
+        for stream, p in reported:
+            if stream is not None:
+                progress(stream, p)
+        return released
+
+    def release_leases(self, session: str, leases) -> int:
+        """The client freed ``leases`` of ``session`` (ReleaseLeasesRequest.leases, or a Batches call's
+        BatchesControl.release): their slots go back, and each counts as taken on the stream it was
+        sent on (until that stream's client reports progress). Unknown ids are ignored. Returns how
+        many were released."""
+        released = self.leases.release(session, leases)
+        with self._lock:
+            credited = [(self._open.get(lease.stream), lease.samples) for lease in released]
         for stream, samples in credited:
             if stream is not None:
                 stream.took(1, samples, reported=False)
-        for stream, p in reported:
-            if stream is not None:
-                stream.took(p.batches_taken, p.samples_taken, reported=True)
-                if p.verdict:  # a client that profiles its loop (batchd.client.timings)
-                    stream.client_waits(p.wait_ratio, p.verdict)
+        return len(released)
+
+
+def progress(stream: Stream, p: pb.StreamProgress) -> None:
+    """What ``stream``'s client reports it took (StreamProgress; its stream_tag is not read)."""
+    stream.took(p.batches_taken, p.samples_taken, reported=True)
+    if p.verdict:  # a client that profiles its loop (batchd.client.timings)
+        stream.client_waits(p.wait_ratio, p.verdict)
 
 
 def ragged_fields(t: TensorLayout) -> dict[str, Any]:

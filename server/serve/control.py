@@ -1,0 +1,138 @@
+"""The client's side of one Batches call: its ``BatchesControl`` messages, read on a thread of their own.
+
+A bidirectional call's request iterator blocks until the client sends, half-closes or goes away,
+so the servicer's generator (which sends the batches and must poll ``context.is_active()``) never
+reads it: ``CallControl`` starts a thread per call that does.
+
+* The first message must carry ``open`` (INVALID_ARGUMENT otherwise); the servicer waits for it
+  (``wait_open``), opens the stream, and hands it over (``attach``). The thread applies nothing
+  before that; the rest of the first message (grants in the same message) is applied then.
+* Each later message is applied to the stream as it arrives (``apply``): grants, revokes, leases
+  released, progress. A message that is not a valid ``BatchesControl``, a second ``open``, or a
+  grant the stream refuses (``Stream.check_grants``: ValueError, ResourceExhaustedError) ends
+  reading: ``error`` holds the exception and the stream is interrupted, so the servicer ends the
+  call with it at once.
+* The client half-closing (the iterator ends) marks the stream ``half_closed``: the call ends once
+  every grant was sent. The call going away (the iterator raises) interrupts it (``gone``).
+
+The thread never outlives the call: gRPC ends the request iterator when the call ends, and
+``detach`` stops it from applying anything more. Counters (``count(key, n)``): control_messages,
+batches_granted, batches_revoked, leases_released_on_calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Iterator
+
+import grpc
+
+from batchd.server.serve.stream import Stream
+from batchd.server.serve.transport import Transport, progress
+from batchd.v1 import loader_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_ATTACH_POLL_S = 0.25
+
+
+class CallControl:
+    """Reads one Batches call's requests on a daemon thread (see the module doc).
+
+    requests: the call's request iterator (items: ``pb.BatchesControl``, or anything else for a
+    message that did not parse). is_active: whether the call is still on (``context.is_active``).
+    transport: releases leases and credits progress. max_grants: the server's bound on a call's
+    grants not yet sent. count(key, n): the server's counters.
+    """
+
+    def __init__(self, requests: Iterator, *, is_active: Callable[[], bool], transport: Transport, max_grants: int,
+                 count: Callable[[str, int], None], name: str = "batchd-batches"):
+        self._requests = requests
+        self._is_active = is_active
+        self._transport = transport
+        self._max_grants = max_grants
+        self._count = count
+        self._lock = threading.Lock()
+        self._opened = threading.Event()  # open arrived, or reading ended before it
+        self._attached = threading.Event()  # the servicer handed over the stream (or gave up)
+        self.open: pb.StreamBatchesRequest | None = None
+        self._first: pb.BatchesControl | None = None
+        self._stream: Stream | None = None
+        self.error: BaseException | None = None  # why reading stopped early (the call must end with it)
+        self.gone = False  # the call went away (cancelled, deadline, connection lost)
+        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
+        self._thread.start()
+
+    # --- the servicer's side ---------------------------------------------------------------------
+
+    def wait_open(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the first message; True once reading got that far
+        (``open`` is set, or ``error``/``gone`` say why not)."""
+        return self._opened.wait(timeout)
+
+    def attach(self, stream: Stream) -> None:
+        """The stream is open: apply the first message's grants and everything after it to ``stream``."""
+        with self._lock:
+            self._stream = stream
+        self._attached.set()
+
+    def detach(self) -> None:
+        """The call is ending: apply nothing more (and stop waiting for ``attach``)."""
+        with self._lock:
+            self._stream = None
+        self._attached.set()
+
+    # --- the reading thread ------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        half_closed = False
+        try:
+            for msg in self._requests:
+                self._count("control_messages", 1)
+                if not isinstance(msg, pb.BatchesControl):
+                    raise ValueError("Batches: a BatchesControl message is not a valid protobuf message")
+                if self.open is None:
+                    if not msg.HasField("open"):
+                        raise ValueError("Batches: the first BatchesControl must carry `open` (what to stream)")
+                    self.open, self._first = msg.open, msg
+                    self._opened.set()
+                    while not self._attached.wait(_ATTACH_POLL_S):  # the servicer opens the stream
+                        if not self._is_active():
+                            raise grpc.RpcError("the call ended")
+                    msg.ClearField("open")
+                elif msg.HasField("open"):
+                    raise ValueError("Batches: `open` is allowed in the first BatchesControl of a call only")
+                if not self.apply(msg):
+                    return
+            half_closed = True
+        except grpc.RpcError:  # the request iterator raises once the call is over
+            self.gone = True
+        except Exception as e:
+            self.error = e
+        finally:
+            self._opened.set()
+            with self._lock:
+                stream = self._stream
+            if stream is not None:
+                stream.interrupt(half_closed=half_closed and self.error is None)
+
+    def apply(self, msg: pb.BatchesControl) -> bool:
+        """Apply one message to the attached stream: grants first, then revokes, releases, progress.
+        False if no stream is attached any more (the call is ending). Raises ValueError or
+        ResourceExhaustedError for a grant the stream refuses (nothing of that message granted)."""
+        with self._lock:
+            stream = self._stream
+        if stream is None:
+            return False
+        if msg.grant:
+            stream.grant(list(msg.grant), max_grants=self._max_grants)
+            self._count("batches_granted", len(msg.grant))
+        if msg.revoke:
+            self._count("batches_revoked", stream.revoke(list(msg.revoke)))
+        if msg.release and stream.request.session:
+            self._count("leases_released_on_calls",
+                        self._transport.release_leases(stream.request.session, list(msg.release)))
+        if msg.HasField("progress"):
+            progress(stream, msg.progress)
+        return True
