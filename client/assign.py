@@ -106,7 +106,7 @@ class Lane:
     hedges: set[int] = field(default_factory=set)  # of outstanding: granted as hedges
     open: bool = False  # a call is up: it may be granted batches
     stalled: bool = False  # its oldest grant is late: no new grants until something arrives
-    held: int = 0  # batches it sent first that wait here (not yet taken)
+    held: set[int] = field(default_factory=set)  # batches it sent first that wait here (not yet taken)
     window: int = 1
     last_arrival: float | None = None
     busy_since: float | None = None  # when it last went from no grant to some
@@ -116,12 +116,21 @@ class Lane:
     hedges_wasted: int = 0
     duplicates: int = 0  # copies that arrived after another (dropped)
 
-    def room(self) -> int:
-        """Grants it may take now (negative: a hedge took it past its window)."""
+    def room(self, b: int | None = None) -> int:
+        """Grants it may take now (negative: a hedge took it past its window), for batch ``b``:
+        over shared memory its leases limit it too, unless ``b`` comes before every batch it
+        holds here (those wait for b: refusing it would deadlock the loop on its own leases)."""
         room = self.window - len(self.outstanding)
-        if self.lease_limit is not None:
-            room = min(room, self.lease_limit - self.held - len(self.outstanding))
+        if self.lease_limit is not None and not (b is not None and self.held and b < min(self.held)):
+            room = min(room, self.lease_limit - len(self.held) - len(self.outstanding))
         return room
+
+    def lease_room(self, b: int) -> bool:
+        """Whether a hedge of ``b`` may go to it (its window may be exceeded, its leases not, as
+        in ``room``)."""
+        if self.lease_limit is None or (self.held and b < min(self.held)):
+            return True
+        return self.lease_limit - len(self.held) - len(self.outstanding) > 0
 
     def expected(self) -> float:
         """Seconds until it would deliver one more batch granted now (its queue, then that one)."""
@@ -197,8 +206,6 @@ class Assigner:
         lane = self.lanes.pop(key, None)
         if lane is None:
             return []
-        if key in self._stride:
-            self._stride.remove(key)
         lost = []
         for b in lane.outstanding:
             holders = self._holders.get(b)
@@ -251,7 +258,7 @@ class Assigner:
             self._size(lane, horizon)
         limit = min(self.total, self.base + self.lookahead())
         while self._lost:  # first what lanes that went down held
-            lane = self._pick(working)
+            lane = self._pick(working, self._lost[0])
             if lane is None:
                 return grants
             self._grant(lane, heapq.heappop(self._lost), now, grants)
@@ -259,7 +266,7 @@ class Assigner:
             self._plan_stride(working, limit, now, grants)
             return grants
         while self.next_new < limit:
-            lane = self._pick(working)
+            lane = self._pick(working, self.next_new)
             if lane is None:
                 break
             self._grant(lane, self.next_new, now, grants)
@@ -272,12 +279,12 @@ class Assigner:
             if b in self._ahead:
                 continue
             owner = self.lanes.get(self._stride[(b - self.start) % n]) if n else None
-            if owner is not None and owner.open:
-                if owner.stalled or owner.room() <= 0:
-                    continue  # its own batch: it waits for room
+            if owner is not None:
+                if not owner.open or owner.stalled or owner.room(b) <= 0:
+                    continue  # its own batch: it waits (for its call, or for room)
                 lane = owner
-            else:  # (its owner is not working now: whoever has room)
-                lane = self._pick(working)
+            else:  # (its owner left: whoever has room)
+                lane = self._pick(working, b)
                 if lane is None:
                     continue
             self._grant(lane, b, now, grants)
@@ -286,12 +293,12 @@ class Assigner:
             self._ahead.discard(self.next_new)
             self.next_new += 1
 
-    def _pick(self, working: list[Lane]) -> Lane | None:
-        """The lane with room that would finish one more batch soonest (unknown rates: the one
+    def _pick(self, working: list[Lane], b: int) -> Lane | None:
+        """The lane with room for batch b that would finish it soonest (unknown rates: the one
         with the fewest grants)."""
         best, best_key = None, None
         for lane in working:
-            if lane.room() <= 0:
+            if lane.room(b) <= 0:
                 continue
             key = (lane.expected(), len(lane.outstanding), lane.order)
             if best_key is None or key < best_key:
@@ -332,7 +339,7 @@ class Assigner:
             lane.last_arrival = now
             return Arrival(False, {})
         self._arrived[b] = key
-        lane.held += 1
+        lane.held.add(b)
         lane.delivered += 1
         if nbytes:
             self.batch_bytes = nbytes if not self.batch_bytes else 0.8 * self.batch_bytes + 0.2 * nbytes
@@ -356,9 +363,11 @@ class Assigner:
         threshold = self.threshold(lane)
         late = was_hedge or bool(revoke) or (threshold is not None and now - granted_at > threshold)
         if not late:  # (a late batch is not counted in the pace: a stall would raise the bar)
-            since = lane.last_arrival if lane.last_arrival is not None else lane.busy_since
-            if since is not None and lane.busy_since is not None:
-                since = max(since, lane.busy_since)
+            # the gap since the previous batch, or since the lane got work after it ran dry; not
+            # for its first batch of the iteration (that one includes opening the call)
+            since = None
+            if lane.last_arrival is not None and lane.busy_since is not None:
+                since = max(lane.last_arrival, lane.busy_since)
             lane.pace.record(None if since is None else now - since, now - granted_at, work)
         lane.last_arrival = now
         return Arrival(True, revoke)
@@ -371,7 +380,7 @@ class Assigner:
         key = self._arrived.pop(b)
         lane = self.lanes.get(key)
         if lane is not None:
-            lane.held -= 1
+            lane.held.discard(b)
         self.base += 1
         if self.budget is not None:
             self.budget.earn()
@@ -385,7 +394,7 @@ class Assigner:
             return
         lane = self.lanes.get(key)
         if lane is not None:
-            lane.held -= 1
+            lane.held.discard(b)
             lane.delivered -= 1
         heapq.heappush(self._lost, b)
 
@@ -468,8 +477,7 @@ class Assigner:
         beyond its window allowed; over shared memory its lease limit still holds), if the
         budget allows. False when it did not."""
         candidates = [lane for lane in self.working() if lane is not slow and not lane.stalled
-                      and b not in lane.outstanding
-                      and (lane.lease_limit is None or lane.lease_limit - lane.held - len(lane.outstanding) > 0)]
+                      and b not in lane.outstanding and lane.lease_room(b)]
         if not candidates or self.budget is None or not self.budget.can_spend():
             return False
         lane = min(candidates, key=lambda x: (x.expected(), len(x.outstanding), x.order))
