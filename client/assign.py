@@ -10,7 +10,8 @@ decision, on plain objects (no threads, no network, no clock of its own: ``now``
   across iterations: its rate and latencies).
 * **Windows (credits).** A lane may hold ``window`` grants outstanding. Windows are sized to one
   common *horizon* H, in seconds: ``window = ceil(rate x H)`` (at least ``floor``, the loader's
-  ``prefetch``; at most ``MAX_WINDOW``), where rate is the server's measured rate (batches per
+  ``prefetch``; at most ``MAX_WINDOW``; 1 for a server that joins while the others' rates are
+  known, until its own is: its first batch includes its start), where rate is the server's measured rate (batches per
   second while it had work) and H = max(``MIN_HORIZON_S``, the slowest server's median worker
   time per batch + ``HEADROOM_S``). A server then has enough in flight to keep its workers busy
   (rate x worker time = busy workers; a window that limits it grows by at least one per batch)
@@ -132,9 +133,11 @@ class Lane:
             return True
         return self.lease_limit - len(self.held) - len(self.outstanding) > 0
 
-    def expected(self) -> float:
-        """Seconds until it would deliver one more batch granted now (its queue, then that one)."""
-        return (len(self.outstanding) + 1) / self.pace.rate if self.pace.rate > 0 else math.inf
+    def expected(self, default_rate: float) -> float:
+        """Seconds until it would deliver one more batch granted now (its queue, then that one);
+        ``default_rate`` stands for its rate while it has none (a server that just joined)."""
+        rate = self.pace.rate or default_rate
+        return (len(self.outstanding) + 1) / rate if rate > 0 else math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +236,9 @@ class Assigner:
             lane.window = self.floor
             return
         rate = lane.pace.rate
+        if rate <= 0 and any(other.pace.rate > 0 for other in self.lanes.values()):
+            lane.window = 1  # joined a running iteration: one batch until its pace is known (its first is slow)
+            return
         want = math.ceil(rate * (self.horizon() if horizon is None else horizon)) if rate > 0 else 0
         lane.window = max(self.floor, min(MAX_WINDOW, want))
 
@@ -297,13 +303,21 @@ class Assigner:
         """The lane with room for batch b that would finish it soonest (unknown rates: the one
         with the fewest grants)."""
         best, best_key = None, None
+        default = self._default_rate(working)
         for lane in working:
             if lane.room(b) <= 0:
                 continue
-            key = (lane.expected(), len(lane.outstanding), lane.order)
+            key = (lane.expected(default), len(lane.outstanding), lane.order)
             if best_key is None or key < best_key:
                 best, best_key = lane, key
         return best
+
+    @staticmethod
+    def _default_rate(lanes: list[Lane]) -> float:
+        """The rate a lane not measured yet is taken to have: the others' mean (as fast as they
+        are, so that it gets work and is measured), 0.0 when none is measured."""
+        rates = [lane.pace.rate for lane in lanes if lane.pace.rate > 0]
+        return sum(rates) / len(rates) if rates else 0.0
 
     def _grant(self, lane: Lane, b: int, now: float, grants: dict, hedge: bool = False) -> None:
         if not lane.outstanding:
@@ -480,7 +494,8 @@ class Assigner:
                       and b not in lane.outstanding and lane.lease_room(b)]
         if not candidates or self.budget is None or not self.budget.can_spend():
             return False
-        lane = min(candidates, key=lambda x: (x.expected(), len(x.outstanding), x.order))
+        default = self._default_rate(candidates)
+        lane = min(candidates, key=lambda x: (x.expected(default), len(x.outstanding), x.order))
         self.budget.spend()
         lane.hedges_issued += 1
         self._count("hedges_issued")
