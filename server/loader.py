@@ -242,6 +242,7 @@ class Loader:
         computation = Computation(request, indices, min(n, request.end_batch or n), release_slot=self._release_slot,
                                   window=self.config.share_window)
         computation.on_fall_behind = self._fell_behind
+        computation.on_grant = self.pool.wake
         computation.attach(stream, first=True)
         self._computations.setdefault(request.key, []).append(computation)
         self.counters["computations_started"] += 1

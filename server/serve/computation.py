@@ -130,6 +130,7 @@ class Computation:
         self.slot_hint = 0  # bytes of the last batch: the slot size to ask for next
         self.samples_skipped = 0
         self.on_fall_behind: Callable[[Stream], None] = lambda stream: None
+        self.on_grant: Callable[[], None] = lambda: None  # new work: wake the pool (Loader sets it)
 
     # --- readers -----------------------------------------------------------------------------
 
@@ -361,7 +362,10 @@ class Computation:
             if not stream.ready:
                 return None
             b = min(stream.ready)
-            batch = self._ready[b]
+            batch = self._ready.get(b)
+            if batch is None:  # closed: its built batches went back
+                stream.ready.discard(b)
+                return None
             stream.sent(b)
         self._users[b] += 1
         return batch
@@ -398,6 +402,7 @@ class Computation:
                 else:
                     self._want(b)
             self._cond.notify_all()
+        self.on_grant()
 
     def revoke(self, stream: Stream, indices) -> int:
         """A Batches call's client takes grants back: those not sent yet are not sent (a built copy

@@ -283,6 +283,7 @@ class BatchLoaderService:
                 if control is not None and control.error is not None:
                     e = control.error
                     reason = f"failed: {type(e).__name__} in a control message"
+                    stream.failed = True
                     code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError)
                             else grpc.StatusCode.INVALID_ARGUMENT)
                     context.abort(code, self.redact(str(e)))
@@ -296,6 +297,7 @@ class BatchLoaderService:
                     batch = stream.next(_POLL_S)
                 except (SampleError, ShapeMismatchError, WorkerError, ResourceExhaustedError, ValueError, TypeError) as e:
                     reason = f"failed: {type(e).__name__}"
+                    stream.failed = True
                     _abort_with_detail(context, stream.request.dataset, e, self.redact)
                     return
                 if transport.abandoned(stream):

@@ -280,7 +280,7 @@ def stream_outcome(stream: "Stream") -> str:
     """How a closed stream ended: one of ``ENDED``."""
     if stream.finished:
         return "streams_finished"
-    if stream.error is not None:
+    if stream.failed or stream.error is not None:
         return "streams_failed"
     return "streams_cancelled"
 

@@ -41,10 +41,18 @@ pytestmark = pytest.mark.timeout(180)
 TOKEN_A = "team-a-token-0123456789abcdef"
 TOKEN_ADMIN = "admin-token-fedcba9876543210"
 SERVICE = "/batchd.v1.BatchLoader/"
-METHODS = {  # name -> response streaming
-    "ListDatasets": False, "DescribeDataset": False, "StreamBatches": True, "OpenSession": True,
-    "ReleaseLeases": False, "Stats": False,
+METHODS = {  # name -> kind: unary, stream (server streaming), bidi (the request a stream of one message)
+    "ListDatasets": "unary", "DescribeDataset": "unary", "StreamBatches": "stream", "Batches": "bidi",
+    "OpenSession": "stream", "ReleaseLeases": "unary", "Stats": "unary",
 }
+
+
+def _streaming_call(channel, method: str, payload: bytes, **kw):
+    """A server-streaming or bidi call of ``method`` with ``payload`` as its (one) serialized request."""
+    if METHODS[method] == "bidi":
+        return channel.stream_stream(SERVICE + method, request_serializer=None, response_deserializer=None)(
+            iter([payload]), **kw)
+    return channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)(payload, **kw)
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -161,9 +169,8 @@ def auth_server(make_server, data, monkeypatch):
 def _raw_call(address, method, payload: bytes, *, metadata=(), timeout=5.0, tls=None):
     """Call ``method`` with ``payload`` as the serialized request; (code, details, responses)."""
     with make_channel(address, tls=tls) as channel:
-        if METHODS[method]:
-            call = channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
-            it = call(payload, metadata=metadata, timeout=timeout)
+        if METHODS[method] != "unary":
+            it = _streaming_call(channel, method, payload, metadata=metadata, timeout=timeout)
             got = []
             try:
                 for msg in it:
@@ -296,11 +303,12 @@ def test_token_scopes_datasets(auth_server, caplog):
         messages[name] = str(e.value).replace(name, "NAME")
         with pytest.raises(batchd.PermissionDeniedError):
             describe_dataset(address, name, token=TOKEN_A)
-        # StreamBatches itself checks too (not only DescribeDataset)
-        request = pb.StreamBatchesRequest(dataset=name, batch_size=1).SerializeToString()
-        code, details, _ = _raw_call(address, "StreamBatches", request, metadata=_bearer(TOKEN_A))
-        assert code == grpc.StatusCode.PERMISSION_DENIED
-        assert details.replace(name, "NAME") == messages[name]
+        # StreamBatches and Batches themselves check too (not only DescribeDataset)
+        request = pb.StreamBatchesRequest(dataset=name, batch_size=1)
+        for method, payload in (("StreamBatches", request), ("Batches", pb.BatchesControl(open=request, grant=[0]))):
+            code, details, got = _raw_call(address, method, payload.SerializeToString(), metadata=_bearer(TOKEN_A))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and not got, method
+            assert details.replace(name, "NAME") == messages[name], method
     assert messages["tiny-b"] == messages["no-such-dataset"], messages
     # the admin token reads everything; an unknown name is then simply not found
     with pytest.raises(batchd.DatasetNotFoundError):
@@ -421,8 +429,10 @@ def test_dataset_names_are_names_not_paths(make_server, data, monkeypatch):
             # the client refuses an empty name itself; the server is asked below all the same
             with pytest.raises(ValueError if name == "" else batchd.DatasetNotFoundError):
                 batchd.RemoteDataLoader(server.address, name, connect_timeout=5)
-            request = pb.StreamBatchesRequest(dataset=name, batch_size=1).SerializeToString()
-            code, _, _ = _raw_call(server.address, "StreamBatches", request)
+            request = pb.StreamBatchesRequest(dataset=name, batch_size=1)
+            code, _, _ = _raw_call(server.address, "StreamBatches", request.SerializeToString())
+            assert code == grpc.StatusCode.NOT_FOUND, name
+            code, _, _ = _raw_call(server.address, "Batches", pb.BatchesControl(open=request).SerializeToString())
             assert code == grpc.StatusCode.NOT_FOUND, name
         for preset in (str(preset_file), "../preset.json", "/etc/passwd"):
             with pytest.raises(ValueError, match="unknown pipeline preset"):
@@ -799,9 +809,8 @@ def test_random_and_malformed_requests_leave_the_server_serving(make_server, dat
 
     def call(who: str, method: str, payload: bytes) -> None:
         channel = channels[who]
-        if METHODS[method]:
-            it = channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)(
-                payload, timeout=3)
+        if METHODS[method] != "unary":
+            it = _streaming_call(channel, method, payload, timeout=3)
             try:
                 for _ in it:  # one message is enough (an open session would stream nothing more)
                     seen_codes["OK"] = seen_codes.get("OK", 0) + 1
@@ -873,9 +882,14 @@ def test_random_and_malformed_requests_leave_the_server_serving(make_server, dat
                                                     st.text(max_size=40))),
         st.tuples(st.sampled_from(["ListDatasets", "Stats"]), st.just(b"")),
     )
+    batches_control = st.builds(  # a Batches call's one message: open, and grants in or out of range
+        lambda req, grants, revokes: pb.BatchesControl(open=pb.StreamBatchesRequest.FromString(req), grant=grants,
+                                                       revoke=revokes).SerializeToString(),
+        stream_request, st.lists(st.integers(0, 5) | u64, max_size=6), st.lists(u64, max_size=3))
     request = st.one_of(
         st.tuples(st.sampled_from(sorted(METHODS)), st.binary(max_size=300)),  # random bytes to every RPC
         st.tuples(st.just("StreamBatches"), stream_request),
+        st.tuples(st.just("Batches"), batches_control),
         other_requests,
     )
 
