@@ -108,10 +108,12 @@ class Stream:
         return self.computation.indices
 
     def next(self, timeout: float) -> ReadyBatch | None:
-        """The next batch in order, or None if none came within ``timeout`` seconds or the stream is over.
+        """The next batch to send (ordered: the next in index order; granted: the lowest-index granted
+        batch that is built), or None if none came within ``timeout`` seconds, the stream is over
+        (``finished``), or it was interrupted. The caller sends it, then calls ``release``.
 
-        Raises the computation's error (a worker's exception, re-raised with its traceback) once
-        the batches before it have been taken.
+        Raises the computation's error (a worker's exception, re-raised with its traceback) in place
+        of the failed batch, once every batch the stream wants below it has been taken.
         """
         deadline = time.monotonic() + timeout
         while True:

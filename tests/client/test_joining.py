@@ -93,12 +93,17 @@ def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_serve
         b.health.set("", health_pb2.HealthCheckResponse.SERVING)
         assert wait_until(lambda: [s["up"] for s in ld.server_stats()] == [True, True], 10), ld.server_stats()
         joined_at = len(digests)
-        take(30)
+        # it is given batches as it has room: after its first (which includes its start), its share
+        for _ in range(10):
+            take(5)
+            if ld.stats()["batches_per_server"][b.address] >= 5:
+                break
         per_server = ld.stats()["batches_per_server"]
         assert per_server[b.address] >= 5, f"the new server took no batches: {per_server}"
         listed.write_text(f"{b.address}\n")
         assert wait_until(lambda: ld.server_stats()[0]["retired"], 10), ld.server_stats()
-        take(1)  # the next batch starts a split without it
+        left_at = len(digests)
+        take(1)
         a.stop(grace=0)
         before = ld.stats()["batches_per_server"][a.address]
         for batch in it:
@@ -112,6 +117,6 @@ def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_serve
     assert np.array_equal(np.sort(np.concatenate(indices)), np.arange(10_000)), "a sample is missing or repeated"
     per_server = stats["batches_per_server"]
     assert per_server[a.address] == before and sum(per_server.values()) == 100
-    assert per_server[a.address] >= joined_at and per_server[b.address] >= 100 - 51
+    assert per_server[a.address] >= joined_at and per_server[b.address] >= 100 - left_at
     assert stats["failovers"] == 0  # the first left the list before it stopped: no failure to wait out
 

@@ -498,3 +498,32 @@ def test_cancelled_calls_leak_nothing(make_server, fmnist_root):
         assert wait_until(lambda: settled(srv, before), timeout=30), f"{before} -> {_footprint(srv)}"
         session.close()
     assert wait_until(lambda: srv.loader.leases.sessions == 0 and srv.service.long_calls == 0)
+
+
+def test_a_worker_failure_ends_the_call_with_a_worker_error_after_the_batches_before_it(make_server, fmnist_root):
+    """The worker building batch 2 is SIGKILLed (max_task_retries 0: the batch fails at once):
+    granted 2, 0, 1, batches 0 and 1 are delivered, then INTERNAL with a WorkerError ErrorDetail.
+    Three workers: the three batches are built side by side, so the kill takes batch 2 alone."""
+    from procs import SLOW
+    from test_faults import BatchKiller
+
+    srv = make_server(workers=3, max_task_retries=0, datasets=_fmnist(fmnist_root),
+                      pipelines={"slow": A.to_dict(SLOW)})
+    killer = BatchKiller(srv.loader.pool, 2)
+    killer.start()
+    got = []
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            call = RawBatches(loader_pb2_grpc.BatchLoaderStub(channel),
+                              _open(batch_size=16, pipeline=pb.Pipeline(preset="slow")), grant=[2, 0, 1])
+            with pytest.raises(grpc.RpcError) as e:
+                for batch in call:
+                    got.append(batch.batch_index)
+    finally:
+        killer.stop.set()
+        killer.join(5)
+    assert killer.killed and sorted(got) == [0, 1], got
+    detail = _error(e.value)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and detail.type == "WorkerError", (e.value.code(), detail)
+    assert "batch 2 of dataset 'fmnist-test'" in detail.message and "Traceback" not in detail.message
+    assert wait_until(lambda: _settled(srv))
