@@ -15,6 +15,7 @@ Where the loader copies batches to a CUDA device the pool's buffers are pinned (
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 import weakref
@@ -26,6 +27,7 @@ import torch
 from batchd import wire
 from batchd.client import fields
 
+log = logging.getLogger("batchd.client.loader")
 GRAIN = 1 << 16  # capacities are multiples of 64 KiB, with an eighth to spare: a slightly larger batch still fits
 
 
@@ -37,6 +39,24 @@ def pageable(nbytes: int) -> torch.Tensor:
 def pinned(nbytes: int) -> torch.Tensor:
     """A uint8 [nbytes] CPU tensor in page-locked memory (needs CUDA)."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class PinnedPool:
+    """``allocate`` for a ``BufferPool`` feeding CUDA copies: pinned buffers, or ordinary ones once
+    pinning failed (logged once; ``pinned`` turns False; a copy from them is then synchronous,
+    still correct)."""
+
+    def __init__(self) -> None:
+        self.pinned = True
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        if self.pinned:
+            try:
+                return pinned(nbytes)
+            except RuntimeError as e:
+                self.pinned = False
+                log.warning("cannot pin %d bytes for received batches (%s); they go to ordinary memory", nbytes, e)
+        return pageable(nbytes)
 
 
 def capacity_for(nbytes: int) -> int:
@@ -65,7 +85,8 @@ class BufferPool:
 
     @property
     def pinned(self) -> bool:
-        return self.allocate is pinned
+        """Whether new buffers are page-locked (``pinned``, or a ``PinnedPool`` that could pin)."""
+        return self.allocate is pinned or bool(getattr(self.allocate, "pinned", False))
 
     @property
     def bytes_free(self) -> int:

@@ -18,7 +18,9 @@ last are remembered (``recent_releases``): when a call breaks, nobody knows whic
 server read, so the caller sends them again by ``ReleaseLeases``.
 
 ``BatchesCall`` opens the call on a channel and reads it: the server's id from the initial
-metadata (``batchd-server-id``), then the batches as ``WireBatch`` es (``messages``), errors
+metadata (``batchd-server-id``), then the batches as ``WireBatch`` es (``messages``; on a
+TRANSPORT_SOCKET call each with its ``payload`` read from the call's data connection,
+``batchd.client.dataplane``), errors
 translated (``batches_error``): FAILED_PRECONDITION of type ``DatasetChangedError`` becomes
 ``ServerRefused`` (the caller describes the dataset again to say what changed), UNIMPLEMENTED
 an error naming the server as too old for this client.
@@ -37,6 +39,7 @@ import grpc
 from batchd import wire
 from batchd.client import forks
 from batchd.client.channel import ERROR_DETAIL_KEY, translate
+from batchd.client.dataplane import DataLink, DataSocket
 from batchd.errors import BatchdError
 from batchd.v1 import loader_pb2 as pb
 
@@ -213,9 +216,12 @@ class BatchesCall:
     A forked child neither cancels the call nor reads it (``batchd.client.forks``).
     """
 
-    def __init__(self, channel: grpc.Channel, address: str, outbox: Outbox, *, metadata: tuple = ()):
+    def __init__(self, channel: grpc.Channel, address: str, outbox: Outbox, *, metadata: tuple = (),
+                 data: DataLink | None = None):
         self.address = address
         self.outbox = outbox
+        self.data = data  # a TRANSPORT_SOCKET call: how to open and read its data connection
+        self._data_socket: DataSocket | None = None
         self._owner = forks.owner()
         forks.keep(self)
         rpc = channel.stream_stream(BATCHES_METHOD, request_serializer=pb.BatchesControl.SerializeToString,
@@ -239,21 +245,56 @@ class BatchesCall:
         return ""
 
     def messages(self) -> Iterator[tuple[wire.WireBatch, float, int]]:
-        """(batch, seconds waited for its message, message bytes), until the call ends OK.
-        Raises ``batches_error`` of a failed call (ConnectionError once ``cancel`` was called)."""
+        """(batch, seconds waited for it, bytes received for it), until the call ends OK.
+
+        On a call whose server offered a data connection (``data``, TRANSPORT_SOCKET), the
+        connection is opened first, and each batch comes with its ``payload`` read from it right
+        after its message (the time and bytes count both). Raises ``batches_error`` of a failed
+        call; ConnectionError if the data connection cannot be opened or breaks, or once
+        ``cancel`` was called.
+        """
         it = iter(self.call)
+        ds = None
         try:
+            if self.data is not None:
+                ds = self._open_data()
             while True:
                 t0 = time.perf_counter()
                 data = next(it, None)
                 if data is None:
                     return
-                waited = time.perf_counter() - t0
-                yield wire.decode_batch(data), waited, len(data)
+                raw, nbytes = wire.decode_batch(data), len(data)
+                if ds is not None:
+                    raw = self.data.receive(ds, raw)
+                    nbytes += ds.last_received
+                yield raw, time.perf_counter() - t0, nbytes
         except grpc.RpcError as e:
             if self.cancelled:
                 raise ConnectionError(f"the call to {self.address} was cancelled") from None
             raise batches_error(e, self.address) from None
+        except ConnectionError:
+            if self.cancelled:
+                raise ConnectionError(f"the call to {self.address} was cancelled") from None
+            raise
+        finally:
+            if ds is not None:
+                ds.close()
+
+    def _open_data(self) -> DataSocket | None:
+        """The call's data connection, if its server offered one (its initial metadata)."""
+        try:
+            metadata = self.call.initial_metadata() or ()
+        except grpc.RpcError as e:
+            raise batches_error(e, self.address) from None
+        ds = self.data.connect(metadata)
+        if ds is None:
+            _say_inline(self.address)
+        else:
+            forks.keep(ds)
+            self._data_socket = ds
+            if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
+                ds.close()
+        return ds
 
     def cancel(self) -> None:
         """Cancel the call (idempotent); the outbox stops. Nothing in a forked child."""
@@ -262,6 +303,20 @@ class BatchesCall:
         self.cancelled = True
         self.outbox.abort()
         self.call.cancel()
+        if self._data_socket is not None:
+            self._data_socket.close()  # a receive waiting on it ends at once
+
+
+_told_inline: set[str] = set()
+
+
+def _say_inline(address: str) -> None:
+    """Once per address: the server offered no data connection (no data plane there, or an older
+    server): its batches come inline."""
+    if address not in _told_inline:
+        _told_inline.add(address)
+        log.info("the batchd server at %s offers no data connection (data_plane disabled, or an older server); "
+                 "its batches come inside the gRPC messages", address)
 
 
 def batches_error(e: grpc.RpcError, address: str) -> Exception:

@@ -1,7 +1,10 @@
 """One batchd server as a loader sees it: ``ServerConnection``.
 
 Its channel, the dataset's ``DatasetInfo`` (described once per server process: again only when
-the server's id changed, ``check_server``), its shared-memory session (opened on first use), the
+the server's id changed, ``check_server``), its shared-memory session (opened on first use), its
+``DataLink`` (the socket data plane: ``transport`` "auto" for a server whose shared memory is not
+readable here, or "socket"; its calls ask for TRANSPORT_SOCKET and read each batch's bytes from a
+data connection beside the call, ``batchd.client.dataplane``), the
 thread that reports what cannot ride on a call (``batchd.client.leases.Reporter``: abandoned
 calls, releases while no call is open), and the ``Batches`` calls it opens
 (``open_batches``, ``batchd.client.call``): one per iteration, whose request stream carries the
@@ -22,10 +25,11 @@ import grpc
 import torch
 
 from batchd import wire
-from batchd.client import decode, fields, forks
+from batchd.client import buffers, decode, fields, forks
 from batchd.client.call import BatchesCall, Outbox
 from batchd.client.channel import open_channel, wait_for_server
 from batchd.client.collate import collate
+from batchd.client.dataplane import DataLink
 from batchd.client.datasets import DatasetInfo, Difference, describe, difference
 from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
@@ -67,6 +71,10 @@ class ServerConnection:
         self._finalizer = weakref.finalize(self, forks.in_owner(self._owner, self.reporter.close), self._channel.close)
         self._shm: SharedMemorySession | None = None
         self._shm_tried = False
+        # the socket data plane (TRANSPORT_SOCKET): its payloads go to pinned buffers when copied to CUDA
+        pool = buffers.BufferPool(buffers.PinnedPool() if transfer is not None else buffers.pageable)
+        self.data = DataLink(address, options.tls, pool, connect_timeout=options.connect_timeout,
+                             timeout=options.timeout)
         self._tag_prefix = new_tag_prefix()
         self._tags = itertools.count()
         self.calls: weakref.WeakSet = weakref.WeakSet()  # Batches calls open (cancelled by close)
@@ -90,7 +98,7 @@ class ServerConnection:
 
         Raises RuntimeError if ``transport="shm"`` and the server's shared memory is not readable here.
         """
-        if self.options.transport == "inline" or self._shm_tried:
+        if self.options.transport in ("inline", "socket") or self._shm_tried:
             return self._shm
         self._shm_tried = True
         try:
@@ -99,10 +107,16 @@ class ServerConnection:
         except SharedMemoryUnavailable as e:
             if self.options.transport == "shm":
                 raise RuntimeError(f"transport='shm' but shared memory with {self.address} is unavailable: {e}") from None
-            if self.address not in _warned_no_shm:
+            if self.address not in _warned_no_shm and not self.data.possible:
                 _warned_no_shm.add(self.address)
                 log.warning("shared memory with %s is unavailable (%s); batches travel in gRPC messages", self.address, e)
         return self._shm
+
+    def wants_socket(self) -> bool:
+        """Whether calls ask for the socket data plane: ``transport="socket"``, or ``"auto"`` without
+        shared memory, to a server with a host to dial (not ``unix:``)."""
+        t = self.options.transport
+        return t in ("socket", "auto") and self.data.possible and (t == "socket" or self.shared_memory() is None)
 
     def lease_limit(self) -> int:
         """Grants plus batches waiting in the reorder buffer a shared-memory lane keeps below
@@ -122,10 +136,12 @@ class ServerConnection:
         and build fingerprints under ``strict`` (the server refuses the call otherwise). Opens the
         shared-memory session on first use (see ``shared_memory``)."""
         o, shm, info = self.options, self.shared_memory(), self.info
+        transport = (pb.TRANSPORT_SHARED_MEMORY if shm is not None else
+                     pb.TRANSPORT_SOCKET if self.wants_socket() else pb.TRANSPORT_INLINE)
         return pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
             seed=o.seed, epoch=epoch, drop_last=o.drop_last, rank=o.rank, world_size=o.world_size,
-            transport=pb.TRANSPORT_SHARED_MEMORY if shm is not None else pb.TRANSPORT_INLINE,
+            transport=transport,
             session=shm.session if shm is not None else "", compression=o.compression, stream_tag=tag,
             image_encoding=pb.IMAGE_ENCODING_JPEG if o.decode_on_client else pb.IMAGE_ENCODING_DECODED,
             start_position=start_position, expect_num_samples=info.num_samples,
@@ -145,7 +161,8 @@ class ServerConnection:
         outbox = Outbox(request, progress=record.progress,
                         sent=shm.forget if shm is not None else None,
                         unsent=(lambda leases: self.reporter.freed_all(shm.session, leases)) if shm is not None else None)
-        call = BatchesCall(self._channel, self.address, outbox)
+        call = BatchesCall(self._channel, self.address, outbox,
+                           data=self.data if request.transport == pb.TRANSPORT_SOCKET else None)
         self.calls.add(call)
         if shm is not None:
             self.reporter.carry(shm.session, outbox)
@@ -193,7 +210,10 @@ class ServerConnection:
             raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
         transfer, registered, encoded = self.transfer, False, decode.is_encoded(raw)
         try:
-            if transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
+            if raw.payload is not None:  # received on the data connection, into a pooled buffer
+                batch = raw.payload
+                registered = transfer is not None and self.data.pool.pinned  # copied straight from it
+            elif transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
                 batch, registered = shm.host_tensors(raw, transfer.register, transfer.unregister)  # copied from the slot
             else:
                 batch = shm.tensors(raw) if shm is not None else to_tensors(raw)

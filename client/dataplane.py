@@ -17,21 +17,29 @@ ConnectionError naming the server (a broken data connection is a broken call, re
 the header's magic, batch index or length not those the call's message announced, the
 connection closed or reset, the handshake refused.
 
+``DataLink`` is what one server's ``Batches`` calls share to do this: the server's address, the
+loader's TLS settings and timeouts, and the buffer pool (``receive``: a batch's message in, the
+same batch with its ``payload`` out).
+
 A forked child never touches the connection (``close`` there does nothing): its socket is the
 parent's (``batchd.client.forks``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import socket
 import ssl
 import threading
 import time
+from typing import Any
 
 from batchd import datawire, wire
 from batchd.client import addresses, buffers, fields, forks
 from batchd.client.channel import TLS
 
+log = logging.getLogger("batchd.client.loader")
 SLICE_S = 0.25  # a blocked read looks at ``stopping`` this often
 
 
@@ -71,6 +79,7 @@ class DataSocket:
         self.timeout = timeout
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.bytes_received = 0
+        self.last_received = 0  # bytes of the last batch received (header included)
         self._header = bytearray(datawire.HEADER.size)
         self._lock = threading.Lock()
         self._closed = False
@@ -126,6 +135,7 @@ class DataSocket:
         except BaseException:
             pool.give_back(buf)
             raise
+        self.last_received = datawire.HEADER.size + length
         return buffers.tensors(batch, buf, length, pool.give_back)
 
     def _read_into(self, view: memoryview, stopping: threading.Event | None) -> None:
@@ -177,3 +187,37 @@ class DataSocket:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class DataLink:
+    """How one server's Batches calls open and read their data connections (a ``ServerConnection``
+    has one).
+
+    address: the server's gRPC address (its host is dialed). tls: the loader's TLS settings (None:
+    plain). pool: the buffers payloads are received into (pinned when the loader copies to CUDA).
+    connect_timeout, timeout: seconds (``DataSocket.connect``, ``DataSocket.receive``).
+    """
+
+    def __init__(self, address: str, tls: TLS | None, pool: buffers.BufferPool, *, connect_timeout: float,
+                 timeout: float):
+        self.address, self.tls, self.pool = address, tls, pool
+        self.connect_timeout, self.timeout = connect_timeout, timeout
+
+    @property
+    def possible(self) -> bool:
+        """Whether this address has a host to dial (not a ``unix:`` socket)."""
+        return data_host(self.address) is not None
+
+    def connect(self, metadata: Any) -> DataSocket | None:
+        """The data connection a call's initial ``metadata`` offers (``batchd.datawire.offered``);
+        None when it offers none (the server answers inline). Raises ConnectionError."""
+        offer = datawire.offered(metadata)
+        if offer is None:
+            return None
+        port, token = offer
+        return DataSocket.connect(self.address, port, token, tls=self.tls, connect_timeout=self.connect_timeout,
+                                  timeout=self.timeout)
+
+    def receive(self, ds: DataSocket, batch: wire.WireBatch) -> wire.WireBatch:
+        """``batch`` (its call's next message) with its ``payload``: the fields received on ``ds``."""
+        return dataclasses.replace(batch, payload=ds.receive(batch, self.pool))

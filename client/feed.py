@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
-from batchd.client import forks
+from batchd.client import fields, forks
 from batchd.client.assign import Assigner
 from batchd.client.call import BatchesCall, ServerRefused
 from batchd.client.connection import deliver
@@ -190,6 +190,7 @@ class Feed:
     def arrive(self, runner: "_LaneRunner", raw: Any, received: float, nbytes: int, record: Any) -> None:
         """Lane thread: a batch came on ``runner``'s call."""
         b = raw.batch_index
+        self.owner.loader_stats.received(*_transport(raw, nbytes))
         if raw.segment:
             if not record.add(raw.lease):
                 return  # the call was given up and reported: this lease is the server's, never touch it
@@ -460,6 +461,14 @@ class Feed:
         """The assigner's per-server figures of this iteration (``Assigner.figures``)."""
         with self._lock:
             return self.assigner.figures()
+
+
+def _transport(raw: Any, nbytes: int) -> tuple[str, int]:
+    """How a batch came and its bytes for ``loader.stats()["bytes_received"]``: shared memory (its
+    tensors' bytes in the slot), the socket data plane or inline (the bytes received)."""
+    if raw.segment:
+        return "shm", sum(fields.nbytes(t) for t in raw.tensors)
+    return ("socket" if raw.payload is not None else "inline"), nbytes
 
 
 def _work(raw: Any) -> float:

@@ -121,9 +121,14 @@ class RemoteDataLoader:
         timeout: seconds without a batch before iteration raises TimeoutError.
         connect_timeout: seconds to find the server before raising ConnectionError.
         transport: "auto" (shared memory when this process can read the server's /dev/shm,
-            i.e. same host and IPC namespace, else bytes in the gRPC messages), "shm" (shared
-            memory or RuntimeError), or "inline" (always bytes in the messages).
-        compression: None, or "lz4" to compress inline tensor bytes (for slow remote links).
+            i.e. same host and IPC namespace; else the socket data plane: each batch's bytes on a
+            TCP connection beside the call, received straight into a reused buffer, TLS when the
+            channel is, docs/network.md; else, where the server has no data plane or the address
+            is ``unix:``, bytes in the gRPC messages), "shm" (shared memory or RuntimeError),
+            "socket" (the data plane even on the server's host; inline where the server has none),
+            or "inline" (always bytes in the messages).
+        compression: None, or "lz4" to compress inline tensor bytes (for slow remote links; the
+            batches then come inline, not on the data plane).
         reconnect_timeout: if the call breaks (server restarted, connection lost), seconds to
             keep reconnecting (gRPC's exponential backoff) before raising ConnectionError; the
             iteration resumes with the batches not yet received, none missing or repeated. The
