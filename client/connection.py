@@ -74,7 +74,7 @@ class ServerConnection:
         # the socket data plane (TRANSPORT_SOCKET): its payloads go to pinned buffers when copied to CUDA
         pool = buffers.BufferPool(buffers.PinnedPool() if transfer is not None else buffers.pageable)
         self.data = DataLink(address, options.tls, pool, connect_timeout=options.connect_timeout,
-                             timeout=options.timeout)
+                             timeout=options.timeout, optional=options.transport == "auto")
         self._tag_prefix = new_tag_prefix()
         self._tags = itertools.count()
         self.calls: weakref.WeakSet = weakref.WeakSet()  # Batches calls open (cancelled by close)
@@ -114,9 +114,12 @@ class ServerConnection:
 
     def wants_socket(self) -> bool:
         """Whether calls ask for the socket data plane: ``transport="socket"``, or ``"auto"`` without
-        shared memory, to a server with a host to dial (not ``unix:``)."""
+        shared memory, to a server with a host to dial (not ``unix:``) whose data port was not
+        found unreachable (``DataLink.reachable``)."""
         t = self.options.transport
-        return t in ("socket", "auto") and self.data.possible and (t == "socket" or self.shared_memory() is None)
+        if t == "socket":
+            return self.data.possible
+        return t == "auto" and self.data.possible and self.data.reachable and self.shared_memory() is None
 
     def lease_limit(self) -> int:
         """Grants plus batches waiting in the reorder buffer a shared-memory lane keeps below

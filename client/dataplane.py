@@ -196,12 +196,18 @@ class DataLink:
     address: the server's gRPC address (its host is dialed). tls: the loader's TLS settings (None:
     plain). pool: the buffers payloads are received into (pinned when the loader copies to CUDA).
     connect_timeout, timeout: seconds (``DataSocket.connect``, ``DataSocket.receive``).
+    optional: the loader chose the data plane itself (``transport="auto"``): a data port this
+    client cannot reach (a firewall, a Service that forwards only the gRPC port) makes
+    ``reachable`` False, once, with a warning, and the server's calls go inline from then on;
+    with ``transport="socket"`` it stays a broken call, reconnected as any.
     """
 
     def __init__(self, address: str, tls: TLS | None, pool: buffers.BufferPool, *, connect_timeout: float,
-                 timeout: float):
+                 timeout: float, optional: bool = True):
         self.address, self.tls, self.pool = address, tls, pool
         self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.optional = optional
+        self.reachable = True
 
     @property
     def possible(self) -> bool:
@@ -215,8 +221,15 @@ class DataLink:
         if offer is None:
             return None
         port, token = offer
-        return DataSocket.connect(self.address, port, token, tls=self.tls, connect_timeout=self.connect_timeout,
-                                  timeout=self.timeout)
+        try:
+            return DataSocket.connect(self.address, port, token, tls=self.tls, connect_timeout=self.connect_timeout,
+                                      timeout=self.timeout)
+        except ConnectionError as e:
+            if self.optional and self.reachable:
+                self.reachable = False
+                log.warning("%s; batches from %s come inside the gRPC messages from now on (open the server's data "
+                            "port %d to this client, or set transport='inline')", e, self.address, port)
+            raise
 
     def receive(self, ds: DataSocket, batch: wire.WireBatch) -> wire.WireBatch:
         """``batch`` (its call's next message) with its ``payload``: the fields received on ``ds``."""

@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transform", default="train", help="preset pipeline name ('' for none)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "inline"],
-                        help="shared memory with a same-host server (auto: when it works), or bytes in the messages")
+    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "socket", "inline"],
+                        help="shared memory with a same-host server, the socket data plane with a remote one (auto: "
+                             "whichever works), or bytes in the messages")
     parser.add_argument("--min-accuracy", type=float, default=0.0, help="exit 1 if the test accuracy is lower")
     args = parser.parse_args(argv)
     if args.address:

@@ -238,3 +238,25 @@ def test_20_forks_of_dataloader_workers_beside_an_open_remote_loader_all_succeed
                 failures.append(f"attempt {attempt}: {type(e).__name__}: {e}")
             assert loader.stats()["bytes_received"]["socket"] > 0
     assert not failures, failures
+
+
+def test_an_unreachable_data_port_sends_auto_inline_and_fails_socket(make_server, fmnist_root, monkeypatch, caplog):
+    """A data port the client cannot reach (a firewall; a Service forwarding the gRPC port only):
+    "auto" warns once and reads inline, every batch once; "socket" fails as a broken call that
+    does not come back."""
+    srv = make_server(datasets=fmnist_test_config(fmnist_root), workers=2, pipelines={"aug": A.to_dict(RANDOM_AUG)})
+    srv.data_plane._listener.close()  # the port refuses connections; the server still offers it
+    from batchd.client import shm
+
+    monkeypatch.setattr(shm.SharedMemorySession, "open", classmethod(
+        lambda cls, *a, **k: (_ for _ in ()).throw(shm.SharedMemoryUnavailable("another host (test)"))))
+    with caplog.at_level(logging.WARNING, logger="batchd.client.loader"):
+        with batchd.RemoteDataLoader(srv.address, "fmnist-test", batch_size=BATCH, shuffle=True, seed=11,
+                                     transform="aug", transport="auto", reconnect_timeout=10) as ld:
+            got = [digest(b) for b in ld]
+            received = ld.stats()["bytes_received"]
+    assert got == read(srv.address, "inline")
+    assert received["inline"] > 0 and received["socket"] == 0
+    assert caplog.text.count("come inside the gRPC messages from now on") == 1
+    with pytest.raises(ConnectionError, match="data port"):
+        read(srv.address, "socket", reconnect_timeout=1)
