@@ -62,9 +62,12 @@ class PyStep:
 
     def __init__(self, seconds: float):
         probe = 200_000
-        per = min(self._time(probe) for _ in range(5)) / probe
+        per = median(self._time(probe) for _ in range(5)) / probe
         self.iterations = max(1000, round(seconds / per))
-        self.alone = median(self._time(self.iterations) for _ in range(7))
+        for _ in range(2):  # the long loop runs at another pace than the probe: rescale on it
+            self.iterations = max(1000, round(self.iterations * seconds / median(self._time(self.iterations)
+                                                                                  for _ in range(3))))
+        self.alone = median(self._time(self.iterations) for _ in range(5))
         self.seconds = seconds
 
     @staticmethod
@@ -101,11 +104,16 @@ def _cost(srv: ServerProcess, transport: str, step: PyStep, batches: int, seed: 
         alone.append(time.perf_counter() - ts)
     with _loader(srv.address, transport, seed) as loader:
         it = iter(loader)
-        for _ in range(4):
+        # warm-up: about 2.5 s of the loop, long enough for the batches received ahead to reach
+        # the loader's lookahead (so the data plane's buffer pool holds all it will need: a
+        # long-running loop allocates nothing; tests/client/test_dataplane.py)
+        for _ in range(max(8, min(150, round(2.5 / step.alone)))):
             b = next(it)
             consume(b)
             step()
             del b
+        pool = loader.servers.server.conn.data.pool
+        allocated = pool.allocated
         c0, s0, t0 = cpu_seconds(me), cpu_seconds(srv.pid), time.perf_counter()
         inside, step_cpu = [], 0.0
         for _ in range(batches):
@@ -117,9 +125,10 @@ def _cost(srv: ServerProcess, transport: str, step: PyStep, batches: int, seed: 
             step_cpu += time.thread_time() - tc
             del b
         c1, s1, t1 = cpu_seconds(me), cpu_seconds(srv.pid), time.perf_counter()
+        allocated = pool.allocated - allocated
     gb = batches * BATCH_BYTES / 1e9
     return {"trainer": (c1 - c0 - step_cpu) / gb, "server": (s1 - s0) / gb,
-            "slowdown": median(inside) / median(alone), "gbps": gb / (t1 - t0)}
+            "slowdown": median(inside) / median(alone), "gbps": gb / (t1 - t0), "allocated": allocated}
 
 
 def _images(srv: ServerProcess, transport: str, seed: int, warmup: int, timed: int) -> float:
@@ -147,7 +156,8 @@ def run(s, log=print) -> dict:
                         measure(lambda: _cost(srv, t, steps[r], batches[r], seed=100 * rnd + ri)))
             log(f"  table16: cost round {rnd + 1}/{rounds} done")
     rows = [{"rate": r, "transport": t, **{k: median(x[k] for x in cost[(r, t)])
-                                           for k in ("trainer", "server", "slowdown", "gbps")}}
+                                           for k in ("trainer", "server", "slowdown", "gbps")},
+             "allocated": sum(x["allocated"] for x in cost[(r, t)])}
             for r in RATES for t in TRANSPORTS]
 
     data.ensure_photos()
@@ -179,7 +189,9 @@ def render(r: dict) -> str:
     return (md_table(head, rows) + f"\n\n{img}\n\n"
             f"Part 1: 9.6 MB batches (64 x 224 x 224 x 3 ready-made frames, 2 workers); a pure-Python step per batch "
             f"({steps} alone, for 0.1, 0.3 and 1 GB/s offered); trainer CPU is this process's beyond the steps' own; "
-            f"the server's is its main process's (not its workers'). Part 2: {r['l3_timed']} images timed per round. "
+            f"the server's is its main process's (not its workers'); after about 2.5 s of warm-up, the data plane "
+            f"allocated {sum(x['allocated'] for x in r['rows'] if x['transport'] == 'socket')} receive buffers in "
+            f"the timed batches (0: all reused). Part 2: {r['l3_timed']} images timed per round. "
             f"Medians of {r['rounds']} alternated rounds; loopback, one machine: the server's workers and the "
             f"trainer share its cores.")
 

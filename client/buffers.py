@@ -2,8 +2,10 @@
 views of one (client/dataplane.py receives into them; docs/design/network-path.md).
 
 A fresh buffer costs a page fault per 4 KiB on its first write (about 2,400 for a 64 x 224 x 224
-x 3 uint8 batch); a reused one costs nothing. So ``BufferPool.take`` hands out a free buffer big
-enough, allocating only when none is; ``tensors`` builds the batch's fields as views of the
+x 3 uint8 batch: measured, receiving into fresh buffers cost the trainer 0.4-0.5 s of CPU per GB
+against 0.1-0.2 into reused ones); a reused one costs nothing. So ``BufferPool.take`` hands out a
+free buffer big enough, allocating only when none is, and the pool keeps as many buffers as were
+ever in use at once; ``tensors`` builds the batch's fields as views of the
 buffer (no copy) and puts a ``weakref.finalize`` on their common base, which gives the buffer
 back to the pool once the last of them is freed, exactly as a shared-memory lease goes back
 (client/shm.py). A batch the caller keeps keeps its buffer; the pool never reuses it meanwhile.
@@ -42,20 +44,31 @@ def pinned(nbytes: int) -> torch.Tensor:
 
 
 class PinnedPool:
-    """``allocate`` for a ``BufferPool`` feeding CUDA copies: pinned buffers, or ordinary ones once
-    pinning failed (logged once; ``pinned`` turns False; a copy from them is then synchronous,
-    still correct)."""
+    """``allocate`` for a ``BufferPool`` feeding CUDA copies: pinned buffers up to ``max_bytes`` in
+    all, ordinary ones beyond (a loader may hold dozens of received batches ahead, and page-locked
+    memory is the host's to share between ranks), and ordinary ones once pinning failed (logged
+    once). A copy from an ordinary buffer is synchronous, still correct."""
 
-    def __init__(self) -> None:
-        self.pinned = True
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0  # pinned so far (buffers are kept by their pool, so this only grows)
+        self.failed = False
+
+    @property
+    def pinned(self) -> bool:
+        """Whether pinning works here (it did not fail): buffers are pinned within ``max_bytes``."""
+        return not self.failed
 
     def __call__(self, nbytes: int) -> torch.Tensor:
-        if self.pinned:
+        if not self.failed and self.bytes + nbytes <= self.max_bytes:
             try:
-                return pinned(nbytes)
+                buf = pinned(nbytes)
             except RuntimeError as e:
-                self.pinned = False
+                self.failed = True
                 log.warning("cannot pin %d bytes for received batches (%s); they go to ordinary memory", nbytes, e)
+            else:
+                self.bytes += nbytes
+                return buf
         return pageable(nbytes)
 
 
@@ -69,9 +82,11 @@ class BufferPool:
     """Reusable uint8 buffers. Thread-safe (the receiver takes; finalizers give back, from any thread).
 
     allocate(nbytes) -> a contiguous uint8 CPU tensor of nbytes (``pageable`` or ``pinned``).
-    keep: free buffers kept for reuse; one given back beyond that is dropped (the smallest go
-    first). Counters: ``allocated`` (buffers made), ``reused`` (takes served from the free list),
-    ``bytes_free`` (bytes of the free list).
+    keep: buffers the pool holds at least (free and handed out); it holds as many as were ever
+    out at once (``peak``: the loader's lookahead of received batches, which may be dozens), so a
+    steady stream allocates nothing: a buffer given back beyond that is dropped, the smallest
+    first. Counters: ``allocated`` (buffers made), ``reused`` (takes served from the free list),
+    ``outstanding`` (handed out, not back), ``peak``, ``bytes_free`` (bytes of the free list).
     """
 
     def __init__(self, allocate: Callable[[int], torch.Tensor] = pageable, *, keep: int = 8):
@@ -82,10 +97,11 @@ class BufferPool:
         self.allocated = 0
         self.reused = 0
         self.outstanding = 0  # buffers handed out and not back yet
+        self.peak = 0  # the most ever out at once
 
     @property
     def pinned(self) -> bool:
-        """Whether new buffers are page-locked (``pinned``, or a ``PinnedPool`` that could pin)."""
+        """Whether buffers are page-locked (``pinned``, or a ``PinnedPool`` that could pin)."""
         return self.allocate is pinned or bool(getattr(self.allocate, "pinned", False))
 
     @property
@@ -102,11 +118,13 @@ class BufferPool:
                 self._free.remove(buf)
                 self.reused += 1
                 self.outstanding += 1
+                self.peak = max(self.peak, self.outstanding)
                 return buf
         buf = self.allocate(capacity_for(nbytes))
         with self._lock:
             self.allocated += 1
             self.outstanding += 1
+            self.peak = max(self.peak, self.outstanding)
         return buf
 
     def give_back(self, buf: torch.Tensor) -> None:
@@ -114,7 +132,7 @@ class BufferPool:
         with self._lock:
             self.outstanding -= 1
             self._free.append(buf)
-            if len(self._free) > self.keep:
+            if len(self._free) + self.outstanding > max(self.keep, self.peak):
                 self._free.sort(key=lambda b: b.numel())
                 del self._free[0]
 

@@ -215,7 +215,9 @@ class ServerConnection:
         try:
             if raw.payload is not None:  # received on the data connection, into a pooled buffer
                 batch = raw.payload
-                registered = transfer is not None and self.data.pool.pinned  # copied straight from it
+                # copied straight from it: asynchronously from a pinned buffer (``buffers.PinnedPool``), at
+                # once from an ordinary one (past the pinned budget); held until the copy is done either way
+                registered = transfer is not None
             elif transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
                 batch, registered = shm.host_tensors(raw, transfer.register, transfer.unregister)  # copied from the slot
             else:

@@ -281,6 +281,18 @@ def test_capacity_and_pool_bounds():
     taken = [pool.take(n) for n in (1 << 20, 2 << 20, 3 << 20)]
     for b in taken:
         pool.give_back(b)
-    assert pool.outstanding == 0 and sorted(b.numel() for b in pool._free) == [
-        buffers.capacity_for(2 << 20), buffers.capacity_for(3 << 20)]  # the smallest was dropped
-    assert pool.take(1 << 20).numel() == buffers.capacity_for(2 << 20)  # the smallest that fits
+    assert pool.outstanding == 0 and pool.peak == 3 and len(pool._free) == 3  # as many as were out at once
+    assert pool.take(1 << 20).numel() == buffers.capacity_for(1 << 20)  # the smallest that fits
+    big = pool.take(4 << 20)  # none fits: a fourth buffer, more than the peak of 3 ...
+    assert pool.allocated == 4 and pool.outstanding == 2 and pool.peak == 3
+    pool.give_back(big)  # ... so the smallest free one goes once it is back: 3 buffers in all
+    assert sorted(b.numel() for b in pool._free) == [buffers.capacity_for(n) for n in (3 << 20, 4 << 20)]
+
+
+def test_a_steady_stream_allocates_no_buffer_once_the_pool_holds_its_peak():
+    pool = buffers.BufferPool(keep=2)
+    held = [pool.take(1 << 20) for _ in range(20)]  # a lookahead of 20 received batches
+    for _ in range(200):  # the loop takes the oldest, one more arrives
+        pool.give_back(held.pop(0))
+        held.append(pool.take(1 << 20))
+    assert pool.allocated == 20 and pool.reused == 200
