@@ -82,9 +82,10 @@ class Pace:
     def record(self, gap: float | None, latency: float, work: float) -> None:
         """One batch arrived on time: ``gap`` seconds after the previous one (or after the server
         got work; None: unknown), ``latency`` seconds after its grant, ``work`` worker seconds."""
-        if gap is not None and gap > 0:
+        if gap is not None and gap >= 0:  # (0: two batches at once, from two workers)
             self._gap = gap if self._gap is None else (1 - _RATE_ALPHA) * self._gap + _RATE_ALPHA * gap
-            self.rate = 1.0 / self._gap
+            if self._gap > 0:
+                self.rate = 1.0 / self._gap
         self.latencies.append(latency)
         if work > 0:
             self.work.append(work)
