@@ -58,6 +58,7 @@ MAX_WINDOW = 32  # grants one server may hold (batches)
 MAX_LOOKAHEAD = 64  # batches granted past the one the loop takes next, at most
 MAX_LOOKAHEAD_BYTES = 1 << 30  # ... and at most about this many bytes of them
 _RATE_ALPHA = 0.25  # weight of a new gap in a server's mean gap between batches
+_THRESHOLDS_EVERY_S = 0.05  # lateness thresholds are recomputed at most this often (seconds)
 MODES = ("dynamic", "stride")
 
 
@@ -179,6 +180,8 @@ class Assigner:
         self._stride: list[Hashable] = []  # stride: the lanes in order
         self.batch_bytes = 0.0  # a batch's message size, moving (bytes)
         self._count = count or (lambda name: None)
+        self._thresholds: dict[Hashable, float | None] = {}  # lane -> threshold, computed at _thresholds_at
+        self._thresholds_at = -math.inf
 
     # --- lanes ---------------------------------------------------------------------------------
 
@@ -375,7 +378,7 @@ class Assigner:
         if was_hedge:
             lane.hedges_won += 1
             self._count("hedges_won")
-        threshold = self.threshold(lane)
+        threshold = self._threshold(lane, now)
         late = was_hedge or bool(revoke) or (threshold is not None and now - granted_at > threshold)
         if not late:  # (a late batch is not counted in the pace: a stall would raise the bar)
             # the gap since the previous batch, or since the lane got work after it ran dry; not
@@ -448,6 +451,16 @@ class Assigner:
         own = lane.window / lane.pace.rate if lane.pace.rate > 0 else 0.0
         return max(yardstick, self.policy.factor * own)
 
+    def _threshold(self, lane: Lane, now: float) -> float | None:
+        """``threshold``, recomputed for every lane at most every ``_THRESHOLDS_EVERY_S`` (a
+        percentile per lane per batch would cost the loop's CPU)."""
+        if self.policy is None or len(self.lanes) < 2:
+            return None
+        if now - self._thresholds_at >= _THRESHOLDS_EVERY_S or lane.key not in self._thresholds:
+            self._thresholds = {key: self.threshold(other) for key, other in self.lanes.items()}
+            self._thresholds_at = now
+        return self._thresholds.get(lane.key)
+
     def check(self, now: float) -> tuple[dict[Hashable, list[int]], float | None]:
         """Mark stalled lanes and hedge the batch the loop waits for if it is late (module
         docstring). Returns (hedge grants: lane key -> batches, the next time something may
@@ -458,7 +471,7 @@ class Assigner:
         deadline: float | None = None
         thresholds: dict[Hashable, float | None] = {}
         for lane in self.lanes.values():
-            thresholds[lane.key] = threshold = self.threshold(lane)
+            thresholds[lane.key] = threshold = self._threshold(lane, now)
             if threshold is None or not lane.outstanding:
                 continue
             due = min(lane.outstanding.values()) + threshold

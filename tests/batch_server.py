@@ -53,6 +53,18 @@ def ready_batch(slots: SlotPool, b: int, fields: list[batches.Field], skipped: t
     return ReadyBatch(b, slot, tuple(layouts), skipped=skipped)
 
 
+class _Older:
+    """``server``'s methods but Batches: what an older batchd server answers."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def __getattr__(self, name):
+        if name == "Batches":
+            raise AttributeError(name)
+        return getattr(self._server, name)
+
+
 class BatchServer:
     """See the module docstring. ``address``; ``close()`` (or a ``with`` block) stops it."""
 
@@ -61,8 +73,6 @@ class BatchServer:
                  messages: Callable[[StreamRequest], Iterable[bytes]] | None = None, batches_call: bool = True):
         self.samples_of, self.num_samples, self.dataset = samples_of, num_samples, dataset
         self.server_id = uuid.uuid4().hex
-        if not batches_call:
-            self.Batches = None  # (add_to_server registers what exists: an older server)
         self.skip, self.messages = set(skip), messages
         self.owner = Owner()
         self.slots = SlotPool(max_slots=256, prefix=self.owner.prefix)
@@ -72,7 +82,7 @@ class BatchServer:
         self.lent = 0  # batches sent as a lease (not copied)
         self._ended: list[threading.Event] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(16))
-        add_to_server(self, self._server)
+        add_to_server(self if batches_call else _Older(self), self._server)  # (it registers what exists)
         self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         self._server.start()
 
