@@ -415,6 +415,7 @@ class Feed:
         timeout = self.options.timeout
         deadline = time.monotonic() + timeout
         with self._lock:
+            self.assigner.asked(deadline - timeout)
             while not self._ready:
                 now = time.monotonic()
                 if now >= deadline:
@@ -424,6 +425,8 @@ class Feed:
                     raise RuntimeError(f"the converter thread ended without a result ({what}, batch {b})")
                 self._cond.wait(min(_POLL_S, deadline - now))
             item = self._ready.popleft()
+            self.assigner.handed(time.monotonic())
+            self._plan()  # (the loop's pace may let more be granted)
             self._cond.notify_all()  # room for the converter
             return item
 

@@ -91,7 +91,9 @@ def simulate(servers, total, *, policy=None, mode="dynamic", step=0.0, floor=2, 
             dispatch(by[data], t)
         while a.has(a.base) and t >= free_at:
             b = a.base
+            a.asked(asked_at)
             a.take(b)
+            a.handed(t)
             taken.append(b)
             waits.append(max(0.0, t - asked_at))
             free_at = asked_at = t + step
@@ -104,6 +106,13 @@ def simulate(servers, total, *, policy=None, mode="dynamic", step=0.0, floor=2, 
             ticks.add(deadline)
             push(deadline, "tick")
     return t, np.array(waits), a, taken
+
+
+def fast_loop(a: Assigner) -> Assigner:
+    """As if the loop had taken a batch with no step in between: it needs all the servers give."""
+    a.handed(0.0)
+    a.asked(0.0)
+    return a
 
 
 def every_3s(stall=2.0, first=1.0, until=200.0):
@@ -146,8 +155,26 @@ def test_a_lane_never_holds_more_than_its_window_and_the_loop_never_more_than_th
     assert a.plan(0.0) == {}  # no room
 
 
+def test_a_slow_loop_gets_few_batches_ahead_a_fast_one_what_fills_the_windows():
+    a = Assigner(0, 1000, floor=2)
+    for name in ("a", "b"):
+        a.add_lane(name, Pace())
+        a.open_lane(name)
+        a.lanes[name].pace.rate = 200.0  # (fast servers: windows of 20 at the 0.1 s horizon)
+    assert a.lookahead(0.0) == 4  # before the loop's first step: each server prefetch ahead
+    a.handed(0.0)
+    a.asked(0.001)  # a loop that steps 1 ms
+    a.plan(0.001)
+    assert a.lookahead(0.002) == 64  # (2 x its windows of 20, capped)
+    a.handed(0.002)
+    assert a.lookahead(5.0) == 4, "a loop 5 s into its step still gets batches built for it"
+    a.asked(5.0)
+    a.handed(5.0)
+    assert a.lookahead(5.0) < 10
+
+
 def test_stride_waits_for_its_server_and_gives_a_leaving_servers_batches_to_the_others():
-    a = Assigner(0, 12, floor=2, mode="stride")
+    a = fast_loop(Assigner(0, 12, floor=2, mode="stride"))
     for name in ("a", "b", "c"):
         a.add_lane(name, Pace())
     a.open_lane("a")
@@ -166,7 +193,7 @@ def test_stride_waits_for_its_server_and_gives_a_leaving_servers_batches_to_the_
 def test_a_shared_memory_lane_stays_within_its_leases_yet_always_takes_the_batch_below_those_it_holds():
     """A lane at its lease limit with later batches waiting here must still be granted the one
     before them (refusing it deadlocked the loop on its own leases, seen after a failover)."""
-    a = Assigner(0, 100, floor=4)
+    a = fast_loop(Assigner(0, 100, floor=4))
     a.add_lane("sidecar", Pace(), lease_limit=5)
     a.open_lane("sidecar")
     assert a.plan(0.0) == {"sidecar": [0, 1, 2, 3]}
@@ -181,7 +208,7 @@ def test_a_shared_memory_lane_stays_within_its_leases_yet_always_takes_the_batch
     assert a.plan(0.2) == {}, "past its lease limit for a batch after those it holds"
     # a remote server holding batches below those the sidecar holds goes down: the sidecar,
     # at its lease limit, must take the one below them (the loop waits for it), not the others
-    b = Assigner(0, 100, floor=2)
+    b = fast_loop(Assigner(0, 100, floor=2))
     b.add_lane("sidecar", Pace(), lease_limit=2)
     b.add_lane("remote", Pace())
     for k in ("sidecar", "remote"):
