@@ -172,22 +172,24 @@ def stalled_epoch(addresses, pid, **kw):
 
 def test_a_server_stalled_two_seconds_of_every_three_costs_little(server_procs, tmp_path):
     """The issue's adversary: one of two equal servers is stopped (SIGSTOP) 2 s of every 3 s. With
-    the old static split and no hedging the loop waits out the stops (p99 over a second); with
-    batches given to whoever has room and late ones hedged against the healthy server's pace,
-    the p99 wait stays under 0.5 s (asserted with a margin: 0.75 s), each sample comes once,
-    and the extra work (grants beyond one per batch) stays within the 10% budget."""
+    the old static split and no hedging the loop waits out the stops (its longest wait near 2 s);
+    with batches given to whoever has room and late ones hedged against the healthy server's
+    pace, the p99 wait stays under 0.5 s (asserted with a margin: 0.75 s, and the longest under
+    1.5 s), each sample comes once, and the extra work (grants beyond one per batch) stays within
+    the 10% budget."""
     n = 2000  # 500 batches of 4: about 3 stops
     fast, stalling = start_procs(server_procs, tmp_path, [0.005, 0.005], n=n)
     addresses = [fast.address, stalling.address]
     indices, waits, _, stops = stalled_epoch(addresses, stalling.pid, assignment="stride", hedge=False)
     assert exactly_once(indices, n) and stops >= 2
-    assert np.percentile(waits, 99) > 1.0, "the stops did not hold the static split: the test shows nothing"
+    assert waits.max() > 1.5, "the stops did not hold the static split: the test shows nothing"
     granted = sum(get_stats(a).totals.batches_granted for a in addresses)
     indices, waits, stats, stops = stalled_epoch(addresses, stalling.pid)
     granted = sum(get_stats(a).totals.batches_granted for a in addresses) - granted
     assert exactly_once(indices, n), "a sample is missing or repeated"
     assert stops >= 2
-    assert np.percentile(waits, 99) < 0.75, (np.percentile(waits, [50, 99, 100]), stats)
+    p50, p99, most = np.percentile(waits, [50, 99, 100])
+    assert p99 < 0.75 and most < 1.5, ((p50, p99, most), stats)
     assert stats["hedges_issued"] <= 0.1 * stats["batches"] and granted <= 1.1 * (n // 4), (granted, stats)
 
 
