@@ -23,8 +23,12 @@ decision, on plain objects (no threads, no network, no clock of its own: ``now``
   batch.
 * **Lookahead.** Indices are granted in order, each to the lane that will finish it soonest
   (``(outstanding + 1) / rate``), never ``lookahead`` or more past the next batch the loop takes
-  (``base``): memory and leases stay bounded. Batches of a lane that went down come first
-  (``lost``).
+  (``base``): memory and leases stay bounded. The lookahead is what keeps every window full with
+  as much again arrived (2 x the windows), but no more than the loop needs: about 2 x H of its
+  own pace (a loop that steps slower than the servers build gets fewer batches ahead), at least
+  ``floor`` per lane (each server ``prefetch`` ahead; all there is before the loop's first step),
+  at most ``MAX_LOOKAHEAD`` batches and ``MAX_LOOKAHEAD_BYTES``. Batches of a lane that went down
+  come first (``lost``).
 * **Stride** (``mode="stride"``, for the benchmark's comparison with the old split only): lane i
   of n (in the order they were added) is granted exactly the batches b with ``(b - start) % n ==
   i``, ``floor`` ahead; a lane that goes down leaves its batches to whoever has room.
@@ -58,6 +62,7 @@ MAX_WINDOW = 32  # grants one server may hold (batches)
 MAX_LOOKAHEAD = 64  # batches granted past the one the loop takes next, at most
 MAX_LOOKAHEAD_BYTES = 1 << 30  # ... and at most about this many bytes of them
 _RATE_ALPHA = 0.25  # weight of a new gap in a server's mean gap between batches
+_THRESHOLDS_EVERY_S = 0.05  # lateness thresholds are recomputed at most this often (seconds)
 MODES = ("dynamic", "stride")
 
 
@@ -82,9 +87,10 @@ class Pace:
     def record(self, gap: float | None, latency: float, work: float) -> None:
         """One batch arrived on time: ``gap`` seconds after the previous one (or after the server
         got work; None: unknown), ``latency`` seconds after its grant, ``work`` worker seconds."""
-        if gap is not None and gap > 0:
+        if gap is not None and gap >= 0:  # (0: two batches at once, from two workers)
             self._gap = gap if self._gap is None else (1 - _RATE_ALPHA) * self._gap + _RATE_ALPHA * gap
-            self.rate = 1.0 / self._gap
+            if self._gap > 0:
+                self.rate = 1.0 / self._gap
         self.latencies.append(latency)
         if work > 0:
             self.work.append(work)
@@ -178,6 +184,10 @@ class Assigner:
         self._stride: list[Hashable] = []  # stride: the lanes in order
         self.batch_bytes = 0.0  # a batch's message size, moving (bytes)
         self._count = count or (lambda name: None)
+        self._step: float | None = None  # the loop's seconds per batch besides waiting, moving
+        self._handed_at: float | None = None  # when the loop got its latest batch
+        self._thresholds: dict[Hashable, float | None] = {}  # lane -> threshold, computed at _thresholds_at
+        self._thresholds_at = -math.inf
 
     # --- lanes ---------------------------------------------------------------------------------
 
@@ -242,14 +252,40 @@ class Assigner:
         want = math.ceil(rate * (self.horizon() if horizon is None else horizon)) if rate > 0 else 0
         lane.window = max(self.floor, min(MAX_WINDOW, want))
 
-    def lookahead(self) -> int:
-        """Batches that may be granted past ``base`` now."""
+    def lookahead(self, now: float | None = None) -> int:
+        """Batches that may be granted past ``base`` now (module docstring, *Lookahead*)."""
         working = self.working()
         windows = sum(lane.window for lane in working)
-        ahead = max(2 * windows, windows + len(working) + 1)
+        least = max(2, self.floor * len(working))  # each server ``prefetch`` ahead, as a lone server would be
+        ahead = max(2 * windows, windows + len(working) + 1)  # every window full, and as much arrived
+        step = self.demand_step(now)
+        if step is None:
+            ahead = least  # (no step of the loop seen yet: it may be slow)
+        elif step > 0:
+            ahead = min(ahead, math.ceil(2 * self.horizon() / step) + len(working))
         if self.batch_bytes > 0:
-            ahead = min(ahead, max(2 * len(working) + 1, int(MAX_LOOKAHEAD_BYTES // self.batch_bytes)))
-        return max(2, min(self.max_lookahead, ahead))
+            ahead = min(ahead, int(MAX_LOOKAHEAD_BYTES // self.batch_bytes))
+        return max(least, min(self.max_lookahead, ahead))
+
+    def asked(self, now: float) -> None:
+        """The loop asked for its next batch: the step since the last one counts in its pace."""
+        if self._handed_at is not None:
+            step = max(0.0, now - self._handed_at)
+            self._step = step if self._step is None else (1 - _RATE_ALPHA) * self._step + _RATE_ALPHA * step
+            self._handed_at = None
+
+    def handed(self, now: float) -> None:
+        """The loop got a batch (its step begins)."""
+        self._handed_at = now
+
+    def demand_step(self, now: float | None) -> float | None:
+        """Seconds the loop spends per batch besides waiting (a moving mean of its steps, or the
+        step it is in if that is longer); None before its first step."""
+        if self._step is None:
+            return None
+        if now is not None and self._handed_at is not None:
+            return max(self._step, now - self._handed_at)
+        return self._step
 
     # --- granting ------------------------------------------------------------------------------
 
@@ -262,7 +298,7 @@ class Assigner:
         horizon = self.horizon()
         for lane in working:
             self._size(lane, horizon)
-        limit = min(self.total, self.base + self.lookahead())
+        limit = min(self.total, self.base + self.lookahead(now))
         while self._lost:  # first what lanes that went down held
             lane = self._pick(working, self._lost[0])
             if lane is None:
@@ -374,7 +410,7 @@ class Assigner:
         if was_hedge:
             lane.hedges_won += 1
             self._count("hedges_won")
-        threshold = self.threshold(lane)
+        threshold = self._threshold(lane, now)
         late = was_hedge or bool(revoke) or (threshold is not None and now - granted_at > threshold)
         if not late:  # (a late batch is not counted in the pace: a stall would raise the bar)
             # the gap since the previous batch, or since the lane got work after it ran dry; not
@@ -447,6 +483,16 @@ class Assigner:
         own = lane.window / lane.pace.rate if lane.pace.rate > 0 else 0.0
         return max(yardstick, self.policy.factor * own)
 
+    def _threshold(self, lane: Lane, now: float) -> float | None:
+        """``threshold``, recomputed for every lane at most every ``_THRESHOLDS_EVERY_S`` (a
+        percentile per lane per batch would cost the loop's CPU)."""
+        if self.policy is None or len(self.lanes) < 2:
+            return None
+        if now - self._thresholds_at >= _THRESHOLDS_EVERY_S or lane.key not in self._thresholds:
+            self._thresholds = {key: self.threshold(other) for key, other in self.lanes.items()}
+            self._thresholds_at = now
+        return self._thresholds.get(lane.key)
+
     def check(self, now: float) -> tuple[dict[Hashable, list[int]], float | None]:
         """Mark stalled lanes and hedge the batch the loop waits for if it is late (module
         docstring). Returns (hedge grants: lane key -> batches, the next time something may
@@ -457,7 +503,7 @@ class Assigner:
         deadline: float | None = None
         thresholds: dict[Hashable, float | None] = {}
         for lane in self.lanes.values():
-            thresholds[lane.key] = threshold = self.threshold(lane)
+            thresholds[lane.key] = threshold = self._threshold(lane, now)
             if threshold is None or not lane.outstanding:
                 continue
             due = min(lane.outstanding.values()) + threshold

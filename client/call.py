@@ -152,11 +152,11 @@ class Outbox:
                 if progress is not None:
                     message.progress.CopyFrom(progress)
                 self.messages += 1
-                yield message
-                if releases:
+                if releases:  # (before the yield: gRPC may never resume this generator after its last message)
                     self.recent_releases.extend(releases)
                     if self._sent is not None:
                         self._sent(releases)
+                yield message
             if closing:
                 return
 

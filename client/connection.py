@@ -184,12 +184,6 @@ class ServerConnection:
         self.calls.discard(call)
         self.reporter.end_call(record, abandoned=abandoned)
 
-    def release_lease(self, lease: int, record: CallRecord) -> None:
-        """A batch received on ``record``'s call is dropped unread (another copy came first, or the
-        iteration ended): its lease goes back."""
-        if record.shm is not None:
-            record.shm.release_unused(lease)
-
     def check_server(self, server_id: str, timeout: float) -> None:
         """A call began on server process ``server_id`` (``batchd-server-id``): describe the dataset
         again only when that differs from the process last described (``check_unchanged``, which

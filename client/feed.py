@@ -103,7 +103,8 @@ class Feed:
         self.assigner = Assigner(start, total, floor=self.options.prefetch, policy=policy,
                                  budget=owner.budget if policy is not None else None, mode=owner.assignment,
                                  count=owner.loader_stats.count)
-        self._raw: dict[int, tuple[Any, Any, Any, float]] = {}  # batch -> (WireBatch, server, record, receive s)
+        # batch -> (WireBatch, server, its connection, call record, receive seconds)
+        self._raw: dict[int, tuple[Any, Any, Any, Any, float]] = {}
         self._ready: collections.deque = collections.deque()  # Received, _Failed or _END, in order
         self._runners: dict[Any, _LaneRunner] = {}  # server -> its lane thread
         self._fatal: BaseException | None = None
@@ -115,9 +116,10 @@ class Feed:
         self._silent_at = 0.0
         self.last_figures: dict = {}  # the assigner's figures when the feed closed
         self._converting: int | None = None  # the batch the converter is converting (still in _raw)
+        limits = {server: _lease_limit(server) for server in servers}  # (may open a session: not under the lock)
         with self._lock:
             for server in servers:
-                self._add(server)
+                self._add(server, limits[server])
         self._converter = threading.Thread(target=self._convert_loop, name="batchd-convert", daemon=True)
         self._converter.start()
 
@@ -125,16 +127,16 @@ class Feed:
 
     def add_server(self, server: Any) -> None:
         """A server came (back) up mid-iteration: it gets a lane, and work as it has room."""
+        limit = _lease_limit(server)
         with self._lock:
             if self._closed or server in self._runners or self.assigner.done:
                 return
-            self._add(server)
+            self._add(server, limit)
             self._all_down_since = None
             self._cond.notify_all()
 
-    def _add(self, server: Any) -> None:  # (under the lock)
-        shm = server.conn.shared_memory()
-        self.assigner.add_lane(server, server.pace, lease_limit=server.conn.lease_limit() if shm is not None else None)
+    def _add(self, server: Any, lease_limit: int | None) -> None:  # (under the lock)
+        self.assigner.add_lane(server, server.pace, lease_limit=lease_limit)
         runner = self._runners[server] = _LaneRunner(self, server)
         runner.start()
 
@@ -210,13 +212,13 @@ class Feed:
                             other.outbox.revoke(batches)
                     keep = arrival.keep
                     if keep:
-                        self._raw[b] = (raw, runner.server, record, received)
+                        self._raw[b] = (raw, runner.server, runner.conn, record, received)
                         runner.failing_since = None
                         if b == self.assigner.base:
                             self._cond.notify_all()
                     self._plan()
         if not keep and raw.segment:
-            runner.server.conn.release_lease(raw.lease, record)
+            _release(raw, record)
 
     def lane_failed(self, runner: "_LaneRunner", error: BaseException) -> BaseException | None:
         """``runner``'s server is given up (``error``). Returns the error that ends the iteration
@@ -275,9 +277,9 @@ class Feed:
                 got = self._next_ready()
                 if got is None:
                     return
-                b, (raw, server, record, received) = got
+                b, (raw, server, conn, record, received) = got
                 try:
-                    item = server.conn.convert(raw, self.stopping, record)
+                    item = conn.convert(raw, self.stopping, record)
                 except ConnectionError as e:
                     if not raw.segment:
                         raise
@@ -361,8 +363,8 @@ class Feed:
                 self.assigner.requeue(b)
             if dropped:
                 self._plan()
-        for raw, srv, record, _ in dropped:
-            srv.conn.release_lease(raw.lease, record)
+        for raw, _, _, record, _ in dropped:
+            _release(raw, record)
 
     def _watch(self, now: float) -> tuple[float | None, list]:  # (under the lock)
         """Lateness (hedges, stalled servers): the next deadline to look again; and the servers
@@ -414,6 +416,7 @@ class Feed:
         timeout = self.options.timeout
         deadline = time.monotonic() + timeout
         with self._lock:
+            self.assigner.asked(deadline - timeout)
             while not self._ready:
                 now = time.monotonic()
                 if now >= deadline:
@@ -423,6 +426,8 @@ class Feed:
                     raise RuntimeError(f"the converter thread ended without a result ({what}, batch {b})")
                 self._cond.wait(min(_POLL_S, deadline - now))
             item = self._ready.popleft()
+            self.assigner.handed(time.monotonic())
+            self._plan()  # (the loop's pace may let more be granted)
             self._cond.notify_all()  # room for the converter
             return item
 
@@ -451,9 +456,9 @@ class Feed:
             runner.stop()
         if self._converter is not threading.current_thread():
             self._converter.join(2.0)
-        for wire_batch, server, record, _ in raw:
+        for wire_batch, _, _, record, _ in raw:
             if wire_batch.segment:
-                server.conn.release_lease(wire_batch.lease, record)
+                _release(wire_batch, record)
         with self._lock:
             self._ready.clear()  # (a batch the converter finished meanwhile)
 
@@ -471,6 +476,18 @@ def _transport(raw: Any, nbytes: int) -> tuple[str, int]:
     return ("socket" if raw.payload is not None else "inline"), nbytes
 
 
+def _lease_limit(server: Any) -> int | None:
+    """The lease limit of ``server``'s lane: over shared memory (its session opened here if not
+    yet: RuntimeError for transport="shm" without it), else None."""
+    return server.conn.lease_limit() if server.conn.shared_memory() is not None else None
+
+
+def _release(raw: Any, record: Any) -> None:
+    """Give back the lease of a shared-memory batch received on ``record``'s call and dropped unread."""
+    if record.shm is not None:
+        record.shm.release_unused(raw.lease)
+
+
 def _work(raw: Any) -> float:
     """A batch's worker seconds on its server (read + decode + pipeline + cache + write)."""
     t = raw.timings
@@ -485,6 +502,7 @@ class _LaneRunner:
     def __init__(self, feed: Feed, server: Any):
         self.feed = feed
         self.server = server
+        self.conn = server.conn  # (the connection of its calls: a probe may give the server a new one)
         self.lane = feed.assigner.lanes.get(server)
         self.outbox = None
         self.call: BatchesCall | None = None
@@ -507,7 +525,7 @@ class _LaneRunner:
 
     def _run(self) -> None:
         feed, server = self.feed, self.server
-        conn = server.conn
+        conn = self.conn
         while not self._stopping.is_set() and not feed.stopping.is_set():
             try:
                 call = self._open()
@@ -547,11 +565,11 @@ class _LaneRunner:
 
     def _open(self) -> BatchesCall | None:
         feed = self.feed
-        call, record = self.server.conn.open_batches(feed.epoch, feed.start_position)
+        call, record = self.conn.open_batches(feed.epoch, feed.start_position)
         with self._lock:
             if self._stopping.is_set() or feed.stopping.is_set():
                 call.cancel()
-                self.server.conn.end_call(call, record, abandoned=True)
+                self.conn.end_call(call, record, abandoned=True)
                 return None
             self.call, self.outbox, self.record = call, call.outbox, record
         return call
@@ -563,7 +581,7 @@ class _LaneRunner:
         if call is not None:
             if abandoned:
                 call.cancel()
-            self.server.conn.end_call(call, record, abandoned=abandoned)
+            self.conn.end_call(call, record, abandoned=abandoned)
 
     def _reconnect(self, error: BaseException) -> bool:
         """Wait for the server to come back within the owner's window: True to open a new call;
@@ -581,13 +599,13 @@ class _LaneRunner:
         else:  # a new call failed too: not at once again
             self._stopping.wait(min(0.5, max(0.0, self.failing_since + feed.owner.reconnect_window() - now)))
         deadline = self.failing_since + feed.owner.reconnect_window()
-        server.conn.new_session()  # a restarted server has new shared memory
+        self.conn.new_session()  # a restarted server has new shared memory
         while not (self._stopping.is_set() or feed.stopping.is_set()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._give_up(error)
                 return False
-            if server.conn.wait_ready(min(remaining, 1.0)):
+            if self.conn.wait_ready(min(remaining, 1.0)):
                 return True
         return False
 

@@ -2,9 +2,9 @@
 
 ``BatchServer(samples_of, num_samples)`` listens on 127.0.0.1:0 with batchd's own gRPC adapter
 (``batchd.server.serve.service.add_to_server``) and answers DescribeDataset, OpenSession,
-StreamBatches, Batches (each granted batch sent at once, revokes honoured, releases applied;
-``batches_call=False`` leaves it unimplemented, as an older server) and ReleaseLeases as
-batchd's server does. Its batches are not computed by workers:
+StreamBatches, Batches (each granted batch sent at once, revokes honoured, releases applied, the
+open's expected size and ``fingerprint`` checked; ``batches_call=False`` leaves it
+unimplemented, as an older server) and ReleaseLeases as batchd's server does. Its batches are not computed by workers:
 batch b holds the samples ``samples_of(indices)`` returns (dicts of numpy arrays, ints, str, bytes)
 for sample indices ``b * B .. (b + 1) * B - 1``, laid out by ``tests/batches.py`` (stacked where
 the samples' shapes agree, else ragged) into a real shared-memory slot (64-byte aligned fields,
@@ -53,6 +53,18 @@ def ready_batch(slots: SlotPool, b: int, fields: list[batches.Field], skipped: t
     return ReadyBatch(b, slot, tuple(layouts), skipped=skipped)
 
 
+class _Older:
+    """``server``'s methods but Batches: what an older batchd server answers."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def __getattr__(self, name):
+        if name == "Batches":
+            raise AttributeError(name)
+        return getattr(self._server, name)
+
+
 class BatchServer:
     """See the module docstring. ``address``; ``close()`` (or a ``with`` block) stops it."""
 
@@ -61,8 +73,7 @@ class BatchServer:
                  messages: Callable[[StreamRequest], Iterable[bytes]] | None = None, batches_call: bool = True):
         self.samples_of, self.num_samples, self.dataset = samples_of, num_samples, dataset
         self.server_id = uuid.uuid4().hex
-        if not batches_call:
-            self.Batches = None  # (add_to_server registers what exists: an older server)
+        self.fingerprint = "0" * 32  # described, and checked against a call's expect_fingerprint
         self.skip, self.messages = set(skip), messages
         self.owner = Owner()
         self.slots = SlotPool(max_slots=256, prefix=self.owner.prefix)
@@ -72,7 +83,7 @@ class BatchServer:
         self.lent = 0  # batches sent as a lease (not copied)
         self._ended: list[threading.Event] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(16))
-        add_to_server(self, self._server)
+        add_to_server(self if batches_call else _Older(self), self._server)  # (it registers what exists)
         self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         self._server.start()
 
@@ -110,7 +121,7 @@ class BatchServer:
         if request.name != self.dataset:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no dataset {request.name!r}")
         return pb.DatasetInfo(name=self.dataset, kind="handmade", num_samples=self.num_samples,
-                              fingerprint="0" * 32, build_fingerprint="0" * 32, server_id=self.server_id)
+                              fingerprint=self.fingerprint, build_fingerprint="0" * 32, server_id=self.server_id)
 
     def ListDatasets(self, request, context):
         return pb.ListDatasetsResponse(datasets=[self.DescribeDataset(pb.DescribeDatasetRequest(name=self.dataset),
@@ -160,6 +171,14 @@ class BatchServer:
         it = iter(requests)
         first = next(it)
         context.send_initial_metadata((("batchd-server-id", self.server_id),))
+        expected = first.open
+        if ((expected.expect_num_samples and expected.expect_num_samples != self.num_samples)
+                or (expected.expect_fingerprint and expected.expect_fingerprint != self.fingerprint)):
+            message = (f"dataset {self.dataset!r} is not the one the client expects: {expected.expect_num_samples} "
+                       f"samples, fingerprint {expected.expect_fingerprint} vs {self.num_samples}, {self.fingerprint}")
+            detail = pb.ErrorDetail(type="DatasetChangedError", message=message, dataset=self.dataset)
+            context.set_trailing_metadata((("batchd-error-bin", detail.SerializeToString()),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
         r = StreamRequest.from_proto(first.open, context.peer())
         if self.messages is not None:
             yield from self.messages(r)
