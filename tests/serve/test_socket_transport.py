@@ -125,6 +125,10 @@ def test_the_statistics_count_the_data_plane(server, stub):
     assert sent and float(sent.group(1)) == after.data_plane_bytes_sent
     assert 'batchd_data_connections_total{outcome="accepted"}' in text
     assert 'batchd_bytes_copied_total{transport="socket"}' in text
+    from batchd._status_table import format_status
+
+    status = format_status(stub.Stats(pb.StatsRequest(), timeout=10), server.address)
+    assert re.search(r"^data: .* sent on \d+ data connections .*; \d+ refused$", status, re.M), status
 
 
 def test_a_stream_being_sent_shows_its_data_bytes(server, stub):
