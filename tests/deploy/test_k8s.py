@@ -211,10 +211,15 @@ def test_headless_service_selects_the_deployment():
     assert service["spec"]["selector"].items() <= labels.items(), "the Service must select the Deployment's pods"
     c = container(deployment["spec"]["template"]["spec"], "batchd")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    served = {}
     for p in service["spec"]["ports"]:
         target = p.get("targetPort", p["port"])
         assert target in ports or target in ports.values(), f"Service port {p} targets no container port"
-        assert ports.get(target, target) == p["port"] == 50051
+        assert ports.get(target, target) == p["port"]
+        served[p["name"]] = p["port"]
+    # the gRPC port, and the data plane's (docs/network.md): the port the config gives it
+    config = yaml.safe_load(one("ConfigMap", "batchd-config")["data"]["config.yaml"])
+    assert served == {"grpc": 50051, "data": config["data_plane"]["port"]} == {"grpc": 50051, "data": 50052}
 
 
 def test_config_map_is_a_valid_config_on_read_only_mounts(tmp_path):
