@@ -254,13 +254,20 @@ class BatchesCall:
         ``cancel`` was called.
         """
         it = iter(self.call)
-        ds = None
+        ds = unopened = None
         try:
             if self.data is not None:
-                ds = self._open_data()
+                try:
+                    ds = self._open_data()
+                except ConnectionError as e:
+                    # the call's own error first, when it has one (a server that refused the call
+                    # withdrew its token): raised by reading the call below
+                    unopened = e
             while True:
                 t0 = time.perf_counter()
                 data = next(it, None)
+                if unopened is not None:
+                    raise unopened
                 if data is None:
                     return
                 raw, nbytes = wire.decode_batch(data), len(data)
