@@ -368,6 +368,9 @@ class BatchLoaderService:
                     reason = "cancelled by the client"
                     return
                 except ConnectionError as e:
+                    if not context.is_active():
+                        reason = "cancelled by the client"
+                        return
                     reason = "ended: its data connection broke"
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"the data connection of this call broke: {e}")
                 finally:
