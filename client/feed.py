@@ -51,7 +51,6 @@ from batchd.client import forks
 from batchd.client.assign import Assigner
 from batchd.client.call import BatchesCall, ServerRefused
 from batchd.client.connection import deliver
-from batchd.client.receiver import Received
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
 log = logging.getLogger("batchd.client.loader")
