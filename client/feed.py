@@ -51,7 +51,6 @@ from batchd.client import fields, forks
 from batchd.client.assign import Assigner
 from batchd.client.call import BatchesCall, ServerRefused
 from batchd.client.connection import deliver
-from batchd.client.receiver import Received
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
 log = logging.getLogger("batchd.client.loader")
@@ -511,6 +510,7 @@ class _LaneRunner:
         self.folded = False
         self._stopping = threading.Event()
         self._finished = False
+        self._timer: threading.Timer | None = None  # cancels a half-closed call the server does not end
         self._lock = threading.Lock()  # call, outbox (lane thread and stop/finish)
         self._thread = threading.Thread(target=self._run, name="batchd-lane", daemon=True)
 
@@ -524,6 +524,14 @@ class _LaneRunner:
     # --- the thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._calls()
+        finally:
+            timer = self._timer
+            if timer is not None:
+                timer.cancel()
+
+    def _calls(self) -> None:
         feed, server = self.feed, self.server
         conn = self.conn
         while not self._stopping.is_set() and not feed.stopping.is_set():
@@ -634,12 +642,17 @@ class _LaneRunner:
             call.cancel()
             return
         call.outbox.close()
-        timer = threading.Timer(_END_GRACE_S, self._cancel)
-        timer.daemon = True
-        timer.start()
+        self._timer = threading.Timer(_END_GRACE_S, self._cancel)
+        self._timer.daemon = True
+        self._timer.start()
 
     def stop(self) -> None:
-        """Cancel the call (reported abandoned by the lane thread) and wait briefly for the thread."""
+        """Cancel the call (reported abandoned by the lane thread) and wait briefly for the thread;
+        a call half-closed at the iteration's end (``finish``) is left to end on its own."""
+        with self._lock:
+            finished = self._finished
+        if finished:
+            return
         self._stopping.set()
         self._cancel()
         if self._thread is not threading.current_thread():

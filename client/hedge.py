@@ -32,7 +32,6 @@ batches yielded (10% by default), and at most ``burst`` go out back to back. Cou
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -122,8 +121,3 @@ class Budget:
         self.tokens = max(0.0, self.tokens - 1.0)
         return True
 
-
-def percentile_or_inf(values: Iterable[float], q: float) -> float:
-    """The q-th percentile of ``values`` (numpy's linear interpolation), inf if there are none."""
-    values = list(values)
-    return float(np.percentile(values, q)) if values else math.inf

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import signal
-import threading
 import uuid
 
 import grpc

@@ -16,9 +16,7 @@ import os
 import pathlib
 import signal
 import threading
-import time
 
-import grpc
 import numpy as np
 import pytest
 import yaml
