@@ -1,4 +1,4 @@
-"""Table 16: what receiving batches costs the training process, per transport (issue 28).
+"""Table 28: what receiving batches costs the training process, per transport (issue 28).
 
     python bench/table_network.py [--quick] [--repeats N]
 
@@ -47,8 +47,8 @@ from bench.noise import measure  # noqa: E402
 from bench.report import md_table  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
-NAME = "table16"
-TITLE = "Table 16: the network path: trainer and server CPU per GB, and images/s, per transport"
+NAME = "table28"
+TITLE = "Table 28: the network path: trainer and server CPU per GB, and images/s, per transport"
 TRANSPORTS = ("socket", "inline", "shm")
 LABELS = {"socket": "data plane (socket)", "inline": "TCP inline (gRPC)", "shm": "shared memory"}
 RATES = (0.1, 0.3, 1.0)  # GB/s offered
@@ -141,7 +141,7 @@ def run(s, log=print) -> dict:
     rounds = s.repeats if s.repeats > 1 else s.pick(5, 2)
     batches = {r: s.pick(max(40, int(60 * r / 0.3)), max(12, int(20 * r / 0.3))) for r in RATES}
     steps = {r: PyStep(BATCH_BYTES / (r * 1e9)) for r in RATES}
-    log("  table16: steps alone " + ", ".join(f"{steps[r].alone * 1e3:.1f} ms at {r:g} GB/s" for r in RATES))
+    log("  table28: steps alone " + ", ".join(f"{steps[r].alone * 1e3:.1f} ms at {r:g} GB/s" for r in RATES))
     cost: dict[tuple[float, str], list[dict]] = {}
     frames = {"frames": {"kind": "python", "factory": "bench.synthetic:Frames"}}
     with ServerProcess(datasets=frames, workers=2, cache_dir=data.CACHE,
@@ -154,7 +154,7 @@ def run(s, log=print) -> dict:
                 for t in order:
                     cost.setdefault((r, t), []).append(
                         measure(lambda: _cost(srv, t, steps[r], batches[r], seed=100 * rnd + ri)))
-            log(f"  table16: cost round {rnd + 1}/{rounds} done")
+            log(f"  table28: cost round {rnd + 1}/{rounds} done")
     rows = [{"rate": r, "transport": t, **{k: median(x[k] for x in cost[(r, t)])
                                            for k in ("trainer", "server", "slowdown", "gbps")},
              "allocated": sum(x["allocated"] for x in cost[(r, t)])}
@@ -172,7 +172,7 @@ def run(s, log=print) -> dict:
             order = TRANSPORTS if rnd % 2 == 0 else TRANSPORTS[::-1]
             for t in order:
                 rates.setdefault(t, []).append(measure(lambda: _images(srv, t, 1000 + rnd, warmup, timed)))
-            log(f"  table16: L3 round {rnd + 1}/{rounds} done")
+            log(f"  table28: L3 round {rnd + 1}/{rounds} done")
     images = {t: median(v) for t, v in rates.items()}
     return {"rows": rows, "images": images, "images_rounds": rates, "rounds": rounds, "batches": batches,
             "steps_alone": {r: steps[r].alone for r in RATES}, "l3_timed": timed * BS}
