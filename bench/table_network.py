@@ -106,7 +106,7 @@ def _cost(srv: ServerProcess, transport: str, step: PyStep, batches: int, seed: 
         it = iter(loader)
         # warm-up: about 2.5 s of the loop, long enough for the batches received ahead to reach
         # the loader's lookahead (so the data plane's buffer pool holds all it will need: a
-        # long-running loop allocates nothing; tests/client/test_dataplane.py)
+        # long-running loop allocates nothing; tests/client/test_dataplane_client.py)
         for _ in range(max(8, min(150, round(2.5 / step.alone)))):
             b = next(it)
             consume(b)

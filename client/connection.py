@@ -107,9 +107,10 @@ class ServerConnection:
         except SharedMemoryUnavailable as e:
             if self.options.transport == "shm":
                 raise RuntimeError(f"transport='shm' but shared memory with {self.address} is unavailable: {e}") from None
-            if self.address not in _warned_no_shm and not self.data.possible:
+            if self.address not in _warned_no_shm:
                 _warned_no_shm.add(self.address)
-                log.warning("shared memory with %s is unavailable (%s); batches travel in gRPC messages", self.address, e)
+                log.warning("shared memory with %s is unavailable (%s); batches travel over the network: on the "
+                            "server's data plane where it has one, else in gRPC messages", self.address, e)
         return self._shm
 
     def wants_socket(self) -> bool:

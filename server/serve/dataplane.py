@@ -19,7 +19,7 @@ calls (``TRANSPORT_SOCKET``; docs/design/network-path.md, the format in ``batchd
   ``SSLSocket.send`` (encryption here, off the GIL too). Not ``os.sendfile`` from the slot's
   ``/dev/shm`` file: TCP's sendfile hands the file's pages to the socket by reference, so a
   slot reused once the send returned changed bytes not yet read by the client (over loopback
-  every batch: tests/serve/test_dataplane.py), and it measured dearer than ``send`` here
+  every batch: tests/serve/test_dataplane_server.py), and it measured dearer than ``send`` here
   (0.15-0.17 against 0.09-0.11 s of CPU per GB, loopback, 9.6 MB batches).
 
 Never hang: every socket operation has a timeout slice (``SLICE_S``); a send that cannot

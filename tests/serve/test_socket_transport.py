@@ -238,7 +238,7 @@ def test_tls_and_tokens_nobody_without_the_calls_token_gets_a_byte(make_server, 
         assert datawire.MAGIC not in leaked and len(leaked) < 64
         ctx = ssl.create_default_context(cafile=str(pki["ca"]))
         wrong = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1")
-        wrong.sendall(bytes(32))  # (no token at all: tests/serve/test_dataplane.py, with a short handshake timeout)
+        wrong.sendall(bytes(32))  # (no token at all: tests/serve/test_dataplane_server.py, with a short handshake timeout)
         assert nothing(wrong) == b""
         pool = buffers.BufferPool()
         got = []
