@@ -79,6 +79,9 @@ def format_status(reply: pb.StatsResponse, address: str) -> str:
         f"{t.samples_sent:,} images, {human_bytes(t.bytes_sent)} sent; {t.samples_skipped:,} samples skipped",
         f"copies:   {human_bytes(t.bytes_copied_inline)} copied into inline messages, "
         f"{human_bytes(t.bytes_copied_shm)} for shared-memory streams (0: every batch lent in place)",
+        *([f"data:     {human_bytes(t.data_plane_bytes_sent)} sent on {t.data_connections_accepted:,} data "
+           f"connections (remote clients' batch bytes beside their calls); {t.data_connections_refused:,} refused"]
+          if t.data_connections_accepted or t.data_connections_refused else []),
         *([f"hedges:   {t.hedge_streams_started:,} hedged requests from clients of several servers; "
            f"{t.hedge_batches_built:,} batches built, {t.hedge_batches_sent:,} sent for them"]
           if t.hedge_streams_started else []),

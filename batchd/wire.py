@@ -88,6 +88,9 @@ class WireBatch:
     lease: int = 0
     skipped: tuple[int, ...] = ()  # samples left out of this batch (on_error: skip)
     timings: WireTimings | None = None  # None: the server sent none (an older server)
+    # client only: the batch's fields as received on its call's data connection (TRANSPORT_SOCKET;
+    # batchd.client.dataplane), views of a pooled buffer; None for a batch whose bytes came otherwise
+    payload: dict | None = None
 
 
 def _varint(n: int) -> bytes:

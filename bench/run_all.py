@@ -14,7 +14,10 @@ fields costs a worker; alias: collate), table12 (hedged requests with one of 3 s
 hedge), table13 (COCO detection with boxes and masks: batchd vs DataLoader, and loading time per
 sample beside a training step; alias: detection), table14 (the cost of per-batch timings; alias:
 timings), table15 (workers sized to demand vs fixed pools; alias: autoscale), table16 (CPU per batch of
-the server's main process and the trainer, against DataLoader's main process; alias: control). Results: ``results.json`` (raw numbers; a run replaces the tables
+the server's main process and the trainer, against DataLoader's main process; alias: control), table17
+(servers of unequal speed, a stalled server, a sidecar plus a TCP server in one loader; alias: fullspeed),
+table18 (trainer and server CPU per GB and images/s over the socket data plane, inline TCP and shared
+memory; alias: network). Results: ``results.json`` (raw numbers; a run replaces the tables
 it ran and keeps the others), ``results.md`` (tables and PASS/FAIL targets), ``throughput.png`` and
 ``latency.png`` (Table 9), and ``fragments/`` (the tables the docs include, bench/fragments.py)
 in ``--out`` (default bench/results; for --quick, /tmp/batchd-bench-quick, so that a smoke run never
@@ -40,16 +43,17 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 from bench import (chart, data, machine, measure, report, table_batch, table_latency, table_overlap,  # noqa: E402
                    table_profile, table_scale, table_scaleout, table_seeding, table_sharing, table_workers)
 from bench import table_autoscale, table_cache, table_collate, table_control, table_detection, table_hedge, table_timings  # noqa: E402
+from bench import table_fullspeed, table_network  # noqa: E402
 from bench import fragments, noise  # noqa: E402
 from bench.settings import Settings  # noqa: E402
 
 MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile, table_scaleout, table_sharing,
            table_seeding, table_latency, table_cache, table_collate, table_hedge, table_detection, table_timings,
-           table_autoscale, table_control)
+           table_autoscale, table_control, table_fullspeed, table_network)
 ALIASES = {"workers": "table1", "batch": "table2", "overlap": "table3", "scale": "table4", "profile": "table5",
            "scaleout": "table6", "sharing": "table7", "seeding": "table8", "latency": "table9", "cache": "table10",
            "collate": "table11", "hedge": "table12", "detection": "table13", "timings": "table14",
-           "autoscale": "table15", "control": "table16"}
+           "autoscale": "table15", "control": "table16", "fullspeed": "table17", "network": "table18"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -29,6 +29,15 @@ _LISTENING = re.compile(r"listening on (\S+)")
 _WORKERS = re.compile(r"workers ready \(pids \[([\d, ]*)\]\)")
 
 
+def private_shm_available() -> bool:
+    """Whether ``ServerProcess(private_shm=True)`` can run here (``unshare -m`` and a tmpfs mount)."""
+    try:
+        return subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # no version check over the network
@@ -37,7 +46,12 @@ def child_env() -> dict[str, str]:
 
 class ServerProcess:
     def __init__(self, *, datasets: dict, pipelines: dict | None = None, workers: int | dict, cache_dir,
-                 address: str = "127.0.0.1:0", extra: dict | None = None, start_timeout: float = 180.0):
+                 address: str = "127.0.0.1:0", extra: dict | None = None, start_timeout: float = 180.0,
+                 private_shm: bool = False):
+        """private_shm: run the server with a /dev/shm of its own (a mount namespace, ``unshare -m``;
+        needs root): a client on this host cannot read its shared memory and gets its batches
+        over TCP, as from another host (``private_shm_available``)."""
+        self.private_shm = private_shm
         self.config = {
             "address": address,
             "workers": workers,
@@ -69,6 +83,8 @@ class ServerProcess:
             serve += ["--workers", str(self.workers)]
         # the server gets SIGTERM if this process dies (even by SIGKILL): no orphaned servers
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT, *serve]
+        if self.private_shm:
+            cmd = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh", *cmd]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=child_env())

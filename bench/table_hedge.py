@@ -10,11 +10,12 @@ a noisy neighbour or a VM steal would cause. The loop trains for ``STEP_S`` seco
 (a sleep: the servers keep up, with room to spare, as a loader should), so a batch waits only
 when a server falls behind. The batch wait is the time ``__next__`` took (as ``loader.stats()``
 counts it, client/loader_stats.py); the step time is wait + training step. We compare
-``hedge=False`` with the default ``hedge=True`` (client/hedge.py: a batch that keeps the loop
-waiting more than max(0.05 s, 2 x the 95th percentile of its server's recent lags) after
-another server's next batch is there is also asked of another server, at most 5% of batches),
-interleaved, and count the batches the servers built for hedges
-(``StatsTotals.hedge_batches_built``): the extra work.
+``hedge=False`` with the default ``hedge=True`` (client/hedge.py: the batch the loop waits for is
+also granted to another server once its age exceeds max(0.05 s, 2 x the median latency of the
+other servers' recent batches), hedges at most 10% of the batches yielded), interleaved, and
+count the batch indices granted beyond one per batch yielded (``StatsTotals.batches_granted``):
+an upper bound of the extra work (a revoked grant not yet started is never built). Batches go to
+whichever server has room (client/assign.py), so a stopped server also soon gets no more work.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _batches(loader):
 
 def _one(servers: list[ServerProcess], hedge: bool, warmup: int, timed: int, seed: int) -> dict:
     addresses = [s.address for s in servers]
-    before = [get_stats(a).totals.hedge_batches_built for a in addresses]
+    before = [get_stats(a).totals.batches_granted for a in addresses]
     loader = batchd.RemoteDataLoader(addresses, "photos", batch_size=BATCH, shuffle=True, seed=seed, drop_last=True,
                                      transform=PIPELINE, transport="inline", timeout=300, probe_interval=60,
                                      hedge=hedge)
@@ -107,7 +108,8 @@ def _one(servers: list[ServerProcess], hedge: bool, warmup: int, timed: int, see
             seconds = time.perf_counter() - t0
         figures = loader.stats()
         it.close()
-    built = sum(get_stats(a).totals.hedge_batches_built for a in addresses) - sum(before)
+    granted = sum(get_stats(a).totals.batches_granted for a in addresses) - sum(before)
+    built = max(0, granted - warmup - timed)  # (the lookahead at either end about cancels out)
     w = np.array(waits)
     p50, p99, p999 = (float(v) for v in np.percentile(w, (50, 99, 99.9)))
     step50, step99 = (float(v) for v in np.percentile(w + STEP_S, (50, 99)))
@@ -172,14 +174,14 @@ def render(r: dict) -> str:
              f"{r['period_s']:g} s ({on['stops']} and {off['stops']} stops in all). {r['timed']} batches timed per "
              f"measurement; figures are medians of {r['repeats']} interleaved repeats, hedges and extra batches sums "
              f"over them. Batch wait: the time `__next__` took; step: wait + training step; time waited: the sum of "
-             f"the waits of one measurement. Extra batches: those the servers built for hedged requests "
-             f"(StatsTotals.hedge_batches_built), per batch yielded.\n\n"
+             f"the waits of one measurement. Extra batches: batch indices granted beyond one per batch yielded "
+             f"(StatsTotals.batches_granted), an upper bound of the work built for hedges.\n\n"
              f"**Reading it.** The servers keep ahead of the loop, so most batches wait for nothing and the median "
              f"wait is about 0: the ratio p99 / p50 of the waits is not a useful figure, and the target is taken on "
              f"the step time. A stop of {r['stall_s']:g} s shows where the loop reaches the stopped server's next "
              f"batch after its few prefetched ones: one batch per stop waits (the max, the time waited), the others "
-             f"find theirs ready. Hedging asks another server for that batch once it is late and then chases the "
-             f"stopped server's next ones, so the stop costs about the hedge delay plus one batch: max wait "
+             f"find theirs ready. Hedging grants that batch to another server once it is late (and every other one "
+             f"the stopped server holds), so the stop costs about the hedge delay plus one batch: max wait "
              f"{off['max'] * 1e3:.0f} -> {on['max'] * 1e3:.0f} ms, time waited {off['waited']:.2f} -> "
              f"{on['waited']:.2f} s per measurement.")
     return md_table(head, table) + "\n" + notes
@@ -192,8 +194,8 @@ def targets(r: dict) -> list[dict]:
         {"name": "hedging on: p99 step time <= 2x p50 (wait + training step)", "passed": on["step_ratio"] <= 2.0,
          "detail": f"{on['step_ratio']:.2f}x (p99 {on['step_p99'] * 1e3:.0f} ms, p50 {on['step_p50'] * 1e3:.0f} ms; "
                    f"hedging off: {off['step_ratio']:.2f}x)"},
-        {"name": "hedging on: <= 5% extra batches computed", "passed": extra <= 0.05,
-         "detail": f"{extra:.1%} ({on['built']} built for hedges, {on['batches']} batches)"},
+        {"name": "hedging on: <= 10% extra batches granted", "passed": extra <= 0.10,
+         "detail": f"{extra:.1%} ({on['built']} granted beyond one per batch, {on['batches']} batches)"},
         {"name": "hedging on: the longest wait is at most half of hedging off's", "passed": on["max"] <= off["max"] / 2,
          "detail": f"{on['max'] * 1e3:.0f} vs {off['max'] * 1e3:.0f} ms (medians of the measurements' max)"},
     ]

@@ -1,10 +1,16 @@
 """One batchd server as a loader sees it: ``ServerConnection``.
 
-Its channel, the dataset's ``DatasetInfo``, its shared-memory session (opened on first use), the
-thread that reports released leases and progress (``batchd.client.leases.Reporter``), and the
-StreamBatches calls it opens, each tagged and watched by a ``Receiver`` thread. A single-server
-loader has one; a several-servers loader one per server, all sharing the loader's options and
-its ``CudaTransfer``.
+Its channel, the dataset's ``DatasetInfo`` (described once per server process: again only when
+the server's id changed, ``check_server``), its shared-memory session (opened on first use), its
+``DataLink`` (the socket data plane: ``transport`` "auto" for a server whose shared memory is not
+readable here, or "socket"; its calls ask for TRANSPORT_SOCKET and read each batch's bytes from a
+data connection beside the call, ``batchd.client.dataplane``), the
+thread that reports what cannot ride on a call (``batchd.client.leases.Reporter``: abandoned
+calls, releases while no call is open), and the ``Batches`` calls it opens
+(``open_batches``, ``batchd.client.call``): one per iteration, whose request stream carries the
+grants, revokes, lease releases and progress. ``convert`` turns a received batch into what the
+loader hands out. A single-server loader has one connection; a several-servers loader one per
+server, all sharing the loader's options and its ``CudaTransfer``.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import grpc
 import torch
 
 from batchd import wire
-from batchd.client import decode, fields, forks
-from batchd.client.channel import open_channel, translate, wait_for_server
+from batchd.client import buffers, decode, fields, forks
+from batchd.client.call import BatchesCall, Outbox
+from batchd.client.channel import open_channel, wait_for_server
 from batchd.client.collate import collate
+from batchd.client.dataplane import DataLink
 from batchd.client.datasets import DatasetInfo, Difference, describe, difference
 from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.options import LoaderOptions
-from batchd.client.receiver import Received, Receiver, to_tensors
+from batchd.client.receiver import Received, to_tensors
 from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
 from batchd.client.timings import BatchTimes, delivered
 from batchd.client.transfer import check_finishable, finish
@@ -34,6 +42,13 @@ from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
 _warned_no_shm: set[str] = set()
+
+# The server's lease cap per shared-memory session (its config's max_leases_per_session, 8 by
+# default; the server does not announce it), and the leases the loop and the converter may hold
+# beyond the batches waiting in the reorder buffer: a lane keeps its grants plus the batches it
+# sent that wait here within the difference (batchd.client.assign).
+ASSUMED_MAX_LEASES = 8
+LEASES_RESERVED = 3
 
 
 class ServerConnection:
@@ -54,25 +69,25 @@ class ServerConnection:
         self._owner = forks.owner()  # a forked child neither uses nor closes this channel (batchd.client.forks)
         forks.keep(self)
         self._finalizer = weakref.finalize(self, forks.in_owner(self._owner, self.reporter.close), self._channel.close)
-        # StreamBatches is parsed by batchd.wire (tensors as views of the message, no copies)
-        self._stream_batches = self._channel.unary_stream(
-            "/batchd.v1.BatchLoader/StreamBatches",
-            request_serializer=pb.StreamBatchesRequest.SerializeToString,
-            response_deserializer=None,
-        )
         self._shm: SharedMemorySession | None = None
         self._shm_tried = False
+        # the socket data plane (TRANSPORT_SOCKET): its payloads go to pinned buffers when copied to CUDA
+        pool = buffers.BufferPool(buffers.PinnedPool() if transfer is not None else buffers.pageable)
+        self.data = DataLink(address, options.tls, pool, connect_timeout=options.connect_timeout,
+                             timeout=options.timeout, optional=options.transport == "auto")
         self._tag_prefix = new_tag_prefix()
         self._tags = itertools.count()
-        self.receiver: Receiver | None = None  # the latest stream opened
-        # a stream was opened since the dataset was last described: the server may have restarted since
-        # (gRPC reconnects a channel silently between calls), so the next epoch checks first
-        self.streamed = False
+        self.calls: weakref.WeakSet = weakref.WeakSet()  # Batches calls open (cancelled by close)
+        self.describes = 0  # DescribeDataset calls made (one per server process, unless its data changed)
         try:
-            self.info: DatasetInfo = describe(self._channel, address, options.dataset, timeout=options.connect_timeout)
+            self.info: DatasetInfo = self._describe(options.connect_timeout)
         except BaseException:
             self.close()
             raise
+
+    def _describe(self, timeout: float) -> DatasetInfo:
+        self.describes += 1
+        return describe(self._channel, self.address, self.options.dataset, timeout=timeout)
 
     @property
     def closed(self) -> bool:
@@ -83,7 +98,7 @@ class ServerConnection:
 
         Raises RuntimeError if ``transport="shm"`` and the server's shared memory is not readable here.
         """
-        if self.options.transport == "inline" or self._shm_tried:
+        if self.options.transport in ("inline", "socket") or self._shm_tried:
             return self._shm
         self._shm_tried = True
         try:
@@ -94,50 +109,119 @@ class ServerConnection:
                 raise RuntimeError(f"transport='shm' but shared memory with {self.address} is unavailable: {e}") from None
             if self.address not in _warned_no_shm:
                 _warned_no_shm.add(self.address)
-                log.warning("shared memory with %s is unavailable (%s); batches travel in gRPC messages", self.address, e)
+                log.warning("shared memory with %s is unavailable (%s); batches travel over the network: on the "
+                            "server's data plane where it has one, else in gRPC messages", self.address, e)
         return self._shm
 
+    def wants_socket(self) -> bool:
+        """Whether calls ask for the socket data plane: ``transport="socket"``, or ``"auto"`` without
+        shared memory, to a server with a host to dial (not ``unix:``) whose data port was not
+        found unreachable (``DataLink.reachable``)."""
+        t = self.options.transport
+        if t == "socket":
+            return self.data.possible
+        return t == "auto" and self.data.possible and self.data.reachable and self.shared_memory() is None
+
+    def lease_limit(self) -> int:
+        """Grants plus batches waiting in the reorder buffer a shared-memory lane keeps below
+        (``ASSUMED_MAX_LEASES`` - ``LEASES_RESERVED``)."""
+        return max(1, ASSUMED_MAX_LEASES - LEASES_RESERVED)
+
     def new_session(self) -> None:
-        """After a reconnect (a restarted server has new shared memory): close the old session
+        """After a broken call (a restarted server has new shared memory): close the old session
         (it ends once the batches still held on it are freed) and open a new one on next use."""
         if self._shm is not None:
             self._shm.close()
         self._shm, self._shm_tried = None, False
 
-    def request(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, tag: str = "", *,
-                start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> pb.StreamBatchesRequest:
-        """The StreamBatches request for these batches (``stream_tag`` = ``tag``; the other fields
-        as in loader.proto); opens the shared-memory session on first use (see ``shared_memory``)."""
-        o, shm = self.options, self.shared_memory()
+    def request(self, epoch: int, tag: str = "", *, start_position: int = 0) -> pb.StreamBatchesRequest:
+        """The ``open`` of a Batches call for ``epoch`` (its remainder from ``start_position``),
+        tagged ``tag``, with the dataset this loader expects there: its size always, its dataset
+        and build fingerprints under ``strict`` (the server refuses the call otherwise). Opens the
+        shared-memory session on first use (see ``shared_memory``)."""
+        o, shm, info = self.options, self.shared_memory(), self.info
+        transport = (pb.TRANSPORT_SHARED_MEMORY if shm is not None else
+                     pb.TRANSPORT_SOCKET if self.wants_socket() else pb.TRANSPORT_INLINE)
         return pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
             seed=o.seed, epoch=epoch, drop_last=o.drop_last, rank=o.rank, world_size=o.world_size,
-            start_batch=start_batch, prefetch=o.prefetch,
-            transport=pb.TRANSPORT_SHARED_MEMORY if shm is not None else pb.TRANSPORT_INLINE,
-            session=shm.session if shm is not None else "", compression=o.compression,
-            batch_stride=stride if stride > 1 else 0, batch_offset=offset, stream_tag=tag,
+            transport=transport,
+            session=shm.session if shm is not None else "", compression=o.compression, stream_tag=tag,
             image_encoding=pb.IMAGE_ENCODING_JPEG if o.decode_on_client else pb.IMAGE_ENCODING_DECODED,
-            start_position=start_position, end_batch=end_batch, hedge=hedge,
+            start_position=start_position, expect_num_samples=info.num_samples,
+            expect_fingerprint=info.fingerprint if o.strict else "",
+            expect_build_fingerprint=info.build_fingerprint if o.strict else "",
         )
 
-    def _convert(self, raw: wire.WireBatch, receiver: Receiver) -> Received:
-        """Receiver thread: the batch of ``raw`` as the loader hands it out (on the device, finished
-        by ``gpu_transform``, ragged fields split into views, collated by ``collate_fn``), and its
-        ``BatchTimes`` (unpack here; receive is the receiver's; copy and gpu_transform: CUDA events,
-        or the CPU time of gpu_transform)."""
+    def open_batches(self, epoch: int, start_position: int = 0) -> tuple[BatchesCall, CallRecord]:
+        """A Batches call for ``epoch`` (nothing granted yet: ``call.outbox.grant``) and its
+        ``CallRecord`` (tag, leases received, progress, the session). Freed leases of the session
+        ride on the call while it is open. End it with ``end_call``. Raises ConnectionError,
+        RuntimeError (``transport="shm"`` unavailable), and the errors of ``batches_error``."""
+        tag = f"{self._tag_prefix}-{next(self._tags)}"
+        request = self.request(epoch, tag, start_position=start_position)
+        shm = self._shm if request.session else None
+        record = CallRecord(tag, request.session, carried=True, shm=shm)
+        outbox = Outbox(request, progress=record.progress,
+                        sent=shm.forget if shm is not None else None,
+                        unsent=(lambda leases: self.reporter.freed_all(shm.session, leases)) if shm is not None else None)
+        call = BatchesCall(self._channel, self.address, outbox,
+                           data=self.data if request.transport == pb.TRANSPORT_SOCKET else None)
+        self.calls.add(call)
+        if shm is not None:
+            self.reporter.carry(shm.session, outbox)
+        return call, record
+
+    def end_call(self, call: BatchesCall, record: CallRecord, abandoned: bool) -> None:
+        """The client stopped reading ``call`` (``abandoned``: before it ended OK): freed leases
+        go by ReleaseLeases again, and an abandoned call is reported with the leases received on
+        it (the server releases the others), its last releases sent again (a broken call may have
+        lost them)."""
+        shm = record.shm
+        if shm is not None:
+            self.reporter.uncarry(shm.session, call.outbox)
+            if abandoned and call.outbox.recent_releases:
+                self.reporter.freed_all(shm.session, list(call.outbox.recent_releases))
+        self.calls.discard(call)
+        self.reporter.end_call(record, abandoned=abandoned)
+
+    def check_server(self, server_id: str, timeout: float) -> None:
+        """A call began on server process ``server_id`` (``batchd-server-id``): describe the dataset
+        again only when that differs from the process last described (``check_unchanged``, which
+        raises if it changed beyond what the loader accepts)."""
+        if server_id and server_id != self.info.server_id:
+            if self.info.server_id:
+                log.info("batchd server at %s restarted (server id %s, was %s); describing %r again", self.address,
+                         server_id, self.info.server_id, self.options.dataset)
+            self.check_unchanged(timeout)
+
+    def convert(self, raw: wire.WireBatch, stopping: Any, record: CallRecord) -> Received:
+        """The converter thread: the batch of ``raw`` (received on ``record``'s call) as the loader
+        hands it out (on the device, finished by ``gpu_transform``, ragged fields split into views,
+        collated by ``collate_fn``), and its ``BatchTimes`` (unpack here; copy and gpu_transform:
+        CUDA events, or the CPU time of gpu_transform). ``stopping``: an Event set when the
+        iteration ends (a device copy is then refused). Raises ConnectionError if its
+        shared-memory slot is gone (the server ended the session)."""
         times, t0 = BatchTimes(raw.timings), time.perf_counter()
-        shm = self._shm if raw.segment else None
+        shm = record.shm if raw.segment else None
         if raw.segment and shm is None:
             raise RuntimeError(f"{self.address} sent a shared-memory batch on a call without a session")
         transfer, registered, encoded = self.transfer, False, decode.is_encoded(raw)
         try:
-            if transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
+            if raw.payload is not None:  # received on the data connection, into a pooled buffer
+                batch = raw.payload
+                # copied straight from it: asynchronously from a pinned buffer (``buffers.PinnedPool``), at
+                # once from an ordinary one (past the pinned budget); held until the copy is done either way
+                registered = transfer is not None
+            elif transfer is not None and shm is not None and transfer.maps_host_memory and not encoded:
                 batch, registered = shm.host_tensors(raw, transfer.register, transfer.unregister)  # copied from the slot
             else:
                 batch = shm.tensors(raw) if shm is not None else to_tensors(raw)
         except FileNotFoundError:
             # the server unlinked the slot: it ended the session (shutting down) after gRPC had
-            # buffered this message. A broken stream, resumed like one (reconnect_timeout)
+            # buffered this message
+            if shm is not None:
+                shm.release_unused(raw.lease)
             raise ConnectionError(f"batchd server at {self.address} ended the shared-memory session of batch "
                                   f"{raw.batch_index} (epoch {raw.epoch}) before it was read: the server is "
                                   f"shutting down or restarting") from None
@@ -145,8 +229,7 @@ class ServerConnection:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
         o, event = self.options, None
         if encoded:  # JPEG files: decoded here (client/decode.py), then as below; all of it is unpack
-            batch, event = decode.decode_batch(batch, o, transfer, receiver.stopping, raw.epoch,
-                                               self.info.on_error)
+            batch, event = decode.decode_batch(batch, o, transfer, stopping, raw.epoch, self.info.on_error)
             times.unpack = time.perf_counter() - t0
         else:
             t1 = time.perf_counter()
@@ -155,7 +238,7 @@ class ServerConnection:
                 if o.gpu_transform is not None:
                     check_finishable(batch)  # before the copy: a failed finish must not leave one in flight
                 marks: list = []
-                batch, event = transfer.to_device(batch, receiver.stopping, registered=registered,
+                batch, event = transfer.to_device(batch, stopping, registered=registered,
                                                   finish=o.gpu_transform, seed=o.seed, epoch=raw.epoch, marks=marks)
                 times.events = (*marks, event) if len(marks) == 2 else None  # (device times from CUDA events)
             elif o.gpu_transform is not None:
@@ -166,48 +249,20 @@ class ServerConnection:
         # (after decode_on_client, which may leave out files under on_error: skip)
         samples = int(batch["index"].shape[0]) if isinstance(batch.get("index"), torch.Tensor) else 0
         if o.collate_fn is None:
-            return Received(raw.batch_index, batch, event, samples, copies, times=times)
+            return Received(raw.batch_index, batch, event, samples, copies, times=times, record=record)
         if event is not None:  # on the device: collated once the consumer's stream waits for the copy
-            return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn, times=times)
-        return Received(raw.batch_index, collate(batch, o.collate_fn), None, samples, times=times)
-
-    def open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0, *,
-                    start_position: int = 0, end_batch: int = 0, hedge: bool = False) -> Receiver:
-        """Stream batches start_batch + offset, + stride, ... (every batch with the defaults) of the
-        epoch's remainder from global position ``start_position``, up to ``end_batch`` (0: the end).
-
-        The call is tagged (``stream_tag``); stopping its receiver before the end reports it
-        abandoned with the leases received on it. A ``hedge`` call (one late batch asked again)
-        does not become ``self.receiver``. Raises ConnectionError and the errors of ``translate``.
-        """
-        tag = f"{self._tag_prefix}-{next(self._tags)}"
-        self.streamed = True
-        request = self.request(epoch, start_batch, stride, offset, tag, start_position=start_position,
-                               end_batch=end_batch, hedge=hedge)
-        record = CallRecord(tag, request.session)
-        try:
-            call = self._stream_batches(request)
-        except grpc.RpcError as e:
-            raise translate(e, self.address) from None
-        self.reporter.open_call(record)
-        shm = self._shm if request.session else None
-        receiver = Receiver(
-            call, self.address, self._convert, record,
-            on_end=lambda r: self.reporter.end_call(r.record, abandoned=not r.finished),
-            release=shm.release_unused if shm is not None else None)
-        if not hedge:
-            self.receiver = receiver
-        receiver.start()
-        return receiver
+            return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn, times=times, record=record)
+        return Received(raw.batch_index, collate(batch, o.collate_fn), None, samples, times=times, record=record)
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether the channel is (again) connected within ``timeout`` seconds."""
         return wait_for_server(self._channel, timeout)
 
     def check_unchanged(self, timeout: float) -> Difference:
-        """After a reconnect, and before an epoch on a connection that streamed before: describe
-        the dataset again and compare it with ``self.info`` (``batchd.client.datasets.difference``),
-        since a restarted server may serve other files under the same name.
+        """Describe the dataset again and compare it with ``self.info``
+        (``batchd.client.datasets.difference``): a restarted server may serve other files under
+        the same name. Called when a call shows another server id, or the server refused a call's
+        expected dataset.
 
         Returns what differs (empty: nothing known). ``self.info`` becomes the new description;
         where fingerprints differ without ``options.strict``, a warning says so. Raises
@@ -216,8 +271,7 @@ class ServerConnection:
         or TimeoutError if the server does not answer within ``timeout`` seconds;
         DatasetNotFoundError if it no longer serves the dataset.
         """
-        now = describe(self._channel, self.address, self.options.dataset, timeout=timeout)
-        self.streamed = False
+        now = self._describe(timeout)
         changed = difference(self.info, now)
         if changed.refused(self.options.strict):
             raise DatasetChangedError(self.options.dataset, self.address, changed.fingerprints, changed.num_samples)
@@ -237,18 +291,14 @@ class ServerConnection:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    def stop_stream(self) -> None:
-        if self.receiver is not None:
-            self.receiver.stop()
-            self.receiver = None
-
     def close(self, wait: float = 2.0) -> None:
-        """Cancel the stream; the shared-memory session ends once no batch on it is held, then the
-        channel closes (at once, waiting up to ``wait`` seconds, when none is). Idempotent. Nothing
-        in a forked child: the channel is the parent's."""
+        """Cancel the calls still open; the shared-memory session ends once no batch on it is held,
+        then the channel closes (at once, waiting up to ``wait`` seconds, when none is). Idempotent.
+        Nothing in a forked child: the channel is the parent's."""
         if forks.forked(self._owner):
             return
-        self.stop_stream()
+        for call in list(self.calls):
+            call.cancel()
         if self._finalizer.alive:
             self._finalizer.detach()
             self.reporter.close(self._channel.close, wait=wait if not self.outstanding else 0.0)
@@ -259,16 +309,15 @@ class ServerConnection:
         return self._shm.outstanding if self._shm is not None else 0
 
 
-def deliver(item: Received, receiver: Receiver, transfer: Any) -> Any:
+def deliver(item: Received, transfer: Any) -> Any:
     """Consumer's thread: the batch of ``item``, its copy waited for on the current CUDA stream
-    (then collated, if ``collate_fn`` is still to run), counted as taken from ``receiver``'s call
-    (progress)."""
+    (then collated, if ``collate_fn`` is still to run), counted as taken from its call (progress)."""
     batch = item.batch
     if item.event is not None:
         transfer.hand_over(item.copies, item.event)
     if item.collate is not None:
         batch = collate(batch, item.collate)
-    if receiver.record is not None:
-        receiver.record.took(item.samples)
-    delivered(item.times, receiver.record, item.samples)  # loader.stats() and profile() (batchd.client.timings)
+    if item.record is not None:
+        item.record.took(item.samples)
+    delivered(item.times, item.record, item.samples)  # loader.stats() and profile() (batchd.client.timings)
     return batch

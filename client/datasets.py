@@ -28,6 +28,8 @@ class DatasetInfo:
     on_error: the dataset's ``on_error``, "raise" or "skip" (a sample that cannot be read fails
         the stream, or is left out and named in the batch's ``skipped``); the loader decoding JPEG
         batches itself (``decode_on_client``) does the same. "raise" from an older server.
+    server_id: the server process that described it (random per process: a restart gets a new
+        one); "" from an older server. Not part of ``identity``.
     """
 
     name: str
@@ -40,12 +42,13 @@ class DatasetInfo:
     build_fingerprint: str = ""
     build: Mapping[str, str] = field(default_factory=dict, hash=False)
     on_error: str = "raise"
+    server_id: str = ""
 
     @classmethod
     def from_proto(cls, m: pb.DatasetInfo) -> "DatasetInfo":
         image = next((t for t in m.sample if t.name == "image"), pb.TensorSpec(dtype="uint8"))
         return cls(m.name, m.kind, m.num_samples, tuple(m.class_names), tuple(image.shape), image.dtype,
-                   m.fingerprint, m.build_fingerprint, dict(m.build), m.on_error or "raise")
+                   m.fingerprint, m.build_fingerprint, dict(m.build), m.on_error or "raise", m.server_id)
 
     def identity(self) -> dict[str, Any]:
         """``{"fingerprint", "build_fingerprint", "build"}``: what ``mismatches`` compares (JSON-able)."""

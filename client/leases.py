@@ -1,16 +1,20 @@
 """What a client tells a server it let go of, and how far it read: one reporter thread per server.
 
-Everything goes through ``ReleaseLeases`` (loader.proto), sent by ``Reporter``'s thread:
+Leases of shared-memory batches whose tensors were freed are queued by ``weakref.finalize``
+callbacks (which may run inside a gRPC call or under a lock, so they only queue). While a
+``Batches`` call is open on the session (``carry``), they ride on that call's request stream
+(``batchd.client.call.Outbox``: with the next grant, or within a few ms), and so does the
+training loop's progress: no unary call per batch. What cannot ride on a call goes through
+``ReleaseLeases`` (loader.proto), sent by ``Reporter``'s thread:
 
-* leases of shared-memory batches whose tensors were freed (queued by ``weakref.finalize``
-  callbacks, which may run inside a gRPC call or under a lock, so they only queue);
-* an abandoned call: when the client stops reading a StreamBatches call before its end (a
-  ``break``, a closed or collected iterator, a re-split or failover of a several-servers loader,
-  a broken stream), it names the call's ``stream_tag`` and every lease it received on it; the
-  server releases the others, which gRPC had buffered;
-* progress: batches and samples the training loop took per call (any transport; session "" for
-  an inline stream), at most every ``interval`` seconds while they change, and once more when the
-  call ends.
+* freed leases while no call is open on their session (between epochs, after the loop), or that
+  a call that ended could not send (``freed_all``);
+* an abandoned call: when the client stops reading a call before its end (a ``break``, a closed
+  or collected iterator, a failover, a broken call), it names the call's ``stream_tag`` and every
+  lease it received on it; the server releases the others, which gRPC had buffered;
+* progress of calls that do not carry it (``CallRecord.carried`` False): batches and samples the
+  training loop took per call, at most every ``interval`` seconds while they change, and once
+  more when the call ends.
 
 A request that fails with a transient status is retried with exponential backoff (tenacity) for
 up to ``retry_for`` seconds instead of being dropped; after that the leases go back when the
@@ -52,6 +56,8 @@ class CallRecord:
 
     tag: str
     session: str = ""  # the shared-memory session of the call, "" inline
+    carried: bool = False  # its progress rides on the call itself (a Batches call), not ReleaseLeases
+    shm: Any = None  # the SharedMemorySession of the call (None inline): its leases belong there
     batches_taken: int = 0
     samples_taken: int = 0
     abandoned: bool = False
@@ -131,6 +137,7 @@ class Reporter:
         self._lock = threading.Lock()
         self._calls: dict[str, CallRecord] = {}  # open calls, by tag
         self._sessions: dict[str, Any] = {}  # session id -> SharedMemorySession (forget, end_if_done)
+        self._carriers: dict[str, Any] = {}  # session id -> the Outbox of the call open on it
         self._closing = False
         self._then: Callable[[], None] | None = None
         self._sending = ""  # the session of the request being sent
@@ -141,10 +148,31 @@ class Reporter:
     # --- called from other threads --------------------------------------------------------------
 
     def freed(self, session: str, lease: int) -> None:
-        """A batch's tensors were freed. Reentrant (SimpleQueue.put): safe in a finalizer. Nothing
-        in a forked child (the lease is the parent's)."""
+        """A batch's tensors were freed: the release rides on the call open on ``session``, else
+        goes by ReleaseLeases. Reentrant (a dict read and SimpleQueue puts): safe in a finalizer.
+        Nothing in a forked child (the lease is the parent's)."""
+        if forks.forked(self._owner):
+            return
+        carrier = self._carriers.get(session)
+        if carrier is not None and carrier.release(lease):
+            return
+        self._queue.put(("freed", session, lease))
+
+    def freed_all(self, session: str, leases: list[int]) -> None:
+        """Release ``leases`` by ReleaseLeases (a call that ended could not send them, or may have
+        lost them). Releasing one twice is harmless: the server ignores an unknown lease."""
         if not forks.forked(self._owner):
-            self._queue.put(("freed", session, lease))
+            for lease in leases:
+                self._queue.put(("freed", session, lease))
+
+    def carry(self, session: str, outbox: Any) -> None:
+        """Releases of ``session`` ride on ``outbox`` (an open Batches call's) from now on."""
+        self._carriers[session] = outbox
+
+    def uncarry(self, session: str, outbox: Any) -> None:
+        """``outbox``'s call ended: releases of ``session`` go by ReleaseLeases again."""
+        if self._carriers.get(session) is outbox:
+            del self._carriers[session]
 
     def wake(self) -> None:
         """Run a round now (e.g. a session is closing)."""
@@ -226,6 +254,8 @@ class Reporter:
             open_calls = list(self._calls.values())
         progress: dict[str, list[pb.StreamProgress]] = {}
         for record in open_calls + ended:
+            if record.carried:
+                continue  # its progress went on the call
             p = record.progress(force=record in ended and record.batches_taken > 0)
             if p is not None:
                 progress.setdefault(record.session, []).append(p)

@@ -9,19 +9,19 @@ the batches of an epoch in order; the facade keeps the position, epochs and exac
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Iterator
 
 import torch
 
 from batchd.client import elastic, forks
 from batchd.client.addresses import may_grow, server_addresses
-from batchd.client.connection import ServerConnection, deliver
+from batchd.client.connection import ServerConnection
 from batchd.client.datasets import DatasetInfo, mismatches
+from batchd.client.feed import Feed
 from batchd.client.loader_stats import LoaderStats
+from batchd.client.membership import _Server
 from batchd.client.options import TRANSPORTS, LoaderOptions  # noqa: F401  (TRANSPORTS: public name)
 from batchd.client.profile import Profile, make_profile
-from batchd.client.receiver import Receiver, _End
 from batchd.client.timings import LoopTimings, timed
 from batchd.sampler import num_batches
 from batchd.v1 import loader_pb2 as pb
@@ -61,8 +61,9 @@ class RemoteDataLoader:
         address: ``HOST:PORT`` or ``unix:PATH`` of the server; or several servers feeding this
             loader together: a list of addresses, or a DNS name with several addresses
             (``dns:///NAME:PORT``, or ``NAME:PORT`` resolving to several A records, e.g. a
-            Kubernetes headless Service). Batches are then split among the servers that are up
-            and merged in order, with the same bytes (``batchd.client.multi``).
+            Kubernetes headless Service). Each server is then given batches as it has room for
+            them (a window sized to its speed), and they are merged in order, with the same bytes
+            (``batchd.client.multi``; docs/several-servers.md).
             ``RemoteDataLoader`` is the one entry point: it reads through a ``SingleServerLoader``
             or a ``MultiServerLoader`` (``loader.servers``) and offers the same surface either way.
             ``file:PATH`` (a text file of ``HOST:PORT`` lines) or ``dns:///NAME:PORT`` always read
@@ -100,8 +101,8 @@ class RemoteDataLoader:
             fields (``boxes`` float32 [N_i, 4] xyxy pixels, ``labels`` int64 [N_i], ``masks`` uint8
             [N_i, H, W], ``index``, ``position``, ...), as ``tuple(zip(*x))`` does over its
             references' (image, target) samples. ``skipped`` is not a sample: fn gets the B - K
-            samples that were read. fn runs in the receiver thread, overlapping the training step
-            as DataLoader's workers do (with several servers, in several threads at once); with a
+            samples that were read. fn runs in the loader's converter thread, in batch order,
+            overlapping the training step as DataLoader's workers do; with a
             CUDA ``device`` it runs in the iterating thread once the copy is waited for, so GPU
             work in it is queued in order on the loop's current stream. The samples' tensors are
             on ``device`` (str / bytes stay Python objects) and, over shared memory, keep the slot
@@ -115,29 +116,40 @@ class RemoteDataLoader:
             baseline/progressive JPEGs; otherwise iteration raises ValueError / SampleError. A
             file the loader cannot decode follows the dataset's ``on_error`` (SampleError, or
             left out and named in ``skipped``).
-        prefetch: batches the server computes ahead of the one being read (>= 1).
+        prefetch: the fewest batches a server is asked to build ahead (>= 1): its window of
+            grants starts there and grows with its measured rate (``batchd.client.assign``).
         timeout: seconds without a batch before iteration raises TimeoutError.
         connect_timeout: seconds to find the server before raising ConnectionError.
         transport: "auto" (shared memory when this process can read the server's /dev/shm,
-            i.e. same host and IPC namespace, else bytes in the gRPC messages), "shm" (shared
-            memory or RuntimeError), or "inline" (always bytes in the messages).
-        compression: None, or "lz4" to compress inline tensor bytes (for slow remote links).
-        reconnect_timeout: if the stream breaks (server restarted, connection lost), seconds to
+            i.e. same host and IPC namespace; else the socket data plane: each batch's bytes on a
+            TCP connection beside the call, received straight into a reused buffer, TLS when the
+            channel is, docs/network.md; else, where the server has no data plane or the address
+            is ``unix:``, bytes in the gRPC messages), "shm" (shared memory or RuntimeError),
+            "socket" (the data plane even on the server's host; inline where the server has none),
+            or "inline" (always bytes in the messages).
+        compression: None, or "lz4" to compress inline tensor bytes (for slow remote links; the
+            batches then come inline, not on the data plane).
+        reconnect_timeout: if the call breaks (server restarted, connection lost), seconds to
             keep reconnecting (gRPC's exponential backoff) before raising ConnectionError; the
-            stream resumes at the next batch, none missing or repeated, once the dataset there is
-            described again: another number of samples raises ``batchd.DatasetChangedError`` (a
+            iteration resumes with the batches not yet received, none missing or repeated. The
+            new call tells the server the dataset this loader expects (its size, and under
+            ``strict`` its fingerprints), and a server process with a new id is described
+            again: another number of samples raises ``batchd.DatasetChangedError`` (a
             ValueError), other fingerprints too under ``strict`` (else a warning, and ``info``
             is the new description). 0 disables.
-        failover_timeout: with several servers, seconds a broken server's stream may take to
+        failover_timeout: with several servers, seconds a broken server's call may take to
             resume before its batches go to the other servers (at most reconnect_timeout).
         probe_interval: with several servers, seconds between probes of servers that are down
-            and readings of the address (a DNS name, a ``file:`` list); a server that answers gets
-            work from the next batch not yet asked of the others, one no longer named gets none.
-        hedge: with several servers, ask a second server for a batch that is late from its own
-            (the first copy wins; same bytes): True (default: ``batchd.client.hedge.HedgePolicy()``:
-            late = the loop waited for it, after another server's next batch was there, over
-            max(0.05 s, 2 x the 95th percentile of that server's recent such lags); at most 5% of
-            batches hedged), False, or a ``HedgePolicy``.
+            and readings of the address (a DNS name, a ``file:`` list); a server that answers is
+            given batches as it has room, one no longer named gets none.
+        hedge: with several servers, grant a batch that is late to a second server too (the
+            first copy wins; same bytes): True (default: ``batchd.client.hedge.HedgePolicy()``:
+            the batch the loop waits for is late once its age exceeds max(0.05 s, 2 x the median
+            latency of the *other* servers' recent batches); hedges never exceed 10% of the
+            batches yielded), False, or a ``HedgePolicy``.
+        assignment: "dynamic" (default: batches go to whichever server has room). "stride" is
+            for benchmarks only (``bench/table_fullspeed.py``): the old static split, server i of
+            n builds every n-th batch; it runs at n x the slowest server.
         tls, tls_ca, tls_cert, tls_key: TLS to the server: ``tls_ca`` is the PEM file of the CA
             that signed the server's certificate, ``tls_cert`` + ``tls_key`` a client certificate
             (mutual TLS); or ``tls=True`` (system roots) / a ``batchd.client.channel.TLS`` / a dict
@@ -198,7 +210,8 @@ class RemoteDataLoader:
                  failover_timeout: float = 5.0, probe_interval: float = 5.0, tls: Any = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, strict: bool = True, gpu_transform: Any = None,
-                 decode_on_client: bool = False, collate_fn: Any = None, hedge: Any = True):
+                 decode_on_client: bool = False, collate_fn: Any = None, hedge: Any = True,
+                 assignment: str = "dynamic"):
         self._owner = forks.owner()  # the process that may use it (batchd.client.forks)
         forks.warn_if_handlers()
         extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
@@ -224,7 +237,7 @@ class RemoteDataLoader:
             from batchd.client.multi import MultiServerLoader
 
             self.servers: SingleServerLoader | MultiServerLoader = MultiServerLoader(
-                address, addresses, self.options, self._transfer, self._stats)
+                address, addresses, self.options, self._transfer, self._stats, assignment=assignment)
         else:
             self.servers = SingleServerLoader(addresses[0], self.options, self._transfer, self._stats)
         self.address: str = self.servers.address
@@ -321,14 +334,11 @@ class RemoteDataLoader:
     def stats(self) -> dict[str, Any]:
         """This loader's figures as a plain dict: batches and samples yielded, the time the loop
         waited in ``__next__`` (total and p50/p95/p99 per batch, seconds; the wait fraction of
-        wall time), batches per server, reconnects, failovers and hedges. Keys and units:
+        wall time), batches per server, each server's share of the epoch, window and hedges
+        (``servers``), reconnects, failovers and hedges. Keys and units:
         ``batchd.client.loader_stats``."""
-        per_server = getattr(self.servers, "server_stats", None)
-        if per_server is not None:
-            counts = {s["address"]: s["batches"] for s in per_server()}
-        else:
-            counts = {self.servers.address: self._stats.batches}
-        return self._stats.snapshot(counts)
+        per_server = self.servers.server_stats()
+        return self._stats.snapshot({s["address"]: s["batches"] for s in per_server}, per_server)
 
     def profile(self) -> Profile:
         """Where this epoch's time went, and what bounds it: a dict (``verdict``, ``advice``,
@@ -426,90 +436,90 @@ class RemoteDataLoader:
 
 
 class SingleServerLoader:
-    """The batches of one server, resumed across a broken stream (server restart, lost
-    connection) within ``options.reconnect_timeout`` seconds. Built by ``RemoteDataLoader``."""
+    """The batches of one server, through one ``Batches`` call per iteration (the same
+    ``batchd.client.feed`` as several servers, with n = 1), resumed across a broken call (server
+    restart, lost connection) within ``options.reconnect_timeout`` seconds. Built by
+    ``RemoteDataLoader``."""
 
-    def __init__(self, address: str, options: LoaderOptions, transfer: Any = None, stats: LoaderStats | None = None):
+    single = True
+    budget = None  # (no hedging with one server)
+
+    def __init__(self, address: str, options: LoaderOptions, transfer: Any = None, stats: LoaderStats | None = None,
+                 assignment: str = "dynamic"):
         self.options = options
         self.address = address
+        self.assignment = assignment
+        self._transfer = transfer
         self.loader_stats = stats if stats is not None else LoaderStats()
-        self.connection = ServerConnection(address, options, transfer)
+        self.server = _Server(address, ServerConnection(address, options, transfer), up=True)
+        self._feed: Feed | None = None
+        self._last_figures: dict = {}
+        self._closed = False
+
+    @property
+    def connection(self) -> ServerConnection:
+        return self.server.conn
 
     @property
     def info(self) -> DatasetInfo:
-        return self.connection.info
+        return self.server.conn.info
+
+    @property
+    def addresses(self) -> list[str]:
+        return [self.address]
 
     @property
     def _shm(self):
-        return self.connection._shm
-
-    def _open_stream(self, epoch: int, start_batch: int, stride: int = 1, offset: int = 0) -> Receiver:
-        return self.connection.open_stream(epoch, start_batch, stride, offset)
+        return self.server.conn._shm
 
     def close(self) -> None:
-        self.connection.close()
+        self._closed = True
+        feed = self._feed
+        if feed is not None:
+            feed.close()
+        self.server.conn.close()
 
-    def _reconnect(self, epoch: int, next_batch: int, error: ConnectionError, start_position: int = 0) -> Receiver:
-        """Wait for the server to come back (gRPC's own reconnect backoff), check that it serves
-        the same dataset (``ServerConnection.check_unchanged``), and resume at next_batch.
+    # --- the failure policy of a feed (batchd.client.feed.Owner) ------------------------------------
 
-        Raises ConnectionError after ``reconnect_timeout`` seconds; DatasetChangedError if the
-        dataset there has another size or (strict) other fingerprints, before any batch of it.
-        """
+    def reconnect_window(self) -> float:
+        return max(0.0, self.options.reconnect_timeout)
+
+    def lane_down(self, server: Any, error: BaseException, epoch: int, batch: int) -> BaseException | None:
+        """The server is given up: the iteration raises ``error`` (a ConnectionError after
+        ``reconnect_timeout`` seconds says so)."""
         timeout = self.options.reconnect_timeout
-        deadline = time.monotonic() + timeout
-        log.warning("lost the stream from %s at epoch %d, batch %d (%s); reconnecting for up to %g s",
-                    self.address, epoch, next_batch, error, timeout)
-        self.connection.new_session()  # a restarted server has new shared memory
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ConnectionError(
-                    f"lost the stream from {self.address} at epoch {epoch}, batch {next_batch}, and could not "
-                    f"resume within reconnect_timeout={timeout:g} s: {error}"
-                ) from None
-            if not self.connection.wait_ready(remaining):
-                continue
-            try:
-                self.connection.check_unchanged(min(remaining, self.options.connect_timeout))
-                receiver = self.connection.open_stream(epoch, next_batch, start_position=start_position)
-                log.info("resumed the stream from %s at epoch %d, batch %d", self.address, epoch, next_batch)
-                return receiver
-            except (ConnectionError, TimeoutError) as e:
-                error = e
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        if isinstance(error, ConnectionError) and timeout > 0:
+            return ConnectionError(f"lost the stream from {self.address} at epoch {epoch}, batch {batch}, and could "
+                                   f"not resume within reconnect_timeout={timeout:g} s: {error}")
+        return error
 
-    def batches(self, epoch: int, start_batch: int, total: int, start_position: int = 0
-                ) -> Iterator[Any]:
+    def wait_for_any(self, feed: Any, epoch: int, batch: int) -> BaseException | None:
+        return ConnectionError(f"lost the stream from {self.address} at epoch {epoch}, batch {batch}")
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        """As ``MultiServerLoader.server_stats``, for the one server."""
+        feed = self._feed
+        figures = feed.figures() if feed is not None and not feed.closed else self._last_figures
+        f = figures.get(self.server, {})
+        s = self.server
+        return [{"address": s.address, "up": True, "retired": False, "batches": s.batches, "error": s.error,
+                 "share": 1.0 if f.get("batches") else 0.0, "window": f.get("window", 0),
+                 "rate": f.get("rate", s.pace.rate), "stalled": False, "hedges_issued": 0, "hedges_won": 0,
+                 "hedges_wasted": 0}]
+
+    def batches(self, epoch: int, start_batch: int, total: int, start_position: int = 0) -> Iterator[Any]:
         """Batches start_batch .. total - 1 of ``epoch`` (its remainder from global position
-        ``start_position``), in order (fewer if the server ends early)."""
-        if self.connection.closed:
+        ``start_position``), in order."""
+        if self._closed or self.server.conn.closed:
             raise RuntimeError("the loader is closed")
-        self.connection.stop_stream()  # a previous iteration was abandoned: one stream at a time
-        if self.connection.streamed:  # the server may have restarted since, over other data
-            self.connection.check_unchanged(self.options.connect_timeout)
-        receiver = self.connection.open_stream(epoch, start_batch, start_position=start_position)
-        expected = start_batch
+        old = self._feed
+        if old is not None:  # a previous iteration was abandoned: one at a time
+            old.close()
+        feed = self._feed = Feed(self, [self.server], epoch, start_batch, total, start_position)
         try:
-            while True:
-                try:
-                    item = receiver.get(self.options.timeout,
-                                        f"dataset {self.options.dataset!r}, epoch {epoch}, batch {expected}")
-                except ConnectionError as e:
-                    receiver.stop()
-                    if self.options.reconnect_timeout <= 0:
-                        raise
-                    e.__traceback__ = None  # its frames would keep this generator's last batch (and lease)
-                    receiver = self._reconnect(epoch, expected, e, start_position)
-                    self.loader_stats.count("reconnects")
-                    continue
-                if isinstance(item, _End):
-                    break
-                if item.batch_index != expected:
-                    raise RuntimeError(f"the server sent batch {item.batch_index} where batch {expected} was due")
-                expected += 1
-                yield deliver(item, receiver, self.connection.transfer)
+            yield from feed.batches()
         finally:
-            receiver.stop()
-            if self.connection.receiver is receiver:
-                self.connection.receiver = None
+            feed.close()
+            if self._feed is feed:
+                self._last_figures = feed.last_figures
+                self._feed = None

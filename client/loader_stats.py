@@ -16,10 +16,18 @@ they do into it (reconnects, failovers, hedges). ``snapshot()`` is a plain dict,
 * ``wall_seconds``: from the first ``__next__`` call to the last batch handed over;
   ``wait_fraction``: ``wait_seconds / wall_seconds`` (0.0 before the first batch), the share of
   the training loop's time spent waiting for data;
-* ``batches_per_server``: {address: batches delivered by that server};
-* ``reconnects`` (a broken stream resumed on its server), ``failovers`` (a server given up, its
-  batches split among the others), ``hedges_issued``, ``hedges_won`` (the hedge's copy came
-  first), ``hedges_wasted`` (the other copy came first, or the hedge failed or was left over).
+* ``batches_per_server``: {address: batches yielded that this server sent first, all iterations};
+* ``servers``: {address: {``batches`` (as above), ``share`` (of the batches of the epoch in
+  progress, else the last one, 0..1), ``window`` (grants it may hold now), ``rate`` (its
+  batches per second while it had work), ``up``, ``stalled``, ``hedges_issued``, ``hedges_won``,
+  ``hedges_wasted`` (hedged grants it was given, all iterations)}};
+* ``bytes_received``: {``"shm"``, ``"socket"``, ``"inline"``: bytes of batches received that way,
+  all iterations}: for shared memory the tensors' bytes mapped from the server's slots, for the
+  socket data plane the bytes read from data connections (headers included), inline the gRPC
+  messages' bytes;
+* ``reconnects`` (a broken call resumed on its server), ``failovers`` (a server given up, its
+  batches given to the others), ``hedges_issued``, ``hedges_won`` (the hedge's copy came
+  first), ``hedges_wasted`` (the other copy came first: the hedge was revoked).
 
 Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
 counters are bumped from the prober and the consumer's thread.
@@ -35,6 +43,8 @@ import numpy as np
 
 WAIT_WINDOW = 10_000  # per-batch waits kept for the percentiles
 COUNTERS = ("reconnects", "failovers", "hedges_issued", "hedges_won", "hedges_wasted")
+TRANSPORTS = ("shm", "socket", "inline")
+_SERVER_KEYS = ("batches", "share", "window", "rate", "up", "stalled", "hedges_issued", "hedges_won", "hedges_wasted")
 
 
 class LoaderStats:
@@ -44,6 +54,7 @@ class LoaderStats:
         self._lock = threading.Lock()
         self._waits: collections.deque[float] = collections.deque(maxlen=window)
         self._counters: collections.Counter[str] = collections.Counter()
+        self._received: dict[str, int] = dict.fromkeys(TRANSPORTS, 0)
         self._listeners: list[Callable[[float, Any], None]] = []
         self.batches = 0
         self.samples = 0
@@ -76,6 +87,11 @@ class LoaderStats:
         with self._lock:
             self._counters[name] += n
 
+    def received(self, transport: str, nbytes: int) -> None:
+        """A batch of ``nbytes`` bytes came by ``transport`` (one of ``TRANSPORTS``; lane threads)."""
+        with self._lock:
+            self._received[transport] += nbytes
+
     def add_listener(self, listener: Callable[[float, Any], None]) -> None:
         """Call ``listener(wait_seconds, batch)`` for every batch handed over from now on."""
         with self._lock:
@@ -86,8 +102,9 @@ class LoaderStats:
         with self._lock:
             return np.fromiter(self._waits, dtype=np.float64, count=len(self._waits))
 
-    def snapshot(self, batches_per_server: dict[str, int]) -> dict[str, Any]:
-        """The figures as a plain dict (module docstring)."""
+    def snapshot(self, batches_per_server: dict[str, int], servers: list[dict[str, Any]] = ()) -> dict[str, Any]:
+        """The figures as a plain dict (module docstring); ``servers``: the loader's
+        ``server_stats()`` entries."""
         waits = self.waits()
         p50, p95, p99 = (float(v) for v in np.percentile(waits, (50, 95, 99))) if len(waits) else (0.0, 0.0, 0.0)
         with self._lock:
@@ -98,6 +115,8 @@ class LoaderStats:
                 "wait_p99_seconds": p99, "wall_seconds": wall,
                 "wait_fraction": min(1.0, self.wait_seconds / wall) if wall > 0 else 0.0,
                 "batches_per_server": dict(batches_per_server),
+                "servers": {s["address"]: {k: s[k] for k in _SERVER_KEYS if k in s} for s in servers},
+                "bytes_received": dict(self._received),
                 **{name: self._counters[name] for name in COUNTERS},
             }
         return figures

@@ -6,8 +6,9 @@ fingerprints), and runs the prober: every ``probe_interval`` seconds a backgroun
 the address again (``batchd.client.addresses.AddressSource``: DNS names resolved anew, a
 ``file:`` list re-read when it changed), adds the servers that appear, retires those no longer
 named, and tries every server that is down. A server that answers (a fresh channel, the
-dataset described, health SERVING, the same size and fingerprints) sets ``_rejoined``; a
-retired one that was up sets ``_retired``; the loader splits the epoch again on either.
+dataset described, health SERVING, the same size and fingerprints) joins the iteration in
+progress (``Feed.add_server``: it is granted batches as it has room); a retired one leaves it
+(``Feed.retire``: its grants go to the others at once).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from batchd.client.assign import Pace
 from batchd.client.connection import ServerConnection
 from batchd.client.datasets import difference, mismatches
 
@@ -32,30 +34,56 @@ PROBE_CONNECT_S = 2.0  # connect timeout of one probe
 @dataclass(eq=False)
 class _Server:
     address: str
-    conn: ServerConnection | None = None  # channel, shared memory, streams
+    conn: ServerConnection | None = None  # channel, shared memory, calls
     up: bool = False
     error: str = ""
-    batches: int = 0  # batches delivered from this server (all iterations)
-    failing_since: float | None = None  # first failure of a run of failures (reconnect window)
+    batches: int = 0  # batches yielded that this server sent first (all iterations)
     retired: bool = False  # no longer named by the address: gets no work, is not probed
+    pace: Pace = field(default_factory=Pace)  # its rate and latencies (batchd.client.assign)
+    hedges_issued: int = 0  # hedged grants it was given, and of those, won and wasted (ended iterations)
+    hedges_won: int = 0
+    hedges_wasted: int = 0
 
 
 class ServerSet:
     """The servers and the prober of a ``MultiServerLoader``, which sets ``options``, ``_source``,
-    ``_address_source``, ``_lock``, ``_probe_lock``, ``_closed``, ``_servers``, ``_split``,
-    ``_next_split``, ``_rejoined``, ``_retired`` and ``_stop_probing``, and calls ``_open_all``
-    then ``start_probing``."""
+    ``_address_source``, ``_lock``, ``_probe_lock``, ``_closed``, ``_servers``, ``_feed`` (the
+    iteration in progress, a ``batchd.client.feed.Feed``, or None) and ``_stop_probing``, and
+    calls ``_open_all`` then ``start_probing``."""
 
     @property
     def addresses(self) -> list[str]:
         return [s.address for s in self._servers]
 
     def server_stats(self) -> list[dict[str, Any]]:
-        """Per server: address, up, retired (no longer named by the address), batches delivered
-        from it (hedges it won included), last error."""
+        """Per server: address, up, retired (no longer named by the address), ``batches`` yielded
+        that it sent first (all iterations; hedges it won included), last ``error``, and from the
+        iteration in progress (else the last one): ``share`` of that epoch's batches it sent
+        (0..1), ``window`` (grants it may hold), ``rate`` (batches/s), ``stalled``; and its
+        ``hedges_issued`` / ``hedges_won`` / ``hedges_wasted`` (all iterations)."""
+        figures = self._epoch_figures()
+        sent = sum(f["batches"] for f in figures.values()) or 1
         with self._lock:
-            return [{"address": s.address, "up": s.up, "retired": s.retired, "batches": s.batches, "error": s.error}
-                    for s in self._servers]
+            servers = list(self._servers)
+        out = []
+        for s in servers:
+            f = figures.get(s, {})
+            out.append({"address": s.address, "up": s.up, "retired": s.retired, "batches": s.batches,
+                        "error": s.error, "share": f.get("batches", 0) / sent, "window": f.get("window", 0),
+                        "rate": f.get("rate", s.pace.rate), "stalled": f.get("stalled", False),
+                        "hedges_issued": s.hedges_issued + f.get("hedges_issued", 0),
+                        "hedges_won": s.hedges_won + f.get("hedges_won", 0),
+                        "hedges_wasted": s.hedges_wasted + f.get("hedges_wasted", 0)})
+        return out
+
+    def _epoch_figures(self) -> dict[Any, dict[str, Any]]:
+        """The assigner's figures of the iteration in progress (its counters not yet folded into
+        the servers' totals), else the last one's batches and windows."""
+        feed = self._feed
+        if feed is not None and not feed.closed:
+            return feed.figures()
+        return {s: {k: v for k, v in f.items() if not k.startswith("hedges_")}
+                for s, f in getattr(self, "_last_figures", {}).items()}
 
     def _check_fingerprints(self, servers: list[_Server]) -> None:
         """Servers whose dataset or build fingerprint differ from the first's: ValueError naming
@@ -130,9 +158,11 @@ class ServerSet:
             if self._closed:
                 fresh.close()
                 return False
-            old, server.conn, server.up, server.error, server.failing_since = server.conn, fresh, True, "", None
-            self._rejoined.set()
-        log.info("batchd server %s is up; it gets work from the next batch", server.address)
+            old, server.conn, server.up, server.error = server.conn, fresh, True, ""
+            feed = self._feed
+        log.info("batchd server %s is up; it gets work as it has room", server.address)
+        if feed is not None:
+            feed.add_server(server)
         if old is not None:
             t0 = time.monotonic()
             old.close()
@@ -158,8 +188,9 @@ class ServerSet:
 
     def _follow(self, current: list[str]) -> None:
         """The address now names ``current``: new servers are added (probed next), those no
-        longer named retire (a split without them starts at the next batch), and come back if
-        named again."""
+        longer named retire (their grants go to the others at once), and come back if named
+        again."""
+        retired = []
         with self._lock:
             if self._closed:
                 return
@@ -177,13 +208,18 @@ class ServerSet:
                     log.info("%s no longer names %s; it gets no more work", self._source, s.address)
                     s.retired = True
                     if s.up:
-                        self._retired.set()
+                        retired.append(s)
+            feed = self._feed
+        if feed is not None:
+            for s in retired:
+                feed.retire(s)
 
     def _let_go_of_retired(self) -> None:
-        """Close the connections of retired servers that no split reads any more (a job that
+        """Close the connections of retired servers that no iteration reads any more (a job that
         outlives many replicas keeps no channel to those gone); named again, they are probed
         afresh."""
-        reading = {id(s) for split in (self._split, self._next_split) if split is not None for s in split.servers}
+        feed = self._feed
+        reading = {id(s) for s in (feed.servers if feed is not None else ())}
         with self._lock:
             done = [s for s in self._servers if s.retired and s.conn is not None and id(s) not in reading]
             for s in done:
@@ -197,11 +233,9 @@ class ServerSet:
     def _mark_down(self, server: _Server, error: BaseException) -> None:
         with self._lock:
             server.up, server.error = False, str(error)
-        if server.conn is not None:
-            server.conn.stop_stream()
 
     def _working(self) -> list[_Server]:
-        """The servers a new split uses: up and still named by the address."""
+        """The servers a new iteration uses: up and still named by the address."""
         with self._lock:
             return [s for s in self._servers if s.up and not s.retired]
 

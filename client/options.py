@@ -18,7 +18,7 @@ from batchd.client.distributed import rank_and_world_size
 from batchd.client.hedge import HedgePolicy, hedge_policy
 from batchd.v1 import loader_pb2 as pb
 
-TRANSPORTS = ("auto", "shm", "inline")
+TRANSPORTS = ("auto", "shm", "socket", "inline")
 
 
 def pipeline_of(transform: Any) -> pb.Pipeline | None:

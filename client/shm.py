@@ -238,6 +238,12 @@ class SharedMemorySession:
         weakref.finalize(base, self._reporter.freed, self.session, batch.lease)
         return out
 
+    def hold(self, lease: int) -> None:
+        """A batch arrived on ``lease`` and waits to be converted (or dropped): the session stays
+        open until it is released (``release_unused``, or its tensors' finalizer)."""
+        with self._lock:
+            self._outstanding.add(lease)
+
     def release_unused(self, lease: int) -> None:
         """A lease received but never wrapped in tensors (its batch was dropped): release it."""
         self._reporter.freed(self.session, lease)

@@ -62,7 +62,7 @@ def evaluate(model: nn.Module, loader: batchd.RemoteDataLoader, device: torch.de
     return correct / total
 
 
-def train(args: argparse.Namespace, address: str) -> float:
+def train(args: argparse.Namespace, address: str | list[str]) -> float:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
     train_loader = batchd.RemoteDataLoader(
@@ -99,7 +99,9 @@ def train(args: argparse.Namespace, address: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", help="a running batchd server (default: start a local one)")
+    parser.add_argument("--address", action="append",
+                        help="a running batchd server (default: start a local one); give it several times to read "
+                             "from several servers at once (e.g. a sidecar's socket and a remote pool)")
     parser.add_argument("--config", type=pathlib.Path, default=HERE / "fashion_mnist.yaml",
                         help="config of the local server")
     parser.add_argument("--workers", type=int, help="worker processes of the local server")
@@ -109,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transform", default="train", help="preset pipeline name ('' for none)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "inline"],
-                        help="shared memory with a same-host server (auto: when it works), or bytes in the messages")
+    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "socket", "inline"],
+                        help="shared memory with a same-host server, the socket data plane with a remote one (auto: "
+                             "whichever works), or bytes in the messages")
     parser.add_argument("--min-accuracy", type=float, default=0.0, help="exit 1 if the test accuracy is lower")
     args = parser.parse_args(argv)
     if args.address:

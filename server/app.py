@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from batchd.server.config import ServerConfig
 from batchd.server.loader import Loader
+from batchd.server.serve.dataplane import DataPlane, listen_host, tls_context
 from batchd.server.serve.metrics import MetricsServer, metrics_host
 from batchd.server.serve.security import AuthInterceptor, is_loopback
 from batchd.server.serve.service import SERVICE, BatchLoaderService, add_to_server
@@ -101,12 +102,32 @@ class Server:
             self.address = self._bind(config.address)
             # every address it listens on, bound (config also_listen: e.g. TCP for probes beside a unix socket)
             self.addresses = [self.address, *(self._bind(a) for a in config.also_listen)]
+            self.data_plane = service.data_plane = self.loader.data_plane = self._data_plane()
         except BaseException:
             self.loader.close()
             raise
         self._stopped = threading.Event()
         self.metrics: MetricsServer | None = None
         self.metrics_address: str | None = None
+
+    def _data_plane(self) -> DataPlane | None:
+        """The data plane (``config.data_plane``) on the host of the first TCP address, with the
+        gRPC port's TLS settings; None if disabled or the server listens on unix: sockets only.
+        Raises RuntimeError if its port cannot be bound."""
+        cfg = self.config.data_plane
+        host = listen_host(self.addresses)
+        if not cfg.enabled or host is None:
+            return None
+        ctx = tls_context(self.config.tls) if self.config.tls is not None else None
+        return DataPlane(host, cfg.port, ssl_context=ctx, token_ttl_s=cfg.token_ttl_s)
+
+    @property
+    def data_address(self) -> str | None:
+        """``HOST:PORT`` of the data plane (its port resolved), or None without one."""
+        if self.data_plane is None:
+            return None
+        host = self.data_plane.host
+        return f"[{host}]:{self.data_plane.port}" if ":" in host else f"{host}:{self.data_plane.port}"
 
     def _bind(self, address: str) -> str:
         unix = address.startswith("unix:")
@@ -162,6 +183,9 @@ class Server:
         tls = "off" if cfg.tls is None else ("mutual TLS" if cfg.tls.require_client_cert else "TLS")
         auth = "off" if cfg.auth is None else "tokens " + ", ".join(t.name for t in cfg.auth.tokens)
         log.info("security: tls %s, auth %s, max_streams %d", tls, auth, cfg.max_streams)
+        if self.data_plane is not None:
+            log.info("data plane on %s (%s): batch bytes for remote clients beside their calls", self.data_address,
+                     "TLS" if self.data_plane.tls else "plain TCP")
         for address in getattr(self, "addresses", [self.address]):
             if is_loopback(address):
                 continue
@@ -187,6 +211,8 @@ class Server:
         self.health.enter_graceful_shutdown()
         self.service.drain()  # open streams end with UNAVAILABLE, idle sessions end now
         self.grpc_server.stop(grace).wait()
+        if self.data_plane is not None:
+            self.data_plane.close()  # after the calls: a payload in flight was sent or its call cancelled
         if self.metrics is not None:
             self.metrics.close()
         self.loader.close()

@@ -99,6 +99,7 @@ class Loader:
         # streams_started, and how closed streams ended + what they sent, the control path's calls and
         # messages (server/serve/stats.py); under _lock
         self.counters: collections.Counter[str] = collections.Counter()
+        self.data_plane = None  # the server's DataPlane, for its counters (set by server/app.py)
         self._closed = False
         self.draining = False  # set by drain() on shutdown: nothing more is built, open streams end with UNAVAILABLE
 
@@ -162,8 +163,8 @@ class Loader:
             raise ValueError(f"prefetch must be at most {cfg.max_prefetch}, got {prefetch}")
         if len(ds) == 0:
             raise ValueError(f"dataset {args.dataset!r} has no samples")
-        if args.transport not in ("shm", "inline") or args.compression not in ("none", "lz4"):
-            raise ValueError(f"transport must be 'shm' or 'inline' and compression 'none' or 'lz4', "
+        if args.transport not in ("shm", "inline", "socket") or args.compression not in ("none", "lz4"):
+            raise ValueError(f"transport must be 'shm', 'inline' or 'socket' and compression 'none' or 'lz4', "
                              f"got {args.transport!r}, {args.compression!r}")
         name, text = self._pipeline(args)
         encoded.check_request(ds, args.image_encoding, text)  # JPEG: files the client can decode, its resize

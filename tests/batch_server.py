@@ -2,7 +2,9 @@
 
 ``BatchServer(samples_of, num_samples)`` listens on 127.0.0.1:0 with batchd's own gRPC adapter
 (``batchd.server.serve.service.add_to_server``) and answers DescribeDataset, OpenSession,
-StreamBatches and ReleaseLeases as batchd's server does. Its batches are not computed by workers:
+StreamBatches, Batches (each granted batch sent at once, revokes honoured, releases applied, the
+open's expected size and ``fingerprint`` checked; ``batches_call=False`` leaves it
+unimplemented, as an older server) and ReleaseLeases as batchd's server does. Its batches are not computed by workers:
 batch b holds the samples ``samples_of(indices)`` returns (dicts of numpy arrays, ints, str, bytes)
 for sample indices ``b * B .. (b + 1) * B - 1``, laid out by ``tests/batches.py`` (stacked where
 the samples' shapes agree, else ragged) into a real shared-memory slot (64-byte aligned fields,
@@ -16,7 +18,10 @@ by raw ``Batch`` bytes (malformed ones). ``layouts`` records each batch's ``Tens
 
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
+import uuid
 from concurrent import futures
 from typing import Any, Callable, Iterable
 
@@ -48,13 +53,27 @@ def ready_batch(slots: SlotPool, b: int, fields: list[batches.Field], skipped: t
     return ReadyBatch(b, slot, tuple(layouts), skipped=skipped)
 
 
+class _Older:
+    """``server``'s methods but Batches: what an older batchd server answers."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def __getattr__(self, name):
+        if name == "Batches":
+            raise AttributeError(name)
+        return getattr(self._server, name)
+
+
 class BatchServer:
     """See the module docstring. ``address``; ``close()`` (or a ``with`` block) stops it."""
 
     def __init__(self, samples_of: Callable[[list[int]], list[dict[str, Any]]], num_samples: int, *,
                  dataset: str = "handmade", skip: Iterable[int] = (), max_leases: int = 64,
-                 messages: Callable[[StreamRequest], Iterable[bytes]] | None = None):
+                 messages: Callable[[StreamRequest], Iterable[bytes]] | None = None, batches_call: bool = True):
         self.samples_of, self.num_samples, self.dataset = samples_of, num_samples, dataset
+        self.server_id = uuid.uuid4().hex
+        self.fingerprint = "0" * 32  # described, and checked against a call's expect_fingerprint
         self.skip, self.messages = set(skip), messages
         self.owner = Owner()
         self.slots = SlotPool(max_slots=256, prefix=self.owner.prefix)
@@ -64,7 +83,7 @@ class BatchServer:
         self.lent = 0  # batches sent as a lease (not copied)
         self._ended: list[threading.Event] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(16))
-        add_to_server(self, self._server)
+        add_to_server(self if batches_call else _Older(self), self._server)  # (it registers what exists)
         self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         self._server.start()
 
@@ -102,7 +121,7 @@ class BatchServer:
         if request.name != self.dataset:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no dataset {request.name!r}")
         return pb.DatasetInfo(name=self.dataset, kind="handmade", num_samples=self.num_samples,
-                              fingerprint="0" * 32, build_fingerprint="0" * 32)
+                              fingerprint=self.fingerprint, build_fingerprint="0" * 32, server_id=self.server_id)
 
     def ListDatasets(self, request, context):
         return pb.ListDatasetsResponse(datasets=[self.DescribeDataset(pb.DescribeDatasetRequest(name=self.dataset),
@@ -142,6 +161,63 @@ class BatchServer:
                     self.lent += bool(wire.decode_batch(data).segment)
                 finally:
                     self.slots.release(batch.slot)  # the server's reference; a lease holds its own
+                yield data
+        finally:
+            self.transport.close(stream)
+
+    def Batches(self, requests, context):
+        """The granted batches, each built and sent as its grant arrives (revoked ones skipped);
+        releases and progress applied; ends once the client half-closed and all were sent."""
+        it = iter(requests)
+        first = next(it)
+        context.send_initial_metadata((("batchd-server-id", self.server_id),))
+        expected = first.open
+        if ((expected.expect_num_samples and expected.expect_num_samples != self.num_samples)
+                or (expected.expect_fingerprint and expected.expect_fingerprint != self.fingerprint)):
+            message = (f"dataset {self.dataset!r} is not the one the client expects: {expected.expect_num_samples} "
+                       f"samples, fingerprint {expected.expect_fingerprint} vs {self.num_samples}, {self.fingerprint}")
+            detail = pb.ErrorDetail(type="DatasetChangedError", message=message, dataset=self.dataset)
+            context.set_trailing_metadata((("batchd-error-bin", detail.SerializeToString()),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+        r = StreamRequest.from_proto(first.open, context.peer())
+        if self.messages is not None:
+            yield from self.messages(r)
+            return
+        num_batches = -(-self.num_samples // r.batch_size)
+        stream = Stream(r, num_batches)
+        self.transport.open(stream)
+        grants: queue.SimpleQueue = queue.SimpleQueue()
+        revoked: set[int] = set()
+
+        def read() -> None:
+            try:
+                for message in itertools.chain([first], it):
+                    revoked.update(message.revoke)
+                    for b in message.grant:
+                        grants.put(b)
+                    if message.release:
+                        self.transport.release_leases(r.session, list(message.release))
+            except Exception:  # the call ended
+                pass
+            grants.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            while context.is_active():
+                try:
+                    b = grants.get(timeout=0.25)
+                except queue.Empty:
+                    continue
+                if b is None:
+                    return
+                if b in revoked:
+                    continue
+                batch = self._ready_batch(b, r.batch_size)
+                try:
+                    data = self.transport.encode(stream, batch)
+                    self.lent += bool(wire.decode_batch(data).segment)
+                finally:
+                    self.slots.release(batch.slot)
                 yield data
         finally:
             self.transport.close(stream)

@@ -21,7 +21,7 @@ import numpy as np
 
 from batchd.v1 import loader_pb2 as pb
 
-TRANSPORTS = {pb.TRANSPORT_INLINE: "inline", pb.TRANSPORT_SHARED_MEMORY: "shm"}
+TRANSPORTS = {pb.TRANSPORT_INLINE: "inline", pb.TRANSPORT_SHARED_MEMORY: "shm", pb.TRANSPORT_SOCKET: "socket"}
 COMPRESSIONS = {pb.COMPRESSION_NONE: "none", pb.COMPRESSION_LZ4: "lz4"}
 ENCODINGS = {pb.IMAGE_ENCODING_DECODED: "decoded", pb.IMAGE_ENCODING_JPEG: "jpeg"}
 
@@ -33,7 +33,9 @@ class StreamRequest:
     As decoded, 0 still means "default" where the proto says so (world_size, prefetch,
     batch_stride); ``Loader.open_stream`` returns a validated copy with those resolved and the
     pipeline fields (``pipeline_name``, ``pipeline_key``, ``pipeline_json``) filled in.
-    transport: "shm" (shared memory: asked for, with a ``session``) or "inline"; compression: "none" or "lz4".
+    transport: "shm" (shared memory: asked for, with a ``session``), "socket" (the data plane, asked
+        for: a Batches call on a server with one; the servicer makes it "inline" otherwise) or
+        "inline"; compression: "none" or "lz4".
     session: the client's shared-memory session ("" for none); with ``stream_tag`` it names this call.
     stream_tag: the client's name for this call (ReleaseLeases: abandoned_stream, progress).
     image_encoding: "decoded" (pixels) or "jpeg" (the files' bytes, decoded by the client: ``server/compute/encoded.py``).
@@ -95,7 +97,8 @@ class StreamRequest:
             batch_size=msg.batch_size, shuffle=msg.shuffle, seed=msg.seed, epoch=msg.epoch, drop_last=msg.drop_last,
             rank=msg.rank, world_size=msg.world_size, start_batch=msg.start_batch, prefetch=msg.prefetch,
             batch_stride=msg.batch_stride, batch_offset=msg.batch_offset,
-            transport="shm" if shared else "inline", session=msg.session,
+            transport="shm" if shared else "socket" if msg.transport == pb.TRANSPORT_SOCKET else "inline",
+            session=msg.session,
             compression=COMPRESSIONS[msg.compression], stream_tag=msg.stream_tag,
             image_encoding=ENCODINGS[msg.image_encoding], start_position=msg.start_position,
             end_batch=msg.end_batch, hedge=msg.hedge, peer=peer,

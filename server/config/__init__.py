@@ -16,7 +16,7 @@ Example::
 Every model forbids unknown fields, so a typo is an error that names the field. The blocks live
 one idea a file and are re-exported here, so ``batchd.server.config`` names them all:
 datasets.py (the dataset kinds), security.py (tls, auth, pipeline_limits), cache.py (cache),
-base.py (the strict model they share).
+dataplane.py (data_plane), base.py (the strict model they share).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .base import StrictModel
 from .cache import CacheConfig
+from .dataplane import DataPlaneConfig
 from .datasets import (
     CocoConfig,
     FACTORY_PATTERN,
@@ -51,6 +52,7 @@ __all__ = [
     "CacheConfig",
     "CocoConfig",
     "ConfigError",
+    "DataPlaneConfig",
     "DatasetConfig",
     "FashionMnistConfig",
     "ImageFolderConfig",
@@ -123,6 +125,8 @@ class ServerConfig(StrictModel):
     max_request_bytes: gRPC receive limit for requests (they are small; batches are only sent).
     pipeline_limits: what a client-sent albumentations pipeline may contain (see allowlist.py).
     cache: the decoded-sample cache (``{memory_bytes, disk_dir, disk_bytes}``, see CacheConfig).
+    data_plane: the TCP port that carries batch bytes to remote clients beside their calls
+        (``{port, enabled}``, see DataPlaneConfig; TLS whenever ``tls`` is set).
     """
 
     address: str = "127.0.0.1:50051"
@@ -155,6 +159,7 @@ class ServerConfig(StrictModel):
     max_request_bytes: int = Field(default=MiB, ge=64 * 1024)
     pipeline_limits: PipelineLimits = Field(default_factory=PipelineLimits)
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
 
     @model_validator(mode="before")
     @classmethod

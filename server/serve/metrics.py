@@ -39,6 +39,8 @@ _STREAM_COUNTERS = (
     ("batchd_stream_bytes_copied", "Batch bytes copied out of shared-memory slots for the stream (0: all lent).",
      "bytes_copied"),
     ("batchd_stream_samples_skipped", "Unreadable samples left out of the stream's batches.", "samples_skipped"),
+    ("batchd_stream_data_bytes_sent", "Bytes written on the stream's data connection (socket transport: "
+     "headers, payloads, padding).", "data_bytes_sent"),
 )
 _STREAM_GAUGES = (
     ("batchd_stream_images_per_second", "Samples the client took per second, moving rate over about 10 s "
@@ -91,11 +93,20 @@ class StatsCollector(Collector):
         yield counter("batchd_bytes_sent", "gRPC message bytes of batches sent, all streams.", t.bytes_sent)
         yield counter("batchd_samples_skipped", "Unreadable samples left out of batches, all streams.", t.samples_skipped)
         copied = CounterMetricFamily("batchd_bytes_copied", "Batch bytes copied out of shared-memory slots, by the "
-                                     "stream's transport (shm: inline fallbacks; 0 while every batch is lent).",
+                                     "stream's transport (shm: inline fallbacks; 0 while every batch is lent; socket: "
+                                     "payloads on data connections).",
                                      labels=["transport"])
         copied.add_metric(["shm"], t.bytes_copied_shm)
         copied.add_metric(["inline"], t.bytes_copied_inline)
+        copied.add_metric(["socket"], t.bytes_copied_socket)
         yield copied
+        yield counter("batchd_data_plane_bytes_sent", "Bytes written on data connections (socket transport: "
+                      "headers, payloads, padding), all streams.", t.data_plane_bytes_sent)
+        conns = CounterMetricFamily("batchd_data_connections", "Data connections, by outcome (refused: no, a wrong, "
+                                    "reused or late token, or a failed TLS handshake).", labels=["outcome"])
+        conns.add_metric(["accepted"], t.data_connections_accepted)
+        conns.add_metric(["refused"], t.data_connections_refused)
+        yield conns
         yield counter("batchd_hedge_streams_started", "Hedged requests opened (a client of several servers "
                       "re-requesting one late batch here).", t.hedge_streams_started)
         yield counter("batchd_hedge_batches_built", "Batches workers built for hedged requests.", t.hedge_batches_built)

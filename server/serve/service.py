@@ -30,13 +30,14 @@ from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleEr
 from batchd.server import build
 from batchd.server.serve import stats
 from batchd.server.serve.control import CallControl
+from batchd.server.serve.dataplane import CallSender, DataPlane
 from batchd.server.serve.lag import LagLog
 from batchd.server.loader import Loader
 from batchd.server.compute.pool import WAKE_STREAM
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.serve.security import OPEN, Authenticator, Redactor, Scope
 from batchd.server.serve.stream import Stream
-from batchd.server.serve.transport import LEASE_WAIT_S
+from batchd.server.serve.transport import LEASE_WAIT_S, socket_payload
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,14 @@ def expected_mismatch(request: pb.StreamBatchesRequest, info: pb.DatasetInfo) ->
 class BatchLoaderService:
     """Implements the ``batchd.v1.BatchLoader`` service over ``loader``."""
 
-    def __init__(self, loader: Loader, *, max_long_calls: int | None = None):
+    def __init__(self, loader: Loader, *, max_long_calls: int | None = None, data_plane: DataPlane | None = None):
         """max_long_calls: StreamBatches, Batches and OpenSession calls served at once (each holds a
-        server thread while open); more are refused with RESOURCE_EXHAUSTED. None: no limit here."""
+        server thread while open); more are refused with RESOURCE_EXHAUSTED. None: no limit here.
+        data_plane: where Batches calls asking for TRANSPORT_SOCKET get their data connection
+        (server/serve/dataplane.py; may be set after construction); None: they are answered inline."""
         self.loader = loader
         self.max_long_calls = max_long_calls
+        self.data_plane = data_plane
         self._lock = threading.Lock()
         self._long_calls = 0
         self._infos: dict[str, pb.DatasetInfo] = {}  # DescribeDataset's answers, computed once per dataset
@@ -183,6 +187,8 @@ class BatchLoaderService:
                 args = StreamRequest.from_proto(request, context.peer())
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
+            if args.transport == "socket":  # a Batches call's transport only (loader.proto)
+                args = dataclasses.replace(args, transport="inline")
             stream = self._open(request, args, context)
             yield from self._serve(stream, context)
         finally:
@@ -195,7 +201,7 @@ class BatchLoaderService:
         sent; INVALID_ARGUMENT for a bad message or grant, RESOURCE_EXHAUSTED past max_grants,
         UNAVAILABLE when the server shuts down, as StreamBatches otherwise."""
         self._admit(context, "Batches")
-        control = None
+        control = sender = None
         try:
             control = CallControl(requests, is_active=context.is_active, transport=self.loader.transport,
                                   max_grants=self.loader.config.max_grants, count=self.loader.count)
@@ -209,13 +215,29 @@ class BatchLoaderService:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
             args = dataclasses.replace(args, start_batch=0, batch_stride=0, batch_offset=0, end_batch=0, prefetch=0,
                                        granted=True)
-            stream = self._open(request, args, context)
+            if args.transport == "socket":
+                sender = self._data_sender(context) if args.compression == "none" else None
+                if sender is None:  # no data plane here, or the client asked for compressed bytes: inline
+                    args = dataclasses.replace(args, transport="inline")
+            stream = self._open(request, args, context, sender.metadata() if sender is not None else ())
             control.attach(stream)
-            yield from self._serve(stream, context, control)
+            yield from self._serve(stream, context, control, sender)
         finally:
+            if sender is not None:
+                sender.close()
             if control is not None:
                 control.detach()
             self._leave()
+
+    def _data_sender(self, context: grpc.ServicerContext) -> CallSender | None:
+        """The call's side of the data plane (its token, then its connection), or None: the server
+        has none (``data_plane.enabled: false``, a unix:-only server) or it is closing."""
+        if self.data_plane is None:
+            return None
+        try:
+            return CallSender(self.data_plane, cancelled=lambda: not context.is_active())
+        except ConnectionAbortedError:
+            return None
 
     def _await_open(self, control: CallControl, context: grpc.ServicerContext) -> pb.StreamBatchesRequest | None:
         """The Batches call's ``open`` (polling: the call may end meanwhile); None if the call ended.
@@ -231,12 +253,14 @@ class BatchLoaderService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(control.error)))
         return control.open
 
-    def _open(self, request: pb.StreamBatchesRequest, args: StreamRequest, context: grpc.ServicerContext) -> Stream:
-        """Send the server id, check the request's expect_* fields, and open its stream; aborts with
-        the status each refusal maps to (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION,
-        RESOURCE_EXHAUSTED, UNAVAILABLE while shutting down)."""
+    def _open(self, request: pb.StreamBatchesRequest, args: StreamRequest, context: grpc.ServicerContext,
+              metadata: tuple = ()) -> Stream:
+        """Send the server id (and ``metadata``: a data connection's port and token), check the
+        request's expect_* fields, and open its stream; aborts with the status each refusal maps
+        to (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAVAILABLE
+        while shutting down)."""
         try:
-            context.send_initial_metadata(((SERVER_ID_KEY, self.loader.server_id),))
+            context.send_initial_metadata(((SERVER_ID_KEY, self.loader.server_id), *metadata))
         except grpc.RpcError:  # the client went away already
             context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
         try:
@@ -267,9 +291,17 @@ class BatchLoaderService:
         context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
 
-    def _serve(self, stream: Stream, context: grpc.ServicerContext, control: CallControl | None = None):
+    def _serve(self, stream: Stream, context: grpc.ServicerContext, control: CallControl | None = None,
+               sender: CallSender | None = None):
         """Send ``stream``'s batches as they come (``Stream.next``) until it is finished, fails, the
-        client goes away, or the server drains; then close it."""
+        client goes away, or the server drains; then close it.
+
+        With a ``sender`` (the socket transport) each batch's payload follows its message on the
+        data connection, written once gRPC has taken the message (the client reads the message,
+        then the payload: written the other way round, a payload larger than the sockets' buffers
+        would wait for a client that waits for its message). The batch's slot is held until then.
+        A data connection that breaks ends the call UNAVAILABLE (the client resumes elsewhere).
+        """
         reason = "finished"
         transport = self.loader.transport
         lag = LagLog(stream, self.loader)
@@ -318,19 +350,39 @@ class BatchLoaderService:
                         stream.waiting_since = None
                     continue
                 lag.got_batch(batch.batch_index)
-                data = self._send(stream, batch, context)
+                data = self._send(stream, batch, context, hold=sender is not None)
                 if data is None:  # the call ended, or the server began draining, while a lease was awaited
                     if self.loader.draining:
                         continue  # the check above ends the call
                     reason = "cancelled by the client"
                     return
                 stream.bytes_sent += len(data)
-                yield data
+                if sender is None:
+                    yield data
+                    continue
+                sent = False
+                try:
+                    yield data
+                    stream.data_bytes_sent += sender.send(batch.batch_index, batch.slot, *socket_payload(batch))
+                    sent = True
+                except ConnectionAbortedError:
+                    reason = "cancelled by the client"
+                    return
+                except ConnectionError as e:
+                    if not context.is_active():
+                        reason = "cancelled by the client"
+                        return
+                    reason = "ended: its data connection broke"
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"the data connection of this call broke: {e}")
+                finally:
+                    stream.release(batch, sent=sent)
+                    self.loader.pool.wake(WAKE_STREAM)  # a prefetch place is free
         finally:
             self.loader.close_stream(stream, reason)
 
-    def _send(self, stream, batch, context: grpc.ServicerContext) -> bytes | None:
-        """Serialize ``batch`` for the client (lent or inline: ``Transport.encode``), then let go of it.
+    def _send(self, stream, batch, context: grpc.ServicerContext, hold: bool = False) -> bytes | None:
+        """Serialize ``batch`` for the client (lent, inline or its payload's place: ``Transport.encode``),
+        then let go of it (``hold``: the caller does, once the payload is sent, if this returned bytes).
 
         At the session's lease cap, waits up to ``LEASE_WAIT_S`` for a lease to come back; None if
         the call ended (or the server began draining) meanwhile.
@@ -345,8 +397,9 @@ class BatchLoaderService:
                     return None
             return data
         finally:
-            stream.release(batch, sent=data is not None)
-            self.loader.pool.wake(WAKE_STREAM)  # a prefetch place is free
+            if data is None or not hold:
+                stream.release(batch, sent=data is not None)
+                self.loader.pool.wake(WAKE_STREAM)  # a prefetch place is free
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
         """The first event names the probe segment; then the call stays open, its thread waiting on

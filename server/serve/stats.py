@@ -136,7 +136,7 @@ class StreamStats:
     epoch: int
     rank: int
     world_size: int
-    transport: str  # "shm" (batches lent in shared memory; some may still go inline) or "inline"
+    transport: str  # "shm" (batches lent in shared memory; some may still go inline), "socket" or "inline"
     shared: bool  # computed once for several identical streams
     num_batches: int  # in this epoch for this shard
     next_batch: int  # the batch the client gets next
@@ -158,6 +158,7 @@ class StreamStats:
     verdict: str = ""  # the client's profile verdict ("" when it reports none)
     reports_wait: bool = False  # the client reported a wait ratio
     call: str = "StreamBatches"  # or "Batches" (the client grants; next_batch: the lowest granted not sent)
+    data_bytes_sent: int = 0  # bytes written on its data connection (socket transport), headers and padding included
     granted: int = 0  # batches granted and neither sent nor revoked (StreamBatches: within prefetch)
 
     @property
@@ -237,6 +238,12 @@ class Totals:
     batches_revoked: int = 0  # ... revoked before they were sent
     leases_released_on_calls: int = 0  # leases released by BatchesControl.release
     leases_released_by_rpc: int = 0  # ... by ReleaseLeases.leases
+    # the data plane (server/serve/dataplane.py): payload bytes copied out of slots, bytes written on
+    # data connections (headers and padding included), connections accepted and refused
+    bytes_copied_socket: int = 0
+    data_plane_bytes_sent: int = 0
+    data_connections_accepted: int = 0
+    data_connections_refused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,7 +335,17 @@ def stream_stats(stream: "Stream", now: float) -> StreamStats:
         reports_wait=stream.wait_ratio is not None,
         call="StreamBatches" if stream.ordered else "Batches",
         granted=stream.outstanding,
+        data_bytes_sent=stream.data_bytes_sent,
     )
+
+
+def _data_plane(plane) -> dict[str, int]:
+    """The data plane's counters as ``Totals`` names them (zeros without one)."""
+    if plane is None:
+        return {}
+    st = plane.stats()
+    return {"data_plane_bytes_sent": st["bytes_sent"], "data_connections_accepted": st["connections_accepted"],
+            "data_connections_refused": st["connections_refused"]}
 
 
 def _version() -> str:
@@ -387,6 +404,8 @@ def snapshot(loader: "Loader") -> ServerStats:
         hedge_batches_sent=counters.get("hedge_batches_sent", 0)
         + sum(s.batches_sent for s in loader_streams if s.request.hedge),
         **{k: counters.get(k, 0) for k in CONTROL},
+        bytes_copied_socket=loader.transport.bytes_copied["socket"],
+        **_data_plane(loader.data_plane),
     )
     return ServerStats(
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,

@@ -72,6 +72,7 @@ class Stream:
         self.waiting_since: float | None = None  # monotonic time the RPC began waiting for a batch
         self.meter = RateMeter()  # samples sent per second, moving
         self.bytes_copied = 0  # batch bytes copied out of slots for this stream (server/serve/transport.py)
+        self.data_bytes_sent = 0  # bytes written on its data connection, headers and padding included (socket)
         # what the client took (progress reports, else leases it released): server/serve/transport.py
         self.batches_taken = 0
         self.samples_taken = 0

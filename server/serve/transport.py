@@ -1,4 +1,5 @@
-"""How a batch reaches its client: its slot lent in place (same host), or its bytes copied inline.
+"""How a batch reaches its client: its slot lent in place (same host), its bytes copied inline, or
+its bytes sent on the call's data connection (the socket data plane).
 
 ``Transport.encode`` makes the decision for each batch of a stream, beside the slots and leases it
 depends on (the gRPC servicer only yields what it returns):
@@ -11,8 +12,12 @@ depends on (the gRPC servicer only yields what it returns):
 * inline (asked for, or the session holds ``max_leases_per_session`` already and does not give
   one back within ``LEASE_WAIT_S``): the tensors are copied out of the slot into the message
   (``batchd.wire.encode_batch``; LZ4-compressed if asked).
+* socket (a Batches call on a server with a data plane: ``Stream.request.transport`` "socket"):
+  the message carries the tensors' offsets into the payload (``socket_payload``) and no data;
+  the servicer then writes the payload from the slot on the call's data connection
+  (server/serve/dataplane.py), the kernel copying it out of the slot.
 
-Either way a ragged field (``TensorLayout.sample_shapes``: the samples' values back to back) goes
+Any way, a ragged field (``TensorLayout.sample_shapes``: the samples' values back to back) goes
 with its per-sample shapes and element offsets (``ragged_fields``; ``Tensor`` in loader.proto); on
 the shared-memory path its values stay in the slot like any other field's.
 
@@ -24,7 +29,8 @@ batch to consume meanwhile); the caller gives up after ``LEASE_WAIT_S``, the ses
 hoarding (``LeaseTable.hoarding``) and goes inline without waiting until it releases one.
 
 ``bytes_copied`` counts the batch bytes copied out of slots, per stream transport ("shm" counts
-the batches of shared-memory streams that fell back to inline), since the server started;
+the batches of shared-memory streams that fell back to inline; "socket" the payloads, padding
+included, of data-plane batches), since the server started;
 ``Stream.bytes_copied`` the same per stream. LZ4 counts the uncompressed bytes it read.
 
 ``Transport.release`` applies a ReleaseLeases request: leases the client freed, a call it
@@ -42,7 +48,7 @@ from typing import Any, Callable
 
 import lz4.frame as lz4_frame
 
-from batchd import wire
+from batchd import datawire, wire
 from batchd.server.compute.protocol import TensorLayout
 from batchd.server.serve.leases import LeaseTable
 from batchd.server.serve.shm import SlotPool
@@ -65,7 +71,7 @@ class Transport:
         self._lock = threading.Lock()
         self._open: dict[int, Stream] = {}  # stream id -> open stream
         self._tags: dict[tuple[str, str], Stream] = {}  # (session, stream_tag) -> open stream
-        self.bytes_copied = {"shm": 0, "inline": 0}
+        self.bytes_copied = {"shm": 0, "inline": 0, "socket": 0}
         # seconds per BatchTimings stage, summed over every batch sent (batchd_batch_stage_seconds_total)
         self.stage_seconds = dict.fromkeys(STAGE_FIELDS, 0.0)
 
@@ -117,6 +123,15 @@ class Transport:
                        for t in batch.tensors]
             return wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, segment=batch.slot.name,
                                      lease=lease, skipped=batch.skipped, timings=self._timings(stream, batch, t0))
+        if r.transport == "socket":  # the bytes follow on the data connection (server/serve/dataplane.py)
+            pieces, length = socket_payload(batch)
+            tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=piece.offset, **ragged_fields(t))
+                       for t, piece in zip(batch.tensors, pieces)]
+            with self._lock:
+                self.bytes_copied["socket"] += length
+                stream.bytes_copied += length
+            return wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, skipped=batch.skipped,
+                                     timings=self._timings(stream, batch, t0))
         buf = batch.slot.buf
         tensors, copied = [], 0
         for t in batch.tensors:
@@ -186,6 +201,12 @@ def progress(stream: Stream, p: pb.StreamProgress) -> None:
     stream.took(p.batches_taken, p.samples_taken, reported=True)
     if p.verdict:  # a client that profiles its loop (batchd.client.timings)
         stream.client_waits(p.wait_ratio, p.verdict)
+
+
+def socket_payload(batch: ReadyBatch) -> tuple[list[datawire.Piece], int]:
+    """Where ``batch``'s tensors go in its data-plane payload (``batchd.datawire.payload_layout``:
+    64-byte aligned, zeros between), and the payload's length in bytes."""
+    return datawire.payload_layout((t.offset, t.nbytes) for t in batch.tensors)
 
 
 def ragged_fields(t: TensorLayout) -> dict[str, Any]:

@@ -1,13 +1,12 @@
 """The client side of shared memory and leases, against real servers: copy-on-write mappings,
-abandoned calls naming the leases they received, retried releases, progress reports, and a
-reconnect that closes the old session.
+abandoned calls naming the leases they received, retried releases, releases and progress riding
+on the Batches call, and a reconnect that closes the old session.
 """
 
 from __future__ import annotations
 
 import gc
 import signal
-import threading
 import uuid
 
 import grpc
@@ -17,6 +16,7 @@ import torch
 import batchd
 from batchd.client import shm as client_shm
 from batchd.client.stats import get_stats
+from batchd import wire
 from batchd.v1 import loader_pb2 as pb
 from helpers import free_port, wait_until
 from procs import write_server_config
@@ -66,6 +66,33 @@ def test_a_write_in_one_reader_is_not_seen_by_another_reader(fmnist_server):
 # --- 2. abandoned calls, retried releases, progress, reconnects --------------------------------
 
 
+def calls(ld):
+    """The lane threads of ``ld``'s iteration in progress (``batchd.client.feed``), by address."""
+    feed = ld.servers._feed
+    return {server.address: runner for server, runner in feed._runners.items()}
+
+
+def tags(ld) -> set[str]:
+    return {runner.record.tag for runner in calls(ld).values() if runner.record is not None}
+
+
+@pytest.fixture
+def released(monkeypatch):
+    """Every lease the servers started after this fixture release, by session, whichever way the
+    client sent it (on a Batches call or by ReleaseLeases)."""
+    from batchd.server.serve.transport import Transport
+
+    seen: dict[str, list[int]] = {}
+    real = Transport.release_leases
+
+    def spy(self, session, leases):
+        seen.setdefault(session, []).extend(leases)
+        return real(self, session, leases)
+
+    monkeypatch.setattr(Transport, "release_leases", spy)
+    return seen
+
+
 @pytest.fixture
 def release_requests(monkeypatch):
     """Every ReleaseLeasesRequest the servers started after this fixture receive (a copy), in
@@ -98,12 +125,12 @@ def _server(make_server, fmnist_root, **config):
     return make_server(workers=1, datasets=datasets, **config)
 
 
-def test_an_abandoned_call_names_every_lease_it_received(make_server, fmnist_root, release_requests):
+def test_an_abandoned_call_names_every_lease_it_received(make_server, fmnist_root, release_requests, released):
     server = _server(make_server, fmnist_root)
     with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=100, prefetch=6, transport="shm") as ld:
         it = iter(ld)
         held = [next(it), next(it)]
-        tag = ld.servers.connection.receiver.record.tag
+        (tag,) = tags(ld)
         session = ld._shm.session
         it.close()  # the user breaks out: the call is cancelled and reported
         assert wait_until(lambda: any(r.abandoned_stream == tag for r in release_requests), 10), release_requests
@@ -113,10 +140,10 @@ def test_an_abandoned_call_names_every_lease_it_received(make_server, fmnist_roo
         assert len(received) >= 2, "the two batches taken came on leases"
         del held
         gc.collect()
-        # every lease the call received comes back through ordinary releases: none is lost between
-        # "received" and "released", and the server can release all others
-        assert wait_until(lambda: received <= {x for r in release_requests for x in r.leases}, 10), (
-            received, [list(r.leases) for r in release_requests])
+        # every lease the call received comes back (on the call while it was open, by ReleaseLeases
+        # after): none is lost between "received" and "released", and the server can release all others
+        assert wait_until(lambda: received <= set(released.get(session, ())), 10), (received, released)
+        assert wait_until(lambda: server.loader.leases.held(session) == 0, 10)
 
 
 def test_a_failed_release_is_retried(make_server, fmnist_root, release_requests):
@@ -135,23 +162,25 @@ def test_a_failed_release_is_retried(make_server, fmnist_root, release_requests)
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
-def test_progress_is_reported_while_reading(make_server, fmnist_root, release_requests, transport):
+def test_progress_and_releases_ride_on_the_call(make_server, fmnist_root, release_requests, transport):
+    """What the loop took reaches the server while it reads (at least every progress interval,
+    not only when the call ends), on the Batches call itself: no ReleaseLeases call carries it,
+    nor the leases freed meanwhile."""
     server = _server(make_server, fmnist_root)
     with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=100, transport=transport) as ld:
         it = iter(ld)
         taken = [next(it) for _ in range(3)]
-        tag = ld.servers.connection.receiver.record.tag
-        session = ld._shm.session if transport == "shm" else ""
-
-        def reported():
-            return [p for r in release_requests if r.session == session for p in r.progress if p.stream_tag == tag]
-
-        # while the iterator is open: at least every interval, not only when the call ends
-        assert wait_until(lambda: any(p.batches_taken == 3 for p in reported()), 10), reported()
-        p = next(p for p in reported() if p.batches_taken == 3)
-        assert p.samples_taken == 300 == sum(len(b["index"]) for b in taken)
+        (stream,) = server.loader.streams.values()
+        # (over shared memory, a freed lease alone counts a batch taken: wait for the reported figure)
+        assert wait_until(lambda: stream.samples_taken == 300 and stream.reports_progress, 10), stream.batches_taken
+        assert stream.batches_taken == 3 and sum(len(b["index"]) for b in taken) == 300
+        del taken
+        gc.collect()
         next(it)
-        assert wait_until(lambda: any(p.batches_taken == 4 for p in reported()), 10), reported()
+        assert wait_until(lambda: stream.batches_taken == 4, 10), stream.batches_taken
+        if transport == "shm":
+            assert wait_until(lambda: server.loader.leases.held(ld._shm.session) <= 2 + 5, 10)
+        assert not any(r.leases or r.progress for r in release_requests), release_requests
         it.close()
 
 
@@ -163,7 +192,7 @@ def test_a_reconnect_closes_the_old_session(make_server, fmnist_root):
         it = iter(ld)
         held = next(it)
         old = ld._shm.session
-        ld.servers.connection.receiver.call.cancel()  # the stream breaks; the loader reconnects
+        next(iter(calls(ld).values())).call.call.cancel()  # the call breaks (gRPC's own cancel); the loader reconnects
         indices = [held["index"].clone()] + [next(it)["index"].clone() for _ in range(3)]
         assert ld._shm.session != old
         assert torch.cat(indices).unique().numel() == 2000, "a batch was lost or repeated across the reconnect"
@@ -175,18 +204,24 @@ def test_a_reconnect_closes_the_old_session(make_server, fmnist_root):
         it.close()
 
 
-def test_a_re_split_reports_the_abandoned_calls(make_server, fmnist_root, release_requests):
+def test_a_server_leaving_mid_epoch_reports_its_call_abandoned(make_server, fmnist_root, release_requests):
+    """A server that leaves the address mid-epoch: its call is cancelled and reported abandoned
+    with the leases received on it (the server releases the others gRPC had buffered), its
+    batches go to the other server, and the epoch goes on in order."""
     servers = [_server(make_server, fmnist_root) for _ in range(2)]
     with batchd.RemoteDataLoader([s.address for s in servers], "fmnist-test", batch_size=100, prefetch=4,
                                  transport="shm", probe_interval=60) as ld:
         it = iter(ld)
-        [next(it) for _ in range(4)]
-        tags = {ld.servers._split.receivers[i].record.tag for i in (0, 1)}
-        ld.servers._retired.set()  # as when a server leaves the address: the next batch starts a new split
-        indices = [next(it)["index"] for _ in range(4)]
-        assert wait_until(lambda: tags <= {r.abandoned_stream for r in release_requests}, 10), release_requests
-        assert torch.cat(indices).tolist() == list(range(400, 800))
-        it.close()
+        indices = [next(it)["index"].clone() for _ in range(4)]
+        leaving = next(s for s in ld.servers._servers if s.address == servers[1].address)
+        tag = calls(ld)[leaving.address].record.tag
+        ld.servers._feed.retire(leaving)  # as when it leaves the address
+        indices += [b["index"].clone() for b in it]
+        assert wait_until(lambda: tag in {r.abandoned_stream for r in release_requests}, 10), release_requests
+        assert torch.cat(indices).tolist() == list(range(10_000))
+        session = next(r.session for r in release_requests if r.abandoned_stream == tag)
+        gc.collect()
+        assert wait_until(lambda: servers[1].loader.leases.held(session) == 0, 10)
 
 
 def test_a_survivors_leases_return_after_a_failover(server_procs, fmnist_root, tmp_path):
@@ -212,35 +247,22 @@ def test_a_survivors_leases_return_after_a_failover(server_procs, fmnist_root, t
         assert get_stats(procs[0].address).pool.sessions == 1
 
 
-class _StalledCall:
-    """Stands for a gRPC call whose next message arrives only once ``gate`` is set (a receiver
-    thread that outlives ``stop()``); no server can be made to stall this way on purpose."""
-
-    def __init__(self, messages, gate):
-        self.messages, self.gate = messages, gate
-
-    def __iter__(self):
-        for m in self.messages:
-            self.gate.wait(10)
-            yield m
-
-    def cancel(self):
-        pass
-
-
-def test_a_lease_arriving_after_the_call_was_abandoned_is_never_used():
-    from batchd.client.leases import CallRecord
-    from batchd.client.receiver import Receiver
-
-    gate, converted, reported = threading.Event(), [], []
-    message = pb.Batch(batch_index=0, segment="batchd-x-slot-1", lease=7).SerializeToString()
-    receiver = Receiver(_StalledCall([message], gate), "test", lambda raw, r: converted.append(raw.lease),
-                        CallRecord("tag-1", "session"), on_end=lambda r: reported.append(r.record.close(True)))
-    receiver.start()
-    receiver.stop()  # the thread is still waiting for the message: it outlives stop()
-    assert reported == [[]], "the abandoned call must name no lease: none was received"
-    gate.set()
-    receiver.join(10)
-    assert not receiver.is_alive()
-    assert converted == [], "a lease the server releases (not named as received) was mapped"
-    assert receiver.record.add(8) is False
+def test_a_lease_arriving_after_the_call_was_abandoned_is_never_used(make_server, fmnist_root):
+    """A message the lane thread got from gRPC just as its call was given up (reported abandoned,
+    naming the leases received so far): its lease is the server's to release, so the loader
+    neither maps it nor releases it, nor puts the batch in the reorder buffer."""
+    server = _server(make_server, fmnist_root)
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=100, transport="shm") as ld:
+        it = iter(ld)
+        next(it)
+        feed = ld.servers._feed
+        runner = next(iter(calls(ld).values()))
+        record = runner.record
+        assert record.close(abandoned=True) is not None  # as end_call does
+        late = wire.decode_batch(pb.Batch(batch_index=feed.assigner.base, segment="batchd-x-slot-1",
+                                          lease=987654).SerializeToString())
+        held = ld._shm.outstanding
+        feed.arrive(runner, late, 0.0, 100, record)
+        assert feed.assigner.base not in feed._raw, "a batch whose lease the server releases was kept"
+        assert 987654 not in record.close(abandoned=True) and ld._shm.outstanding == held
+        it.close()

@@ -168,7 +168,7 @@ def test_skipped_samples_are_not_passed_to_collate_fn():
     assert all("skipped" not in x for b in got for x in b)
 
 
-def test_collate_fn_runs_in_the_receiver_thread_and_its_errors_reach_the_loop(server):
+def test_collate_fn_runs_in_the_converter_thread_and_its_errors_reach_the_loop(server):
     threads = []
 
     def fn(samples):
@@ -182,7 +182,7 @@ def test_collate_fn_runs_in_the_receiver_thread_and_its_errors_reach_the_loop(se
         next(it)
         with pytest.raises(KeyError, match="says the user's collate_fn"):
             next(it)
-    assert threads and set(threads) == {"batchd-receiver"}
+    assert threads and set(threads) == {"batchd-convert"}  # (one thread converts, in batch order)
 
 
 def test_samples_kept_by_collate_fn_keep_the_slot_lent(server):

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2
 import batchd
 from batchd.client.addresses import AddressSource, may_grow, read_address_file, server_addresses
 from batchd.client.multi import MultiServerLoader
+from batchd.client.stats import get_stats
 from helpers import digest, wait_until
 from procs import RANDOM_AUG, fmnist_test_config
 
@@ -93,14 +94,18 @@ def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_serve
         b.health.set("", health_pb2.HealthCheckResponse.SERVING)
         assert wait_until(lambda: [s["up"] for s in ld.server_stats()] == [True, True], 10), ld.server_stats()
         joined_at = len(digests)
-        take(30)
+        # it is given batches as it has room: after its first (which includes its start), its share
+        for _ in range(10):
+            take(5)
+            if ld.stats()["batches_per_server"][b.address] >= 5:
+                break
         per_server = ld.stats()["batches_per_server"]
         assert per_server[b.address] >= 5, f"the new server took no batches: {per_server}"
         listed.write_text(f"{b.address}\n")
         assert wait_until(lambda: ld.server_stats()[0]["retired"], 10), ld.server_stats()
-        take(1)  # the next batch starts a split without it
+        take(1)
+        sent_by_a = get_stats(a.address).totals.batches_sent  # (its call was cancelled when it left the list)
         a.stop(grace=0)
-        before = ld.stats()["batches_per_server"][a.address]
         for batch in it:
             digests.append(digest(batch))
             indices.append(batch["index"].numpy().copy())
@@ -111,7 +116,8 @@ def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_serve
     assert digests == reference, "the bytes differ from a single server's"
     assert np.array_equal(np.sort(np.concatenate(indices)), np.arange(10_000)), "a sample is missing or repeated"
     per_server = stats["batches_per_server"]
-    assert per_server[a.address] == before and sum(per_server.values()) == 100
-    assert per_server[a.address] >= joined_at and per_server[b.address] >= 100 - 51
+    # (batches it sent before it left may still be yielded after: the same bytes, taken in order)
+    assert per_server[a.address] <= sent_by_a and sum(per_server.values()) == 100
+    assert per_server[a.address] >= joined_at and per_server[b.address] >= 100 - sent_by_a
     assert stats["failovers"] == 0  # the first left the list before it stopped: no failure to wait out
 

@@ -14,6 +14,7 @@ import socket
 import time
 
 import albumentations as A
+import grpc
 import numpy as np
 import pytest
 
@@ -22,9 +23,10 @@ from batchd.client import addresses as addr_mod
 from batchd.client.addresses import server_addresses
 from batchd.client.distributed import rank_and_world_size
 from batchd.client.multi import MultiServerLoader
-from batchd.client.receiver import _End
 from batchd.sampler import shard_indices
 from batchd.server.compute.protocol import StreamRequest
+from batchd.v1 import loader_pb2 as pb
+from batchd.v1 import loader_pb2_grpc
 from conftest import running_server
 from helpers import digest, free_port, wait_until
 from procs import fmnist_test_config, write_server_config
@@ -68,22 +70,23 @@ def reference(servers):
         return [read(ld)[0], read(ld)[0]]
 
 
-# --- the strided stream on the server ------------------------------------------------------------
+# --- the strided stream on the server (StreamBatches, kept for older clients) ---------------------
+
+
+def stream_indices(address, **fields) -> list[int]:
+    """The batch indices a StreamBatches call of fmnist-test in batches of 200 sends (generated stub)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = loader_pb2_grpc.BatchLoaderStub(channel)
+        request = pb.StreamBatchesRequest(dataset="fmnist-test", batch_size=200, transport=pb.TRANSPORT_INLINE, **fields)
+        return [b.batch_index for b in stub.StreamBatches(request, timeout=60)]
 
 
 def test_strided_stream_sends_every_stride_th_batch_from_start(fmnist_server):
-    with batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", batch_size=200) as ld:
-        for start, stride, offset in ((5, 3, 1), (0, 2, 0), (48, 4, 1), (49, 4, 3)):
-            receiver = ld._open_stream(0, start, stride, offset)
-            got = []
-            while not isinstance(item := receiver.get(30, "test"), _End):
-                got.append(item[0])
-            receiver.stop()
-            assert got == list(range(start + offset, 50, stride)), (start, stride, offset)
-        receiver = ld._open_stream(0, 0, 2, 2)
-        with pytest.raises(ValueError, match=r"batch_offset must be in \[0, batch_stride=2\)"):
-            receiver.get(30, "test")
-        receiver.stop()
+    for start, stride, offset in ((5, 3, 1), (0, 2, 0), (48, 4, 1), (49, 4, 3)):
+        got = stream_indices(fmnist_server.address, start_batch=start, batch_stride=stride, batch_offset=offset)
+        assert got == list(range(start + offset, 50, stride)), (start, stride, offset)
+    with pytest.raises(grpc.RpcError, match=r"batch_offset must be in \[0, batch_stride=2\)"):
+        stream_indices(fmnist_server.address, batch_stride=2, batch_offset=2)
 
 
 def test_strided_streams_share_only_with_the_same_batches(fmnist_server):
@@ -129,10 +132,12 @@ def test_several_servers_give_the_bytes_of_one_exactly_once(servers, reference, 
             assert exactly_once(indices)
         assert ld.epoch == 2
         per_server = [s["batches"] for s in ld.server_stats()]
-    assert per_server == [len(range(i, 50, n)) * 2 for i in range(n)], per_server
-    # each server built its own share (plus at most a prefetch), not the whole epoch
+        hedges = ld.stats()["hedges_issued"]
+    # (the batches go to whichever server has room: the shares are not fixed, their sum is)
+    assert sum(per_server) == 100 and all(p > 0 for p in per_server), per_server
+    # each batch was built once, by one server (a hedge aside), not the whole epoch on each
     extra = [s.loader.pool.batches_built - b for s, b in zip(servers[:n], built)]
-    assert all(e <= 2 * (len(range(i, 50, n)) + 4) for i, e in enumerate(extra)), extra
+    assert sum(extra) <= 100 + hedges and all(e < 100 for e in extra), (extra, hedges)
 
 
 def test_state_dict_moves_between_one_and_several_servers(servers, reference):
@@ -287,9 +292,10 @@ def test_dns_name_with_several_addresses_feeds_one_loader(make_server, fmnist_ro
     with batchd.RemoteDataLoader(f"dns:///batchd.default.svc.cluster.local:{port}", "fmnist-test", **KW) as ld:
         assert ld.addresses == [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
         digests, indices = read(ld)
-        assert [s["batches"] for s in ld.server_stats()] == [25, 25]
+        per_server = [s["batches"] for s in ld.server_stats()]
+        assert sum(per_server) == 50 and all(p > 0 for p in per_server), per_server  # (each took a share)
     assert digests == clean and exactly_once(indices)
-    assert b.loader.pool.batches_built >= 25
+    assert b.loader.pool.batches_built >= per_server[1]
 
 
 # --- the shard from the torch.distributed environment --------------------------------------------------

@@ -78,7 +78,9 @@ def read_until_error(it, got: list[str], indices: list[np.ndarray]) -> None:
         indices.append(b["index"].numpy().copy())
 
 
-def test_one_server_restarted_over_other_images_strict_raises_before_any_new_batch(server_procs, tmp_path, caplog):
+@pytest.mark.parametrize("transport", ["inline", "socket"])
+def test_one_server_restarted_over_other_images_strict_raises_before_any_new_batch(server_procs, tmp_path, caplog,
+                                                                                   transport):
     root = tmp_path / "photos"
     photos(root, N, seed=0)
     server = start(server_procs, tmp_path, root)
@@ -87,7 +89,7 @@ def test_one_server_restarted_over_other_images_strict_raises_before_any_new_bat
     before = describe_dataset(server.address, "photos").fingerprint
     got, indices = [], []
     caplog.set_level(logging.INFO, logger="batchd.client.loader")
-    with batchd.RemoteDataLoader(server.address, "photos", **KW) as ld:
+    with batchd.RemoteDataLoader(server.address, "photos", **{**KW, "transport": transport}) as ld:
         it = iter(ld)
         read_until_error([next(it) for _ in range(3)], got, indices)
         restart_over(server, server_procs, tmp_path, root, lambda r: replace(r, seed=1))

@@ -7,6 +7,9 @@
   recycled for the next copy before the consumer's queued work has read it.
 * A process that uses only ``cuda:1`` makes no CUDA context on GPU 0.
 
+Over the socket data plane, payloads land in pinned buffers that go back to their pool when the
+batch's source tensors are let go: that must wait for the copy's event too.
+
 Skipped without CUDA. Run on a GPU machine with `python -m pytest tests/cuda -q`.
 """
 
@@ -48,7 +51,7 @@ def delayed_copies(monkeypatch):
     monkeypatch.setattr(CudaTransfer, "to_device", delayed)
 
 
-@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("transport", ["shm", "socket", "inline"])
 @pytest.mark.parametrize("finish", [None, batchd.GpuTransform(mean=0.286, std=0.353, hflip=0.5, crop=24)])
 def test_batches_equal_cpu_batches_behind_a_delayed_side_stream(tight_server, delayed_copies, transport, finish):
     kw = dict(batch_size=500, shuffle=True, seed=11, transport=transport, gpu_transform=finish)
@@ -62,9 +65,17 @@ def test_batches_equal_cpu_batches_behind_a_delayed_side_stream(tight_server, de
         assert n == len(cpu) == 20
         if transport == "shm":
             assert gpu._transfer.maps_host_memory and gpu._transfer.host.registered
+        if transport == "socket":  # received into pinned buffers, copied straight from them
+            assert gpu.stats()["bytes_received"]["socket"] > 0
+            assert all(c.data.pool.pinned and c.data.pool.allocated for c in _connections(gpu))
 
 
-@pytest.mark.parametrize("transport", ["shm", "inline"])
+def _connections(loader) -> list:
+    """The ServerConnection of a single-server loader."""
+    return [loader.servers.server.conn]
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket", "inline"])
 def test_batches_are_not_recycled_while_a_delayed_consumer_still_reads_them(tight_server, transport):
     kw = dict(batch_size=500, shuffle=True, seed=12, transport=transport)
     kept = []
@@ -99,7 +110,7 @@ print(n, registered, active.value)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("transport", ["shm", "socket", "inline"])
 def test_a_process_using_only_cuda_1_makes_no_context_on_gpu_0(fmnist_server, transport):
     """Receiver threads start with device 0 current, as does the registry's helper thread: each
     must switch before its first CUDA call, or the driver makes a context (hundreds of MB) on
@@ -110,4 +121,4 @@ def test_a_process_using_only_cuda_1_makes_no_context_on_gpu_0(fmnist_server, tr
     n, registered, active = map(int, result.stdout.split())
     assert n == 10_000
     assert active == 0, "a process that only used cuda:1 has a CUDA context on GPU 0"
-    assert (registered > 0) == (transport == "shm")
+    assert (registered > 0) == (transport == "shm")  # (socket: pinned buffers, not registered mappings)

@@ -33,7 +33,7 @@ def server():
         yield s
 
 
-@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("transport", ["shm", "socket", "inline"])
 def test_ragged_fields_are_views_of_one_device_copy(server, transport):
     with batchd.RemoteDataLoader(server.address, "handmade", batch_size=B, device="cuda", transport=transport) as ld:
         for batch in ld:

@@ -29,7 +29,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 _DELAY_CYCLES = 200_000_000  # torch.cuda._sleep: about 0.1 s of a GPU's clock, so copies are still queued
 
 
-@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("transport", ["shm", "socket", "inline"])
 def test_batches_on_the_device_equal_cpu_batches(fmnist_server, transport):
     kw = dict(batch_size=256, shuffle=True, seed=1, transform="flip", transport=transport)
     with batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", device="cuda", **kw) as gpu, \

@@ -37,7 +37,8 @@ from helpers import free_port
 REPO = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 COMPOSE_TCP_FILE = REPO / "docker-compose.tcp.yml"  # the same over TCP, without shared memory
-COMPOSE_FILES = [COMPOSE_FILE, COMPOSE_TCP_FILE]
+COMPOSE_POOL_FILE = REPO / "docker-compose.pool.yml"  # a sidecar (shared memory) plus a remote server (TCP)
+COMPOSE_FILES = [COMPOSE_FILE, COMPOSE_TCP_FILE, COMPOSE_POOL_FILE]
 COMPOSE_SCHEMA = REPO / "tests" / "compose-spec.json"
 DOCKERFILE = REPO / "Dockerfile"
 TRAINER_DOCKERFILE = REPO / "examples" / "Dockerfile.trainer"
@@ -257,6 +258,34 @@ def test_compose_tcp_variant_uses_tcp_without_shared_memory():
     assert tcmd[tcmd.index("--transport") + 1] == "inline"
     health = argv(server["healthcheck"]["test"])
     assert health[health.index("health") + 1] == "127.0.0.1:50051"
+
+
+@pytest.mark.timeout(60)
+def test_compose_pool_variant_reads_a_sidecar_over_shared_memory_and_a_server_over_tcp():
+    """docs/several-servers.md's deployment: the sidecar as in docker-compose.yml (socket volume,
+    the trainer in its IPC namespace), the remote server sharing neither (TCP only), and one
+    loader over both: --address twice, transport "auto" (shared memory where it can)."""
+    compose = load_compose(COMPOSE_POOL_FILE)
+    services = compose["services"]
+    sidecar, remote, trainer = services["batchd"], services["batchd-remote"], services["trainer"]
+    assert sidecar.get("ipc") == "shareable" and trainer.get("ipc") == "service:batchd"
+    assert "ipc" not in remote and remote.get("shm_size"), "the remote server shares no IPC namespace"
+    socket = argv(sidecar["command"])[argv(sidecar["command"]).index("--address") + 1]
+    assert socket.startswith("unix:")
+    folder = str(pathlib.PurePosixPath(socket[len("unix:"):]).parent)
+    volume = next(v.split(":")[0] for v in sidecar["volumes"] if v.split(":")[1] == folder)
+    assert f"{volume}:{folder}" in trainer["volumes"] and volume in compose["volumes"]
+    rcmd = argv(remote["command"])
+    assert rcmd[rcmd.index("--address") + 1] == "0.0.0.0:50051" and "50051" in remote["expose"]
+    tcmd = argv(trainer["command"])
+    addresses = [tcmd[i + 1] for i, a in enumerate(tcmd) if a == "--address"]
+    assert addresses == [socket, "batchd-remote:50051"], addresses
+    assert tcmd[tcmd.index("--transport") + 1] == "auto"
+    assert {name: d["condition"] for name, d in trainer["depends_on"].items()} == {
+        "batchd": "service_healthy", "batchd-remote": "service_healthy"}
+    # the same config, datasets and image on both servers: the same bytes (strict refuses a mix)
+    assert sidecar["image"] == remote["image"]
+    assert [v for v in sidecar["volumes"] if not v.endswith(f":{folder}")] == remote["volumes"]
 
 
 @pytest.mark.timeout(60)

@@ -122,7 +122,7 @@ def test_manifests_exist():
     assert {"sidecar-pod.yaml", "batchd-deployment.yaml", "batchd-service.yaml", "configmap.yaml", "batchd-hpa.yaml",
             "prometheus-adapter-rules.yaml"} <= names
     assert {(d["kind"], d["metadata"]["name"]) for _, d in documents()} >= {
-        ("Pod", "fashion-mnist-trainer"), ("Deployment", "batchd"), ("Service", "batchd"), ("ConfigMap", "batchd-config"),
+        ("Pod", "fashion-mnist-trainer"), ("Pod", "fashion-mnist-trainer-pool"), ("Deployment", "batchd"), ("Service", "batchd"), ("ConfigMap", "batchd-config"),
         ("HorizontalPodAutoscaler", "batchd"), ("ConfigMap", "batchd-prometheus-adapter")}
 
 
@@ -135,7 +135,7 @@ def test_every_object_validates_against_the_kubernetes_schema(validator):
 
 
 def test_the_schema_catches_typos_and_wrong_types(validator):
-    pod = one("Pod")
+    pod = one("Pod", "fashion-mnist-trainer")
     typo = copy.deepcopy(pod)
     typo["spec"]["volumes"][0]["emptyDirr"] = typo["spec"]["volumes"][0].pop("emptyDir")
     assert validator(typo), "a misspelt field must not validate"
@@ -201,6 +201,28 @@ def test_sidecar_pod_shares_a_socket_and_starts_batchd_first():
     assert spec["securityContext"]["runAsUser"] == 10001 and spec["securityContext"]["runAsNonRoot"] is True
 
 
+def test_sidecar_pool_pod_reads_its_sidecar_and_every_replica_of_the_pool():
+    """docs/several-servers.md's deployment: the trainer names its sidecar's socket (shared memory)
+    and the headless Service's DNS name (every ready replica of the Deployment, over TCP) in one
+    loader, transport "auto"; the sidecar is sidecar-pod.yaml's, the same image and config as the
+    pool's (the same bytes)."""
+    spec = one("Pod", "fashion-mnist-trainer-pool")["spec"]
+    server, trainer = container(spec, "batchd"), container(spec, "trainer")
+    assert server in spec.get("initContainers", []) and server.get("restartPolicy") == "Always"
+    assert mounts(server)["/dev/shm"]["name"] == mounts(trainer)["/dev/shm"]["name"]
+    socket_address = next(a for a in option(argv_of(server), "--address") if a.startswith("unix:"))
+    service, deployment = one("Service", "batchd"), one("Deployment", "batchd")
+    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    targv = argv_of(trainer)
+    assert option(targv, "--address") == [socket_address, f"dns:///batchd.default.svc.cluster.local:{port}"]
+    assert option(targv, "--transport") == ["auto"]
+    pool = container(deployment["spec"]["template"]["spec"], "batchd")
+    assert server["image"] == pool["image"]
+    assert option(argv_of(server), "--config") == option(argv_of(pool), "--config")
+    plain = one("Pod", "fashion-mnist-trainer")["spec"]
+    assert container(plain, "batchd") == server and volumes(plain) == volumes(spec)
+
+
 def test_headless_service_selects_the_deployment():
     deployment, service = one("Deployment", "batchd"), one("Service", "batchd")
     assert "replicas" not in deployment["spec"], "the HorizontalPodAutoscaler owns the replica count (batchd-hpa.yaml)"
@@ -211,10 +233,15 @@ def test_headless_service_selects_the_deployment():
     assert service["spec"]["selector"].items() <= labels.items(), "the Service must select the Deployment's pods"
     c = container(deployment["spec"]["template"]["spec"], "batchd")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    served = {}
     for p in service["spec"]["ports"]:
         target = p.get("targetPort", p["port"])
         assert target in ports or target in ports.values(), f"Service port {p} targets no container port"
-        assert ports.get(target, target) == p["port"] == 50051
+        assert ports.get(target, target) == p["port"]
+        served[p["name"]] = p["port"]
+    # the gRPC port, and the data plane's (docs/network.md): the port the config gives it
+    config = yaml.safe_load(one("ConfigMap", "batchd-config")["data"]["config.yaml"])
+    assert served == {"grpc": 50051, "data": config["data_plane"]["port"]} == {"grpc": 50051, "data": 50052}
 
 
 def test_config_map_is_a_valid_config_on_read_only_mounts(tmp_path):
@@ -248,7 +275,7 @@ def test_config_map_is_a_valid_config_on_read_only_mounts(tmp_path):
 
 def test_containers_call_batchd_options_that_exist():
     calls = [(where, argv_of(c)) for where, _, c in server_containers()]
-    assert len(calls) == 2
+    assert len(calls) == 3  # the two sidecars and the Deployment's server
     helps: dict[str, str] = {}
     for where, argv in calls:
         sub = argv[1]

@@ -303,3 +303,15 @@ def dict_field_at(label: int = 5):
         return {**sample, "note": {"label": label} if int(sample["label"]) == label else 0}
 
     return fn
+
+
+def paced(seconds: float = 0.01):
+    """A python pipeline that sleeps ``seconds`` per sample and returns it unchanged: a server
+    whose speed its config sets (one worker: 1 / (seconds x batch_size) batches per second) while
+    the bytes stay those of any other server, and the CPU stays free (2 cores run several)."""
+
+    def fn(sample: dict, rng: np.random.Generator) -> dict:
+        time.sleep(seconds)
+        return sample
+
+    return fn

@@ -98,7 +98,8 @@ def test_reader_falling_out_of_the_window_gets_every_batch_recomputed(server, ca
     check_epoch([(None, i) for _, i in slow[1:]] + [(None, fast[0][1])])
     assert len(slow) == NUM_BATCHES
     assert [d for d, _ in slow] == [d for d, _ in fast]
-    assert any("fell more than 8 batches behind" in r.message for r in caplog.records)
+    # (a Batches call is never moved to a computation of its own, as an ordered StreamBatches
+    # reader that falls behind is: it holds only what it granted, so it holds nobody back)
 
 
 def _while_both_wanted(order: list[int]) -> list[int]:

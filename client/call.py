@@ -1,0 +1,354 @@
+"""One ``Batches`` call (loader.proto): what the client sends on it and how its batches come back.
+
+``Outbox`` is the call's request iterator (a plain object, testable without a network). The first
+message opens the call (``BatchesControl.open``, a ``StreamBatchesRequest``); after it, each
+message carries what was queued since the last one: grants and revokes (sent at once), lease
+releases (sent with the next grant, or within ``release_delay`` seconds while any is queued: no
+unary ReleaseLeases per batch) and the training loop's progress (at most every
+``progress_every`` seconds while it changes, and once more in the last message). ``close()``
+half-closes the call once what is queued went out; ``abort()`` ends the iterator at once. gRPC's
+own thread runs the iterator; it waits on a queue with a timeout of ``_POLL_S`` (so it notices an
+abort, and reports progress) and never spins.
+
+``release(lease)`` may be called from anywhere, a ``weakref.finalize`` callback included (it only
+puts on a ``SimpleQueue``, which is reentrant). Once the outbox is closed it returns False and the
+caller sends the release another way (``ReleaseLeases``); a release that raced with the close may
+then be sent twice, which the server ignores (an unknown lease id). The releases the outbox sent
+last are remembered (``recent_releases``): when a call breaks, nobody knows which of them the
+server read, so the caller sends them again by ``ReleaseLeases``.
+
+``BatchesCall`` opens the call on a channel and reads it: the server's id from the initial
+metadata (``batchd-server-id``), then the batches as ``WireBatch`` es (``messages``; on a
+TRANSPORT_SOCKET call each with its ``payload`` read from the call's data connection,
+``batchd.client.dataplane``), errors
+translated (``batches_error``): FAILED_PRECONDITION of type ``DatasetChangedError`` becomes
+``ServerRefused`` (the caller describes the dataset again to say what changed), UNIMPLEMENTED
+an error naming the server as too old for this client.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import time
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from batchd import wire
+from batchd.client import forks
+from batchd.client.channel import ERROR_DETAIL_KEY, translate
+from batchd.client.dataplane import DataLink, DataSocket
+from batchd.errors import BatchdError
+from batchd.v1 import loader_pb2 as pb
+
+log = logging.getLogger("batchd.client.loader")
+
+SERVER_ID_KEY = "batchd-server-id"
+BATCHES_METHOD = "/batchd.v1.BatchLoader/Batches"
+_POLL_S = 0.25  # the request iterator's longest wait on its queue
+_RECENT_RELEASES = 256  # releases remembered to send again when a call breaks
+
+_GRANT, _REVOKE, _RELEASE, _CLOSE, _WAKE = range(5)
+
+
+class ServerRefused(BatchdError):
+    """The server refused the call's ``open`` (FAILED_PRECONDITION, ``DatasetChangedError``): its
+    dataset is not the one the call expects. ``message`` is the server's explanation."""
+
+
+class ServerTooOld(BatchdError, RuntimeError):
+    """The server does not implement ``Batches`` (UNIMPLEMENTED): it is older than this client."""
+
+
+class Outbox:
+    """The request iterator of one Batches call (module docstring). Thread-safe.
+
+    open_request: the ``StreamBatchesRequest`` of the first message. progress: a callable
+    returning a ``StreamProgress`` to report (or None when nothing changed; ``force=True``: the
+    final one). sent(leases): called after a message carrying releases was handed to gRPC (the
+    shared-memory session forgets them). unsent(leases): releases queued that this call will
+    never send (it was aborted): the caller sends them another way. release_delay,
+    progress_every: seconds.
+    """
+
+    def __init__(self, open_request: pb.StreamBatchesRequest, *, progress: Callable[..., Any] | None = None,
+                 sent: Callable[[list[int]], None] | None = None, unsent: Callable[[list[int]], None] | None = None,
+                 release_delay: float = 0.005, progress_every: float = 0.5):
+        self._open = open_request
+        self._progress = progress
+        self._sent = sent
+        self._unsent = unsent
+        self.release_delay = release_delay
+        self.progress_every = progress_every
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False  # no more releases accepted (half-closing or aborted)
+        self._aborted = False
+        self._last_progress = time.monotonic()
+        self.recent_releases: collections.deque[int] = collections.deque(maxlen=_RECENT_RELEASES)
+        self.messages = 0  # messages handed to gRPC (the open included)
+
+    # --- from any thread ---------------------------------------------------------------------------
+
+    def grant(self, batches: list[int]) -> None:
+        if batches:
+            self._queue.put((_GRANT, batches))
+
+    def revoke(self, batches: list[int]) -> None:
+        if batches:
+            self._queue.put((_REVOKE, batches))
+
+    def release(self, lease: int) -> bool:
+        """Queue a freed lease for the next message. Reentrant. False once closed (the caller
+        releases it another way)."""
+        if self._closed:
+            return False
+        self._queue.put((_RELEASE, lease))
+        return not self._closed
+
+    def close(self) -> None:
+        """Half-close once what is queued is sent (with the final progress)."""
+        self._closed = True
+        self._queue.put((_CLOSE, None))
+
+    def abort(self) -> None:
+        """End now (the call is cancelled or broke); releases queued and never sent go to ``unsent``."""
+        self._closed = self._aborted = True
+        self._queue.put((_WAKE, None))
+        self._hand_back(self._drain_releases())
+
+    def _hand_back(self, releases: list[int]) -> None:
+        if releases and self._unsent is not None:
+            self._unsent(releases)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _drain_releases(self) -> list[int]:
+        left = []
+        while True:
+            try:
+                kind, value = self._queue.get_nowait()
+            except queue.Empty:
+                return left
+            if kind == _RELEASE:
+                left.append(value)
+
+    # --- gRPC's thread -------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[pb.BatchesControl]:
+        self.messages += 1
+        yield pb.BatchesControl(open=self._open)
+        while not self._aborted:
+            grants, revokes, releases, closing = self._collect()
+            if self._aborted:
+                self._hand_back(releases + self._drain_releases())
+                return
+            progress = self._due_progress(force=closing)
+            if grants or revokes or releases or progress is not None:
+                message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases)
+                if progress is not None:
+                    message.progress.CopyFrom(progress)
+                self.messages += 1
+                if releases:  # (before the yield: gRPC may never resume this generator after its last message)
+                    self.recent_releases.extend(releases)
+                    if self._sent is not None:
+                        self._sent(releases)
+                yield message
+            if closing:
+                return
+
+    def _collect(self) -> tuple[list[int], list[int], list[int], bool]:
+        """What to send next: waits up to ``_POLL_S`` for anything; releases alone wait up to
+        ``release_delay`` more for company."""
+        grants: list[int] = []
+        revokes: list[int] = []
+        releases: list[int] = []
+        closing = False
+        try:
+            item = self._queue.get(timeout=_POLL_S)
+        except queue.Empty:
+            return grants, revokes, releases, closing
+        deadline = None
+        while item is not None:
+            kind, value = item
+            if kind == _GRANT:
+                grants.extend(value)
+            elif kind == _REVOKE:
+                revokes.extend(value)
+            elif kind == _RELEASE:
+                releases.append(value)
+            elif kind == _CLOSE:
+                closing = True
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                item = None
+                if releases and not (grants or revokes or closing or self._aborted):
+                    now = time.monotonic()
+                    deadline = now + self.release_delay if deadline is None else deadline
+                    if now < deadline:
+                        try:
+                            item = self._queue.get(timeout=deadline - now)
+                        except queue.Empty:
+                            pass
+        return grants, revokes, releases, closing
+
+    def _due_progress(self, force: bool) -> pb.StreamProgress | None:
+        if self._progress is None:
+            return None
+        now = time.monotonic()
+        if not force and now - self._last_progress < self.progress_every:
+            return None
+        progress = self._progress(force=force)
+        if progress is not None:
+            self._last_progress = now
+        return progress
+
+
+class BatchesCall:
+    """One Batches call on ``channel`` to ``address`` with ``outbox`` as its request iterator.
+
+    ``server_id()`` waits for the initial metadata; ``messages()`` yields (WireBatch, seconds its
+    message took to come) and raises the call's error (``batches_error``); ``cancel()`` ends it.
+    A forked child neither cancels the call nor reads it (``batchd.client.forks``).
+    """
+
+    def __init__(self, channel: grpc.Channel, address: str, outbox: Outbox, *, metadata: tuple = (),
+                 data: DataLink | None = None):
+        self.address = address
+        self.outbox = outbox
+        self.data = data  # a TRANSPORT_SOCKET call: how to open and read its data connection
+        self._data_socket: DataSocket | None = None
+        self._owner = forks.owner()
+        forks.keep(self)
+        rpc = channel.stream_stream(BATCHES_METHOD, request_serializer=pb.BatchesControl.SerializeToString,
+                                    response_deserializer=None)
+        try:
+            self.call = rpc(iter(outbox), metadata=metadata or None)
+        except grpc.RpcError as e:
+            raise batches_error(e, address) from None
+        self.cancelled = False
+
+    def server_id(self) -> str:
+        """The server's ``batchd-server-id`` ("" if it sent none). Raises the call's error if it
+        failed before sending its metadata."""
+        try:
+            metadata = self.call.initial_metadata() or ()
+        except grpc.RpcError as e:
+            raise batches_error(e, self.address) from None
+        for key, value in metadata:
+            if key == SERVER_ID_KEY:
+                return value if isinstance(value, str) else value.decode()
+        return ""
+
+    def messages(self) -> Iterator[tuple[wire.WireBatch, float, int]]:
+        """(batch, seconds waited for it, bytes received for it), until the call ends OK.
+
+        On a call whose server offered a data connection (``data``, TRANSPORT_SOCKET), the
+        connection is opened first, and each batch comes with its ``payload`` read from it right
+        after its message (the time and bytes count both). Raises ``batches_error`` of a failed
+        call; ConnectionError if the data connection cannot be opened or breaks, or once
+        ``cancel`` was called.
+        """
+        it = iter(self.call)
+        ds = unopened = None
+        try:
+            if self.data is not None:
+                try:
+                    ds = self._open_data()
+                except ConnectionError as e:
+                    # the call's own error first, when it has one (a server that refused the call
+                    # withdrew its token): raised by reading the call below
+                    unopened = e
+            while True:
+                t0 = time.perf_counter()
+                data = next(it, None)
+                if unopened is not None:
+                    raise unopened
+                if data is None:
+                    return
+                raw, nbytes = wire.decode_batch(data), len(data)
+                if ds is not None:
+                    raw = self.data.receive(ds, raw)
+                    nbytes += ds.last_received
+                yield raw, time.perf_counter() - t0, nbytes
+        except grpc.RpcError as e:
+            if self.cancelled:
+                raise ConnectionError(f"the call to {self.address} was cancelled") from None
+            raise batches_error(e, self.address) from None
+        except ConnectionError:
+            if self.cancelled:
+                raise ConnectionError(f"the call to {self.address} was cancelled") from None
+            raise
+        finally:
+            if ds is not None:
+                ds.close()
+
+    def _open_data(self) -> DataSocket | None:
+        """The call's data connection, if its server offered one (its initial metadata)."""
+        try:
+            metadata = self.call.initial_metadata() or ()
+        except grpc.RpcError as e:
+            raise batches_error(e, self.address) from None
+        ds = self.data.connect(metadata)
+        if ds is None:
+            _say_inline(self.address)
+        else:
+            forks.keep(ds)
+            self._data_socket = ds
+            if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
+                ds.close()
+        return ds
+
+    def cancel(self) -> None:
+        """Cancel the call (idempotent); the outbox stops. Nothing in a forked child."""
+        if forks.forked(self._owner):
+            return
+        self.cancelled = True
+        self.outbox.abort()
+        self.call.cancel()
+        if self._data_socket is not None:
+            self._data_socket.close()  # a receive waiting on it ends at once
+
+
+_told_inline: set[str] = set()
+
+
+def _say_inline(address: str) -> None:
+    """Once per address: the server offered no data connection (no data plane there, or an older
+    server): its batches come inline."""
+    if address not in _told_inline:
+        _told_inline.add(address)
+        log.info("the batchd server at %s offers no data connection (data_plane disabled, or an older server); "
+                 "its batches come inside the gRPC messages", address)
+
+
+def batches_error(e: grpc.RpcError, address: str) -> Exception:
+    """The exception for a failed Batches call: ``ServerRefused`` (the dataset there is not the
+    expected one), ``ServerTooOld`` (no Batches there), else as ``batchd.client.channel.translate``."""
+    code = e.code() if hasattr(e, "code") else None
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return ServerTooOld(
+            f"the batchd server at {address} does not implement the Batches call: it is older than this client "
+            f"(batchd {_client_version()}); upgrade the server (or use a client of its version)")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        detail = pb.ErrorDetail()
+        for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+            if key == ERROR_DETAIL_KEY:
+                detail.ParseFromString(value)
+        if detail.type == "DatasetChangedError" or not detail.type:
+            return ServerRefused(f"{address}: {e.details() or detail.message}")
+    return translate(e, address)
+
+
+def _client_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("batchd")
+    except Exception:  # not installed as a distribution (a source tree)
+        return "from source"
+

@@ -1,0 +1,236 @@
+"""The data plane, client side: the connection that brings one ``Batches`` call's batch bytes
+(``TRANSPORT_SOCKET``; docs/design/network-path.md, the format in ``batchd.datawire``).
+
+``DataSocket.connect`` dials the port the server offered on the host the gRPC channel dialed
+(``data_host``), speaks TLS with the loader's own settings when its channel does (the server's
+certificate checked against ``tls.ca``, or the system roots, for ``tls.server_name`` or that
+host; the client certificate presented if given) and sends the call's one-time token.
+``DataSocket.receive`` then reads, for the call's next ``Batch`` message, the 24-byte header and
+the payload with ``socket.recv_into`` straight into a buffer of a ``BufferPool``
+(client/buffers.py) and returns the batch's tensors as views of it. The kernel copies each byte
+once, into that buffer, and the wait releases the GIL (with TLS, the decryption runs here too,
+also off the GIL).
+
+Never hang: every read waits at most ``SLICE_S`` before looking at ``stopping``, and a
+connection that brings no byte for ``timeout`` seconds is a broken one. Every failure is a
+ConnectionError naming the server (a broken data connection is a broken call, resumed as one):
+the header's magic, batch index or length not those the call's message announced, the
+connection closed or reset, the handshake refused.
+
+``DataLink`` is what one server's ``Batches`` calls share to do this: the server's address, the
+loader's TLS settings and timeouts, and the buffer pool (``receive``: a batch's message in, the
+same batch with its ``payload`` out).
+
+A forked child never touches the connection (``close`` there does nothing): its socket is the
+parent's (``batchd.client.forks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import ssl
+import threading
+import time
+from typing import Any
+
+from batchd import datawire, wire
+from batchd.client import addresses, buffers, fields, forks
+from batchd.client.channel import TLS
+
+log = logging.getLogger("batchd.client.loader")
+SLICE_S = 0.25  # a blocked read looks at ``stopping`` this often
+
+
+def data_host(address: str) -> str | None:
+    """The host of a ``HOST:PORT``, ``[IPv6]:PORT`` or ``dns:///HOST:PORT`` address (brackets
+    removed), where the server's data port is dialed; None for a ``unix:`` address or a form
+    without one host."""
+    parts = addresses._split_host_port(address)
+    return None if parts is None else parts[0].strip("[]")
+
+
+def client_tls_context(tls: TLS) -> ssl.SSLContext:
+    """A TLS context as the gRPC channel's: ``tls.ca`` (None: the system's roots) verifies the
+    server, ``tls.cert`` / ``tls.key`` is presented if given. TLS 1.2 at least. Raises
+    ValueError naming a file that cannot be read."""
+    try:
+        ctx = ssl.create_default_context(cafile=str(tls.ca) if tls.ca is not None else None)
+        if tls.cert is not None:
+            ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"cannot load the TLS files for the data connection: {e}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+class DataSocket:
+    """The client end of one call's data connection. ``receive`` runs in one thread (the call's
+    receiver); ``close`` from any.
+
+    address: the server's gRPC address (named in errors). timeout: seconds without a byte after
+    which a receive fails.
+    """
+
+    def __init__(self, sock: socket.socket, address: str, timeout: float):
+        self._sock = sock
+        self.address = address
+        self.timeout = timeout
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.bytes_received = 0
+        self.last_received = 0  # bytes of the last batch received (header included)
+        self._header = bytearray(datawire.HEADER.size)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._owner = forks.owner()
+
+    @classmethod
+    def connect(cls, address: str, port: int, token: bytes, *, tls: TLS | None = None,
+                connect_timeout: float = 10.0, timeout: float = 60.0) -> "DataSocket":
+        """Dial ``port`` on ``address``'s host, TLS if ``tls``, and present ``token``, all within
+        ``connect_timeout`` seconds. Raises ConnectionError naming the server if it cannot be
+        reached or the TLS handshake fails (ValueError if a TLS file cannot be read)."""
+        host = data_host(address)
+        if host is None:
+            raise ConnectionError(f"{address} has no host to open a data connection to")
+        ctx = client_tls_context(tls) if tls is not None else None
+        where = f"the data port {port} of the batchd server at {address}"
+        try:
+            raw = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as e:
+            raise ConnectionError(f"cannot connect to {where}: {e.strerror or e}") from None
+        sock = raw
+        try:
+            if ctx is not None:
+                sock = ctx.wrap_socket(raw, server_hostname=tls.server_name or host)
+            sock.sendall(token)
+        except (OSError, ssl.SSLError) as e:
+            sock.close()
+            raw.close()
+            raise ConnectionError(f"cannot open a data connection to {where}: {e}") from None
+        sock.settimeout(SLICE_S)
+        return cls(sock, address, timeout)
+
+    def receive(self, batch: wire.WireBatch, pool: buffers.BufferPool,
+                stopping: threading.Event | None = None) -> dict[str, fields.Field]:
+        """The payload of ``batch`` (the call's next message), received into a buffer of ``pool``:
+        the batch's fields as views of it (the buffer goes back to ``pool`` when they are freed).
+
+        Raises ConnectionError naming the server for a header that is not ``batch``'s (magic,
+        batch index, length), a closed or silent connection; ValueError for a malformed tensor
+        in ``batch``; ConnectionAbortedError once ``stopping`` is set.
+        """
+        length = buffers.payload_length(batch)
+        self._read_into(memoryview(self._header), stopping)
+        magic, index, sent = datawire.unpack_header(self._header)
+        if magic != datawire.MAGIC or index != batch.batch_index or sent != length:
+            raise ConnectionError(
+                f"the data connection of the batchd server at {self.address} sent a header for batch {index} of "
+                f"{sent} bytes (magic {bytes(magic)!r}) where batch {batch.batch_index} of {length} bytes "
+                f"(magic {datawire.MAGIC!r}) was due")
+        buf = pool.take(length)
+        try:
+            self._read_into(memoryview(buf.numpy())[:length], stopping)
+        except BaseException:
+            pool.give_back(buf)
+            raise
+        self.last_received = datawire.HEADER.size + length
+        return buffers.tensors(batch, buf, length, pool.give_back)
+
+    def _read_into(self, view: memoryview, stopping: threading.Event | None) -> None:
+        got, total = 0, len(view)
+        last = time.monotonic()
+        while got < total:
+            try:
+                n = self._sock.recv_into(view[got:])
+            except (TimeoutError, BlockingIOError, ssl.SSLWantReadError):
+                if stopping is not None and stopping.is_set():
+                    raise ConnectionAbortedError(f"stopped reading from {self.address}") from None
+                if self._closed:
+                    raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
+                if time.monotonic() - last > self.timeout:
+                    raise ConnectionError(f"the data connection of the batchd server at {self.address} brought "
+                                          f"no byte for {self.timeout:g} s") from None
+                continue
+            except (OSError, ssl.SSLError) as e:
+                if self._closed:
+                    raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
+                raise ConnectionError(f"the data connection of the batchd server at {self.address} broke: "
+                                      f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
+            if not n:
+                if self._closed:
+                    raise ConnectionAbortedError(f"the data connection to {self.address} was closed")
+                raise ConnectionError(f"the batchd server at {self.address} closed its data connection "
+                                      f"({got} of {total} bytes read)")
+            got += n
+            last = time.monotonic()
+        self.bytes_received += total
+
+    def close(self) -> None:
+        """Close the connection (a ``receive`` in another thread fails at once). Idempotent;
+        nothing in a forked child."""
+        if forks.forked(self._owner):
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def __enter__(self) -> "DataSocket":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DataLink:
+    """How one server's Batches calls open and read their data connections (a ``ServerConnection``
+    has one).
+
+    address: the server's gRPC address (its host is dialed). tls: the loader's TLS settings (None:
+    plain). pool: the buffers payloads are received into (pinned when the loader copies to CUDA).
+    connect_timeout, timeout: seconds (``DataSocket.connect``, ``DataSocket.receive``).
+    optional: the loader chose the data plane itself (``transport="auto"``): a data port this
+    client cannot reach (a firewall, a Service that forwards only the gRPC port) makes
+    ``reachable`` False, once, with a warning, and the server's calls go inline from then on;
+    with ``transport="socket"`` it stays a broken call, reconnected as any.
+    """
+
+    def __init__(self, address: str, tls: TLS | None, pool: buffers.BufferPool, *, connect_timeout: float,
+                 timeout: float, optional: bool = True):
+        self.address, self.tls, self.pool = address, tls, pool
+        self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.optional = optional
+        self.reachable = True
+
+    @property
+    def possible(self) -> bool:
+        """Whether this address has a host to dial (not a ``unix:`` socket)."""
+        return data_host(self.address) is not None
+
+    def connect(self, metadata: Any) -> DataSocket | None:
+        """The data connection a call's initial ``metadata`` offers (``batchd.datawire.offered``);
+        None when it offers none (the server answers inline). Raises ConnectionError."""
+        offer = datawire.offered(metadata)
+        if offer is None:
+            return None
+        port, token = offer
+        try:
+            return DataSocket.connect(self.address, port, token, tls=self.tls, connect_timeout=self.connect_timeout,
+                                      timeout=self.timeout)
+        except ConnectionError as e:
+            if self.optional and self.reachable:
+                self.reachable = False
+                log.warning("%s; batches from %s come inside the gRPC messages from now on (open the server's data "
+                            "port %d to this client, or set transport='inline')", e, self.address, port)
+            raise
+
+    def receive(self, ds: DataSocket, batch: wire.WireBatch) -> wire.WireBatch:
+        """``batch`` (its call's next message) with its ``payload``: the fields received on ``ds``."""
+        return dataclasses.replace(batch, payload=ds.receive(batch, self.pool))

@@ -1,0 +1,473 @@
+"""The data plane, server side: a TCP port whose connections carry batch bytes beside ``Batches``
+calls (``TRANSPORT_SOCKET``; docs/design/network-path.md, the format in ``batchd.datawire``).
+
+* ``DataPlane`` listens on a port of its own (a thread accepts, with a timeout so that ``close``
+  never waits on it). Each accepted connection gets a handshake thread (at most
+  ``max_handshakes`` at once; more are closed at once): TLS first when the plane has a context,
+  then exactly ``TOKEN_BYTES`` bytes, all within ``handshake_timeout_s``.
+* ``DataPlane.expect`` registers a one-time token for one call (``secrets.token_bytes``) and
+  returns its ``Ticket``; the call hands the token to its client in the initial metadata (over
+  the authenticated gRPC channel). A presented token is compared with every pending one in
+  constant time (``hmac.compare_digest``, no early exit), and is gone once claimed. A connection
+  whose token is unknown, reused or late (accepted more than ``token_ttl_s`` after ``expect``)
+  is closed without a byte written: without the call's token, no batch bytes.
+* ``Ticket.wait`` gives the call its ``DataConnection``; ``DataConnection.send`` writes one batch:
+  the 24-byte header, then its tensors at the payload offsets ``batchd.datawire.payload_layout``
+  chose, zeros between them: large tensors straight from the mapped slot (``send``: the
+  kernel copies them into the socket buffer, off the GIL), the header, small tensors and padding
+  gathered into one ``send``, the whole batch under ``TCP_CORK``; with TLS through
+  ``SSLSocket.send`` (encryption here, off the GIL too). Not ``os.sendfile`` from the slot's
+  ``/dev/shm`` file: TCP's sendfile hands the file's pages to the socket by reference, so a
+  slot reused once the send returned changed bytes not yet read by the client (over loopback
+  every batch: tests/serve/test_dataplane_server.py), and it measured dearer than ``send`` here
+  (0.15-0.17 against 0.09-0.11 s of CPU per GB, loopback, 9.6 MB batches).
+
+Never hang: every socket operation has a timeout slice (``SLICE_S``); a send that cannot
+progress asks ``cancelled()`` (the call's ``not context.is_active()``) each slice and raises
+ConnectionAbortedError once it says so, however long a client that stopped reading holds it
+(a paused training loop: its call is alive, so the send waits). ``close`` stops the accept
+thread, shuts every connection down (a send blocked on one returns with an error at once) and
+joins the handshake threads.
+
+Counters since start (``stats``): bytes sent (header and padding included), connections
+authenticated, connections refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import socket
+import ssl
+import threading
+import time
+from typing import Callable, Sequence
+
+from batchd import datawire
+from batchd.server.config import TlsConfig
+from batchd.server.serve.security import _RateLimitedWarning
+from batchd.server.serve.shm import Segment
+
+log = logging.getLogger(__name__)
+
+SLICE_S = 0.25  # every blocking socket call waits at most this long before looking at cancelled / close
+GATHER_MAX = 64 * 1024  # tensors smaller than this are gathered with the header into one send
+CHUNK = 4 << 20  # bytes per send call: a stalled send is retried from a known place
+
+
+def _never() -> bool:
+    return False
+
+
+def listen_host(addresses: Sequence[str]) -> str | None:
+    """Where the data plane listens: the host of the first TCP address the gRPC server listens on
+    (brackets of an IPv6 literal removed); None when it listens on unix: sockets only (its clients
+    are on its host and use shared memory)."""
+    for address in addresses:
+        if not address.startswith("unix:"):
+            return address.rpartition(":")[0].strip("[]")
+    return None
+
+
+def tls_context(tls: TlsConfig) -> ssl.SSLContext:
+    """The server-side TLS context of the data plane: the gRPC port's certificate and key, and
+    its client CA (client certificates verified if presented; required with
+    ``require_client_cert``). TLS 1.2 at least. Raises RuntimeError naming an unreadable file."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(str(tls.cert), str(tls.key))
+        if tls.client_ca is not None:
+            ctx.load_verify_locations(cafile=str(tls.client_ca))
+            ctx.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL
+    except (OSError, ssl.SSLError) as e:
+        raise RuntimeError(f"data plane: cannot load the TLS files: {e}") from None
+    return ctx
+
+
+class DataConnection:
+    """One authenticated data connection, owned by the call whose token it presented.
+
+    ``send`` runs in the call's thread only; ``abort`` (the plane closing) and ``close`` may
+    come from any thread.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str, plane: "DataPlane"):
+        self._sock = sock
+        self.peer = peer
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self._plane = plane
+        self._lock = threading.Lock()
+        self._closed = False
+        self.bytes_sent = 0
+
+    def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int,
+             cancelled: Callable[[], bool] = _never) -> None:
+        """Write batch ``batch_index``: its header, then ``length`` payload bytes, each piece's
+        ``nbytes`` from ``slot`` at ``source`` put at ``offset`` (``datawire.payload_layout``).
+        When it returns, the bytes are in the kernel's socket buffer (copied): the slot may be
+        reused at once.
+
+        Raises ConnectionError (BrokenPipeError, ConnectionResetError...) if the client went
+        away or the plane was closed, ConnectionAbortedError once ``cancelled()`` is true while
+        the send waits for the client to read, ValueError if the pieces do not fit ``length``.
+        """
+        out = bytearray(datawire.pack_header(batch_index, length))
+        at = 0
+        self._cork(True)
+        try:
+            for piece in pieces:
+                if piece.offset < at:
+                    raise ValueError(f"piece at {piece.offset} overlaps the one before (ending at {at})")
+                out += bytes(piece.offset - at)  # padding: zeros, never the rest of the slot
+                at = piece.offset + piece.nbytes
+                data = slot.buf[piece.source : piece.source + piece.nbytes]
+                if piece.nbytes < GATHER_MAX:
+                    out += data
+                    continue
+                self._send_bytes(out, cancelled)
+                out = bytearray()
+                self._send_bytes(data, cancelled)
+            if at != length:
+                raise ValueError(f"pieces end at byte {at}, not at the payload length {length}")
+            self._send_bytes(out, cancelled)
+        except OSError as e:
+            if self._closed and not isinstance(e, ConnectionError):
+                raise ConnectionAbortedError(f"data connection to {self.peer} closed") from None
+            raise
+        finally:
+            self._cork(False)
+        self.bytes_sent += datawire.HEADER.size + length
+        self._plane._sent(datawire.HEADER.size + length)
+
+    def _cork(self, on: bool) -> None:
+        """TCP_CORK: the header and small tensors leave in full segments with the large ones."""
+        if hasattr(socket, "TCP_CORK") and not self._closed:
+            try:
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, int(on))
+            except OSError:
+                pass
+
+    def _check(self, cancelled: Callable[[], bool]) -> None:
+        if self._closed:
+            raise ConnectionAbortedError(f"data connection to {self.peer} closed")
+        if cancelled():
+            raise ConnectionAbortedError(f"the call of the data connection to {self.peer} ended")
+
+    def _send_bytes(self, data, cancelled: Callable[[], bool]) -> None:
+        view = memoryview(data).cast("B")
+        sent, total = 0, len(view)
+        while sent < total:
+            try:
+                n = self._sock.send(view[sent : sent + CHUNK])
+            except (TimeoutError, BlockingIOError, ssl.SSLWantWriteError):
+                n = 0
+            if n:
+                sent += n
+            else:
+                self._check(cancelled)
+
+    def abort(self) -> None:
+        """Make a send in another thread fail at once (the plane closes); ``close`` follows there."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Close the connection (the client sees the end of its data stream). Idempotent."""
+        self.abort()
+        self._plane._forget(self)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+class Ticket:
+    """One call's one-time token and, once its client presented it, that client's connection."""
+
+    def __init__(self, plane: "DataPlane", token: bytes, deadline: float):
+        self.token = token
+        self.deadline = deadline  # time.monotonic() after which a connection presenting it is refused
+        self._plane = plane
+        self._claimed = threading.Event()
+        self._connection: DataConnection | None = None
+        self._taken = False
+        self._closed = False
+
+    def _give(self, connection: DataConnection) -> bool:
+        with self._plane._lock:
+            if self._closed:
+                return False
+            self._connection = connection
+        self._claimed.set()
+        return True
+
+    def wait(self, cancelled: Callable[[], bool] = _never) -> DataConnection:
+        """The connection that presented this ticket's token. Raises ConnectionError if none did
+        within the token's time to live (and the handshake's), ConnectionAbortedError if
+        ``cancelled()`` turns true or the plane closes meanwhile."""
+        limit = self.deadline + self._plane.handshake_timeout_s
+        while not self._claimed.wait(SLICE_S):
+            if cancelled() or self._closed:
+                raise ConnectionAbortedError("the call ended before its client opened its data connection")
+            if time.monotonic() > limit:
+                self.close()
+                raise ConnectionError(f"the client did not open its data connection within "
+                                      f"{self._plane.token_ttl_s:g} s of the call's answer")
+        with self._plane._lock:
+            connection = self._connection
+            self._taken = connection is not None and not self._closed
+        if not self._taken:
+            raise ConnectionAbortedError("the call ended, or the data plane closed, before its client connected")
+        return connection
+
+    def close(self) -> None:
+        """Withdraw the token; close a connection not taken by ``wait``'s caller. Idempotent."""
+        with self._plane._lock:
+            self._closed = True
+            self._plane._pending.discard(self)
+            orphan = self._connection if not self._taken else None
+        self._claimed.set()
+        if orphan is not None:
+            orphan.close()
+
+
+class DataPlane:
+    """The data-plane listener: see the module docstring.
+
+    host, port: where to listen (port 0: a free one; ``port`` is then the bound one).
+    ssl_context: ``tls_context(config.tls)``, or None for plain TCP. token_ttl_s: how long a
+    token may wait for its connection (from ``expect``). handshake_timeout_s: TLS and token
+    together, per connection. max_handshakes: handshakes at once; connections beyond are closed.
+    Raises RuntimeError if the address cannot be bound.
+    """
+
+    def __init__(self, host: str, port: int = 0, *, ssl_context: ssl.SSLContext | None = None,
+                 token_ttl_s: float = 10.0, handshake_timeout_s: float = 5.0, max_handshakes: int = 64):
+        self.ssl_context = ssl_context
+        self.token_ttl_s = token_ttl_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_handshakes = max_handshakes
+        host = host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, _, _, _, sockaddr = infos[0]
+            self._listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._listener.bind(sockaddr)
+                self._listener.listen(128)
+            except BaseException:
+                self._listener.close()
+                raise
+        except OSError as e:
+            raise RuntimeError(f"data plane: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self._listener.settimeout(SLICE_S)
+        self.host = host
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._pending: set[Ticket] = set()
+        self._connections: set[DataConnection] = set()
+        self._handshakes: dict[threading.Thread, socket.socket] = {}
+        self._closed = False
+        self._warn = _RateLimitedWarning()
+        self.bytes_sent = 0
+        self.connections_accepted = 0
+        self.connections_refused = 0
+        self._thread = threading.Thread(target=self._accept_loop, name="batchd-data-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_context is not None
+
+    def stats(self) -> dict[str, int]:
+        """Since the plane started: bytes_sent (headers and padding included), connections
+        accepted (authenticated) and refused, and calls waiting for their connection."""
+        with self._lock:
+            return {"bytes_sent": self.bytes_sent, "connections_accepted": self.connections_accepted,
+                    "connections_refused": self.connections_refused, "pending": len(self._pending)}
+
+    def expect(self) -> Ticket:
+        """A fresh one-time token for one call. Raises ConnectionAbortedError once closed."""
+        now = time.monotonic()
+        ticket = Ticket(self, secrets.token_bytes(datawire.TOKEN_BYTES), now + self.token_ttl_s)
+        with self._lock:
+            if self._closed:
+                raise ConnectionAbortedError("the data plane is closed")
+            for old in [t for t in self._pending if t.deadline < now]:
+                self._pending.discard(old)  # expired: its waiter gives up by itself
+            self._pending.add(ticket)
+        return ticket
+
+    def _claim(self, presented: bytes, accepted_at: float) -> Ticket | None:
+        """The pending ticket whose token is ``presented`` (it is claimed: gone from the pending),
+        None if none is, or it expired before ``accepted_at``. Every pending token is compared."""
+        with self._lock:
+            found = None
+            for ticket in self._pending:
+                if hmac.compare_digest(ticket.token, presented) and found is None:
+                    found = ticket
+            if found is not None:
+                self._pending.discard(found)
+                if found.deadline < accepted_at:
+                    return None
+        return found
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(SLICE_S)  # e.g. EMFILE: try again later, never spin
+                continue
+            accepted_at = time.monotonic()
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            with self._lock:
+                if self._closed or len(self._handshakes) >= self.max_handshakes:
+                    self.connections_refused += 1
+                    conn.close()
+                    continue
+                t = threading.Thread(target=self._handshake, args=(conn, peer, accepted_at),
+                                     name="batchd-data-handshake", daemon=True)
+                self._handshakes[t] = conn
+            t.start()
+
+    def _handshake(self, conn: socket.socket, peer: str, accepted_at: float) -> None:
+        me = threading.current_thread()
+        sock = conn
+        reason = None
+        try:
+            deadline = accepted_at + self.handshake_timeout_s
+            conn.settimeout(self.handshake_timeout_s)
+            if self.ssl_context is not None:
+                try:
+                    sock = self.ssl_context.wrap_socket(conn, server_side=True)
+                except (ssl.SSLError, OSError) as e:
+                    reason = f"TLS handshake failed ({type(e).__name__}: {e})"
+                    return
+                with self._lock:
+                    self._handshakes[me] = sock
+            token = bytearray(datawire.TOKEN_BYTES)
+            view, got = memoryview(token), 0
+            while got < len(token):
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                try:
+                    n = sock.recv_into(view[got:])
+                except (OSError, ssl.SSLError) as e:
+                    reason = f"no token ({type(e).__name__})"
+                    return
+                if not n:
+                    reason = "no token (closed)"
+                    return
+                got += n
+            ticket = self._claim(bytes(token), accepted_at)
+            if ticket is None:
+                reason = "unknown, reused or expired token"
+                return
+            sock.settimeout(SLICE_S)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection = DataConnection(sock, peer, self)
+            with self._lock:
+                if self._closed:
+                    reason = "the data plane is closing"
+                    return
+                self._connections.add(connection)
+                self.connections_accepted += 1
+            sock = None  # the ticket owns it now (and closes it if its call has ended)
+            if not ticket._give(connection):
+                connection.close()
+        except Exception as e:  # never let a handshake thread die with a traceback
+            reason = f"{type(e).__name__}: {e}"
+        finally:
+            with self._lock:
+                self._handshakes.pop(me, None)
+                if reason is not None:
+                    self.connections_refused += 1
+            if sock is not None:
+                try:
+                    sock.close()  # no byte written: a refused client learns nothing but the close
+                except OSError:
+                    pass
+            if reason is not None and not self._closed:
+                self._warn("refused a data connection from %s: %s", peer, reason)
+
+    def _sent(self, n: int) -> None:
+        with self._lock:
+            self.bytes_sent += n
+
+    def _forget(self, connection: DataConnection) -> None:
+        with self._lock:
+            self._connections.discard(connection)
+
+    def close(self) -> None:
+        """Stop accepting, withdraw every token, shut every connection down (sends in flight
+        fail at once), join the threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+            connections = list(self._connections)
+            handshakes = dict(self._handshakes)
+        self._thread.join()
+        self._listener.close()
+        for ticket in pending:
+            ticket.close()
+        for connection in connections:
+            connection.abort()
+        for t, sock in handshakes.items():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            t.join(self.handshake_timeout_s + 1.0)
+
+
+class CallSender:
+    """One Batches call's side of the data plane: its one-time token (``metadata``, for the call's
+    initial metadata), then the connection that presented it, which every batch's payload goes
+    on (``send``), in the order of the call's messages.
+
+    cancelled(): whether the call ended (``not context.is_active()``): a wait for the client's
+    connection, or a send to a client that stopped reading, ends then. Raises
+    ConnectionAbortedError if the plane is closed.
+    """
+
+    def __init__(self, plane: DataPlane, cancelled: Callable[[], bool]):
+        self.ticket = plane.expect()
+        self.port = plane.port
+        self._cancelled = cancelled
+        self._connection: DataConnection | None = None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """``batchd-data-port`` and ``batchd-data-token`` (``batchd.datawire.metadata``)."""
+        return datawire.metadata(self.port, self.ticket.token)
+
+    def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int) -> int:
+        """Write one batch's payload (``DataConnection.send``), first waiting for the client's
+        connection (``Ticket.wait``); returns the bytes written (header included). Raises
+        ConnectionError (the client did not connect in time, or went away),
+        ConnectionAbortedError (the call ended, the plane closed)."""
+        if self._connection is None:
+            self._connection = self.ticket.wait(self._cancelled)
+        self._connection.send(batch_index, slot, pieces, length, self._cancelled)
+        return datawire.HEADER.size + length
+
+    def close(self) -> None:
+        """The call ended: withdraw the token, close the connection (the client reads its end)."""
+        self.ticket.close()
+        if self._connection is not None:
+            self._connection.close()

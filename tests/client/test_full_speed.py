@@ -1,0 +1,290 @@
+"""Every server at full speed (issue 25): batches go to whichever server has room, and a stalled
+server costs little; each batch still comes once, in order, with the bytes one server gives.
+
+Servers run sleep-bound python pipelines (``batchd_testdata:paced``: a fixed sleep per sample,
+the sample unchanged) with one worker each, so their speeds are set by their configs and 2 cores
+run several: ``batchd serve`` processes where one is SIGKILLed or SIGSTOPped, in-process servers
+elsewhere. Samples are ``batchd_testdata:Paced``'s: sample i is image uint8 [4, 4] filled with
+i % 256 and label i, so every batch can be checked against its indices.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import pathlib
+import signal
+import threading
+
+import numpy as np
+import pytest
+import yaml
+
+import batchd
+from batchd.client.stats import get_stats
+from batchd.server.serve.service import BatchLoaderService
+from conftest import running_server
+from helpers import free_port, wait_until
+from procs import ServerProcess
+
+pytestmark = pytest.mark.timeout(240)
+
+PYDATA = pathlib.Path(__file__).resolve().parent.parent / "pydata"
+N = 2400  # samples
+
+
+def config(tmp: pathlib.Path, seconds: float, n: int = N) -> dict:
+    """A server of one worker over Paced(n) whose pipeline "pace" sleeps ``seconds`` per sample."""
+    return {"workers": 1, "python_path": [str(PYDATA)], "cache_dir": str(tmp / "cache"),
+            "datasets": {"paced": {"kind": "python", "factory": "batchd_testdata:Paced", "args": {"n": n}}},
+            "pipelines": {"pace": {"python": "batchd_testdata:paced", "args": {"seconds": seconds}}}}
+
+
+def start_procs(server_procs, tmp: pathlib.Path, seconds: list[float], n: int = N) -> list[ServerProcess]:
+    """``batchd serve`` processes, one per pace, started in parallel."""
+    procs = []
+    for k, s in enumerate(seconds):
+        cfg = tmp / f"server{k}.yaml"
+        cfg.write_text(yaml.safe_dump({**config(tmp, s, n), "cache_dir": str(tmp / f"cache{k}")}))
+        procs.append(server_procs(cfg, f"127.0.0.1:{free_port()}"))
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        list(pool.map(lambda p: p.start(), procs))
+    return procs
+
+
+def loader(address, **kw) -> batchd.RemoteDataLoader:
+    kw = {"batch_size": 8, "shuffle": True, "seed": 5, "transform": "pace", "transport": "inline", "timeout": 60,
+          "connect_timeout": 10, **kw}
+    return batchd.RemoteDataLoader(address, "paced", **kw)
+
+
+def check(batch) -> np.ndarray:
+    """The batch's indices, once its samples are checked against them (Paced: image i % 256, label i)."""
+    index = batch["index"].numpy().copy()
+    assert np.array_equal(batch["label"].numpy(), index)
+    assert np.array_equal(batch["image"].numpy().reshape(len(index), -1)[:, 0], (index % 256).astype(np.uint8))
+    return index
+
+
+def exactly_once(indices: list[np.ndarray], n: int = N) -> bool:
+    return bool((np.bincount(np.concatenate(indices), minlength=n) == 1).all())
+
+
+# --- unequal servers ------------------------------------------------------------------------------
+
+
+def test_each_servers_share_follows_its_speed(tmp_path):
+    """A server 3 x faster than the other sends about 3/4 of the batches (a fixed stride: 1/2,
+    at 2 x the slowest), in the order and with the bytes one server gives."""
+    with contextlib.ExitStack() as stack:
+        fast, slow = (stack.enter_context(running_server(**config(tmp_path / name, s)))
+                      for name, s in (("fast", 0.002), ("slow", 0.006)))
+        with loader(fast.address) as one:
+            reference = [check(b) for b in one]
+        with loader([fast.address, slow.address]) as both:
+            got = [check(b) for b in both]
+            figures = both.stats()["servers"]
+    assert all(np.array_equal(x, y) for x, y in zip(got, reference, strict=True)), "not the one server's order"
+    assert exactly_once(got)
+    share = figures[fast.address]["share"]
+    assert 0.6 <= share <= 0.9 and figures[slow.address]["share"] == pytest.approx(1 - share), figures
+    assert figures[fast.address]["window"] >= figures[slow.address]["window"], figures
+
+
+def test_every_sample_once_through_a_resume_a_failover_and_a_join(server_procs, tmp_path):
+    """Three servers of three speeds, listed in a file: a loader reads part of the epoch and saves
+    its state; a new one resumes it; the slowest server is SIGKILLed mid-epoch (its batches go to
+    the others); a third server is listed (it joins). Every sample comes once, in the order one
+    server gives, and the joiner sent part of the rest."""
+    a, b, c = start_procs(server_procs, tmp_path, [0.001, 0.003, 0.002])
+    with loader(a.address) as one:
+        reference = [check(x) for x in one]
+    listed = tmp_path / "servers.txt"
+    listed.write_text(f"{a.address}\n{b.address}\n")
+    kw = dict(probe_interval=0.2, failover_timeout=1, reconnect_timeout=10)
+    got = []
+    with loader(f"file:{listed}", **kw) as first:
+        it = iter(first)
+        got += [check(next(it)) for _ in range(60)]
+        state = first.state_dict()
+    assert state["next_batch"] == 60
+    with loader(f"file:{listed}", **kw) as ld:
+        ld.load_state_dict(state)
+        it = iter(ld)
+        got += [check(next(it)) for _ in range(60)]
+        b.signal(signal.SIGKILL)  # the slow one dies mid-epoch: a takes its batches
+        b.wait(10)
+        got += [check(next(it)) for _ in range(40)]
+        listed.write_text(f"{a.address}\n{b.address}\n{c.address}\n")  # c joins
+        assert wait_until(lambda: any(s["address"] == c.address and s["up"] for s in ld.server_stats()), 20)
+        got += [check(x) for x in it]
+        stats = ld.stats()
+    assert all(np.array_equal(x, y) for x, y in zip(got, reference, strict=True)), "not the one server's order"
+    assert exactly_once(got), "a sample is missing or repeated"
+    assert stats["failovers"] == 1 and stats["batches_per_server"][c.address] > 0, stats
+
+
+# --- a stalled server ----------------------------------------------------------------------------------
+
+
+class Stalls:
+    """SIGSTOP process ``pid`` for ``stall_s`` seconds every ``period_s`` seconds (the first stop
+    ``first_s`` in) until the block ends; then SIGCONT."""
+
+    def __init__(self, pid: int, stall_s: float = 2.0, period_s: float = 3.0, first_s: float = 1.0):
+        self.pid, self.stall_s, self.period_s, self.first_s = pid, stall_s, period_s, first_s
+        self.stops = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        pause = self.first_s
+        while not self._done.wait(pause):
+            os.kill(self.pid, signal.SIGSTOP)
+            self.stops += 1
+            self._done.wait(self.stall_s)
+            os.kill(self.pid, signal.SIGCONT)
+            pause = self.period_s - self.stall_s
+
+    def __enter__(self) -> "Stalls":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def stalled_epoch(addresses, pid, **kw):
+    """An epoch of ``addresses`` while process ``pid`` stops 2 s of every 3 s: (indices, the loop's
+    waits in seconds, loader.stats(), the stops)."""
+    with loader(addresses, batch_size=4, **kw) as ld:
+        it = iter(ld)
+        indices = [check(next(it))]  # (connected and started: the stops begin now)
+        with Stalls(pid) as stalls:
+            indices += [check(b) for b in it]
+        return indices, ld._stats.waits(), ld.stats(), stalls.stops
+
+
+def test_a_server_stalled_two_seconds_of_every_three_costs_little(server_procs, tmp_path):
+    """The issue's adversary: one of two equal servers is stopped (SIGSTOP) 2 s of every 3 s. With
+    the old static split and no hedging the loop waits out the stops (its longest wait near 2 s);
+    with batches given to whoever has room and late ones hedged against the healthy server's
+    pace, the p99 wait stays under 0.5 s (asserted with a margin: 0.75 s, and the longest under
+    1.5 s), each sample comes once, and the extra work (grants beyond one per batch) stays within
+    the 10% budget."""
+    n = 2000  # 500 batches of 4: about 3 stops
+    fast, stalling = start_procs(server_procs, tmp_path, [0.005, 0.005], n=n)
+    addresses = [fast.address, stalling.address]
+    indices, waits, _, stops = stalled_epoch(addresses, stalling.pid, assignment="stride", hedge=False)
+    assert exactly_once(indices, n) and stops >= 2
+    assert waits.max() > 1.5, "the stops did not hold the static split: the test shows nothing"
+    granted = sum(get_stats(a).totals.batches_granted for a in addresses)
+    indices, waits, stats, stops = stalled_epoch(addresses, stalling.pid)
+    granted = sum(get_stats(a).totals.batches_granted for a in addresses) - granted
+    assert exactly_once(indices, n), "a sample is missing or repeated"
+    assert stops >= 2
+    p50, p99, most = np.percentile(waits, [50, 99, 100])
+    assert p99 < 0.75 and most < 1.5, ((p50, p99, most), stats)
+    assert stats["hedges_issued"] <= 0.1 * stats["batches"] and granted <= 1.1 * (n // 4), (granted, stats)
+
+
+# --- what every call tells the server, and how a refusal is handled -----------------------------------------
+
+
+@pytest.fixture
+def opens(monkeypatch):
+    """The open request of every StreamBatches or Batches call the in-process servers check."""
+    seen = []
+    real = BatchLoaderService._check_expected
+
+    def spy(self, request, context):
+        seen.append(request)
+        return real(self, request, context)
+
+    monkeypatch.setattr(BatchLoaderService, "_check_expected", spy)
+    return seen
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_every_call_names_the_dataset_it_expects(tmp_path, opens, strict):
+    """Every call a loader opens (on each server, after a reconnect too; a hedge is a grant on one
+    of them) tells the server the dataset it expects: its size always, its fingerprints under
+    strict. The server refuses the call if it serves other data (a restarted server over other
+    files never sends a batch of them; before, a hedged request carried nothing and was served)."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(running_server(**config(tmp_path / str(k), 0.001))) for k in range(2)]
+        with loader([s.address for s in servers], strict=strict, hedge=batchd.HedgePolicy(warmup=1)) as ld:
+            it = iter(ld)
+            indices = [check(next(it)) for _ in range(20)]
+            runner = next(iter(ld.servers._feed._runners.values()))
+            runner.call.call.cancel()  # the call breaks (as a lost connection): the loader opens it again
+            indices += [check(b) for b in it]
+            assert ld.stats()["reconnects"] >= 1
+            info = ld.info
+    assert exactly_once(indices)
+    assert len(opens) >= 3 and all(r.expect_num_samples == N for r in opens), opens
+    if strict:
+        assert all(r.expect_fingerprint == info.fingerprint and r.expect_build_fingerprint == info.build_fingerprint
+                   for r in opens)
+    else:
+        assert not any(r.expect_fingerprint or r.expect_build_fingerprint for r in opens)
+
+
+def test_a_dataset_is_described_once_per_server_process(server_procs, tmp_path):
+    """Three epochs and a broken call cost one DescribeDataset while the server process is the same
+    (its ``batchd-server-id`` on each call says so); a restarted server is described once more.
+    Before, every epoch after the first described it again."""
+    (server,) = start_procs(server_procs, tmp_path, [0.0], n=400)
+    with loader(server.address) as ld:
+        for _ in range(3):
+            assert sum(len(check(b)) for b in ld) == 400
+        assert get_stats(server.address).totals.describe_dataset_calls == 1
+        assert ld.servers.connection.describes == 1
+        server.signal(signal.SIGTERM)
+        server.wait(30)
+        server.start()
+        assert sum(len(check(b)) for b in ld) == 400
+        assert ld.servers.connection.describes == 2
+        assert get_stats(server.address).totals.describe_dataset_calls == 1  # (the new process's)
+
+
+def test_a_server_without_the_batches_call_is_named_too_old():
+    from batch_server import BatchServer
+
+    def samples(indices):
+        return [{"image": np.zeros((2, 2, 3), np.uint8), "label": i} for i in indices]
+
+    with BatchServer(samples, 8, batches_call=False) as old:
+        with batchd.RemoteDataLoader(old.address, "handmade", batch_size=4) as ld:
+            with pytest.raises(RuntimeError, match=rf"{old.address} does not implement the Batches call: it is older"):
+                next(iter(ld))
+
+
+def test_a_server_refusing_the_expected_dataset(tmp_path):
+    """A server that refuses a call's expected dataset (FAILED_PRECONDITION, DatasetChangedError:
+    its data changed since the loader described it) is handled as a reconnect's check is: alone,
+    the loader raises DatasetChangedError naming what changed, before any batch of the new data;
+    with others, it is left out and they take its batches."""
+    from batch_server import BatchServer
+
+    def samples(indices):
+        return [{"image": np.full((2, 2, 3), i % 256, np.uint8), "label": i} for i in indices]
+
+    with BatchServer(samples, 64) as one, BatchServer(samples, 64) as other:
+        with batchd.RemoteDataLoader(one.address, "handmade", batch_size=4) as ld:
+            assert len(list(ld)) == 16
+            one.fingerprint = "1" * 32  # what it serves (and now describes) changed
+            with pytest.raises(batchd.DatasetChangedError, match="dataset fingerprint 0{32} vs 1{32}"):
+                next(iter(ld))
+            assert ld.info.fingerprint == "0" * 32
+        one.fingerprint = "0" * 32
+        with batchd.RemoteDataLoader([one.address, other.address], "handmade", batch_size=4, probe_interval=60) as ld:
+            assert len(list(ld)) == 16
+            other.fingerprint = "1" * 32
+            got = [b["label"].numpy().copy() for b in ld]
+            stats = ld.server_stats()
+        assert np.array_equal(np.concatenate(got), np.arange(64))
+        assert [s["up"] for s in stats] == [True, False] and "dataset fingerprint" in stats[1]["error"], stats
