@@ -443,6 +443,9 @@ class Feed:
             self._closed = True
             self.stopping.set()
             runners = list(self._runners.items())
+            # servers whose call broke and did not come back before the end: down (the prober tries them)
+            broken = [(server, runner.broken_by) for server, runner in runners if runner.broken_by is not None]
+            at = self.assigner.base
             raw = [entry for b, entry in self._raw.items() if b != self._converting]
             self._raw.clear()
             self._ready.clear()
@@ -452,6 +455,9 @@ class Feed:
             self._cond.notify_all()
         for _, runner in runners:
             runner.stop()
+        if not self.owner.single:
+            for server, error in broken:
+                self.owner.lane_down(server, error, self.epoch, at)
         if self._converter is not threading.current_thread():
             self._converter.join(2.0)
         for wire_batch, _, _, record, _ in raw:
@@ -498,6 +504,7 @@ class _LaneRunner:
         self.call: BatchesCall | None = None
         self.record = None
         self.failing_since: float | None = None
+        self.broken_by: BaseException | None = None  # its call broke and no new one is up yet
         self.folded = False
         self._stopping = threading.Event()
         self._finished = False
@@ -533,6 +540,7 @@ class _LaneRunner:
                 feed.opened(self)  # (grants first: a server may send its metadata with its first batch)
                 server_id = call.server_id()
                 conn.check_server(server_id, feed.options.connect_timeout)
+                self.broken_by = None
                 if self.failing_since is not None:
                     b = min(self.server_outstanding(feed.assigner), default=feed.assigner.base)
                     log.info("resumed the stream from %s at epoch %d, batch %d", server.address, feed.epoch, b)
@@ -590,6 +598,7 @@ class _LaneRunner:
             feed.assigner.close_lane(server)
             b = min(self.server_outstanding(feed.assigner), default=feed.assigner.base)
         feed.requeue_shared(server)
+        self.broken_by = error
         now = time.monotonic()
         if self.failing_since is None:
             self.failing_since = now
