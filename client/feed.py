@@ -115,10 +115,9 @@ class Feed:
         self._silent_at = 0.0
         self.last_figures: dict = {}  # the assigner's figures when the feed closed
         self._converting: int | None = None  # the batch the converter is converting (still in _raw)
-        limits = {server: _lease_limit(server) for server in servers}  # (may open a session: not under the lock)
         with self._lock:
             for server in servers:
-                self._add(server, limits[server])
+                self._add(server)
         self._converter = threading.Thread(target=self._convert_loop, name="batchd-convert", daemon=True)
         self._converter.start()
 
@@ -126,16 +125,15 @@ class Feed:
 
     def add_server(self, server: Any) -> None:
         """A server came (back) up mid-iteration: it gets a lane, and work as it has room."""
-        limit = _lease_limit(server)
         with self._lock:
             if self._closed or server in self._runners or self.assigner.done:
                 return
-            self._add(server, limit)
+            self._add(server)
             self._all_down_since = None
             self._cond.notify_all()
 
-    def _add(self, server: Any, lease_limit: int | None) -> None:  # (under the lock)
-        self.assigner.add_lane(server, server.pace, lease_limit=lease_limit)
+    def _add(self, server: Any) -> None:  # (under the lock)
+        self.assigner.add_lane(server, server.pace)
         runner = self._runners[server] = _LaneRunner(self, server)
         runner.start()
 
@@ -183,6 +181,8 @@ class Feed:
         with self._lock:
             if self._runners.get(runner.server) is not runner:
                 return
+            # over shared memory, its leases bound it (the call's transport is known now)
+            self.assigner.lanes[runner.server].lease_limit = runner.conn.lease_limit() if runner.record.shm else None
             again = self.assigner.open_lane(runner.server)
             if again:
                 runner.outbox.grant(again)
@@ -472,12 +472,6 @@ class Feed:
             return self.assigner.figures()
 
 
-def _lease_limit(server: Any) -> int | None:
-    """The lease limit of ``server``'s lane: over shared memory (its session opened here if not
-    yet: RuntimeError for transport="shm" without it), else None."""
-    return server.conn.lease_limit() if server.conn.shared_memory() is not None else None
-
-
 def _release(raw: Any, record: Any) -> None:
     """Give back the lease of a shared-memory batch received on ``record``'s call and dropped unread."""
     if record.shm is not None:
@@ -540,12 +534,13 @@ class _LaneRunner:
                 feed.opened(self)  # (grants first: a server may send its metadata with its first batch)
                 server_id = call.server_id()
                 conn.check_server(server_id, feed.options.connect_timeout)
-                self.broken_by = None
-                if self.failing_since is not None:
-                    b = min(self.server_outstanding(feed.assigner), default=feed.assigner.base)
-                    log.info("resumed the stream from %s at epoch %d, batch %d", server.address, feed.epoch, b)
-                    feed.owner.loader_stats.count("reconnects")
+                resumed = self.failing_since is not None
                 for raw, received, nbytes in call.messages():
+                    if resumed:  # (a batch came on the new call: not before, a draining server accepts and ends it)
+                        resumed, self.broken_by = False, None
+                        log.info("resumed the stream from %s at epoch %d, batch %d", server.address, feed.epoch,
+                                 raw.batch_index)
+                        feed.owner.loader_stats.count("reconnects")
                     feed.arrive(self, raw, received, nbytes, self.record)
                     raw = None
                 self._end_call(abandoned=False)
