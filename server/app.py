@@ -3,8 +3,9 @@
 Start order matters: the ``Loader`` starts the worker processes (and their forkserver) before
 ``grpc.server()`` is created, so nothing is forked from a process with gRPC threads.
 
-Threads. Every RPC runs on one of ``grpc_threads`` threads, and a StreamBatches or OpenSession
-call holds its thread while it is open. So that a burst of streams can never refuse Stats,
+Threads. Every RPC runs on one of ``grpc_threads`` threads, and a StreamBatches, Batches or
+OpenSession call holds its thread while it is open (a Batches call also reads its client's
+messages on a thread of its own, outside the pool: server/serve/control.py). So that a burst of streams can never refuse Stats,
 ReleaseLeases (which returns shared memory) or a health check, those long-lived calls are
 admitted up to ``grpc_threads - control_threads(grpc_threads)`` (the servicer refuses more with
 RESOURCE_EXHAUSTED) and the rest of the threads stay free for short calls. gRPC's own

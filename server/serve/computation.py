@@ -198,11 +198,14 @@ class Computation:
     def _settle(self, b: int) -> None:
         """Batch b may no longer be needed: keep it as history, or release it (nobody reads here)."""
         batch = self._ready.get(b)
-        if batch is None or self._users[b] or b in self._history or self._needed(b):
+        if batch is None or self._users[b]:
             return
         if self.closed or not self._readers:
             del self._ready[b]
+            self._history.pop(b, None)
             self._release_slot(batch.slot)
+            return
+        if b in self._history or self._needed(b):
             return
         self._history[b] = None
         self._trim_history(self.window)
