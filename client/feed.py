@@ -467,7 +467,11 @@ class Feed:
             self._ready.clear()  # (a batch the converter finished meanwhile)
 
     def figures(self) -> dict[Any, dict[str, Any]]:
-        """The assigner's per-server figures of this iteration (``Assigner.figures``)."""
+        """The assigner's per-server figures of this iteration (``Assigner.figures``); in a forked
+        child, those it had when the feed closed (the lock may be held by a thread of the parent's
+        that does not exist here)."""
+        if forks.forked(self._owner_pid):
+            return dict(self.last_figures)
         with self._lock:
             return self.assigner.figures()
 
