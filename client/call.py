@@ -7,15 +7,15 @@ releases (sent with the next grant, or within ``release_delay`` seconds while an
 unary ReleaseLeases per batch) and the training loop's progress (at most every
 ``progress_every`` seconds while it changes, and once more in the last message). ``close()``
 half-closes the call once what is queued went out; ``abort()`` ends the iterator at once. gRPC's
-own thread runs the iterator; it waits on a queue with a timeout of ``_POLL_S`` (so it notices an
-abort, and reports progress) and never spins.
+own thread runs the iterator; it waits on a condition with a timeout of ``_POLL_S`` (so it notices
+an abort, and reports progress) and never spins.
 
-``release(lease)`` may be called from anywhere, a ``weakref.finalize`` callback included (it only
-puts on a ``SimpleQueue``, which is reentrant). Once the outbox is closed it returns False and the
-caller sends the release another way (``ReleaseLeases``); a release that raced with the close may
-then be sent twice, which the server ignores (an unknown lease id). The releases the outbox sent
-last are remembered (``recent_releases``): when a call breaks, nobody knows which of them the
-server read, so the caller sends them again by ``ReleaseLeases``.
+``release(lease)`` may be called from anywhere, a ``weakref.finalize`` callback included (the
+outbox's lock is re-entrant, and it only appends). Once the outbox is closed it returns False and
+the caller sends the release another way (``ReleaseLeases``); release and abort take the same lock,
+so a release is either sent on the call or handed back. The releases the outbox sent last are
+remembered (``recent_releases``): when a call breaks, nobody knows which of them the server read,
+so the caller sends them again by ``ReleaseLeases`` (a lease released twice is ignored).
 
 ``BatchesCall`` opens the call on a channel and reads it: the server's id from the initial
 metadata (``batchd-server-id``), then the batches as ``WireBatch`` es (``messages``; on a
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -50,7 +50,7 @@ BATCHES_METHOD = "/batchd.v1.BatchLoader/Batches"
 _POLL_S = 0.25  # the request iterator's longest wait on its queue
 _RECENT_RELEASES = 256  # releases remembered to send again when a call breaks
 
-_GRANT, _REVOKE, _RELEASE, _CLOSE, _WAKE = range(5)
+_GRANT, _REVOKE, _RELEASE, _CLOSE = range(4)
 
 
 class ServerRefused(BatchdError):
@@ -82,7 +82,12 @@ class Outbox:
         self._unsent = unsent
         self.release_delay = release_delay
         self.progress_every = progress_every
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # What is queued, under one re-entrant lock: a finalizer may release a lease in a thread that
+        # holds it already (its collection ran there); release and abort never miss each other.
+        # (A SimpleQueue read by the call's thread and drained by another was seen to leave a timed
+        # get() of that thread blocked for good, with a release in it.)
+        self._cond = threading.Condition(threading.RLock())
+        self._items: collections.deque = collections.deque()
         self._closed = False  # no more releases accepted (half-closing or aborted)
         self._aborted = False
         self._last_progress = time.monotonic()
@@ -91,32 +96,44 @@ class Outbox:
 
     # --- from any thread ---------------------------------------------------------------------------
 
+    def _put(self, kind: int, value: Any) -> None:
+        with self._cond:
+            self._items.append((kind, value))
+            self._cond.notify()
+
     def grant(self, batches: list[int]) -> None:
         if batches:
-            self._queue.put((_GRANT, batches))
+            self._put(_GRANT, batches)
 
     def revoke(self, batches: list[int]) -> None:
         if batches:
-            self._queue.put((_REVOKE, batches))
+            self._put(_REVOKE, batches)
 
     def release(self, lease: int) -> bool:
         """Queue a freed lease for the next message. Reentrant. False once closed (the caller
         releases it another way)."""
-        if self._closed:
-            return False
-        self._queue.put((_RELEASE, lease))
-        return not self._closed
+        with self._cond:
+            if self._closed:
+                return False
+            self._items.append((_RELEASE, lease))
+            self._cond.notify()
+            return True
 
     def close(self) -> None:
         """Half-close once what is queued is sent (with the final progress)."""
-        self._closed = True
-        self._queue.put((_CLOSE, None))
+        with self._cond:
+            self._closed = True
+            self._items.append((_CLOSE, None))
+            self._cond.notify()
 
     def abort(self) -> None:
         """End now (the call is cancelled or broke); releases queued and never sent go to ``unsent``."""
-        self._closed = self._aborted = True
-        self._queue.put((_WAKE, None))
-        self._hand_back(self._drain_releases())
+        with self._cond:
+            self._closed = self._aborted = True
+            left = [value for kind, value in self._items if kind == _RELEASE]
+            self._items.clear()
+            self._cond.notify_all()
+        self._hand_back(left)
 
     def _hand_back(self, releases: list[int]) -> None:
         if releases and self._unsent is not None:
@@ -126,16 +143,6 @@ class Outbox:
     def closed(self) -> bool:
         return self._closed
 
-    def _drain_releases(self) -> list[int]:
-        left = []
-        while True:
-            try:
-                kind, value = self._queue.get_nowait()
-            except queue.Empty:
-                return left
-            if kind == _RELEASE:
-                left.append(value)
-
     # --- gRPC's thread -------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[pb.BatchesControl]:
@@ -144,7 +151,7 @@ class Outbox:
         while not self._aborted:
             grants, revokes, releases, closing = self._collect()
             if self._aborted:
-                self._hand_back(releases + self._drain_releases())
+                self._hand_back(releases)  # (abort took what was still queued)
                 return
             progress = self._due_progress(force=closing)
             if grants or revokes or releases or progress is not None:
@@ -167,33 +174,28 @@ class Outbox:
         revokes: list[int] = []
         releases: list[int] = []
         closing = False
-        try:
-            item = self._queue.get(timeout=_POLL_S)
-        except queue.Empty:
-            return grants, revokes, releases, closing
-        deadline = None
-        while item is not None:
-            kind, value = item
-            if kind == _GRANT:
-                grants.extend(value)
-            elif kind == _REVOKE:
-                revokes.extend(value)
-            elif kind == _RELEASE:
-                releases.append(value)
-            elif kind == _CLOSE:
-                closing = True
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                item = None
-                if releases and not (grants or revokes or closing or self._aborted):
-                    now = time.monotonic()
-                    deadline = now + self.release_delay if deadline is None else deadline
-                    if now < deadline:
-                        try:
-                            item = self._queue.get(timeout=deadline - now)
-                        except queue.Empty:
-                            pass
+        with self._cond:
+            if not self._items and not self._aborted:
+                self._cond.wait(_POLL_S)
+            deadline = None
+            while True:
+                while self._items:
+                    kind, value = self._items.popleft()
+                    if kind == _GRANT:
+                        grants.extend(value)
+                    elif kind == _REVOKE:
+                        revokes.extend(value)
+                    elif kind == _RELEASE:
+                        releases.append(value)
+                    elif kind == _CLOSE:
+                        closing = True
+                if not releases or grants or revokes or closing or self._aborted:
+                    break
+                now = time.monotonic()
+                deadline = now + self.release_delay if deadline is None else deadline
+                if now >= deadline:
+                    break
+                self._cond.wait(deadline - now)
         return grants, revokes, releases, closing
 
     def _due_progress(self, force: bool) -> pb.StreamProgress | None:

@@ -96,15 +96,19 @@ class ServerConnection:
     def shared_memory(self) -> SharedMemorySession | None:
         """The shared-memory session, opened on first use; None when the transport is inline.
 
-        Raises RuntimeError if ``transport="shm"`` and the server's shared memory is not readable here.
+        Raises RuntimeError if ``transport="shm"`` and the server's shared memory is not readable
+        here, ConnectionError if the server cannot be reached (then nothing is decided).
         """
         if self.options.transport in ("inline", "socket") or self._shm_tried:
             return self._shm
-        self._shm_tried = True
         try:
             self._shm = SharedMemorySession.open(self._channel, self.address, self.options.connect_timeout,
                                                  self.reporter)
+            self._shm_tried = True
+        except ConnectionError:
+            raise  # (unreachable now: asked again on the next call)
         except SharedMemoryUnavailable as e:
+            self._shm_tried = True
             if self.options.transport == "shm":
                 raise RuntimeError(f"transport='shm' but shared memory with {self.address} is unavailable: {e}") from None
             if self.address not in _warned_no_shm:

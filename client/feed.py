@@ -115,10 +115,9 @@ class Feed:
         self._silent_at = 0.0
         self.last_figures: dict = {}  # the assigner's figures when the feed closed
         self._converting: int | None = None  # the batch the converter is converting (still in _raw)
-        limits = {server: _lease_limit(server) for server in servers}  # (may open a session: not under the lock)
         with self._lock:
             for server in servers:
-                self._add(server, limits[server])
+                self._add(server)
         self._converter = threading.Thread(target=self._convert_loop, name="batchd-convert", daemon=True)
         self._converter.start()
 
@@ -126,16 +125,15 @@ class Feed:
 
     def add_server(self, server: Any) -> None:
         """A server came (back) up mid-iteration: it gets a lane, and work as it has room."""
-        limit = _lease_limit(server)
         with self._lock:
             if self._closed or server in self._runners or self.assigner.done:
                 return
-            self._add(server, limit)
+            self._add(server)
             self._all_down_since = None
             self._cond.notify_all()
 
-    def _add(self, server: Any, lease_limit: int | None) -> None:  # (under the lock)
-        self.assigner.add_lane(server, server.pace, lease_limit=lease_limit)
+    def _add(self, server: Any) -> None:  # (under the lock)
+        self.assigner.add_lane(server, server.pace)
         runner = self._runners[server] = _LaneRunner(self, server)
         runner.start()
 
@@ -183,6 +181,8 @@ class Feed:
         with self._lock:
             if self._runners.get(runner.server) is not runner:
                 return
+            # over shared memory, its leases bound it (the call's transport is known now)
+            self.assigner.lanes[runner.server].lease_limit = runner.conn.lease_limit() if runner.record.shm else None
             again = self.assigner.open_lane(runner.server)
             if again:
                 runner.outbox.grant(again)
@@ -444,6 +444,9 @@ class Feed:
             self._closed = True
             self.stopping.set()
             runners = list(self._runners.items())
+            # servers whose call broke and did not come back before the end: down (the prober tries them)
+            broken = [(server, runner.broken_by) for server, runner in runners if runner.broken_by is not None]
+            at = self.assigner.base
             raw = [entry for b, entry in self._raw.items() if b != self._converting]
             self._raw.clear()
             self._ready.clear()
@@ -453,6 +456,9 @@ class Feed:
             self._cond.notify_all()
         for _, runner in runners:
             runner.stop()
+        if not self.owner.single:
+            for server, error in broken:
+                self.owner.lane_down(server, error, self.epoch, at)
         if self._converter is not threading.current_thread():
             self._converter.join(2.0)
         for wire_batch, _, _, record, _ in raw:
@@ -462,7 +468,11 @@ class Feed:
             self._ready.clear()  # (a batch the converter finished meanwhile)
 
     def figures(self) -> dict[Any, dict[str, Any]]:
-        """The assigner's per-server figures of this iteration (``Assigner.figures``)."""
+        """The assigner's per-server figures of this iteration (``Assigner.figures``); in a forked
+        child, those it had when the feed closed (the lock may be held by a thread of the parent's
+        that does not exist here)."""
+        if forks.forked(self._owner_pid):
+            return dict(self.last_figures)
         with self._lock:
             return self.assigner.figures()
 
@@ -473,12 +483,6 @@ def _transport(raw: Any, nbytes: int) -> tuple[str, int]:
     if raw.segment:
         return "shm", sum(fields.nbytes(t) for t in raw.tensors)
     return ("socket" if raw.payload is not None else "inline"), nbytes
-
-
-def _lease_limit(server: Any) -> int | None:
-    """The lease limit of ``server``'s lane: over shared memory (its session opened here if not
-    yet: RuntimeError for transport="shm" without it), else None."""
-    return server.conn.lease_limit() if server.conn.shared_memory() is not None else None
 
 
 def _release(raw: Any, record: Any) -> None:
@@ -507,6 +511,7 @@ class _LaneRunner:
         self.call: BatchesCall | None = None
         self.record = None
         self.failing_since: float | None = None
+        self.broken_by: BaseException | None = None  # its call broke and no new one is up yet
         self.folded = False
         self._stopping = threading.Event()
         self._finished = False
@@ -542,11 +547,13 @@ class _LaneRunner:
                 feed.opened(self)  # (grants first: a server may send its metadata with its first batch)
                 server_id = call.server_id()
                 conn.check_server(server_id, feed.options.connect_timeout)
-                if self.failing_since is not None:
-                    b = min(self.server_outstanding(feed.assigner), default=feed.assigner.base)
-                    log.info("resumed the stream from %s at epoch %d, batch %d", server.address, feed.epoch, b)
-                    feed.owner.loader_stats.count("reconnects")
+                resumed = self.failing_since is not None
                 for raw, received, nbytes in call.messages():
+                    if resumed:  # (a batch came on the new call: not before, a draining server accepts and ends it)
+                        resumed, self.broken_by = False, None
+                        log.info("resumed the stream from %s at epoch %d, batch %d", server.address, feed.epoch,
+                                 raw.batch_index)
+                        feed.owner.loader_stats.count("reconnects")
                     feed.arrive(self, raw, received, nbytes, self.record)
                     raw = None
                 self._end_call(abandoned=False)
@@ -599,6 +606,7 @@ class _LaneRunner:
             feed.assigner.close_lane(server)
             b = min(self.server_outstanding(feed.assigner), default=feed.assigner.base)
         feed.requeue_shared(server)
+        self.broken_by = error
         now = time.monotonic()
         if self.failing_since is None:
             self.failing_since = now

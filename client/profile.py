@@ -19,7 +19,7 @@ verdict from five rules, applied in order (the thresholds are the constants belo
 Shares are within groups, each adding up to 1: ``loop`` (wait, step: the training loop's time),
 ``server`` (queued, read, decode, pipeline, cache, write, reorder, send: each batch's time on
 the server, from its task being sent to a worker to its message being ready) and ``client``
-(receive, unpack, copy, gpu_transform: the receiver thread's time per batch).
+(receive, unpack, copy, gpu_transform: the client's threads' time per batch).
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ class SharedMemorySession:
 
     @classmethod
     def open(cls, channel: grpc.Channel, address: str, timeout: float, reporter) -> "SharedMemorySession":
-        """Raises SharedMemoryUnavailable if the probe segment cannot be read here."""
+        """Raises SharedMemoryUnavailable if the probe segment cannot be read here, ConnectionError
+        if the server cannot be reached (nothing is known about its shared memory then)."""
         session = uuid.uuid4().hex
         call = channel.unary_stream(
             "/batchd.v1.BatchLoader/OpenSession",
@@ -316,6 +317,11 @@ def _first(call, timeout: float) -> pb.SessionEvent:
     t.join(timeout)
     if not result:
         raise SharedMemoryUnavailable(f"no answer to OpenSession within {timeout:g} s")
+    if isinstance(result[0], grpc.RpcError) and result[0].code() in _UNREACHABLE:
+        raise ConnectionError(f"OpenSession failed: the server is unreachable ({result[0].code().name})")
     if isinstance(result[0], BaseException):
         raise SharedMemoryUnavailable(f"OpenSession failed: {result[0]}")
     return result[0]
+
+
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)

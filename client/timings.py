@@ -1,10 +1,10 @@
 """Where a loader's batches spent their time: each batch's stages, and the training loop's wait.
 
 Every batch brings the server's ``BatchTimings`` (loader.proto: queued, read, decode, pipeline,
-cache, write, reorder, send). The receiver thread adds its own stages (``BatchTimes``):
-``receive`` (waiting for the message from gRPC), ``unpack`` (message -> tensors: parsing, LZ4,
-mapping a shared-memory slot, decoding JPEGs for ``decode_on_client``), ``copy`` (host to
-device) and ``gpu_transform``. On CUDA the last two are device times, read from CUDA events
+cache, write, reorder, send). The client adds its own stages (``BatchTimes``): ``receive``
+(its call's thread waiting for the message from gRPC), ``unpack`` (the converter thread: message
+-> tensors: parsing, LZ4, mapping a shared-memory slot, decoding JPEGs for
+``decode_on_client``), ``copy`` (host to device) and ``gpu_transform``. On CUDA the last two are device times, read from CUDA events
 once they have completed (until then they count as 0); without a device ``gpu_transform`` is
 its CPU time and ``copy`` is 0.
 
@@ -40,7 +40,7 @@ WAIT_RANGE = "batchd.wait"  # the profiler / NVTX range around the loop's wait f
 
 SERVER_STAGES = ("queued", "read", "decode", "pipeline", "cache", "write", "reorder", "send")
 WORKER_STAGES = ("read", "decode", "pipeline", "cache", "write")  # a worker's time on a batch
-CLIENT_STAGES = ("receive", "unpack", "copy", "gpu_transform")  # the receiver thread, per batch
+CLIENT_STAGES = ("receive", "unpack", "copy", "gpu_transform")  # the call's and the converter's threads, per batch
 LOOP_STAGES = ("wait", "step")  # the training loop
 STAGES = (*LOOP_STAGES, *SERVER_STAGES, *CLIENT_STAGES)
 WINDOW_S = 10.0  # time constant of the moving wait ratio reported to servers (seconds)

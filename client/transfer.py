@@ -3,8 +3,8 @@ shared-memory slots copied from directly.
 
 Pattern from ffcv's ``loader/epoch_iterator.py`` and spdl's ``io/_transfer.py``:
 
-* the copy to the device is issued on a side stream (``non_blocking=True``), in a receiver
-  thread, while the training step runs on the default stream;
+* the copy to the device is issued on a side stream (``non_blocking=True``), in the loader's
+  converter thread (``batchd.client.feed``), while the training step runs on the default stream;
 * inline batches go through ``slots`` pinned host buffers per tensor name, allocated once (grown
   if a batch is larger) and reused round robin; before slot k is overwritten we wait on the
   (blocking, so the thread sleeps rather than spins) event recorded after the last copy out of
@@ -21,9 +21,10 @@ Pattern from ffcv's ``loader/epoch_iterator.py`` and spdl's ``io/_transfer.py``:
 * an error after a copy was queued (in ``gpu_transform``, say) waits for the side stream before
   it propagates: the lease or pinned buffer being copied from is let go only once it is read.
 
-``to_device`` may be called from several receiver threads (several servers, or a receiver that
-outlives ``stop()``): it holds the copy lock, and refuses (``TransferStopped``) a call whose
-receiver is stopping, so a stale thread never fills a slot the live one uses. ``hand_over`` (the
+``to_device`` may be called from several converter threads (a new iteration's, and one of an
+iteration that ended and outlives its ``close()``): it holds the copy lock, and refuses
+(``TransferStopped``) a call whose iteration is stopping, so a stale thread never fills a slot the
+live one uses. ``hand_over`` (the
 consumer's thread) takes only the lock of the batches held for copies, never the copy lock, so
 it does not wait for a receiver's whole memcpy.
 """

@@ -169,9 +169,10 @@ def test_several_servers_leave_out_one_restarted_over_other_images(server_procs,
     caplog.set_level(logging.INFO, logger="batchd.client")
     got, indices = [], []
     # failover_timeout: long enough for b to come back within it, so that its stream is resumed,
-    # not failed over; probe_interval: the prober stays out of it
+    # not failed over; probe_interval: the prober stays out of it; assignment="stride": the epoch
+    # needs b's batches (given to whoever has room, a would take them all while b restarts)
     with batchd.RemoteDataLoader([a.address, b.address], "photos", failover_timeout=10, probe_interval=60,
-                                 hedge=False, **KW) as ld:
+                                 hedge=False, assignment="stride", **KW) as ld:
         it = iter(ld)
         read_until_error([next(it) for _ in range(4)], got, indices)
         restart_over(b, server_procs, tmp_path, root_b, lambda r: replace(r, seed=1))

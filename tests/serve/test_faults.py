@@ -584,7 +584,9 @@ def test_slow_client_bounded_server_slots(make_server, fmnist_root, transport):
             if ld._shm is not None:
                 peak_leases = max(peak_leases, leases.held(ld._shm.session))
             time.sleep(0.002)
-        assert prefetch <= peak_slots <= bound, f"{peak_slots} slots held (bound {bound})"
+        # (at least what the server keeps: a Batches client takes what is built at once, and an
+        # inline batch's slot goes back once sent; its history of `window` stays)
+        assert min(prefetch, window) <= peak_slots <= bound, f"{peak_slots} slots held (bound {bound})"
         assert peak_leases <= max_leases
         assert (peak_leases > 0) == (transport == "shm")
         assert sum(1 for _ in it) == 99

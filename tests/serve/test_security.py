@@ -34,6 +34,7 @@ from batchd.server.compute import pipeline as pipelines
 from batchd.server.config import ConfigError, PipelineLimits, ServerConfig, load_config
 from batchd.v1 import loader_pb2 as pb
 from pki import make_pki
+from batchd.v1 import loader_pb2_grpc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -565,9 +566,13 @@ def test_batch_size_and_prefetch_limits(make_server, data):
     with pytest.raises(ValueError, match="batch_size"):
         with batchd.RemoteDataLoader(server.address, "tiny-a", batch_size=9, transport="inline") as loader:
             next(iter(loader))
-    with pytest.raises(ValueError, match="prefetch"):
-        _first_batch(server.address, prefetch=3)
-    assert _first_batch(server.address, prefetch=2)["image"].shape[0] == 4
+    # max_prefetch bounds what a StreamBatches call (an older client) asks the server to build ahead ...
+    with grpc.insecure_channel(server.address) as channel:
+        request = pb.StreamBatchesRequest(dataset="tiny-a", batch_size=4, prefetch=3, transport=pb.TRANSPORT_INLINE)
+        with pytest.raises(grpc.RpcError, match="prefetch"):
+            list(loader_pb2_grpc.BatchLoaderStub(channel).StreamBatches(request, timeout=30))
+    # ... a Batches call's client grants what it wants built (max_grants bounds it): prefetch is its own
+    assert _first_batch(server.address, prefetch=3)["image"].shape[0] == 4
 
 
 def test_concurrent_stream_limit(make_server, data):
