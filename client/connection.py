@@ -41,6 +41,7 @@ from batchd.errors import DatasetChangedError
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
+_HALF_CLOSED_GRACE_S = 1.0  # close() waits this long, at most, for half-closed calls to end
 _warned_no_shm: set[str] = set()
 
 # The server's lease cap per shared-memory session (its config's max_leases_per_session, 8 by
@@ -301,6 +302,11 @@ class ServerConnection:
         Nothing in a forked child: the channel is the parent's."""
         if forks.forked(self._owner):
             return
+        # a call half-closed at its iteration's end has every batch; the server ends it at once
+        # (OK, counted finished): give it that moment instead of cancelling it under the server
+        deadline = time.monotonic() + _HALF_CLOSED_GRACE_S
+        while any(c.outbox.closed and not c.cancelled for c in list(self.calls)) and time.monotonic() < deadline:
+            time.sleep(0.005)
         for call in list(self.calls):
             call.cancel()
         if self._finalizer.alive:

@@ -27,7 +27,7 @@ from batchd.server.data.datasets import Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
 from batchd.server.serve.leases import LeaseTable
 from batchd.server.compute.autoscale import RPC_WAIT_UP_S, WAIT_UP, Autoscaler, Demand
-from batchd.server.compute.pool import WAKE_SLOT, WorkerPool
+from batchd.server.compute.pool import WAKE_SLOT, WAKE_STREAM, WorkerPool
 from batchd.server.serve.stats import SENT, stream_outcome
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.serve.stream import Computation, Stream
@@ -243,7 +243,7 @@ class Loader:
         computation = Computation(request, indices, min(n, request.end_batch or n), release_slot=self._release_slot,
                                   window=self.config.share_window)
         computation.on_fall_behind = self._fell_behind
-        computation.on_grant = self.pool.wake
+        computation.on_grant = lambda: self.pool.wake(WAKE_STREAM)  # new work for a computation
         computation.attach(stream, first=True)
         self._computations.setdefault(request.key, []).append(computation)
         self.counters["computations_started"] += 1

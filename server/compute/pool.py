@@ -580,6 +580,9 @@ class WorkerPool(PoolSizing):
             if slot is None:
                 return WAKE_SLOT  # every slot is held; a release wakes us
             b = stream.take_task()
+            if b is None:  # closed or revoked since wants_work (checked again under its lock)
+                self.slots.release(slot)
+                continue
             req = stream.request
             task = Task(
                 task_id=next(self._task_ids),

@@ -239,20 +239,31 @@ class Computation:
 
     def wants_work(self) -> bool:
         with self._cond:
-            if self.closed or not self._readers:
-                return False
-            limit = min(self._failed) if self._failed else self.num_batches  # nothing past a failure
-            while self._retry and not self._buildable(self._retry[0], limit):
-                self._retry.popleft()
-            if self._retry:
-                return True
-            while self._queue and not self._buildable(self._queue[0], limit):
-                self._queued.discard(self._queue.popleft())
-            return bool(self._queue)
+            return self._has_work()
 
-    def take_task(self) -> int:
-        """The batch index to build next (a retried one first). Call only if wants_work()."""
+    def _has_work(self) -> bool:
+        """(Under the lock.) Whether a batch is there to build: a retried one, or one granted and
+        not built nor being built; drops queued batches that can no longer be built."""
+        if self.closed or not self._readers:
+            return False
+        limit = min(self._failed) if self._failed else self.num_batches  # nothing past a failure
+        while self._retry and not self._buildable(self._retry[0], limit):
+            self._retry.popleft()
+        if self._retry:
+            return True
+        while self._queue and not self._buildable(self._queue[0], limit):
+            self._queued.discard(self._queue.popleft())
+        return bool(self._queue)
+
+    def take_task(self) -> int | None:
+        """The batch index to build next (a retried one first), or None if there is none any more.
+
+        The pool asks ``wants_work`` and then, holding a slot, takes the task: in between, another
+        thread may close the computation or revoke the grant (each under this lock), so the check
+        is made again here, with the take, under the same lock."""
         with self._cond:
+            if not self._has_work():
+                return None
             if self._retry:
                 b = self._retry.popleft()
             else:

@@ -376,7 +376,8 @@ class BatchLoaderService:
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"the data connection of this call broke: {e}")
                 finally:
                     stream.release(batch, sent=sent)
-                    self.loader.pool.wake(WAKE_STREAM)  # a prefetch place is free
+                    if stream.ordered:  # the server grants its next batch: work for the pool
+                        self.loader.pool.wake(WAKE_STREAM)
         finally:
             self.loader.close_stream(stream, reason)
 
@@ -399,7 +400,8 @@ class BatchLoaderService:
         finally:
             if data is None or not hold:
                 stream.release(batch, sent=data is not None)
-                self.loader.pool.wake(WAKE_STREAM)  # a prefetch place is free
+                if stream.ordered:  # the server grants its next batch (a Batches call's grants wake the pool)
+                    self.loader.pool.wake(WAKE_STREAM)
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
         """The first event names the probe segment; then the call stays open, its thread waiting on

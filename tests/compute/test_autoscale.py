@@ -258,8 +258,10 @@ def test_growing_while_a_retiring_worker_still_has_tasks(make_server, fmnist_roo
     script = pool.autoscaler = Scripted(pool)
     batch, seed, got = 16, 5, {}
     with caplog.at_level(logging.INFO, logger="batchd.server.compute.pool"):
+        # inline: the client's grants are not held to a shared-memory session's lease cap, so a
+        # worker can hold the 3 queued tasks the script waits for
         with batchd.RemoteDataLoader(server.address, "fmnist", batch_size=batch, shuffle=True, seed=seed,
-                                     transform=SLOWER, prefetch=8, timeout=60) as loader:
+                                     transform=SLOWER, prefetch=8, timeout=60, transport="inline") as loader:
             for b, x in enumerate(loader):
                 got[b] = (x["index"].tolist(), x["image"].numpy().copy())
                 if len(script.done) == 3 and b >= 24:

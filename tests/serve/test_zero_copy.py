@@ -59,7 +59,7 @@ def test_a_shared_memory_stream_copies_nothing_and_equals_inline(server, caplog)
     text = urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=10).read().decode()
     copied = {s.labels.get("transport"): s.value for f in text_string_to_metric_families(text) for s in f.samples
               if s.name == "batchd_bytes_copied_total"}
-    assert copied == {"shm": 0, "inline": nbytes}
+    assert copied == {"shm": 0, "inline": nbytes, "socket": 0}
     assert wait_until(lambda: server.loader.leases.held_total == 0)
 
 
