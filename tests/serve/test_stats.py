@@ -56,14 +56,14 @@ def scrape(metrics_address: str) -> dict[tuple[str, tuple], float]:
     }
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition", show=None):
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
+            pytest.fail(f"timed out waiting for {what}" + (f": {show()}" if show is not None else ""))
         time.sleep(0.05)
 
 
@@ -179,15 +179,17 @@ def test_stats_status_and_metrics_while_a_loader_is_mid_epoch(server):
 
 
 def test_a_client_that_goes_away_counts_as_cancelled(server):
+    # (the module's server: count from what earlier tests' streams left, once they are all gone)
+    before = wait_for(lambda: not (r := get_stats(server.address)).streams and r, what="earlier streams to end").totals
     loader = batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=BATCH, prefetch=2, transport="inline")
     it = iter(loader)
     next(it)
     wait_for(lambda: len(get_stats(server.address).streams) == 1, what="the stream to show")
     loader.close()
     del it
-    reply = wait_for(lambda: (r := get_stats(server.address)).totals.streams_cancelled == 1 and r,
-                     what="the stream to be counted as cancelled")
-    assert reply.totals.streams_finished == 0 and not reply.streams
+    reply = wait_for(lambda: (r := get_stats(server.address)).totals.streams_cancelled == before.streams_cancelled + 1
+                     and r, what="the stream to be counted as cancelled", show=lambda: get_stats(server.address).totals)
+    assert reply.totals.streams_finished == before.streams_finished and not reply.streams
 
 
 def test_metrics_endpoint_stops_with_the_server(fmnist_root, cache_dir):
