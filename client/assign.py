@@ -49,10 +49,10 @@ from __future__ import annotations
 import collections
 import heapq
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-import numpy as np
 
 from batchd.client.hedge import Budget, HedgePolicy
 
@@ -76,13 +76,14 @@ class Pace:
     recent batches (the yardstick of the others' lateness, ``HedgePolicy.late_after``).
     """
 
-    __slots__ = ("rate", "work", "latencies", "_gap")
+    __slots__ = ("rate", "work", "latencies", "_gap", "_work_time")
 
     def __init__(self, window: int = 100):
         self.rate = 0.0
         self.work: collections.deque[float] = collections.deque(maxlen=32)
         self.latencies: collections.deque[float] = collections.deque(maxlen=window)
         self._gap: float | None = None
+        self._work_time = 0.0  # the median of ``work``, kept as batches arrive (read several times per batch)
 
     def record(self, gap: float | None, latency: float, work: float) -> None:
         """One batch arrived on time: ``gap`` seconds after the previous one (or after the server
@@ -94,11 +95,12 @@ class Pace:
         self.latencies.append(latency)
         if work > 0:
             self.work.append(work)
+            self._work_time = statistics.median(self.work)
 
     @property
     def work_time(self) -> float:
         """Median worker seconds per batch (0.0 unknown)."""
-        return float(np.median(self.work)) if self.work else 0.0
+        return self._work_time
 
 
 @dataclass(eq=False)
