@@ -388,7 +388,7 @@ def test_list_datasets(fmnist_server):
 
 def test_killed_worker_epoch_still_complete_and_identical(make_server, fmnist_root):
     server = make_server(workers=2, datasets=fmnist_test_config(fmnist_root))
-    slow = A.Compose([A.Resize(48, 48), A.Affine(rotate=(-20, 20), p=1.0), A.GaussianBlur(p=1.0)])
+    slow = A.Compose([A.Resize(32, 32), A.Affine(rotate=(-20, 20), p=1.0)])  # random, and work enough to queue
     # inline: the client's grants are not held to a shared-memory session's lease cap, so a worker
     # soon holds two tasks
     kw = dict(batch_size=20, shuffle=True, seed=4, transform=slow, prefetch=8, transport="inline")
