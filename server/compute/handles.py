@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server.compute.protocol import TaskFailed
-from batchd.server.serve.shm import Segment
+from batchd.server.shm import Segment
 from batchd.server.serve.stats import BusyClock
 from batchd.server.serve.stream import Computation
 

@@ -71,7 +71,7 @@ from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, Tas
 from batchd.server.compute.sizing import PoolSizing
 from batchd.server.compute.stages import StageBoard, work_seconds
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT
-from batchd.server.serve.shm import SlotPool
+from batchd.server.shm import SlotPool
 from batchd.server.serve.stream import Computation, ReadyBatch
 from batchd.server.compute.worker import worker_main
 

@@ -44,7 +44,7 @@ from batchd.server.data.datasets.python import add_python_path
 from batchd.server.data.datasets.values import as_value
 from batchd.server.compute.stages import CACHE, DECODE, IDLE, PIPELINE, READ, WRITE, StageBoard, StageClock
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
-from batchd.server.serve.shm import Segment
+from batchd.server.shm import Segment
 
 _CACHED_SEGMENTS = 16
 _CACHED_PIPELINES = 32

@@ -65,7 +65,7 @@ import numpy as np
 
 from batchd.sampler import global_positions, sample_key
 from batchd.server.compute.protocol import StreamRequest, TensorLayout
-from batchd.server.serve.shm import Segment
+from batchd.server.shm import Segment
 
 if TYPE_CHECKING:
     from batchd.server.serve.stream import Stream

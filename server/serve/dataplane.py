@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 from batchd import datawire
 from batchd.server.config import TlsConfig
 from batchd.server.serve.security import _RateLimitedWarning
-from batchd.server.serve.shm import Segment
+from batchd.server.shm import Segment
 
 log = logging.getLogger(__name__)
 
