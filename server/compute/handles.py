@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server.compute.protocol import TaskFailed
 from batchd.server.shm import Segment
-from batchd.server.serve.stats import BusyClock
+from batchd.server.compute.rates import BusyClock
 from batchd.server.serve.stream import Computation
 
 MIN_DEPTH = 2  # tasks per worker: one running, one waiting, so a worker never idles
