@@ -70,10 +70,10 @@ from batchd.server.compute.handles import InFlight, WorkerHandle, describe_exit,
 from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
 from batchd.server.compute.sizing import PoolSizing
 from batchd.server.compute.stages import StageBoard, work_seconds
+from batchd.server.compute.work import ReadyBatch, Work
+from batchd.server.compute.worker import worker_main
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT
 from batchd.server.shm import SlotPool
-from batchd.server.serve.stream import Computation, ReadyBatch
-from batchd.server.compute.worker import worker_main
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +176,10 @@ class WorkerPool(PoolSizing):
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["numpy", "cv2", "batchd.server.compute.worker"])  # albumentations through batchd.server: no torch
         self._lock = threading.Lock()  # guards _streams
-        self._streams: collections.deque[Computation] = collections.deque()
+        self._streams: collections.deque[Work] = collections.deque()
         self._in_flight: dict[int, InFlight] = {}
         self._task_ids = iter(range(1, 1 << 62))
-        self._random_keys: weakref.WeakKeyDictionary[Computation, np.ndarray] = weakref.WeakKeyDictionary()
+        self._random_keys: weakref.WeakKeyDictionary[Work, np.ndarray] = weakref.WeakKeyDictionary()
         # the wake-up pipe, and the selector the loop waits on (epoll on Linux): one for its lifetime
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -212,12 +212,12 @@ class WorkerPool(PoolSizing):
 
     # --- public ------------------------------------------------------------------------------
 
-    def add_computation(self, stream: Computation) -> None:
+    def add_computation(self, stream: Work) -> None:
         with self._lock:
             self._streams.append(stream)
         self.wake(WAKE_STREAM)
 
-    def remove_computation(self, stream: Computation) -> None:
+    def remove_computation(self, stream: Work) -> None:
         stream.close()
         with self._lock:
             try:
@@ -613,8 +613,8 @@ class WorkerPool(PoolSizing):
                     self._streams.remove(stream)
                     self._streams.append(stream)
 
-    def _random_key(self, computation: Computation) -> np.ndarray:
-        """The computation's epoch key (``Computation.random_key``: a SeedSequence), derived once per
+    def _random_key(self, computation: Work) -> np.ndarray:
+        """The computation's epoch key (``Work.random_key``: a SeedSequence), derived once per
         computation rather than once per task."""
         key = self._random_keys.get(computation)
         if key is None:

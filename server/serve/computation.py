@@ -38,7 +38,8 @@ reader gets the error in place of that batch, once it has taken every batch it w
 (an ordered reader: its batches before b; a Batches call: its granted batches below b, built and
 sent as usual; granted batches above b that were already built may have been sent before).
 
-The pool thread calls ``wants_work``/``take_task``/``done``/``retry``/``fail`` on computations;
+The pool thread calls ``wants_work``/``take_task``/``done``/``retry``/``fail`` on computations
+(the ``Work`` protocol of server/compute/work.py, which ``Computation`` implements);
 RPC threads call ``get``/``put_back``/``grant``/``revoke``/``wake`` (through ``Stream``). A
 computation's state, and the grant state of its readers, is under its condition variable.
 
@@ -58,13 +59,13 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from batchd.sampler import global_positions, sample_key
-from batchd.server.compute.protocol import StreamRequest, TensorLayout
+from batchd.server.compute.protocol import StreamRequest
+from batchd.server.compute.work import ReadyBatch
 from batchd.server.shm import Segment
 
 if TYPE_CHECKING:
@@ -73,22 +74,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _computation_ids = itertools.count(1)
-
-
-@dataclass(slots=True)
-class ReadyBatch:
-    """A finished batch waiting in its slot. ``Stream.release`` must be called once it is sent.
-
-    timings: the worker's ``BatchDone.timings`` plus "queued" and "worker" (``WorkerPool``);
-    ready_at: ``time.monotonic()`` when it came back from its worker (its reorder wait starts).
-    """
-
-    batch_index: int
-    slot: Segment
-    tensors: tuple[TensorLayout, ...]
-    timings: dict[str, float] = field(default_factory=dict)
-    skipped: tuple[int, ...] = ()
-    ready_at: float = 0.0
 
 
 class _Moved(Exception):
