@@ -20,7 +20,7 @@ from batchd.server.compute import encoded
 from batchd.server.compute import python_pipeline
 from batchd.server.compute import pipeline as pipelines
 from batchd.server import shm
-from batchd.server.build import build_fingerprint, build_parts
+from batchd.server.compute.build import build_fingerprint, build_parts
 from batchd.server.data.cache import SharedCache
 from batchd.server.config import ServerConfig
 from batchd.server.data.datasets import Dataset, open_dataset

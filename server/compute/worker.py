@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from batchd.errors import SampleError
-from batchd.server.build import build_fingerprint, build_parts
+from batchd.server.compute.build import build_fingerprint, build_parts
 from batchd.server.compute import encoded, python_pipeline, targets
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.compute import prefix as prefixes

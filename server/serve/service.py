@@ -27,7 +27,7 @@ import uuid
 import grpc
 
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
-from batchd.server import build
+from batchd.server.compute import build
 from batchd.server.serve import stats
 from batchd.server.serve.control import CallControl
 from batchd.server.serve.dataplane import CallSender, DataPlane
