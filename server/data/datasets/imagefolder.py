@@ -7,8 +7,9 @@ import pathlib
 
 import numpy as np
 
+from ..decode import DEFAULT_MAX_PIXELS
 from ._cache import ArrayFileWriter, cache_path, legacy_prefix, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, file_settings, pack_strings
+from ._files import FileDataset, file_settings, pack_strings
 from ._fingerprint import file_list_fingerprint, listing_fingerprint
 from .storage import Storage, is_remote, local_path, safe_url
 

@@ -11,8 +11,9 @@ import numpy as np
 
 from batchd.errors import SampleError
 
+from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, exif_orientation
 from ._cache import ArrayFileWriter, cache_path, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, ImageReadError, PackedStrings, exif_orientation, pack_strings
+from ._files import FileDataset, PackedStrings, pack_strings
 from ._orientation import orient_pixels, orient_sample
 from ._fingerprint import file_list_fingerprint, listing_fingerprint, with_settings
 from .base import FieldSpec

@@ -26,8 +26,9 @@ import tarfile
 
 import numpy as np
 
+from ..decode import DEFAULT_MAX_PIXELS
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, legacy_prefix, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, PackedStrings, file_settings, pack_strings
+from ._files import FileDataset, PackedStrings, file_settings, pack_strings
 from ._fingerprint import FINGERPRINT_CHARS
 from .storage import Storage, StorageError, is_remote, local_path, safe_url
 
