@@ -22,8 +22,8 @@ import numpy as np
 from batchd.errors import SampleError
 
 from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, decode_rgb
+from ..storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 from .base import Dataset, SampleSpec
-from .storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 
 class PackedStrings:
     """A read-only sequence of strings stored as ``data`` uint8 [total] + ``offsets`` int64 [n + 1]."""
