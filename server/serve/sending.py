@@ -18,7 +18,7 @@ import grpc
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server.compute.pool import WAKE_STREAM
 from batchd.server.serve.control import CallControl
-from batchd.server.serve.dataplane import CallSender
+from batchd.server.serve.data_connection import CallSender
 from batchd.server.serve.handlers import abort_with_detail
 from batchd.server.serve.lag import LagLog
 from batchd.server.serve.stream import Stream

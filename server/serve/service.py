@@ -28,7 +28,8 @@ from batchd.server.compute.protocol import StreamRequest
 from batchd.server.loader import Loader
 from batchd.server.serve import stats
 from batchd.server.serve.control import CallControl
-from batchd.server.serve.dataplane import CallSender, DataPlane
+from batchd.server.serve.data_connection import CallSender
+from batchd.server.serve.dataplane import DataPlane
 from batchd.server.serve.handlers import ERROR_DETAIL_KEY
 from batchd.server.serve.security import OPEN, Authenticator, Redactor, Scope
 from batchd.server.serve.sending import _POLL_S, BatchSending
