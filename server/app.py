@@ -31,9 +31,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from batchd.server.config import ServerConfig
 from batchd.server.loader import Loader
 from batchd.server.serve.dataplane import DataPlane, listen_host, tls_context
+from batchd.server.serve.handlers import SERVICE, add_to_server
 from batchd.server.serve.metrics import MetricsServer, metrics_host
 from batchd.server.serve.security import AuthInterceptor, is_loopback
-from batchd.server.serve.service import SERVICE, BatchLoaderService, add_to_server
+from batchd.server.serve.service import BatchLoaderService
 
 log = logging.getLogger("batchd.server")
 

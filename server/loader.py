@@ -19,8 +19,8 @@ from batchd.server.compute import allowlist
 from batchd.server.compute import encoded
 from batchd.server.compute import python_pipeline
 from batchd.server.compute import pipeline as pipelines
-from batchd.server.serve import shm
-from batchd.server.build import build_fingerprint, build_parts
+from batchd.server import shm
+from batchd.server.compute.build import build_fingerprint, build_parts
 from batchd.server.data.cache import SharedCache
 from batchd.server.config import ServerConfig
 from batchd.server.data.datasets import Dataset, open_dataset
@@ -152,39 +152,9 @@ class Loader:
         ResourceExhaustedError past ``max_streams``, RuntimeError while shutting down.
         """
         cfg = self.config
-        ds = self.dataset(args.dataset)
-        if not 1 <= args.batch_size <= cfg.max_batch_size:
-            raise ValueError(f"batch_size must be in [1, {cfg.max_batch_size}], got {args.batch_size}")
-        world_size = args.world_size or 1
-        if not 0 <= args.rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {args.rank}")
-        prefetch = args.prefetch or cfg.default_prefetch
-        if prefetch > cfg.max_prefetch:
-            raise ValueError(f"prefetch must be at most {cfg.max_prefetch}, got {prefetch}")
-        if len(ds) == 0:
-            raise ValueError(f"dataset {args.dataset!r} has no samples")
-        if args.transport not in ("shm", "inline", "socket") or args.compression not in ("none", "lz4"):
-            raise ValueError(f"transport must be 'shm', 'inline' or 'socket' and compression 'none' or 'lz4', "
-                             f"got {args.transport!r}, {args.compression!r}")
-        name, text = self._pipeline(args)
-        encoded.check_request(ds, args.image_encoding, text)  # JPEG: files the client can decode, its resize
-        if args.start_position >= len(ds):
-            raise ValueError(f"start_position {args.start_position} is past the epoch's samples (dataset "
-                             f"{args.dataset!r} has {len(ds)})")
-        n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last,
-                        start_position=args.start_position)
-        if args.start_batch > n:
-            raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")
-        if args.end_batch and not args.start_batch < args.end_batch <= n:
-            raise ValueError(f"end_batch must be in (start_batch={args.start_batch}, {n}] (the epoch's batches) "
-                             f"or 0, got {args.end_batch}")
-        stride = args.batch_stride or 1
-        if not 0 <= args.batch_offset < stride:
-            raise ValueError(f"batch_offset must be in [0, batch_stride={stride}), got {args.batch_offset}")
-        request = dataclasses.replace(
-            args, world_size=world_size, prefetch=prefetch, batch_stride=stride,
-            pipeline_name=name, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text,
-        )
+        request, n = self._validated(args)
+        ds, name = self.dataset(args.dataset), request.pipeline_name
+        world_size, stride = request.world_size, request.batch_stride
         stream = Stream(request, n)
         if request.granted:
             stream.prefetch = cfg.max_grants  # what it may have ahead (stats)
@@ -227,6 +197,45 @@ class Loader:
             else f"computation {stream.computation.id}",
         )
         return stream
+
+    def _validated(self, args: StreamRequest) -> tuple[StreamRequest, int]:
+        """``args`` checked against the dataset and the config, with its defaults filled in, and the
+        epoch's batch count for its shard; raises as ``open_stream`` says."""
+        cfg = self.config
+        ds = self.dataset(args.dataset)
+        if not 1 <= args.batch_size <= cfg.max_batch_size:
+            raise ValueError(f"batch_size must be in [1, {cfg.max_batch_size}], got {args.batch_size}")
+        world_size = args.world_size or 1
+        if not 0 <= args.rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {args.rank}")
+        prefetch = args.prefetch or cfg.default_prefetch
+        if prefetch > cfg.max_prefetch:
+            raise ValueError(f"prefetch must be at most {cfg.max_prefetch}, got {prefetch}")
+        if len(ds) == 0:
+            raise ValueError(f"dataset {args.dataset!r} has no samples")
+        if args.transport not in ("shm", "inline", "socket") or args.compression not in ("none", "lz4"):
+            raise ValueError(f"transport must be 'shm', 'inline' or 'socket' and compression 'none' or 'lz4', "
+                             f"got {args.transport!r}, {args.compression!r}")
+        name, text = self._pipeline(args)
+        encoded.check_request(ds, args.image_encoding, text)  # JPEG: files the client can decode, its resize
+        if args.start_position >= len(ds):
+            raise ValueError(f"start_position {args.start_position} is past the epoch's samples (dataset "
+                             f"{args.dataset!r} has {len(ds)})")
+        n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last,
+                        start_position=args.start_position)
+        if args.start_batch > n:
+            raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")
+        if args.end_batch and not args.start_batch < args.end_batch <= n:
+            raise ValueError(f"end_batch must be in (start_batch={args.start_batch}, {n}] (the epoch's batches) "
+                             f"or 0, got {args.end_batch}")
+        stride = args.batch_stride or 1
+        if not 0 <= args.batch_offset < stride:
+            raise ValueError(f"batch_offset must be in [0, batch_stride={stride}), got {args.batch_offset}")
+        request = dataclasses.replace(
+            args, world_size=world_size, prefetch=prefetch, batch_stride=stride,
+            pipeline_name=name, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text,
+        )
+        return request, n
 
     def _join(self, stream: Stream) -> Computation | None:
         """Attach ``stream`` to a running computation of its key that can serve it (under _lock)."""

@@ -33,8 +33,8 @@ from batchd import wire
 from batchd.server.compute.layout import align
 from batchd.server.compute.protocol import StreamRequest, TensorLayout
 from batchd.server.serve.leases import LeaseTable
-from batchd.server.serve.service import add_to_server
-from batchd.server.serve.shm import Owner, SlotPool
+from batchd.server.serve.handlers import add_to_server
+from batchd.server.shm import Owner, SlotPool
 from batchd.server.serve.stream import ReadyBatch, Stream
 from batchd.server.serve.transport import Transport
 from batchd.v1 import loader_pb2 as pb

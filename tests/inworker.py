@@ -16,7 +16,7 @@ from batchd.server.compute import python_pipeline
 from batchd.server.compute.protocol import BatchDone, Task, storage_dtype
 from batchd.server.compute.worker import _Worker
 from batchd.server.data.datasets import open_dataset
-from batchd.server.serve.shm import Segment
+from batchd.server.shm import Segment
 
 
 def pipeline_json(transform) -> str:

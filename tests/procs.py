@@ -19,7 +19,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import batchd
-from batchd.server.serve import shm as server_shm
+from batchd.server import shm as server_shm
 
 N_TEST = 10_000
 

@@ -32,7 +32,7 @@ from batchd.errors import ResourceExhaustedError, SampleError
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.compute import python_pipeline
 from batchd.server.data.datasets import Dataset
-from batchd.server.data.datasets._files import ImageReadError, _decode_flag, _jpeg_truncated, jpeg_frame
+from batchd.server.data.decode import ImageReadError, decode_flag, jpeg_frame, jpeg_truncated
 from batchd.server.compute.layout import jpeg_layout, layout_nbytes
 from batchd.server.compute.protocol import BatchDone, Task
 from batchd.server.compute.stages import READ, WRITE
@@ -131,7 +131,7 @@ def check_jpeg(data: Any, max_pixels: int | None = None) -> tuple[np.ndarray, tu
         raise ImageReadError(f"{what}, not a JPEG ({buf.size} bytes); image_encoding JPEG sends only JPEG files "
                              "(decode on the server for other formats)")
     width, height = _frame(buf)
-    if _jpeg_truncated(buf):
+    if jpeg_truncated(buf):
         raise ImageReadError(f"truncated JPEG: no end-of-image marker after the last scan ({buf.size} bytes)")
     if max_pixels is not None and width * height > max_pixels:
         raise ImageReadError(f"image too large: {width}x{height} = {width * height} pixels > max_pixels {max_pixels}")
@@ -202,7 +202,7 @@ def build_batch(worker: "_Worker", task: Task) -> BatchDone:
             skipped.append((index, e.path, e.reason))
             continue
         files.append(buf)
-        kept.append((index, position, _REDUCTIONS.get(_decode_flag(buf, size, min_size), 1)))
+        kept.append((index, position, _REDUCTIONS.get(decode_flag(buf, size, min_size), 1)))
     worker.clock.enter(WRITE)
     offsets = np.zeros(len(files) + 1, np.int64)
     np.cumsum([f.size for f in files], out=offsets[1:])

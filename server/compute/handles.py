@@ -15,9 +15,9 @@ from multiprocessing.connection import Connection
 
 from batchd.errors import ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
 from batchd.server.compute.protocol import TaskFailed
-from batchd.server.serve.shm import Segment
-from batchd.server.serve.stats import BusyClock
-from batchd.server.serve.stream import Computation
+from batchd.server.shm import Segment
+from batchd.server.compute.rates import BusyClock
+from batchd.server.compute.work import Work
 
 MIN_DEPTH = 2  # tasks per worker: one running, one waiting, so a worker never idles
 MAX_DEPTH = 4  # at most; more would only fill the pipe (a Task holds its indices)
@@ -29,7 +29,7 @@ class InFlight:
 
     started: when it was sent (``time.monotonic()``, seconds). samples: batch size (samples)."""
 
-    stream: Computation
+    stream: Work
     batch_index: int
     slot: Segment
     worker_id: int

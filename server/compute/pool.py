@@ -1,27 +1,13 @@
-"""The persistent worker pool and its scheduler.
+"""The persistent worker pool: ``num_workers`` worker processes building batches for any number
+of computations, and the thread that schedules them.
 
-One thread (``_loop``) owns every worker pipe. It waits, on one selector kept for its lifetime
-(epoll on Linux: no selector built per wait), on the pipes, the worker processes' sentinels and a
-wake-up pipe, and in each round:
-
-1. collects finished batches and hands them to their stream's reorder buffer;
-2. notices dead workers (within ``_POLL_S``), logs the exit code or signal, rebuilds their
-   in-flight batches on other workers and starts a replacement;
-3. fails batches that took longer than ``worker_timeout_s`` running (their worker is killed; its
-   slots stay held until the process is reaped, since it may still be writing them; then it is
-   replaced);
-4. dispatches new tasks: streams are served round robin, each stream at most ``prefetch``
-   batches in flight or buffered; a worker is sent its next tasks before the current one
-   finishes (at least one waiting, more while fewer than ``read_ahead`` samples wait, see
-   ``handles.WorkerHandle.wants_task``), so its reader reads their samples ahead; nothing once
-   ``stop_dispatch`` was called (the server is shutting down);
-5. with an ``Autoscaler`` (config ``workers: {min, max}``), starts a worker while clients wait for
-   data, or retires one after a cool-down (``server/compute/autoscale.py``): a retiring worker
-   gets no new task, is told to stop once its tasks are done, and is reaped when it has exited.
-
-Each finished batch's timings (``server/compute/stages.py``) gain ``queued`` (from sending its
-task until the worker began it) and ``worker``; the workers' stages of the moment are on a
-``StageBoard`` in shared memory.
+``WorkerPool`` is put together from its parts, each a file: the scheduler's rounds
+(``scheduler.py``: collect built batches, handle dead workers, expire tasks, dispatch), the worker
+processes (``processes.py``: start, watch, await, replace), the pool's size and load
+(``sizing.py``, with the policy of ``autoscale.py``), and what it knows of each worker and task
+(``handles.py``). Here: its construction, what other threads call (``add_computation``,
+``remove_computation``, ``wake``, ``stop_dispatch``, ``load``) and ``close``. The workers' stages
+of the moment are on a ``StageBoard`` in shared memory (``stages.py``).
 
 One round per event, not per call. Other threads wake the loop (``wake``) with a reason:
 ``WAKE_STREAM`` (a stream took a batch: its computation may want another), ``WAKE_SLOT`` (a slot
@@ -48,83 +34,31 @@ process is ever forked from a process running gRPC threads (grpc doc/fork_suppor
 from __future__ import annotations
 
 import collections
-import fcntl
-import logging
 import multiprocessing as mp
 import os
 import selectors
-import struct
-import termios
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
 from typing import Callable
 
 import numpy as np
 
-from batchd.errors import SampleError, WorkerError
 from batchd.server.compute.autoscale import Autoscaler, Demand
-from batchd.server.compute.handles import InFlight, WorkerHandle, describe_exit, reraisable
-from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
+from batchd.server.compute.handles import InFlight, WorkerHandle
+from batchd.server.compute.processes import _JOIN_S, PoolProcesses
+from batchd.server.compute.protocol import Shutdown
+from batchd.server.compute.scheduler import _WAKE, WAKE_ANY, WAKE_SLOT, WAKE_STREAM, Scheduler, SchedulerCounts
 from batchd.server.compute.sizing import PoolSizing
-from batchd.server.compute.stages import StageBoard, work_seconds
+from batchd.server.compute.stages import StageBoard
+from batchd.server.compute.work import Work
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT
-from batchd.server.serve.shm import SlotPool
-from batchd.server.serve.stream import Computation, ReadyBatch
-from batchd.server.compute.worker import worker_main
+from batchd.server.shm import SlotPool
 
-log = logging.getLogger(__name__)
-
-_POLL_S = 0.5
-_JOIN_S = 5.0
-_EXPIRE_EVERY_S = 0.1  # how often running tasks are checked against worker_timeout_s
-
-# why another thread wakes the scheduler (``WorkerPool.wake``); bits
-WAKE_STREAM = 1  # a stream took a batch, or a computation's readers changed: one may want work
-WAKE_SLOT = 2  # a shared-memory slot was freed
-_ALWAYS = 4  # a reason every round waits for
-WAKE_ANY = WAKE_STREAM | WAKE_SLOT | _ALWAYS  # anything else: always wakes the loop
-
-# what the loop's selector watches (the data of each registration)
-_WAKE, _PIPE, _SENTINEL = range(3)
+__all__ = ["WAKE_ANY", "WAKE_SLOT", "WAKE_STREAM", "SchedulerCounts", "WorkerPool"]
 
 
-@dataclass(slots=True)
-class SchedulerCounts:
-    """What the scheduler did since the pool started (``PoolStats.scheduler_*``): written by its
-    thread (``wakeups`` by the waking threads, under the pool's wake lock), read by stats from any.
-
-    rounds: rounds run (after an event, a timeout, or at once when a wake reason that mattered came
-    in during the previous round). waits: times the loop blocked on its selector (a round run at
-    once polls it without waiting). timeouts: waits that ended with nothing ready (an idle pool:
-    about 1 / ``_POLL_S`` per second). wakeups: wake-ups written to the wake pipe by other threads
-    (a wake that cannot end the loop's wait is only noted). passes: dispatch passes (a round whose
-    events cannot have let a task be sent skips it). dispatches: tasks sent to workers. late: tasks
-    sent in a round that began on a timeout: something changed that no event or wake signalled (a
-    lost wake-up costs up to ``_POLL_S``); 0 in steady state (tests; not exported).
-    """
-
-    rounds: int = 0
-    waits: int = 0
-    timeouts: int = 0
-    wakeups: int = 0
-    passes: int = 0
-    dispatches: int = 0
-    late: int = 0
-
-
-def _available(fd: int) -> int:
-    """Bytes waiting to be read on pipe or socket ``fd`` (FIONREAD), without a selector."""
-    return _INT.unpack(fcntl.ioctl(fd, termios.FIONREAD, _ZERO))[0]
-
-
-_INT = struct.Struct("i")
-_ZERO = _INT.pack(0)
-
-
-class WorkerPool(PoolSizing):
+class WorkerPool(PoolSizing, PoolProcesses, Scheduler):
     """``num_workers`` worker processes building batches for any number of streams.
 
     dataset_configs: name -> dataset config, opened by each worker. reads_in_flight: sample reads
@@ -176,10 +110,10 @@ class WorkerPool(PoolSizing):
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["numpy", "cv2", "batchd.server.compute.worker"])  # albumentations through batchd.server: no torch
         self._lock = threading.Lock()  # guards _streams
-        self._streams: collections.deque[Computation] = collections.deque()
+        self._streams: collections.deque[Work] = collections.deque()
         self._in_flight: dict[int, InFlight] = {}
         self._task_ids = iter(range(1, 1 << 62))
-        self._random_keys: weakref.WeakKeyDictionary[Computation, np.ndarray] = weakref.WeakKeyDictionary()
+        self._random_keys: weakref.WeakKeyDictionary[Work, np.ndarray] = weakref.WeakKeyDictionary()
         # the wake-up pipe, and the selector the loop waits on (epoll on Linux): one for its lifetime
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -212,12 +146,12 @@ class WorkerPool(PoolSizing):
 
     # --- public ------------------------------------------------------------------------------
 
-    def add_computation(self, stream: Computation) -> None:
+    def add_computation(self, stream: Work) -> None:
         with self._lock:
             self._streams.append(stream)
         self.wake(WAKE_STREAM)
 
-    def remove_computation(self, stream: Computation) -> None:
+    def remove_computation(self, stream: Work) -> None:
         stream.close()
         with self._lock:
             try:
@@ -305,318 +239,3 @@ class WorkerPool(PoolSizing):
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.board.close()
-
-    # --- workers -----------------------------------------------------------------------------
-
-    def _start_worker(self, worker_id: int) -> WorkerHandle:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=worker_main,
-            args=(worker_id, child_conn, self._dataset_configs, self._cache_dir, self.slots.prefix, os.getpid(),
-                  self.reads_in_flight, *self._python),
-            name=f"batchd-worker-{worker_id}",
-            daemon=True,
-        )
-        process.start()
-        child_conn.close()
-        w = WorkerHandle(worker_id, process, parent_conn)
-        self._selector.register(parent_conn.fileno(), selectors.EVENT_READ, (_PIPE, w))
-        self._selector.register(process.sentinel, selectors.EVENT_READ, (_SENTINEL, w))
-        return w
-
-    def _unwatch(self, w: WorkerHandle, *, pipe: bool = True, sentinel: bool = True) -> None:
-        """Stop waiting on ``w``'s pipe and/or sentinel (before they are closed, or once its pipe hit
-        EOF: a readable EOF would end every wait). Idempotent."""
-        for fd, wanted in ((w.fd, pipe), (w.process.sentinel, sentinel)):
-            if not wanted:
-                continue
-            key = self._selector.get_map().get(fd)
-            if key is not None and key.data[1] is w:
-                self._selector.unregister(fd)
-
-    def _await_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pending = {w.conn: w for w in self._workers.values()}
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.close(1.0)
-                raise RuntimeError(f"{len(pending)} of {self.num_workers} workers did not start within {timeout:.0f} s")
-            for conn in wait(list(pending) + [w.process.sentinel for w in pending.values()], remaining):
-                if isinstance(conn, Connection):
-                    try:
-                        msg = conn.recv()
-                    except (EOFError, OSError):
-                        continue  # it died while starting: its sentinel says how
-                    if isinstance(msg, Ready):
-                        pending.pop(conn).became_ready()
-                else:
-                    dead = next((w for w in pending.values() if w.process.sentinel == conn), None)
-                    if dead is None:  # it had already said Ready
-                        dead = next(w for w in self._workers.values() if w.process.sentinel == conn)
-                    self.close(1.0)
-                    raise RuntimeError(f"worker {dead.worker_id} {describe_exit(dead.process.exitcode)} while starting")
-        log.info("%d workers ready (pids %s)", self.num_workers, self.worker_pids)
-
-    def _on_death(self, w: WorkerHandle) -> None:
-        """Its sentinel fired: reap it, then free its slots, rebuild its tasks, start a replacement."""
-        self._plain = False
-        self._receive(w, readable=False)  # batches it finished before dying still count
-        w.process.join(_JOIN_S)  # reap first: only then can no write of it reach a slot
-        if w.process.exitcode is None:  # not reaped (cannot happen once the sentinel fired): keep its slots
-            log.error("worker %d (pid %d) could not be reaped; its %d slots stay held", w.worker_id, w.process.pid,
-                      len(w.held_slots) + len(w.tasks))
-            w.held_slots.clear()
-            w.held_slots.extend(self._in_flight[t].slot for t in w.tasks)
-        for slot in w.held_slots:  # slots of tasks it timed out on
-            self.slots.release(slot)
-        w.held_slots.clear()
-        log.warning(
-            "worker %d (pid %d) %s with %d batches in flight; rebuilding them and starting a replacement",
-            w.worker_id, w.process.pid, describe_exit(w.process.exitcode), len(w.tasks),
-        )
-        cause = describe_exit(w.process.exitcode)
-        for task_id in sorted(w.tasks):
-            job = self._in_flight.pop(task_id)
-            self.slots.release(job.slot)
-            tries = job.stream.retry(job.batch_index)
-            if tries > self.max_task_retries:
-                ds, idx = job.stream.request.dataset, job.stream.batch_indices(job.batch_index)
-                job.stream.fail(
-                    WorkerError(
-                        f"batch {job.batch_index} of dataset {ds!r} (samples {idx.tolist()}) killed its worker "
-                        f"{tries} times (last: worker {cause}); giving up. A sample in it may crash the decoder."
-                    ),
-                    job.batch_index,
-                )
-            elif not job.stream.closed:  # queued again (retry), for the next free worker
-                self.batches_rebuilt += 1
-        self._unwatch(w)
-        w.conn.close()
-        self._forget_worker(w)
-        if w.retiring:  # it was stopping anyway: the pool shrinks now
-            del self._workers[w.worker_id]
-            return
-        self.restarts += 1
-        self._workers[w.worker_id] = self._start_worker(w.worker_id)
-
-    # --- the loop ----------------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        again = False
-        counts = self.counts
-        while not self._closing:
-            try:
-                events = self._selector.select(0 if again else _POLL_S)
-            except OSError:
-                continue
-            if not again:
-                counts.waits += 1
-                counts.timeouts += not events
-            try:
-                again = self._round(events, timed_out=not events and not again)
-            except Exception as e:  # a scheduler bug or an OS error must not leave streams hanging
-                again = False
-                log.exception("scheduler round failed; failing the open streams")
-                with self._lock:
-                    streams = list(self._streams)
-                for stream in streams:
-                    stream.fail(WorkerError(f"the server's scheduler failed: {type(e).__name__}: {e}"))
-        if self._closing:
-            self._selector.close()
-
-    def _round(self, events, timed_out: bool = False) -> bool:
-        """Handle the events, then dispatch. True if a wake reason that matters for what the dispatch
-        ended on came in meanwhile (run another round now)."""
-        self.counts.rounds += 1
-        sent = self.counts.dispatches
-        woken = any(key.data[0] == _WAKE for key, _ in events)
-        with self._wake_lock:
-            changed = self._changed  # the reasons noted since the last round ended
-            self._waiting_for = 0  # wakes during the round are noted (_changed) and checked at its end
-            self._changed = 0
-            if woken:
-                self._wake_pending = False
-        if woken:
-            os.read(self._wake_r, 4096)
-        self._plain = not timed_out
-        dead = []
-        for key, _ in events:
-            kind, w = key.data
-            if kind == _PIPE:
-                self._receive(w)
-            elif kind == _SENTINEL:
-                dead.append(w)
-        for w in dead:
-            if not self._closing:
-                self._on_death(w)
-        now = time.monotonic()
-        if now >= self._next_expire:
-            self._next_expire = now + _EXPIRE_EVERY_S
-            self._expire(now)
-        if self._plain and self._blocked in (WAKE_STREAM, WAKE_SLOT):
-            with self._wake_lock:
-                changed |= self._changed
-            skip = not changed & (self._blocked | _ALWAYS)  # still no stream that wants work, or no slot
-        else:
-            skip = False
-        waits_for = self._blocked if skip else self._dispatch()
-        self._blocked = waits_for
-        if timed_out and self.counts.dispatches > sent:
-            self.counts.late += self.counts.dispatches - sent
-        if self._retired or any(w.retiring for w in self._workers.values()):
-            self._retire_idle()
-        self._autoscale()
-        with self._wake_lock:
-            self._waiting_for = waits_for | _ALWAYS
-            return bool(self._changed & self._waiting_for)
-
-    def _receive(self, w: WorkerHandle, readable: bool = True) -> None:
-        """Handle every message in ``w``'s pipe: one at least if ``readable`` (the selector said so;
-        EOF included), then as long as bytes are waiting. EOF: the worker died (its sentinel reports
-        it); its pipe is no longer watched."""
-        try:
-            while readable or _available(w.fd):
-                readable = False
-                self._handle(w, w.conn.recv())
-        except (EOFError, OSError):
-            self._unwatch(w, sentinel=False)
-
-    def _handle(self, w: WorkerHandle, msg) -> None:
-        if not isinstance(msg, BatchDone):  # a built batch frees a worker, never a stream's place or a slot
-            self._plain = False
-        if isinstance(msg, Ready):
-            w.became_ready()
-            return
-        job = self._in_flight.pop(msg.task_id, None)
-        w.tasks.discard(msg.task_id)
-        w.last_done = time.monotonic()  # its next task starts running now
-        w.busy.set(bool(w.tasks), now=w.last_done)
-        if job is None:
-            return
-        if isinstance(msg, BatchDone):
-            self.batches_built += 1
-            if job.stream.request.hedge:
-                self.hedge_batches_built += 1
-            work = work_seconds(msg.timings)
-            self.work_seconds += work
-            started = msg.timings.get("started", 0.0)
-            timings = {**msg.timings, "queued": max(0.0, started - job.started) if started else 0.0,
-                       "worker": msg.worker_id}
-            slot = self.slots.adopt(job.slot, msg.slot_name) if msg.grown else job.slot
-            job.stream.slot_hint = max(t.offset + t.nbytes for t in msg.tensors)  # (no numpy call)
-            job.stream.done(ReadyBatch(job.batch_index, slot, msg.tensors, timings, tuple(i for i, _, _ in msg.skipped),
-                                       ready_at=time.monotonic()))
-            if msg.skipped:
-                self._count_skipped(job, msg.skipped)
-        elif isinstance(msg, TaskFailed):
-            self.slots.release(job.slot)
-            job.stream.fail(reraisable(msg), job.batch_index)
-
-    def _count_skipped(self, job: InFlight, skipped) -> None:
-        stream, req = job.stream, job.stream.request
-        for index, path, reason in skipped:
-            log.warning("computation %d: skipped dataset %r sample %d (%s): %s", stream.id, req.dataset, index, path, reason)
-        stream.samples_skipped += len(skipped)
-        allowed = self._max_skipped_fraction.get(req.dataset, 0.0) * len(stream.indices)
-        if stream.samples_skipped > allowed:
-            index, path, reason = skipped[-1]
-            stream.fail(SampleError(
-                req.dataset, index, path,
-                f"{reason}; too many bad samples: {stream.samples_skipped} of {len(stream.indices)} in this epoch "
-                f"skipped, more than max_skipped_fraction={allowed / max(1, len(stream.indices)):g}",
-            ), job.batch_index + 1)
-
-    def _expire(self, now: float) -> None:
-        """Fail each running task that has run over ``worker_timeout_s`` and kill its worker. The
-        worker gets no new task, and its slots stay held until ``_on_death`` has reaped it (a
-        process that is killed may still be writing them for a moment)."""
-        for w in self._workers.values():
-            running = w.running(self._in_flight)
-            if w.killed or running is None or now - running[1] <= self.worker_timeout_s:
-                continue
-            task_id = running[0]
-            job = self._in_flight.pop(task_id)
-            log.error("worker %d took over %.0f s on batch %d; killing it", w.worker_id, self.worker_timeout_s, job.batch_index)
-            w.process.kill()
-            w.killed = True
-            w.tasks.discard(task_id)
-            w.busy.set(bool(w.tasks))
-            w.held_slots.append(job.slot)
-            job.stream.fail(
-                WorkerError(
-                    f"batch {job.batch_index} of dataset {job.stream.request.dataset!r} took longer than "
-                    f"worker_timeout_s={self.worker_timeout_s:g} s"
-                ),
-                job.batch_index,
-            )
-
-    def _dispatch(self) -> int:
-        """Send tasks while a worker, a stream and a slot are there for one. Returns the wake
-        reasons that can let it send the next: 0 (no worker wants a task: only the loop's own
-        events change that), ``WAKE_STREAM`` or ``WAKE_SLOT``."""
-        with self._dispatch_lock:
-            if self._dispatch_stopped:
-                return 0
-            self.counts.passes += 1
-            return self._dispatch_locked()
-
-    def _dispatch_locked(self) -> int:
-        with self._lock:  # least recently served first
-            streams = [s for s in self._streams if not s.closed]
-        while True:
-            # the worker with the fewest tasks queued, among those that want one
-            free = [w for w in self._workers.values() if w.wants_task(self._in_flight, self.read_ahead)]
-            if not free:
-                return 0
-            w = min(free, key=lambda w: len(w.tasks))
-            # round robin: the least recently served computation that wants work gets the worker
-            stream = next((s for s in streams if s.wants_work()), None)
-            if stream is None:
-                return WAKE_STREAM
-            slot = self.slots.acquire(stream.slot_hint)
-            if slot is None and sum(c.evict_history() for c in streams):
-                slot = self.slots.acquire(stream.slot_hint)  # batches kept for late joiners made room
-            if slot is None:
-                return WAKE_SLOT  # every slot is held; a release wakes us
-            b = stream.take_task()
-            if b is None:  # closed or revoked since wants_work (checked again under its lock)
-                self.slots.release(slot)
-                continue
-            req = stream.request
-            task = Task(
-                task_id=next(self._task_ids),
-                dataset=req.dataset,
-                pipeline_key=req.pipeline_key,
-                pipeline_json=req.pipeline_json,
-                indices=stream.batch_indices(b),
-                random_key=self._random_key(stream),
-                positions=stream.batch_positions(b),
-                slot_name=slot.name,
-                slot_capacity=slot.capacity,
-                skip_bad_samples=self._skip.get(req.dataset, False),
-                max_batch_bytes=self.max_batch_bytes,
-                encoding=req.image_encoding,
-            )
-            self._in_flight[task.task_id] = InFlight(stream, b, slot, w.worker_id, time.monotonic(), len(task.indices))
-            w.tasks.add(task.task_id)
-            w.busy.set(True)
-            self.counts.dispatches += 1
-            try:
-                w.conn.send(task)
-            except (OSError, ValueError):
-                w.killed = True  # dead (wants no task); _on_death will rebuild the task
-            streams.remove(stream)
-            streams.append(stream)
-            with self._lock:  # served: to the back of the queue
-                if stream in self._streams:
-                    self._streams.remove(stream)
-                    self._streams.append(stream)
-
-    def _random_key(self, computation: Computation) -> np.ndarray:
-        """The computation's epoch key (``Computation.random_key``: a SeedSequence), derived once per
-        computation rather than once per task."""
-        key = self._random_keys.get(computation)
-        if key is None:
-            key = self._random_keys[computation] = computation.random_key()
-        return key

@@ -57,7 +57,7 @@ import albumentations as A
 import cv2
 import numpy as np
 
-# version of the rule that decides the prefix, in the build fingerprint (server/build.py):
+# version of the rule that decides the prefix, in the build fingerprint (server/compute/build.py):
 # 1: a vetted list of types and parameters; 2: types as a filter, then proven by running sealed;
 # 3: as 2, and what is cached is the state of one Compose run in two stages (targets.py: boxes
 # and keypoints in albumentations' internal format), no longer a Compose of the prefix's output

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 
-from batchd.server.serve.shm import Segment
+from batchd.server.shm import Segment
 
 STAGES = ("read", "decode", "pipeline", "cache", "write")
 READ, DECODE, PIPELINE, CACHE, WRITE = range(len(STAGES))

@@ -14,8 +14,9 @@ decodes and transforms them one at a time, in order (so bytes and order do not c
 Datasets whose samples are in memory (no ``read_bytes``) are read on this thread. With a
 server cache (config ``cache:``), a sample's decode and its pipeline's deterministic prefix
 (``server/compute/prefix.py``) come from the shared cache (``server/data/cache/``) or are computed and stored
-there; the pipeline's random rest runs here as before. A sample for which the prefix would draw a
-random number (``prefix.RandomDrawn``) is built by the whole pipeline instead, and not cached.
+there (``samples.py``); the pipeline's random rest runs here as before (its plan: ``plan.py``). A
+sample for which the prefix would draw a random number (``prefix.RandomDrawn``) is built by the
+whole pipeline instead, and not cached.
 """
 
 from __future__ import annotations
@@ -25,32 +26,36 @@ import os
 import pickle
 import signal
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import numpy as np
 
 from batchd.errors import SampleError
-from batchd.server.build import build_fingerprint, build_parts
-from batchd.server.compute import encoded, python_pipeline, targets
+from batchd.server.compute import encoded, python_pipeline
 from batchd.server.compute import pipeline as pipelines
-from batchd.server.compute import prefix as prefixes
 from batchd.server.compute.collate import BatchWriter
+from batchd.server.compute.plan import Plan, make_plan
 from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
-from batchd.server.data.cache import SharedCache, sample_key
+from batchd.server.compute.samples import WorkerSamples
+from batchd.server.compute.stages import IDLE, PIPELINE, WRITE, StageBoard, StageClock
+from batchd.server.data.cache import SharedCache
 from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
 from batchd.server.data.datasets.values import as_value
-from batchd.server.compute.stages import CACHE, DECODE, IDLE, PIPELINE, READ, WRITE, StageBoard, StageClock
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
-from batchd.server.serve.shm import Segment
+from batchd.server.shm import Segment
 
 _CACHED_SEGMENTS = 16
 _CACHED_PIPELINES = 32
 
 
-class _Worker:
+class _Worker(WorkerSamples):
+    """Builds batches in a worker process: opens datasets and pipelines on first use (kept), reads
+    the samples of its tasks ahead, and writes each batch into its slot (``run``). One sample's
+    way through read, decode and the cached prefix is ``samples.py``'s; the pipeline's plan
+    ``plan.py``'s."""
+
     def __init__(self, worker_id: int, dataset_configs: dict[str, Any], cache_dir, new_segment_prefix: str,
                  reduced_decode: bool = True, reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
                  python_pipelines: dict[str, dict[str, Any]] | None = None):
@@ -62,7 +67,7 @@ class _Worker:
         self.new_segment_prefix = new_segment_prefix
         self.datasets: dict[str, Dataset] = {}
         self.per_object: dict[str, Callable[[str], bool]] = {}  # dataset -> whether a field is per-object
-        self.pipelines: collections.OrderedDict[str, _Plan] = collections.OrderedDict()
+        self.pipelines: collections.OrderedDict[str, Plan] = collections.OrderedDict()
         self.segments: collections.OrderedDict[str, Segment] = collections.OrderedDict()
         self.grown = 0
         self._unadopted: Segment | None = None  # a segment this task created, until BatchDone names it
@@ -99,32 +104,14 @@ class _Worker:
         plan = self._plan(key, text)
         return plan.compose, plan.min_size
 
-    def _plan(self, key: str, text: str) -> "_Plan":
+    def _plan(self, key: str, text: str) -> Plan:
         """How this worker runs the pipeline ``text`` (canonical JSON, "" for none), built once per key."""
         plan = self.pipelines.get(key)
         if plan is not None:
             self.pipelines.move_to_end(key)
             return plan
-        if python_pipeline.is_python(text):
-            plan = _Plan(fn=python_pipeline.build(text, self.python_pipelines))
-            plan.split = prefixes.Split((), None, None, prefixes.canonical((), None))  # the cache holds the dataset's samples
-            plan.cache_name = plan.split.canonical
-        else:
-            compose = pipelines.build(text)
-            plan = _Plan(compose=compose, min_size=pipelines.decode_min_size(compose) if self.reduced_decode else None)
-            try:
-                plan.split = prefixes.split(compose, plan.min_size)
-            except ValueError:  # the rest cannot be rebuilt: the whole pipeline runs on each sample, uncached
-                plan.split = None
-            if compose is not None:
-                # one Compose, run in two stages: preprocess + prefix (cached), then the rest
-                # (targets.py); its transforms draw in turn from one stream, re-keyed per sample
-                prefix = len(plan.split.prefix) if plan.split is not None else 0
-                plan.targets = targets.TargetPipeline.of(compose, attach=self.random.attach, prefix=prefix)
-                self.random.attach(compose)
-            if plan.split is not None:
-                plan.cache_name = plan.split.canonical + (plan.targets.params_name() if plan.targets else "")
-        self.pipelines[key] = plan
+        plan = self.pipelines[key] = make_plan(text, self.python_pipelines, reduced_decode=self.reduced_decode,
+                                               random=self.random)
         if len(self.pipelines) > _CACHED_PIPELINES:
             self.pipelines.popitem(last=False)
         return plan
@@ -169,77 +156,6 @@ class _Worker:
         """``BatchDone.timings`` of the batch ending now (see ``server/compute/stages.py``)."""
         return {**self.clock.stop(), "read_io": self.reader.io_seconds(task.task_id), "started": self.clock.started,
                 "cache_hits": float(self.cache_lookups - self.cache_misses)}
-
-    def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> dict:
-        """Sample k of the task, decoded (a dict of fields): its bytes from the reader if they are read ahead."""
-        clock = self.clock  # (its enter calls only for timed samples: clock.on)
-        if task.task_id not in self.reader:  # in memory: nothing to read
-            if clock.on:
-                clock.enter(DECODE)
-            return ds.load_sample(index, min_size, key=task.random_key)
-        if clock.on:
-            clock.enter(READ)
-        self.between_samples()
-        data = self.reader.take(task.task_id, k, self.between_samples)
-        if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
-            data = ds.read_bytes(index)
-        if clock.on:
-            clock.enter(DECODE)
-        return ds.decode_sample(index, data, min_size)
-
-    def _reads(self, task: Task, ds: Dataset):
-        """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that
-        returns None for samples already cached (their bytes are not needed)."""
-        plan = self._plan(task.pipeline_key, task.pipeline_json)
-        if task.encoding == "jpeg" or self._cache_key(ds, plan, 0) is None:
-            return ds.read_bytes
-        cache = self.cache
-
-        def read(index: int):
-            return None if cache.contains(ds.name, self._cache_key(ds, plan, index)) else ds.read_bytes(index)
-        return read
-
-    def _cache_key(self, ds: Dataset, plan: "_Plan", index: int) -> bytes | None:
-        """The cache key of sample ``index``'s prefix output; None when it is not cached (no cache,
-        no dataset fingerprint, or a pipeline that cannot be split)."""
-        if self.cache is None or plan.split is None or not ds.fingerprint or not getattr(ds, "deterministic", True):
-            return None
-        build = self.builds.get(ds.name)
-        if build is None:
-            build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
-        return sample_key(ds.fingerprint, index, plan.cache_name, build)
-
-    def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: "_Plan") -> tuple[dict, bool]:
-        """(sample k of the task decoded, or its state after the pipeline's deterministic prefix;
-        whether it is that state). The state (``targets.TargetPipeline.begin``) comes from the
-        cache, else is computed (and stored there), and ``TargetPipeline.end`` then runs the
-        rest. The prefix runs whether or not a cache is configured, so the bytes cannot depend on
-        it. If a prefix transform would draw a random number for this sample
-        (``prefix.RandomDrawn``: the prefix runs with generators that raise), or the dataset drew
-        some to build it (``Dataset.last_sample_drew``: it depends on the epoch), the decoded
-        sample goes through the whole pipeline instead, and nothing is stored."""
-        if plan.split is None:
-            return self._load(ds, task, k, index, plan.min_size), False
-        decoded = []
-
-        def compute() -> dict:
-            decoded.append(self._load(ds, task, k, index, plan.split.min_size))
-            if ds.last_sample_drew:  # (kind python) drew random numbers for (seed, epoch, index): not cached
-                raise prefixes.RandomDrawn(f"dataset {ds.name!r}: sample {index} drew random numbers")
-            return self._prefix(plan, ds, decoded[0], index, then=CACHE if key is not None else PIPELINE)
-        key = self._cache_key(ds, plan, index)
-        try:
-            if key is None:
-                return compute(), True
-            self.cache_lookups += 1
-            if self.clock.on:
-                self.clock.enter(CACHE)
-            sample = self.cache.get_or_compute(ds.name, key, compute)
-            self.cache_misses += bool(decoded)
-        except prefixes.RandomDrawn:
-            return decoded[0], False  # the prefix transforms do not write their input
-        self.reader.forget(task.task_id, k)  # a hit: the bytes read ahead are not needed
-        return sample, True
 
     def _run(self, task: Task) -> BatchDone:
         if task.encoding == "jpeg":  # the files as they are, for the client to decode
@@ -288,7 +204,7 @@ class _Worker:
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, self.timings(task),
                          tuple(skipped))
 
-    def _pipeline(self, plan: "_Plan", ds: Dataset, task: Task, sample: dict, prefixed: bool, index: int,
+    def _pipeline(self, plan: Plan, ds: Dataset, task: Task, sample: dict, prefixed: bool, index: int,
                   position: int) -> dict:
         """The sample after the pipeline's rest (``TargetPipeline.end``) or the python pipeline,
         under the sample's stream. Raises what the pipeline raises (with a note naming dataset
@@ -311,24 +227,6 @@ class _Worker:
                 raise SampleError(ds.name, index, ds.source(index), f"the python pipeline returned {e}") from None
         return sample
 
-    def _prefix(self, plan: "_Plan", ds: Dataset, sample: dict, index: int, then: int = PIPELINE) -> dict:
-        """The pipeline's deterministic prefix on the decoded sample: its state
-        (``TargetPipeline.begin``; timed as pipeline; ``then``: the stage that follows, CACHE when
-        the cache stores the result)."""
-        if plan.targets is None or not plan.targets.prefix:
-            return sample
-        clock = self.clock
-        if clock.on:
-            clock.enter(PIPELINE)
-        try:
-            return plan.targets.begin(sample, self.per_object[ds.name])
-        except Exception as e:
-            e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
-            raise
-        finally:
-            if clock.on:
-                clock.enter(then)
-
     def _slot(self, task: Task, nbytes: int, old: Segment | None = None, keep: int = 0) -> tuple[Segment, bool]:
         """The task's slot if the batch fits (and nothing is written yet), else a new segment of at
         least nbytes (the server adopts it), into which the first ``keep`` bytes of ``old`` are copied."""
@@ -347,21 +245,6 @@ class _Worker:
             previous.unlink()
         self.segments[seg.name] = seg
         return seg, True
-
-
-@dataclass(slots=True)
-class _Plan:
-    """How a worker runs one pipeline: an albumentations ``compose`` (decoded at ``min_size``) run
-    as ``targets`` in two stages (its cacheable prefix, ``split``, then the rest), or an
-    operator's python ``fn``. ``split`` None: the pipeline cannot be split, ``targets`` runs all
-    of it on each sample and nothing is cached."""
-
-    compose: Any = None
-    min_size: tuple[int, int] | None = None
-    fn: Any = None
-    split: prefixes.Split | None = None
-    targets: targets.TargetPipeline | None = None
-    cache_name: str = ""  # what the prefix's output depends on: its canonical text (+ target params)
 
 
 def _as_hwc_array(image: Any, dataset: str, index: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BeforeValidator, Field, field_validator
 
 from .base import StrictModel
-from ..data.datasets.storage import StorageOptions, is_remote, is_url, local_path
+from ..data.storage import StorageOptions, is_remote, is_url, local_path
 
 
 class _DatasetBase(StrictModel):
@@ -68,7 +68,7 @@ def _location(v: Any) -> Any:
     return pathlib.Path(v) if isinstance(v, str) else v
 
 
-# a local path or a URL (storage_options apply to URLs; see datasets/storage.py)
+# a local path or a URL (storage_options apply to URLs; see data/storage/)
 Location = Annotated[Union[pathlib.Path, str], BeforeValidator(_location)]
 
 

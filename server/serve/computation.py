@@ -38,7 +38,9 @@ reader gets the error in place of that batch, once it has taken every batch it w
 (an ordered reader: its batches before b; a Batches call: its granted batches below b, built and
 sent as usual; granted batches above b that were already built may have been sent before).
 
-The pool thread calls ``wants_work``/``take_task``/``done``/``retry``/``fail`` on computations;
+The pool thread calls ``wants_work``/``take_task``/``done``/``retry``/``fail`` on computations
+(the ``Work`` protocol of server/compute/work.py, which ``Computation`` implements in
+``build_queue.py``);
 RPC threads call ``get``/``put_back``/``grant``/``revoke``/``wake`` (through ``Stream``). A
 computation's state, and the grant state of its readers, is under its condition variable.
 
@@ -58,14 +60,14 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from batchd.sampler import global_positions, sample_key
-from batchd.server.compute.protocol import StreamRequest, TensorLayout
-from batchd.server.serve.shm import Segment
+from batchd.server.compute.protocol import StreamRequest
+from batchd.server.compute.work import ReadyBatch
+from batchd.server.serve.build_queue import BuildQueue
+from batchd.server.shm import Segment
 
 if TYPE_CHECKING:
     from batchd.server.serve.stream import Stream
@@ -75,27 +77,11 @@ log = logging.getLogger(__name__)
 _computation_ids = itertools.count(1)
 
 
-@dataclass(slots=True)
-class ReadyBatch:
-    """A finished batch waiting in its slot. ``Stream.release`` must be called once it is sent.
-
-    timings: the worker's ``BatchDone.timings`` plus "queued" and "worker" (``WorkerPool``);
-    ready_at: ``time.monotonic()`` when it came back from its worker (its reorder wait starts).
-    """
-
-    batch_index: int
-    slot: Segment
-    tensors: tuple[TensorLayout, ...]
-    timings: dict[str, float] = field(default_factory=dict)
-    skipped: tuple[int, ...] = ()
-    ready_at: float = 0.0
-
-
 class _Moved(Exception):
     """The reader was moved to another computation while it waited."""
 
 
-class Computation:
+class Computation(BuildQueue):
     """The batches of one request key, built once for every stream reading it.
 
     indices: this shard's sample order, int64 [N] (of the epoch's remainder from
@@ -232,98 +218,7 @@ class Computation:
         limit = self._front() - self.window * self.stride
         return [r for r in self._readers.values() if r.ordered and r.position < limit and not r.finished]
 
-    # --- pool thread -------------------------------------------------------------------------
-
-    def _buildable(self, b: int, limit: int) -> bool:
-        return b < limit and b not in self._ready and b not in self._in_flight and self._wanted(b)
-
-    def wants_work(self) -> bool:
-        with self._cond:
-            return self._has_work()
-
-    def _has_work(self) -> bool:
-        """(Under the lock.) Whether a batch is there to build: a retried one, or one granted and
-        not built nor being built; drops queued batches that can no longer be built."""
-        if self.closed or not self._readers:
-            return False
-        limit = min(self._failed) if self._failed else self.num_batches  # nothing past a failure
-        while self._retry and not self._buildable(self._retry[0], limit):
-            self._retry.popleft()
-        if self._retry:
-            return True
-        while self._queue and not self._buildable(self._queue[0], limit):
-            self._queued.discard(self._queue.popleft())
-        return bool(self._queue)
-
-    def take_task(self) -> int | None:
-        """The batch index to build next (a retried one first), or None if there is none any more.
-
-        The pool asks ``wants_work`` and then, holding a slot, takes the task: in between, another
-        thread may close the computation or revoke the grant (each under this lock), so the check
-        is made again here, with the take, under the same lock."""
-        with self._cond:
-            if not self._has_work():
-                return None
-            if self._retry:
-                b = self._retry.popleft()
-            else:
-                b = self._queue.popleft()
-                self._queued.discard(b)
-            self._in_flight.add(b)
-            return b
-
-    def batch_indices(self, b: int) -> np.ndarray:
-        bs = self.request.batch_size
-        return self.indices[b * bs : (b + 1) * bs]
-
-    def batch_positions(self, b: int) -> np.ndarray:
-        """Global positions (``batchd.sampler.global_positions``) of batch b's samples: int64 [B]."""
-        bs, req = self.request.batch_size, self.request
-        start = min(b * bs, len(self.indices))
-        return global_positions(start, min(start + bs, len(self.indices)), rank=req.rank, world_size=req.world_size,
-                                start_position=req.start_position)
-
-    def random_key(self) -> np.ndarray:
-        """The key of this epoch's per-sample augmentation streams (``batchd.sampler.sample_key``): uint64 [2]."""
-        return sample_key(seed=self.request.seed, epoch=self.request.epoch)
-
-    def done(self, batch: ReadyBatch) -> None:
-        b = batch.batch_index
-        with self._cond:
-            self._in_flight.discard(b)
-            if self.closed or b in self._ready:
-                self._release_slot(batch.slot)  # nobody needs it (anymore)
-                return
-            self._ready[b] = batch
-            for r in self._readers.values():
-                if not r.ordered and b in r.granted:
-                    r.ready.add(b)
-            self._settle(b)
-            self._cond.notify_all()
-
-    def retry(self, b: int) -> int:
-        """Build batch b again (its worker died); returns how many times it has been tried."""
-        with self._cond:
-            self._in_flight.discard(b)
-            self.attempts[b] += 1
-            if not self.closed:
-                self._retry.appendleft(b)
-            return self.attempts[b]
-
-    def fail(self, error: BaseException, batch_index: int | None = None) -> None:
-        """Batch ``batch_index`` (or, if None, everything from the slowest reader on) failed.
-
-        Batches before a failed one are still delivered; the error is raised in its place.
-        """
-        with self._cond:
-            if batch_index is None:
-                self._failed.setdefault(self._back(), error)
-            else:
-                self._in_flight.discard(batch_index)
-                self._failed.setdefault(batch_index, error)
-            if self.error is None:
-                self.error = error
-            self._cond.notify_all()
+    # --- stats -------------------------------------------------------------------------------
 
     def backlog(self, stream: Stream) -> tuple[int, int]:
         """(batches being built, built batches waiting) for ``stream``: an ordered stream counts

@@ -11,21 +11,10 @@ calls (``TRANSPORT_SOCKET``; docs/design/network-path.md, the format in ``batchd
   constant time (``hmac.compare_digest``, no early exit), and is gone once claimed. A connection
   whose token is unknown, reused or late (accepted more than ``token_ttl_s`` after ``expect``)
   is closed without a byte written: without the call's token, no batch bytes.
-* ``Ticket.wait`` gives the call its ``DataConnection``; ``DataConnection.send`` writes one batch:
-  the 24-byte header, then its tensors at the payload offsets ``batchd.datawire.payload_layout``
-  chose, zeros between them: large tensors straight from the mapped slot (``send``: the
-  kernel copies them into the socket buffer, off the GIL), the header, small tensors and padding
-  gathered into one ``send``, the whole batch under ``TCP_CORK``; with TLS through
-  ``SSLSocket.send`` (encryption here, off the GIL too). Not ``os.sendfile`` from the slot's
-  ``/dev/shm`` file: TCP's sendfile hands the file's pages to the socket by reference, so a
-  slot reused once the send returned changed bytes not yet read by the client (over loopback
-  every batch: tests/serve/test_dataplane_server.py), and it measured dearer than ``send`` here
-  (0.15-0.17 against 0.09-0.11 s of CPU per GB, loopback, 9.6 MB batches).
+* ``Ticket.wait`` gives the call its ``DataConnection``, which writes the call's batches
+  (``data_connection.py``).
 
-Never hang: every socket operation has a timeout slice (``SLICE_S``); a send that cannot
-progress asks ``cancelled()`` (the call's ``not context.is_active()``) each slice and raises
-ConnectionAbortedError once it says so, however long a client that stopped reading holds it
-(a paused training loop: its call is alive, so the send waits). ``close`` stops the accept
+Never hang: every socket operation has a timeout slice (``SLICE_S``). ``close`` stops the accept
 thread, shuts every connection down (a send blocked on one returns with an error at once) and
 joins the handshake threads.
 
@@ -46,18 +35,12 @@ from typing import Callable, Sequence
 
 from batchd import datawire
 from batchd.server.config import TlsConfig
+from batchd.server.serve.data_connection import DataConnection, _never
 from batchd.server.serve.security import _RateLimitedWarning
-from batchd.server.serve.shm import Segment
 
 log = logging.getLogger(__name__)
 
 SLICE_S = 0.25  # every blocking socket call waits at most this long before looking at cancelled / close
-GATHER_MAX = 64 * 1024  # tensors smaller than this are gathered with the header into one send
-CHUNK = 4 << 20  # bytes per send call: a stalled send is retried from a known place
-
-
-def _never() -> bool:
-    return False
 
 
 def listen_host(addresses: Sequence[str]) -> str | None:
@@ -84,109 +67,6 @@ def tls_context(tls: TlsConfig) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as e:
         raise RuntimeError(f"data plane: cannot load the TLS files: {e}") from None
     return ctx
-
-
-class DataConnection:
-    """One authenticated data connection, owned by the call whose token it presented.
-
-    ``send`` runs in the call's thread only; ``abort`` (the plane closing) and ``close`` may
-    come from any thread.
-    """
-
-    def __init__(self, sock: socket.socket, peer: str, plane: "DataPlane"):
-        self._sock = sock
-        self.peer = peer
-        self.tls = isinstance(sock, ssl.SSLSocket)
-        self._plane = plane
-        self._lock = threading.Lock()
-        self._closed = False
-        self.bytes_sent = 0
-
-    def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int,
-             cancelled: Callable[[], bool] = _never) -> None:
-        """Write batch ``batch_index``: its header, then ``length`` payload bytes, each piece's
-        ``nbytes`` from ``slot`` at ``source`` put at ``offset`` (``datawire.payload_layout``).
-        When it returns, the bytes are in the kernel's socket buffer (copied): the slot may be
-        reused at once.
-
-        Raises ConnectionError (BrokenPipeError, ConnectionResetError...) if the client went
-        away or the plane was closed, ConnectionAbortedError once ``cancelled()`` is true while
-        the send waits for the client to read, ValueError if the pieces do not fit ``length``.
-        """
-        out = bytearray(datawire.pack_header(batch_index, length))
-        at = 0
-        self._cork(True)
-        try:
-            for piece in pieces:
-                if piece.offset < at:
-                    raise ValueError(f"piece at {piece.offset} overlaps the one before (ending at {at})")
-                out += bytes(piece.offset - at)  # padding: zeros, never the rest of the slot
-                at = piece.offset + piece.nbytes
-                data = slot.buf[piece.source : piece.source + piece.nbytes]
-                if piece.nbytes < GATHER_MAX:
-                    out += data
-                    continue
-                self._send_bytes(out, cancelled)
-                out = bytearray()
-                self._send_bytes(data, cancelled)
-            if at != length:
-                raise ValueError(f"pieces end at byte {at}, not at the payload length {length}")
-            self._send_bytes(out, cancelled)
-        except OSError as e:
-            if self._closed and not isinstance(e, ConnectionError):
-                raise ConnectionAbortedError(f"data connection to {self.peer} closed") from None
-            raise
-        finally:
-            self._cork(False)
-        self.bytes_sent += datawire.HEADER.size + length
-        self._plane._sent(datawire.HEADER.size + length)
-
-    def _cork(self, on: bool) -> None:
-        """TCP_CORK: the header and small tensors leave in full segments with the large ones."""
-        if hasattr(socket, "TCP_CORK") and not self._closed:
-            try:
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, int(on))
-            except OSError:
-                pass
-
-    def _check(self, cancelled: Callable[[], bool]) -> None:
-        if self._closed:
-            raise ConnectionAbortedError(f"data connection to {self.peer} closed")
-        if cancelled():
-            raise ConnectionAbortedError(f"the call of the data connection to {self.peer} ended")
-
-    def _send_bytes(self, data, cancelled: Callable[[], bool]) -> None:
-        view = memoryview(data).cast("B")
-        sent, total = 0, len(view)
-        while sent < total:
-            try:
-                n = self._sock.send(view[sent : sent + CHUNK])
-            except (TimeoutError, BlockingIOError, ssl.SSLWantWriteError):
-                n = 0
-            if n:
-                sent += n
-            else:
-                self._check(cancelled)
-
-    def abort(self) -> None:
-        """Make a send in another thread fail at once (the plane closes); ``close`` follows there."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        """Close the connection (the client sees the end of its data stream). Idempotent."""
-        self.abort()
-        self._plane._forget(self)
-        try:
-            self._sock.close()
-        except OSError:
-            pass
 
 
 class Ticket:
@@ -434,40 +314,3 @@ class DataPlane:
             except OSError:
                 pass
             t.join(self.handshake_timeout_s + 1.0)
-
-
-class CallSender:
-    """One Batches call's side of the data plane: its one-time token (``metadata``, for the call's
-    initial metadata), then the connection that presented it, which every batch's payload goes
-    on (``send``), in the order of the call's messages.
-
-    cancelled(): whether the call ended (``not context.is_active()``): a wait for the client's
-    connection, or a send to a client that stopped reading, ends then. Raises
-    ConnectionAbortedError if the plane is closed.
-    """
-
-    def __init__(self, plane: DataPlane, cancelled: Callable[[], bool]):
-        self.ticket = plane.expect()
-        self.port = plane.port
-        self._cancelled = cancelled
-        self._connection: DataConnection | None = None
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """``batchd-data-port`` and ``batchd-data-token`` (``batchd.datawire.metadata``)."""
-        return datawire.metadata(self.port, self.ticket.token)
-
-    def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int) -> int:
-        """Write one batch's payload (``DataConnection.send``), first waiting for the client's
-        connection (``Ticket.wait``); returns the bytes written (header included). Raises
-        ConnectionError (the client did not connect in time, or went away),
-        ConnectionAbortedError (the call ended, the plane closed)."""
-        if self._connection is None:
-            self._connection = self.ticket.wait(self._cancelled)
-        self._connection.send(batch_index, slot, pieces, length, self._cancelled)
-        return datawire.HEADER.size + length
-
-    def close(self) -> None:
-        """The call ended: withdraw the token, close the connection (the client reads its end)."""
-        self.ticket.close()
-        if self._connection is not None:
-            self._connection.close()

@@ -27,7 +27,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from batchd.server.serve.shm import Segment, SlotPool
+from batchd.server.shm import Segment, SlotPool
 
 log = logging.getLogger(__name__)
 

@@ -70,132 +70,148 @@ class StatsCollector(Collector):
 
     def collect(self):
         s = stats.snapshot(self.loader)
-        p, t = s.pool, s.totals
-
-        def gauge(name, doc, value):
-            return GaugeMetricFamily(name, doc, value=value)
-
-        def counter(name, doc, value):
-            return CounterMetricFamily(name, doc, value=value)
-
-        yield gauge("batchd_uptime_seconds", "Seconds since the server started.", s.uptime_seconds)
-        yield gauge("batchd_streams", "Open streams (StreamBatches and Batches calls).", len(s.streams))
-        yield gauge("batchd_streams_shared", "Open streams computed once for several identical clients.",
-                    sum(1 for st in s.streams if st.shared))
-        yield counter("batchd_streams_started", "Streams opened.", t.streams_started)
-        ended = CounterMetricFamily("batchd_streams_ended", "Streams closed, by outcome.", labels=["outcome"])
-        ended.add_metric(["finished"], t.streams_finished)
-        ended.add_metric(["failed"], t.streams_failed)
-        ended.add_metric(["cancelled"], t.streams_cancelled)
-        yield ended
-        yield counter("batchd_batches_sent", "Batches sent, all streams.", t.batches_sent)
-        yield counter("batchd_samples_sent", "Samples (images) sent, all streams.", t.samples_sent)
-        yield counter("batchd_bytes_sent", "gRPC message bytes of batches sent, all streams.", t.bytes_sent)
-        yield counter("batchd_samples_skipped", "Unreadable samples left out of batches, all streams.", t.samples_skipped)
-        copied = CounterMetricFamily("batchd_bytes_copied", "Batch bytes copied out of shared-memory slots, by the "
-                                     "stream's transport (shm: inline fallbacks; 0 while every batch is lent; socket: "
-                                     "payloads on data connections).",
-                                     labels=["transport"])
-        copied.add_metric(["shm"], t.bytes_copied_shm)
-        copied.add_metric(["inline"], t.bytes_copied_inline)
-        copied.add_metric(["socket"], t.bytes_copied_socket)
-        yield copied
-        yield counter("batchd_data_plane_bytes_sent", "Bytes written on data connections (socket transport: "
-                      "headers, payloads, padding), all streams.", t.data_plane_bytes_sent)
-        conns = CounterMetricFamily("batchd_data_connections", "Data connections, by outcome (refused: no, a wrong, "
-                                    "reused or late token, or a failed TLS handshake).", labels=["outcome"])
-        conns.add_metric(["accepted"], t.data_connections_accepted)
-        conns.add_metric(["refused"], t.data_connections_refused)
-        yield conns
-        yield counter("batchd_hedge_streams_started", "Hedged requests opened (a client of several servers "
-                      "re-requesting one late batch here).", t.hedge_streams_started)
-        yield counter("batchd_hedge_batches_built", "Batches workers built for hedged requests.", t.hedge_batches_built)
-        yield counter("batchd_hedge_batches_sent", "Batches sent on hedged requests.", t.hedge_batches_sent)
-        rpcs = CounterMetricFamily("batchd_control_rpcs", "Unary calls served, by method (the control path; "
-                                   "divide by batchd_batches_sent_total for a per-batch cost).", labels=["method"])
-        for method, value in (("DescribeDataset", t.describe_dataset_calls), ("ListDatasets", t.list_datasets_calls),
-                              ("ReleaseLeases", t.release_leases_calls), ("Stats", t.stats_calls)):
-            rpcs.add_metric([method], value)
-        yield rpcs
-        yield counter("batchd_batches_calls_started", "Batches calls opened (also counted in batchd_streams_started).",
-                      t.batches_calls_started)
-        yield counter("batchd_control_messages", "BatchesControl messages received on Batches calls (the open "
-                      "included).", t.control_messages)
-        yield counter("batchd_batches_granted", "Batch indices granted on Batches calls.", t.batches_granted)
-        yield counter("batchd_batches_revoked", "Batch indices revoked on Batches calls before they were sent.",
-                      t.batches_revoked)
-        released = CounterMetricFamily("batchd_leases_released", "Shared-memory leases released by clients, by "
-                                       "how (call: on a Batches call; rpc: ReleaseLeases).", labels=["via"])
-        released.add_metric(["call"], t.leases_released_on_calls)
-        released.add_metric(["rpc"], t.leases_released_by_rpc)
-        yield released
-        yield gauge("batchd_computations", "Running computations (identical streams share one).", s.computations)
-        yield counter("batchd_computations_started", "Computations started.", s.computations_started)
-
-        yield gauge("batchd_workers", "Configured worker processes.", p.workers)
-        yield gauge("batchd_workers_ready", "Worker processes started and answering.", p.ready)
-        yield gauge("batchd_workers_busy", "Worker processes with a batch assigned now.", p.busy)
-        yield counter("batchd_worker_restarts", "Worker processes that died and were replaced.", p.restarts)
-        yield counter("batchd_batches_rebuilt", "Batches in flight on a worker that died, queued again for another.",
-                      p.batches_rebuilt)
-        yield counter("batchd_worker_busy_seconds", "Seconds workers spent building batches (read, decode, "
-                      "pipeline, cache, write).",
-                      p.busy_seconds)
-        yield gauge("batchd_worker_utilization_ratio",
-                    "Fraction of worker time spent building batches, moving over about 10 s.", p.utilization)
-        yield gauge("batchd_workers_busy_ratio", "Fraction of the workers' time with a batch to build, moving over "
-                    "about 10 s (the same as batchd_worker_utilization_ratio; scale on it).", p.utilization)
-        yield gauge("batchd_trainer_data_wait_ratio", "Mean fraction of their training loop's time the clients of "
-                    "the open streams spend waiting for data, as they report it (0 when none reports).",
-                    s.trainer_data_wait_ratio)
-        yield gauge("batchd_workers_min", "The fewest workers the pool runs (config workers, or workers.min).",
-                    p.min_workers)
-        yield gauge("batchd_workers_max", "The most workers the pool runs (workers.max capped by the CPU quota).",
-                    p.max_workers)
-        yield gauge("batchd_workers_cpu_quota", "CPUs the workers may use (the cgroup limit, else the CPUs "
-                    "available); 0 for a fixed pool.", p.cpu_quota)
-        scaling = CounterMetricFamily("batchd_worker_scaling", "Workers started (direction up, reason "
-                                      "clients_waiting) and retired (down, idle) by the pool's sizing.",
-                                      labels=["direction", "reason"])
-        for direction, reason in (("up", "clients_waiting"), ("down", "idle")):
-            scaling.add_metric([direction, reason], (s.scaling or {}).get((direction, reason), 0))
-        yield scaling
-        for name, doc, value in _scheduler_counters(p):
-            yield counter(name, doc, value)
-        per_worker = GaugeMetricFamily("batchd_worker_busy_ratio", "Fraction of a worker's time with a batch to "
-                                       "build, moving over about 10 s.", labels=["worker"])
-        for w in p.worker_stats:
-            per_worker.add_metric([str(w.id)], w.busy_ratio)
-        yield per_worker
-        stages = CounterMetricFamily("batchd_batch_stage_seconds", "Seconds of each stage of the batches sent "
-                                     "(BatchTimings: queued, read, decode, pipeline, cache, write, reorder, send; "
-                                     "read_io overlaps the others).", labels=["stage"])
-        for stage, seconds in (s.stage_seconds or {}).items():
-            stages.add_metric([stage], seconds)
-        yield stages
-        yield gauge("batchd_tasks_in_flight", "Batches sent to workers and not back yet (the work queue).",
-                    p.tasks_in_flight)
-        yield gauge("batchd_shm_slots_in_use", "Shared-memory slots holding a batch (lent slots not included).",
-                    p.slots_in_use)
-        yield gauge("batchd_shm_slots_max", "The cap on shared-memory slots (max_slots).", p.max_slots)
-        yield gauge("batchd_shm_bytes", "Bytes of shared-memory slots, held by the server or lent to clients.", p.shm_bytes)
-        yield gauge("batchd_leases_held", "Shared-memory slots lent to same-host clients.", p.leases_held)
-        yield gauge("batchd_sessions", "Open shared-memory sessions.", p.sessions)
-
+        yield from _server_families(s)
+        yield from _pool_families(s)
         yield from _cache_families(s.cache)
+        yield from _stream_families(s.streams)
 
-        families = [CounterMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_COUNTERS]
-        families += [GaugeMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_GAUGES]
-        attrs = [a for _, _, a in _STREAM_COUNTERS + _STREAM_GAUGES]
-        wait = GaugeMetricFamily(*_STREAM_WAIT, labels=_STREAM_LABELS)
-        for st in s.streams:
-            labels = [str(st.id), st.dataset, st.pipeline, str(st.rank), st.transport]
-            for family, attr in zip(families, attrs):
-                family.add_metric(labels, getattr(st, attr))
-            if st.reports_wait:
-                wait.add_metric(labels, st.wait_ratio)
-        yield from families
-        yield wait
+
+def _gauge(name, doc, value):
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name, doc, value):
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _server_families(s: "stats.ServerStats"):
+    """Streams, what they sent, the data plane, hedged requests, the control path and computations,
+    over the server's life (open and closed streams)."""
+    t = s.totals
+    yield _gauge("batchd_uptime_seconds", "Seconds since the server started.", s.uptime_seconds)
+    yield _gauge("batchd_streams", "Open streams (StreamBatches and Batches calls).", len(s.streams))
+    yield _gauge("batchd_streams_shared", "Open streams computed once for several identical clients.",
+                 sum(1 for st in s.streams if st.shared))
+    yield _counter("batchd_streams_started", "Streams opened.", t.streams_started)
+    ended = CounterMetricFamily("batchd_streams_ended", "Streams closed, by outcome.", labels=["outcome"])
+    ended.add_metric(["finished"], t.streams_finished)
+    ended.add_metric(["failed"], t.streams_failed)
+    ended.add_metric(["cancelled"], t.streams_cancelled)
+    yield ended
+    yield _counter("batchd_batches_sent", "Batches sent, all streams.", t.batches_sent)
+    yield _counter("batchd_samples_sent", "Samples (images) sent, all streams.", t.samples_sent)
+    yield _counter("batchd_bytes_sent", "gRPC message bytes of batches sent, all streams.", t.bytes_sent)
+    yield _counter("batchd_samples_skipped", "Unreadable samples left out of batches, all streams.", t.samples_skipped)
+    copied = CounterMetricFamily("batchd_bytes_copied", "Batch bytes copied out of shared-memory slots, by the "
+                                 "stream's transport (shm: inline fallbacks; 0 while every batch is lent; socket: "
+                                 "payloads on data connections).",
+                                 labels=["transport"])
+    copied.add_metric(["shm"], t.bytes_copied_shm)
+    copied.add_metric(["inline"], t.bytes_copied_inline)
+    copied.add_metric(["socket"], t.bytes_copied_socket)
+    yield copied
+    yield _counter("batchd_data_plane_bytes_sent", "Bytes written on data connections (socket transport: "
+                   "headers, payloads, padding), all streams.", t.data_plane_bytes_sent)
+    conns = CounterMetricFamily("batchd_data_connections", "Data connections, by outcome (refused: no, a wrong, "
+                                "reused or late token, or a failed TLS handshake).", labels=["outcome"])
+    conns.add_metric(["accepted"], t.data_connections_accepted)
+    conns.add_metric(["refused"], t.data_connections_refused)
+    yield conns
+    yield _counter("batchd_hedge_streams_started", "Hedged requests opened (a client of several servers "
+                   "re-requesting one late batch here).", t.hedge_streams_started)
+    yield _counter("batchd_hedge_batches_built", "Batches workers built for hedged requests.", t.hedge_batches_built)
+    yield _counter("batchd_hedge_batches_sent", "Batches sent on hedged requests.", t.hedge_batches_sent)
+    rpcs = CounterMetricFamily("batchd_control_rpcs", "Unary calls served, by method (the control path; "
+                               "divide by batchd_batches_sent_total for a per-batch cost).", labels=["method"])
+    for method, value in (("DescribeDataset", t.describe_dataset_calls), ("ListDatasets", t.list_datasets_calls),
+                          ("ReleaseLeases", t.release_leases_calls), ("Stats", t.stats_calls)):
+        rpcs.add_metric([method], value)
+    yield rpcs
+    yield _counter("batchd_batches_calls_started", "Batches calls opened (also counted in batchd_streams_started).",
+                   t.batches_calls_started)
+    yield _counter("batchd_control_messages", "BatchesControl messages received on Batches calls (the open "
+                   "included).", t.control_messages)
+    yield _counter("batchd_batches_granted", "Batch indices granted on Batches calls.", t.batches_granted)
+    yield _counter("batchd_batches_revoked", "Batch indices revoked on Batches calls before they were sent.",
+                   t.batches_revoked)
+    released = CounterMetricFamily("batchd_leases_released", "Shared-memory leases released by clients, by "
+                                   "how (call: on a Batches call; rpc: ReleaseLeases).", labels=["via"])
+    released.add_metric(["call"], t.leases_released_on_calls)
+    released.add_metric(["rpc"], t.leases_released_by_rpc)
+    yield released
+    yield _gauge("batchd_computations", "Running computations (identical streams share one).", s.computations)
+    yield _counter("batchd_computations_started", "Computations started.", s.computations_started)
+
+
+def _pool_families(s: "stats.ServerStats"):
+    """The worker processes, their sizing and scheduler, the batches' stages, and the shared-memory slots."""
+    p = s.pool
+    yield _gauge("batchd_workers", "Configured worker processes.", p.workers)
+    yield _gauge("batchd_workers_ready", "Worker processes started and answering.", p.ready)
+    yield _gauge("batchd_workers_busy", "Worker processes with a batch assigned now.", p.busy)
+    yield _counter("batchd_worker_restarts", "Worker processes that died and were replaced.", p.restarts)
+    yield _counter("batchd_batches_rebuilt", "Batches in flight on a worker that died, queued again for another.",
+                   p.batches_rebuilt)
+    yield _counter("batchd_worker_busy_seconds", "Seconds workers spent building batches (read, decode, "
+                   "pipeline, cache, write).",
+                   p.busy_seconds)
+    yield _gauge("batchd_worker_utilization_ratio",
+                 "Fraction of worker time spent building batches, moving over about 10 s.", p.utilization)
+    yield _gauge("batchd_workers_busy_ratio", "Fraction of the workers' time with a batch to build, moving over "
+                 "about 10 s (the same as batchd_worker_utilization_ratio; scale on it).", p.utilization)
+    yield _gauge("batchd_trainer_data_wait_ratio", "Mean fraction of their training loop's time the clients of "
+                 "the open streams spend waiting for data, as they report it (0 when none reports).",
+                 s.trainer_data_wait_ratio)
+    yield _gauge("batchd_workers_min", "The fewest workers the pool runs (config workers, or workers.min).",
+                 p.min_workers)
+    yield _gauge("batchd_workers_max", "The most workers the pool runs (workers.max capped by the CPU quota).",
+                 p.max_workers)
+    yield _gauge("batchd_workers_cpu_quota", "CPUs the workers may use (the cgroup limit, else the CPUs "
+                 "available); 0 for a fixed pool.", p.cpu_quota)
+    scaling = CounterMetricFamily("batchd_worker_scaling", "Workers started (direction up, reason "
+                                  "clients_waiting) and retired (down, idle) by the pool's sizing.",
+                                  labels=["direction", "reason"])
+    for direction, reason in (("up", "clients_waiting"), ("down", "idle")):
+        scaling.add_metric([direction, reason], (s.scaling or {}).get((direction, reason), 0))
+    yield scaling
+    for name, doc, value in _scheduler_counters(p):
+        yield _counter(name, doc, value)
+    per_worker = GaugeMetricFamily("batchd_worker_busy_ratio", "Fraction of a worker's time with a batch to "
+                                   "build, moving over about 10 s.", labels=["worker"])
+    for w in p.worker_stats:
+        per_worker.add_metric([str(w.id)], w.busy_ratio)
+    yield per_worker
+    stages = CounterMetricFamily("batchd_batch_stage_seconds", "Seconds of each stage of the batches sent "
+                                 "(BatchTimings: queued, read, decode, pipeline, cache, write, reorder, send; "
+                                 "read_io overlaps the others).", labels=["stage"])
+    for stage, seconds in (s.stage_seconds or {}).items():
+        stages.add_metric([stage], seconds)
+    yield stages
+    yield _gauge("batchd_tasks_in_flight", "Batches sent to workers and not back yet (the work queue).",
+                 p.tasks_in_flight)
+    yield _gauge("batchd_shm_slots_in_use", "Shared-memory slots holding a batch (lent slots not included).",
+                 p.slots_in_use)
+    yield _gauge("batchd_shm_slots_max", "The cap on shared-memory slots (max_slots).", p.max_slots)
+    yield _gauge("batchd_shm_bytes", "Bytes of shared-memory slots, held by the server or lent to clients.", p.shm_bytes)
+    yield _gauge("batchd_leases_held", "Shared-memory slots lent to same-host clients.", p.leases_held)
+    yield _gauge("batchd_sessions", "Open shared-memory sessions.", p.sessions)
+
+
+def _stream_families(streams: "tuple[stats.StreamStats, ...]"):
+    """The per-stream series (labels ``_STREAM_LABELS``), gone when their stream ends."""
+    families = [CounterMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_COUNTERS]
+    families += [GaugeMetricFamily(n, d, labels=_STREAM_LABELS) for n, d, _ in _STREAM_GAUGES]
+    attrs = [a for _, _, a in _STREAM_COUNTERS + _STREAM_GAUGES]
+    wait = GaugeMetricFamily(*_STREAM_WAIT, labels=_STREAM_LABELS)
+    for st in streams:
+        labels = [str(st.id), st.dataset, st.pipeline, str(st.rank), st.transport]
+        for family, attr in zip(families, attrs):
+            family.add_metric(labels, getattr(st, attr))
+        if st.reports_wait:
+            wait.add_metric(labels, st.wait_ratio)
+    yield from families
+    yield wait
+
 
 
 def _scheduler_counters(p: "stats.PoolStats"):

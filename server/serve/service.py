@@ -1,11 +1,9 @@
 """The gRPC servicer: a thin adapter from ``batchd.v1.BatchLoader`` to a ``Loader``.
 
-StreamBatches and Batches responses come pre-serialized from ``Transport.encode``
-(server/serve/transport.py: the slot lent in place, or its bytes copied once into the message), so
-their handlers are registered with an identity serializer. A stream's generator never blocks for
-long: it waits for the next batch in slices of ``_POLL_S`` and stops as soon as
-``context.is_active()`` turns false (client gone). A Batches call's requests are read on a thread
-of their own (``CallControl``, server/serve/control.py).
+Its methods are registered with gRPC by ``handlers.add_to_server`` (pre-serialized responses, a
+catch-all for unexpected errors). StreamBatches and Batches calls send their batches with the
+loop of ``sending.py``; a Batches call's requests are read on a thread of their own
+(``CallControl``, server/serve/control.py).
 
 Both calls send initial metadata ``batchd-server-id`` (``Loader.server_id``) before anything
 else, and refuse a request whose ``expect_*`` fields do not match the dataset served
@@ -21,31 +19,26 @@ import dataclasses
 import logging
 import threading
 import time
-import traceback
-import uuid
 
 import grpc
 
-from batchd.errors import DatasetNotFoundError, ResourceExhaustedError, SampleError, ShapeMismatchError, WorkerError
-from batchd.server import build
+from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
+from batchd.server.compute import build
+from batchd.server.compute.protocol import StreamRequest
+from batchd.server.loader import Loader
 from batchd.server.serve import stats
 from batchd.server.serve.control import CallControl
-from batchd.server.serve.dataplane import CallSender, DataPlane
-from batchd.server.serve.lag import LagLog
-from batchd.server.loader import Loader
-from batchd.server.compute.pool import WAKE_STREAM
-from batchd.server.compute.protocol import StreamRequest
+from batchd.server.serve.data_connection import CallSender
+from batchd.server.serve.dataplane import DataPlane
+from batchd.server.serve.handlers import ERROR_DETAIL_KEY
 from batchd.server.serve.security import OPEN, Authenticator, Redactor, Scope
+from batchd.server.serve.sending import _POLL_S, BatchSending
 from batchd.server.serve.stream import Stream
-from batchd.server.serve.transport import LEASE_WAIT_S, socket_payload
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-SERVICE = "batchd.v1.BatchLoader"
-ERROR_DETAIL_KEY = "batchd-error-bin"
 SERVER_ID_KEY = "batchd-server-id"
-_POLL_S = 0.25
 OPEN_TIMEOUT_S = 30.0  # a Batches call whose first message (open) does not come within this is refused
 
 
@@ -85,7 +78,7 @@ def expected_mismatch(request: pb.StreamBatchesRequest, info: pb.DatasetInfo) ->
     return found
 
 
-class BatchLoaderService:
+class BatchLoaderService(BatchSending):
     """Implements the ``batchd.v1.BatchLoader`` service over ``loader``."""
 
     def __init__(self, loader: Loader, *, max_long_calls: int | None = None, data_plane: DataPlane | None = None):
@@ -291,118 +284,6 @@ class BatchLoaderService:
         context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
 
-    def _serve(self, stream: Stream, context: grpc.ServicerContext, control: CallControl | None = None,
-               sender: CallSender | None = None):
-        """Send ``stream``'s batches as they come (``Stream.next``) until it is finished, fails, the
-        client goes away, or the server drains; then close it.
-
-        With a ``sender`` (the socket transport) each batch's payload follows its message on the
-        data connection, written once gRPC has taken the message (the client reads the message,
-        then the payload: written the other way round, a payload larger than the sockets' buffers
-        would wait for a client that waits for its message). The batch's slot is held until then.
-        A data connection that breaks ends the call UNAVAILABLE (the client resumes elsewhere).
-        """
-        reason = "finished"
-        transport = self.loader.transport
-        lag = LagLog(stream, self.loader)
-        try:
-            while True:
-                if self.loader.draining:
-                    reason = "ended: the server is shutting down"
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"the server is shutting down; reconnect to resume at batch {stream.next_index}"
-                                  if stream.ordered else
-                                  "the server is shutting down; grant the batches not received to another server")
-                if control is not None and control.error is not None:
-                    e = control.error
-                    reason = f"failed: {type(e).__name__} in a control message"
-                    stream.failed = True
-                    code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError)
-                            else grpc.StatusCode.INVALID_ARGUMENT)
-                    context.abort(code, self.redact(str(e)))
-                if control is not None and control.gone:
-                    reason = "cancelled by the client"
-                    return
-                waits = stream.ordered or bool(stream.granted)  # a call with nothing granted waits for its client
-                if stream.waiting_since is None and waits:
-                    stream.waiting_since = time.monotonic()
-                try:
-                    batch = stream.next(_POLL_S)
-                except (SampleError, ShapeMismatchError, WorkerError, ResourceExhaustedError, ValueError, TypeError) as e:
-                    reason = f"failed: {type(e).__name__}"
-                    stream.failed = True
-                    _abort_with_detail(context, stream.request.dataset, e, self.redact)
-                    return
-                if transport.abandoned(stream):
-                    if batch is not None:
-                        stream.release(batch, sent=False)
-                    reason = "abandoned by the client"
-                    return
-                if batch is None:
-                    if stream.finished:
-                        return
-                    if not context.is_active():
-                        reason = "cancelled by the client"
-                        return
-                    if waits:
-                        lag.waiting()
-                    else:
-                        stream.waiting_since = None
-                    continue
-                lag.got_batch(batch.batch_index)
-                data = self._send(stream, batch, context, hold=sender is not None)
-                if data is None:  # the call ended, or the server began draining, while a lease was awaited
-                    if self.loader.draining:
-                        continue  # the check above ends the call
-                    reason = "cancelled by the client"
-                    return
-                stream.bytes_sent += len(data)
-                if sender is None:
-                    yield data
-                    continue
-                sent = False
-                try:
-                    yield data
-                    stream.data_bytes_sent += sender.send(batch.batch_index, batch.slot, *socket_payload(batch))
-                    sent = True
-                except ConnectionAbortedError:
-                    reason = "cancelled by the client"
-                    return
-                except ConnectionError as e:
-                    if not context.is_active():
-                        reason = "cancelled by the client"
-                        return
-                    reason = "ended: its data connection broke"
-                    context.abort(grpc.StatusCode.UNAVAILABLE, f"the data connection of this call broke: {e}")
-                finally:
-                    stream.release(batch, sent=sent)
-                    if stream.ordered:  # the server grants its next batch: work for the pool
-                        self.loader.pool.wake(WAKE_STREAM)
-        finally:
-            self.loader.close_stream(stream, reason)
-
-    def _send(self, stream, batch, context: grpc.ServicerContext, hold: bool = False) -> bytes | None:
-        """Serialize ``batch`` for the client (lent, inline or its payload's place: ``Transport.encode``),
-        then let go of it (``hold``: the caller does, once the payload is sent, if this returned bytes).
-
-        At the session's lease cap, waits up to ``LEASE_WAIT_S`` for a lease to come back; None if
-        the call ended (or the server began draining) meanwhile.
-        """
-        patient_until = time.monotonic() + LEASE_WAIT_S
-        data = None
-        stream.send_started = time.perf_counter()  # the batch's send_seconds count from here (Transport)
-        try:
-            while data is None:
-                data = self.loader.transport.encode(stream, batch, patient=time.monotonic() < patient_until)
-                if data is None and (not context.is_active() or self.loader.draining):
-                    return None
-            return data
-        finally:
-            if data is None or not hold:
-                stream.release(batch, sent=data is not None)
-                if stream.ordered:  # the server grants its next batch (a Batches call's grants wake the pool)
-                    self.loader.pool.wake(WAKE_STREAM)
-
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):
         """The first event names the probe segment; then the call stays open, its thread waiting on
         an event (set when the call ends, or by ``drain``), until the client or the server ends it."""
@@ -464,118 +345,3 @@ def stats_to_proto(s: stats.ServerStats) -> pb.StatsResponse:
         totals=pb.StatsTotals(**dataclasses.asdict(s.totals)),
         cache=[pb.CacheStats(**dataclasses.asdict(c)) for c in s.cache],
     )
-
-
-def _abort_with_detail(context: grpc.ServicerContext, dataset: str, e: BaseException, redact=None) -> None:
-    detail = pb.ErrorDetail(type=type(e).__name__, dataset=dataset)
-    if isinstance(e, SampleError):
-        detail.indices.append(e.index)
-        detail.paths.append(redact(e.path) if redact is not None else e.path)
-        detail.reason = redact(e.reason) if redact is not None else e.reason
-    code = grpc.StatusCode.INTERNAL if isinstance(e, WorkerError) else (
-        grpc.StatusCode.DATA_LOSS if isinstance(e, SampleError) else
-        grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError) else grpc.StatusCode.INVALID_ARGUMENT
-    )
-    log.error("stream on dataset %r failed: %s", dataset, "".join(traceback.format_exception(e)).rstrip())
-    message = str(e).split("\n\nWorker traceback:")[0]  # the traceback stays in the server log
-    if getattr(e, "__notes__", None) and not isinstance(e, WorkerError):
-        message += "\n" + "\n".join(n for n in e.__notes__ if not n.startswith("Worker traceback"))
-    if redact is not None:  # no server paths or tracebacks for the client; the log above has them
-        message = redact(message)
-    detail.message = message
-    context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
-    context.abort(code, message)
-
-
-def _internal_error(context: grpc.ServicerContext, method: str, e: Exception) -> None:
-    """Log an unexpected exception with a request id; the client gets only the id."""
-    request_id = uuid.uuid4().hex[:12]
-    log.error("request %s: %s from %s failed: %s", request_id, method, context.peer(),
-              "".join(traceback.format_exception(e)).rstrip())
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error (see the server log, request id {request_id})")
-
-
-class _Undecodable:
-    """What the lenient deserializer returns for request bytes that do not parse."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-
-def _lenient(message_type):
-    """``message_type.FromString`` that returns ``_Undecodable`` instead of raising: gRPC would log the
-    parse error at ERROR and answer INTERNAL; the handler answers INVALID_ARGUMENT instead."""
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except Exception as e:  # google.protobuf.message.DecodeError, RuntimeWarning-free variants
-            return _Undecodable(e)
-    return parse
-
-
-def _refuse_undecodable(method: str, request: _Undecodable, context: grpc.ServicerContext) -> None:
-    log.warning("%s from %s: undecodable request (%s)", method, context.peer(), request.error)
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid protobuf message")
-
-
-def _guarded(method: str, handler, streaming: bool):
-    """``handler`` with a catch-all: an exception that is not an abort becomes INTERNAL + a log entry;
-    an undecodable request becomes INVALID_ARGUMENT + a warning (a bidirectional call's requests
-    are checked one by one by the handler).
-
-    An abort (``context.abort``) raises too; it has set the status (``context.code()``) and passes.
-    """
-    if streaming:
-        def guarded_stream(request, context):
-            if isinstance(request, _Undecodable):
-                _refuse_undecodable(method, request, context)
-            try:
-                yield from handler(request, context)
-            except Exception as e:
-                if context.code() is not None:
-                    raise
-                _internal_error(context, method, e)
-        return guarded_stream
-
-    def guarded(request, context):
-        if isinstance(request, _Undecodable):
-            _refuse_undecodable(method, request, context)
-        try:
-            return handler(request, context)
-        except Exception as e:
-            if context.code() is not None:
-                raise
-            _internal_error(context, method, e)
-    return guarded
-
-
-# method -> (request type, response serializer, kind: "unary", "stream" (server streaming) or "bidi")
-_METHODS = {
-    "ListDatasets": (pb.ListDatasetsRequest, pb.ListDatasetsResponse.SerializeToString, "unary"),
-    "DescribeDataset": (pb.DescribeDatasetRequest, pb.DatasetInfo.SerializeToString, "unary"),
-    "StreamBatches": (pb.StreamBatchesRequest, bytes, "stream"),  # batches come pre-serialized (batchd.wire)
-    "Batches": (pb.BatchesControl, bytes, "bidi"),  # ... here too
-    "OpenSession": (pb.OpenSessionRequest, pb.SessionEvent.SerializeToString, "stream"),
-    "ReleaseLeases": (pb.ReleaseLeasesRequest, pb.ReleaseLeasesResponse.SerializeToString, "unary"),
-    "Stats": (pb.StatsRequest, pb.StatsResponse.SerializeToString, "unary"),
-}
-_HANDLERS = {"unary": grpc.unary_unary_rpc_method_handler, "stream": grpc.unary_stream_rpc_method_handler,
-             "bidi": grpc.stream_stream_rpc_method_handler}
-
-
-def add_to_server(service, server: grpc.Server) -> None:
-    """Register ``service`` (a ``BatchLoaderService``, or a stand-in with the same methods; one
-    without ``Batches`` leaves that call unimplemented); StreamBatches and Batches responses are
-    pre-serialized bytes.
-
-    Every handler is wrapped by ``_guarded``: no traceback or internal detail reaches a client.
-    """
-    handlers = {}
-    for method, (request_type, serialize, kind) in _METHODS.items():
-        if not hasattr(service, method):
-            continue
-        handlers[method] = _HANDLERS[kind](_guarded(method, getattr(service, method), streaming=kind != "unary"),
-                                           request_deserializer=_lenient(request_type), response_serializer=serialize)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -23,9 +23,10 @@ import time
 import numpy as np
 
 from batchd.errors import ResourceExhaustedError
-from batchd.server.serve.computation import Computation, ReadyBatch, _Moved
 from batchd.server.compute.protocol import StreamRequest
-from batchd.server.serve.stats import RateMeter
+from batchd.server.compute.rates import RateMeter
+from batchd.server.compute.work import ReadyBatch
+from batchd.server.serve.computation import Computation, _Moved
 
 __all__ = ["Computation", "ReadyBatch", "Stream"]
 

@@ -51,7 +51,7 @@ import lz4.frame as lz4_frame
 from batchd import datawire, wire
 from batchd.server.compute.protocol import TensorLayout
 from batchd.server.serve.leases import LeaseTable
-from batchd.server.serve.shm import SlotPool
+from batchd.server.shm import SlotPool
 from batchd.server.serve.stream import ReadyBatch, Stream
 from batchd.v1 import loader_pb2 as pb
 

@@ -20,7 +20,7 @@ import torch
 
 from batchd import RemoteDataLoader
 from batchd.errors import SampleError
-from batchd.server.data.datasets._files import ImageReadError
+from batchd.server.data.decode import ImageReadError
 from batchd.server.compute.encoded import check_jpeg
 from batchd.client import decode
 from batchd.v1 import loader_pb2 as pb

@@ -24,7 +24,7 @@ from batchd.client.channel import TLS
 from batchd.client.dataplane import DataSocket, data_host
 from batchd.server.config import TlsConfig
 from batchd.server.serve.dataplane import DataPlane, tls_context
-from batchd.server.serve.shm import Owner, SlotPool
+from batchd.server.shm import Owner, SlotPool
 from pki import make_pki
 
 pytestmark = pytest.mark.timeout(60)

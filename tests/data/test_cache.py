@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from batchd.server.data.cache import SharedCache, sample_key
-from batchd.server.serve.shm import SHM_DIR
+from batchd.server.shm import SHM_DIR
 
 SHAPE = (64, 64, 3)  # 12 KiB per raw entry
 

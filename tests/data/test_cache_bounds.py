@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from batchd.server.data.cache import SharedCache, sample_key
-from batchd.server.serve.shm import SHM_DIR
+from batchd.server.shm import SHM_DIR
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -507,7 +507,7 @@ def test_max_pixels(tmp_path):
 
 
 def test_image_size_reads_headers(tmp_path):
-    from batchd.server.data.datasets._files import image_size
+    from batchd.server.data.decode import image_size
 
     for suffix in (".png", ".jpg", ".bmp", ".webp"):
         ok, enc = cv2.imencode(suffix, smooth_image(30, 40))

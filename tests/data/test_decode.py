@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from batchd.server.compute import pipeline
-from batchd.server.data.datasets._files import decode_rgb, jpeg_orientation, read_rgb
+from batchd.server.data.decode import decode_rgb, jpeg_orientation, read_rgb
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -71,7 +71,7 @@ def test_describe_dataset_reports_fingerprints_that_follow_the_files(make_server
 def test_the_build_says_whether_a_cache_serves_and_under_which_prefix_rule(make_server, tmp_path, monkeypatch):
     """Parts ``cache`` (on/off) and ``cache_prefix_rules``; the disk cache is stamped with them."""
     from batchd.client.datasets import mismatches
-    from batchd.server.build import build_fingerprint, build_parts
+    from batchd.server.compute.build import build_fingerprint, build_parts
     from batchd.server.compute import prefix
 
     root = photos(tmp_path / "pics")

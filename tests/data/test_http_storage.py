@@ -105,7 +105,7 @@ def test_http_rows_survive_503s_and_stream_as_local_files(images, make_server, t
 
 def test_presigned_rows_read_through_fsspec_survive_503s_too(images, make_server, tmp_path, caplog):
     """URLs with a query string (presigned) or user info stay on fsspec's HTTP filesystem, which has
-    no retries of its own: batchd retries them (tenacity, server/data/datasets/_fsspec_retry.py)."""
+    no retries of its own: batchd retries them (tenacity, server/data/storage/_fsspec_retry.py)."""
     root, files = images
     with flaky_server(root, fail_first=2) as (base, counts):
         opts = {"max_attempts": 4, "timeout_s": 5}
@@ -176,7 +176,7 @@ def test_http_rows_fail_after_the_retries_naming_dataset_index_and_url(images, m
 
 
 def test_backend_fsspec_keeps_fsspec_for_http(images, tmp_path):
-    from batchd.server.data.datasets.storage import Storage, StorageOptions
+    from batchd.server.data.storage import Storage, StorageOptions
 
     root, files = images
     with flaky_server(root, fail_first=0) as (base, _):

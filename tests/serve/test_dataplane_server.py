@@ -18,7 +18,7 @@ import pytest
 from batchd import datawire
 from batchd.server.config import ConfigError, DataPlaneConfig, ServerConfig, TlsConfig, load_config
 from batchd.server.serve.dataplane import DataPlane, tls_context
-from batchd.server.serve.shm import Owner, SlotPool
+from batchd.server.shm import Owner, SlotPool
 from pki import make_pki
 
 pytestmark = pytest.mark.timeout(60)

@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import batchd
 from helpers import digest, free_port, wait_until, write_png
 from batchd.sampler import shard_indices
-from batchd.server.serve import shm as server_shm
+from batchd.server import shm as server_shm
 from procs import (N_TEST, RANDOM_AUG, SLOW, ServerProcess, _stat, alive, cmdline, descendants, fmnist_test_config,  # noqa: F401
                    health_status, loader, segments_of, write_server_config)
 

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import batchd
-from batchd.server.serve import shm
+from batchd.server import shm
 from batchd.server.serve.leases import LeaseTable
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc

@@ -21,9 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import batchd
 from batchd.client.stats import get_stats, stats_dict
-from batchd.server.serve import lag as lag_mod, service as service_mod
+from batchd.server.serve import lag as lag_mod, sending as service_mod
 from batchd.server.compute.protocol import StreamRequest
-from batchd.server.serve.stats import RateMeter, snapshot
+from batchd.server.compute.rates import RateMeter
+from batchd.server.serve.stats import snapshot
 from helpers import free_port
 
 pytestmark = pytest.mark.timeout(120)

@@ -113,7 +113,7 @@ def test_bad_transport_arguments(fmnist_server):
 @pytest.fixture
 def transport():
     from batchd.server.serve.leases import LeaseTable
-    from batchd.server.serve.shm import Owner, SlotPool
+    from batchd.server.shm import Owner, SlotPool
     from batchd.server.serve.transport import Transport
 
     owner = Owner()

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from batchd.server.serve.shm import SHM_DIR, Segment
+from batchd.server.shm import SHM_DIR, Segment
 
 from . import disk, entry
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
-from ._files import DEFAULT_MAX_PIXELS
+from ..decode import DEFAULT_MAX_PIXELS
 from .base import PER_OBJECT_FIELDS, Dataset, FieldSpec, SampleSpec
 
 __all__ = ["Dataset", "FieldSpec", "PER_OBJECT_FIELDS", "SampleSpec", "open_dataset"]

@@ -1,4 +1,5 @@
-"""What datasets of image files share: the packed path index and decoding a file to RGB.
+"""What datasets of image files share: the packed path index, reading a file, and decoding it to
+RGB (with ``server/data/decode.py``).
 
 The index of a file dataset is three arrays in one ``.bidx`` file (see ``_cache``):
 
@@ -14,19 +15,15 @@ from __future__ import annotations
 
 import os
 import pathlib
-import struct
 from collections.abc import Sequence
 
-import cv2
 import numpy as np
 
 from batchd.errors import SampleError
 
+from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, decode_rgb
+from ..storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 from .base import Dataset, SampleSpec
-from .storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
-
-DEFAULT_MAX_PIXELS = 1 << 28
-
 
 class PackedStrings:
     """A read-only sequence of strings stored as ``data`` uint8 [total] + ``offsets`` int64 [n + 1]."""
@@ -53,211 +50,6 @@ def pack_strings(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
     data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
     return data, offsets
-
-
-class ImageReadError(Exception):
-    """A file could not be turned into an image; ``reason`` says why (for SampleError)."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def image_size(buf: np.ndarray) -> tuple[int, int] | None:
-    """``(width, height)`` read from the header of an encoded PNG, JPEG, GIF, BMP or WebP image,
-    or None if the format is not one of these or the header is not where expected. Never decodes.
-    """
-    mv = memoryview(buf).cast("B")
-    head = bytes(mv[:32])
-    try:
-        if head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
-            return struct.unpack_from(">II", mv, 16)
-        if head[:6] in (b"GIF87a", b"GIF89a"):
-            return struct.unpack_from("<HH", mv, 6)
-        if head[:2] == b"BM":
-            (dib,) = struct.unpack_from("<I", mv, 14)
-            if dib == 12:
-                return struct.unpack_from("<HH", mv, 18)
-            w, h = struct.unpack_from("<ii", mv, 18)
-            return abs(w), abs(h)
-        if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-            chunk = head[12:16]
-            if chunk == b"VP8 " and head[23:26] == b"\x9d\x01\x2a":
-                w, h = struct.unpack_from("<HH", mv, 26)
-                return w & 0x3FFF, h & 0x3FFF
-            if chunk == b"VP8L" and head[20] == 0x2F:
-                (bits,) = struct.unpack_from("<I", mv, 21)
-                return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
-            if chunk == b"VP8X":
-                w = int.from_bytes(head[24:27], "little") + 1
-                h = int.from_bytes(head[27:30], "little") + 1
-                return w, h
-            return None
-        if head[:2] == b"\xff\xd8":
-            frame = jpeg_frame(mv)
-            if frame is None:
-                return None
-            h, w = struct.unpack_from(">HH", mv, frame[1] + 5)
-            return (w, h) if w and h else None
-    except (struct.error, IndexError):
-        return None
-    return None
-
-
-def jpeg_frame(mv: memoryview) -> tuple[int, int] | None:
-    """``(marker, offset)`` of a JPEG's frame header (its SOFn segment: 0xC0-0xCF but DHT, JPG
-    and DAC), found by walking the marker segments that follow the SOI marker (the caller has
-    checked ``mv[:2]``); ``mv`` is the file's bytes. The segment's fields (precision, height,
-    width, components) start at ``offset + 4``. None when the walk meets a byte that is not a
-    marker, the end of image or a scan first, or the end of ``mv``. Never raises.
-    """
-    n, pos = len(mv), 2
-    while pos + 4 <= n:
-        if mv[pos] != 0xFF:
-            return None
-        marker = mv[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
-            pos += 2
-            continue
-        if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
-            return None
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
-            return marker, pos
-        (length,) = struct.unpack_from(">H", mv, pos + 2)
-        pos += 2 + length
-    return None
-
-
-def jpeg_orientation(mv: memoryview) -> int:
-    """The EXIF orientation (1-8) of a JPEG, from the IFD0 of its APP1 "Exif" segment; 1 (upright)
-    when there is none or it cannot be read. 5-8 turn the image a quarter: the decoded image is
-    the stored one with height and width swapped (OpenCV applies the orientation). ``mv`` is the
-    file's bytes (the caller has checked ``mv[:2]``). Never raises."""
-    n, pos = len(mv), 2
-    try:
-        while pos + 4 <= n and mv[pos] == 0xFF:
-            marker = mv[pos + 1]
-            if marker == 0xFF:  # fill byte
-                pos += 1
-                continue
-            if marker in (0xD9, 0xDA) or (0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC)):
-                return 1  # the image data starts: EXIF comes before
-            (length,) = struct.unpack_from(">H", mv, pos + 2)
-            if marker == 0xE1 and bytes(mv[pos + 4:pos + 10]) == b"Exif\0\0":
-                return _tiff_orientation(bytes(mv[pos + 10:pos + 2 + length]))
-            pos += 2 + length
-    except (struct.error, IndexError, ValueError):
-        pass
-    return 1
-
-
-def exif_orientation(data) -> int:
-    """The EXIF orientation (1-8) of an encoded image's bytes (bytes-like or uint8 array): a
-    JPEG's (``jpeg_orientation``), 1 for any other format or none. Never raises."""
-    mv = memoryview(data).cast("B")
-    return jpeg_orientation(mv) if bytes(mv[:2]) == b"\xff\xd8" else 1
-
-
-def _tiff_orientation(tiff: bytes) -> int:
-    """Tag 0x0112 (Orientation, SHORT) of the first IFD of a TIFF header block, or 1."""
-    order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
-    if order is None or struct.unpack_from(order + "H", tiff, 2)[0] != 42:
-        return 1
-    (ifd,) = struct.unpack_from(order + "I", tiff, 4)
-    (count,) = struct.unpack_from(order + "H", tiff, ifd)
-    for i in range(count):
-        tag, kind, _, value = struct.unpack_from(order + "HHI4s", tiff, ifd + 2 + 12 * i)
-        if tag == 0x0112 and kind == 3:  # SHORT: in the first two bytes of the value field
-            (orientation,) = struct.unpack_from(order + "H", value)
-            return orientation if 1 <= orientation <= 8 else 1
-    return 1
-
-
-def _jpeg_truncated(buf: np.ndarray) -> bool:
-    """True if a JPEG has no end-of-image marker after its last start-of-scan marker.
-
-    Neither marker can occur inside entropy-coded data (0xFF is stuffed as 0xFF00), so a file
-    cut anywhere in its scans fails this; trailing bytes after a complete image do not.
-    """
-    tail = buf[-64:].tobytes().rstrip(b"\0")
-    if tail.endswith(b"\xff\xd9"):
-        return False  # the common case, without copying the file
-    data = buf.tobytes()
-    sos = data.rfind(b"\xff\xda")
-    return sos < 0 or data.find(b"\xff\xd9", sos) < 0
-
-
-_REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2))
-
-
-def _decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[int, int] | None,
-                 upright: bool = True) -> int:
-    """IMREAD_COLOR, or the largest JPEG DCT-domain reduction (1/2, 1/4, 1/8) whose output is
-    still at least ``min_size`` (height, width) once turned upright (EXIF orientation 5-8 swap
-    the stored width and height): libjpeg then skips most of the work. ``upright`` False: with
-    IMREAD_IGNORE_ORIENTATION (the stored pixels, not turned)."""
-    keep = 0 if upright else cv2.IMREAD_IGNORE_ORIENTATION
-    if min_size is None or size is None or buf[:2].tobytes() != b"\xff\xd8":
-        return cv2.IMREAD_COLOR | keep
-    w, h = size
-    if upright and jpeg_orientation(memoryview(buf).cast("B")) >= 5:
-        w, h = h, w
-    for factor, flag in _REDUCED:
-        if -(-h // factor) >= min_size[0] and -(-w // factor) >= min_size[1]:  # libjpeg rounds up
-            return flag | keep
-    return cv2.IMREAD_COLOR | keep
-
-
-def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
-    """Read and decode an image file: uint8 [H, W, 3], RGB (``decode_rgb`` of its bytes).
-
-    Raises ImageReadError: ``cannot read file: [Errno N] ...`` (missing, unreadable, a folder),
-    or one of ``decode_rgb``'s reasons.
-    """
-    try:
-        buf = np.fromfile(path, dtype=np.uint8)
-    except OSError as e:
-        raise ImageReadError(f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
-    return decode_rgb(buf, max_pixels, min_size)
-
-
-def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None,
-               upright: bool = True) -> np.ndarray:
-    """Decode an encoded image (bytes-like or uint8 array): uint8 [H, W, 3], RGB.
-
-    Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
-    alpha is dropped, 16-bit images are scaled to 8 bits, and EXIF orientation is applied
-    (``upright`` False: not applied, ``IMREAD_IGNORE_ORIENTATION``: the stored pixels, the frame
-    Pillow's ``Image.open`` and pycocotools' annotations use; tests/data/test_exif_frame.py).
-    With ``min_size`` (height, width), a JPEG at least twice that size in both dimensions (once
-    upright: ``jpeg_orientation``) is decoded reduced by 2, 4 or 8 (the pipeline downsizes it
-    anyway; measured here: a 1000x750 JPEG decodes about 2x faster at 1/2).
-
-    Raises ImageReadError whose reason is one of: ``empty file (0 bytes)``, ``truncated JPEG:
-    ...``, ``not a decodable image (N bytes)``, ``image too large: WxH = P pixels > max_pixels M``.
-    """
-    buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-    if buf.size == 0:
-        raise ImageReadError("empty file (0 bytes)")
-    size = image_size(buf)
-    if size is not None and size[0] * size[1] > max_pixels:
-        raise ImageReadError(f"image too large: {size[0]}x{size[1]} = {size[0] * size[1]} pixels > max_pixels {max_pixels}")
-    if buf[:2].tobytes() == b"\xff\xd8" and _jpeg_truncated(buf):
-        # OpenCV >= 5 rejects these; 4.x returns the decoded part with grey below it.
-        raise ImageReadError(f"truncated JPEG: no end-of-image marker after the last scan ({buf.size} bytes)")
-    try:
-        bgr = cv2.imdecode(buf, _decode_flag(buf, size, min_size, upright))
-    except cv2.error:
-        bgr = None
-    if bgr is None:
-        raise ImageReadError(f"not a decodable image ({buf.size} bytes)")
-    h, w = bgr.shape[:2]
-    if h * w > max_pixels:
-        raise ImageReadError(f"image too large: {w}x{h} = {w * h} pixels > max_pixels {max_pixels}")
-    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
 
 
 def file_settings(cfg) -> dict:

@@ -186,7 +186,7 @@ class Dataset(abc.ABC):
     @property
     def decode_settings(self) -> dict[str, str]:
         """Settings of this dataset that change decoded pixels (part of the server's build
-        fingerprint, see ``batchd.server.build``): name -> value as text. None by default."""
+        fingerprint, see ``batchd.server.compute.build``): name -> value as text. None by default."""
         return {}
 
     def _check(self, index: int) -> int:

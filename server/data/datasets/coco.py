@@ -7,14 +7,15 @@ import pathlib
 
 import numpy as np
 
+from ..decode import DEFAULT_MAX_PIXELS, exif_orientation
+from ..storage import Storage, StorageOptions, is_remote, local_copy, local_path, safe_url
 from ._cache import ArrayFile, cache_path, file_fingerprint, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, exif_orientation
+from ._files import FileDataset
 from ._orientation import orient_sample
 from ._fingerprint import content_fingerprint, with_settings
 from .base import FieldSpec
 from .coco_index import build_index
 from .coco_segments import Segmentations
-from .storage import Storage, StorageOptions, is_remote, local_copy, local_path, safe_url
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ..decode import DEFAULT_MAX_PIXELS
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS
 from ._fingerprint import content_fingerprint
 from .base import Dataset, SampleSpec
 

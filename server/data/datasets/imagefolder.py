@@ -7,10 +7,11 @@ import pathlib
 
 import numpy as np
 
+from ..decode import DEFAULT_MAX_PIXELS
+from ..storage import Storage, is_remote, local_path, safe_url
 from ._cache import ArrayFileWriter, cache_path, legacy_prefix, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, file_settings, pack_strings
+from ._files import FileDataset, file_settings, pack_strings
 from ._fingerprint import file_list_fingerprint, listing_fingerprint
-from .storage import Storage, is_remote, local_path, safe_url
 
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

@@ -7,10 +7,11 @@ import pathlib
 
 import numpy as np
 
+from ..decode import DEFAULT_MAX_PIXELS
+from ..storage import Storage, is_remote, local_copy, local_path, parent, safe_url
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, legacy_prefix, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, file_settings
+from ._files import FileDataset, file_settings
 from ._fingerprint import content_fingerprint
-from .storage import Storage, is_remote, local_copy, local_path, parent, safe_url
 
 COLUMNS = ("path", "label")
 PARQUET_SUFFIXES = (".parquet", ".pq")

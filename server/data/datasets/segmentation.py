@@ -11,12 +11,13 @@ import numpy as np
 
 from batchd.errors import SampleError
 
+from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, exif_orientation
+from ..storage import Storage, StorageOptions, is_remote, join, local_path, safe_url
 from ._cache import ArrayFileWriter, cache_path, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, ImageReadError, PackedStrings, exif_orientation, pack_strings
+from ._files import FileDataset, PackedStrings, pack_strings
 from ._orientation import orient_pixels, orient_sample
 from ._fingerprint import file_list_fingerprint, listing_fingerprint, with_settings
 from .base import FieldSpec
-from .storage import Storage, StorageOptions, is_remote, join, local_path, safe_url
 
 MASK_MODES = ("P", "L", "1")  # PIL modes read as class indices: palette, 8-bit grey, 1-bit
 _SHOWN_UNPAIRED = 5

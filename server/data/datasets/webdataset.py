@@ -26,10 +26,11 @@ import tarfile
 
 import numpy as np
 
+from ..decode import DEFAULT_MAX_PIXELS
+from ..storage import Storage, StorageError, is_remote, local_path, safe_url
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, legacy_prefix, open_cached, remove_stale
-from ._files import DEFAULT_MAX_PIXELS, FileDataset, PackedStrings, file_settings, pack_strings
+from ._files import FileDataset, PackedStrings, file_settings, pack_strings
 from ._fingerprint import FINGERPRINT_CHARS
-from .storage import Storage, StorageError, is_remote, local_path, safe_url
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "pgm", "tif", "tiff")
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext
