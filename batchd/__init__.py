@@ -17,47 +17,61 @@ from batchd import _grpc_fork  # noqa: F401  (first: before anything imports grp
 from batchd.errors import (
     AuthenticationError,
     BatchdError,
+    ConnectionError,
     DatasetChangedError,
     DatasetNotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
     SampleError,
     ShapeMismatchError,
+    TimeoutError,
     WorkerError,
 )
+from batchd.python_dataset import PythonDataset
 
 if TYPE_CHECKING:
+    from batchd.client.channel import TLS
     from batchd.client.collate import detection_collate
-    from batchd.client.datasets import DatasetInfo, list_datasets
+    from batchd.client.datasets import DatasetInfo, describe_dataset, list_datasets
     from batchd.client.finish import GpuTransform
     from batchd.client.hedge import HedgePolicy
     from batchd.client.loader import RemoteDataLoader
+    from batchd.client.stats import get_stats
 
 __all__ = [
     "AuthenticationError",
     "BatchdError",
+    "ConnectionError",
     "DatasetChangedError",
     "DatasetInfo",
     "DatasetNotFoundError",
     "GpuTransform",
     "HedgePolicy",
     "PermissionDeniedError",
+    "PythonDataset",
     "RemoteDataLoader",
     "ResourceExhaustedError",
     "SampleError",
     "ShapeMismatchError",
+    "TLS",
+    "TimeoutError",
     "WorkerError",
+    "describe_dataset",
     "detection_collate",
+    "get_stats",
     "list_datasets",
 ]
 
 _LAZY = {
+    "TLS": "batchd.client.channel",
     "detection_collate": "batchd.client.collate",
     "DatasetInfo": "batchd.client.datasets",
+    "describe_dataset": "batchd.client.datasets",
     "list_datasets": "batchd.client.datasets",
     "GpuTransform": "batchd.client.finish",
     "HedgePolicy": "batchd.client.hedge",
     "RemoteDataLoader": "batchd.client.loader",
+    "get_stats": "batchd.client.stats",
 }
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import struct
 from typing import Iterable, NamedTuple
 
+from batchd import errors
+
 MAGIC = b"BDP1"
 HEADER = struct.Struct("<4sIQQ")  # magic, reserved, batch_index, payload length: 24 bytes
 TOKEN_BYTES = 32
@@ -81,8 +83,8 @@ def offered(entries) -> tuple[int, bytes] | None:
         port = int(found[PORT_KEY])
         token = bytes.fromhex(found[TOKEN_KEY])
     except (KeyError, ValueError):
-        raise ConnectionError(f"the server offered a malformed data connection: {sorted(found)}") from None
+        raise errors.ConnectionError(f"the server offered a malformed data connection: {sorted(found)}") from None
     if not 0 < port < 65536 or len(token) != TOKEN_BYTES:
-        raise ConnectionError(f"the server offered a malformed data connection (port {port}, "
-                              f"a token of {len(token)} bytes)")
+        raise errors.ConnectionError(f"the server offered a malformed data connection (port {port}, "
+                                     f"a token of {len(token)} bytes)")
     return port, token

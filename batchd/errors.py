@@ -1,10 +1,32 @@
-"""Errors users of batchd catch. Shared by server and client; no heavy imports."""
+"""Errors users of batchd catch. Shared by server and client; no heavy imports.
+
+Each is a ``BatchdError`` and the built-in exception it refines (``LookupError``,
+``ValueError``, ...), so ``except batchd.BatchdError`` catches every one of them and code that
+catches the built-in keeps working. ``ConnectionError`` and ``TimeoutError`` here shadow the
+built-ins of the same name on purpose: ``except ConnectionError`` (the built-in) catches
+batchd's too.
+"""
 
 from __future__ import annotations
+
+import builtins
 
 
 class BatchdError(Exception):
     """Base of batchd's own errors."""
+
+
+class ConnectionError(BatchdError, builtins.ConnectionError):
+    """No batchd server answered (within ``connect_timeout``), a call or data connection broke
+    and did not resume (within ``reconnect_timeout``), or a server sent what a batchd server
+    never sends. The message names the server's address. Also a built-in ``ConnectionError``
+    (an ``OSError``)."""
+
+
+class TimeoutError(BatchdError, builtins.TimeoutError):
+    """A server answered, but not in time: no batch for ``timeout`` seconds, or a call past its
+    deadline. The message names the server and the wait in seconds. Also a built-in
+    ``TimeoutError`` (an ``OSError``)."""
 
 
 class DatasetNotFoundError(BatchdError, LookupError):

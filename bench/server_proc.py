@@ -3,29 +3,27 @@
     with ServerProcess(datasets={...}, pipelines={...}, workers=2, cache_dir=...) as srv:
         RemoteDataLoader(srv.address, "photos", ...)
 
-The server logs ``listening on ADDRESS (...)`` when ready; we parse the bound address from it,
-and the worker pids from ``N workers ready (pids [...])``.
+``batchd.server_process`` starts it and parses the bound address from ``listening on ADDRESS
+(...)``; the worker pids come from ``N workers ready (pids [...])``.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import deque
 
 import yaml
+
+from batchd import server_process
 
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
     "os.execv(sys.argv[1], sys.argv[1:])"
 )
-_LISTENING = re.compile(r"listening on (\S+)")
 _WORKERS = re.compile(r"workers ready \(pids \[([\d, ]*)\]\)")
 
 
@@ -38,13 +36,11 @@ def private_shm_available() -> bool:
         return False
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # no version check over the network
-    return env
+class ServerProcess(server_process.ServerProcess):
+    """``batchd.server_process.ServerProcess`` over a config written from its arguments, that dies
+    with this process (even SIGKILLed: no orphaned servers), with its worker pids; a server that
+    does not start raises RuntimeError with its log."""
 
-
-class ServerProcess:
     def __init__(self, *, datasets: dict, pipelines: dict | None = None, workers: int | dict, cache_dir,
                  address: str = "127.0.0.1:0", extra: dict | None = None, start_timeout: float = 180.0,
                  private_shm: bool = False):
@@ -61,54 +57,32 @@ class ServerProcess:
             **(extra or {}),
         }
         self.workers = workers
-        self.start_timeout = start_timeout
-        self.address: str | None = None
         self.worker_pids: list[int] = []
-        self.log: deque[str] = deque(maxlen=400)
-        self.proc: subprocess.Popen | None = None
-        self.startup_s: float | None = None
-        self._ready = threading.Event()
         self._tmp = tempfile.TemporaryDirectory(prefix="batchd-bench-")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+        super().__init__([], timeout=start_timeout, keep_lines=400, on_line=self._worker_line)
 
     def start(self) -> "ServerProcess":
         cfg = os.path.join(self._tmp.name, "server.yaml")
         with open(cfg, "w") as f:
             yaml.safe_dump(self.config, f, sort_keys=False)
-        serve = [sys.executable, "-m", "batchd.cli", "serve", "--config", cfg, "--address", self.config["address"]]
+        serve = server_process.serve_command("--config", cfg, "--address", self.config["address"])
         if isinstance(self.workers, int):  # a range ({min, max}) stays in the config
             serve += ["--workers", str(self.workers)]
         # the server gets SIGTERM if this process dies (even by SIGKILL): no orphaned servers
-        cmd = [sys.executable, "-c", _DIE_WITH_PARENT, *serve]
+        self.argv = [sys.executable, "-c", _DIE_WITH_PARENT, *serve]
         if self.private_shm:
-            cmd = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh", *cmd]
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=child_env())
-        threading.Thread(target=self._read_log, name="bench-server-log", daemon=True).start()
-        deadline = time.monotonic() + self.start_timeout
-        while not self._ready.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                what = f"exited with {self.proc.returncode}" if self.proc.poll() is not None else "did not start in time"
-                self.stop()
-                raise RuntimeError(f"batchd server {what}; its log:\n" + "\n".join(self.log))
-        self.startup_s = time.perf_counter() - t0
-        return self
+            self.argv = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh", *self.argv]
+        try:
+            return super().start()
+        except (server_process.ServerExited, TimeoutError) as e:
+            what = "exited" if isinstance(e, server_process.ServerExited) else "did not start in time"
+            self.stop()
+            raise RuntimeError(f"batchd server {what}; its log:\n{self.log}") from None
 
-    def _read_log(self) -> None:
-        for line in self.proc.stderr:
-            line = line.rstrip("\n")
-            self.log.append(line)
-            m = _WORKERS.search(line)
-            if m:
-                self.worker_pids = [int(p) for p in m.group(1).replace(" ", "").split(",") if p]
-            m = _LISTENING.search(line)
-            if m and not self._ready.is_set():
-                self.address = m.group(1)
-                self._ready.set()
+    def _worker_line(self, line: str) -> None:
+        m = _WORKERS.search(line)
+        if m:
+            self.worker_pids = [int(p) for p in m.group(1).replace(" ", "").split(",") if p]
 
     def descendants(self) -> list[int]:
         """Every live process under the server (forkserver, workers, resource tracker)."""
@@ -149,19 +123,5 @@ class ServerProcess:
         return time.perf_counter() - t0
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            self._tmp.cleanup()
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        super().stop(timeout)
         self._tmp.cleanup()
-
-    def __enter__(self) -> "ServerProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -291,7 +291,7 @@ def run(minutes: float, n_clients: int, seed: int) -> int:
             time.sleep(0.2)
             now = time.monotonic()
             if server.proc.poll() is not None:
-                failures.append(f"the server exited with {server.proc.returncode}:\n" + "\n".join(list(server.log)[-30:]))
+                failures.append(f"the server exited with {server.proc.returncode}:\n" + "".join(list(server.lines)[-30:]))
                 break
             for i, c in enumerate(clients):
                 c.poll_epochs()

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from batchd import wire
+from batchd import errors, wire
 from batchd.client import forks
 from batchd.client.channel import ERROR_DETAIL_KEY, translate
 from batchd.client.dataplane import DataLink, DataSocket
@@ -279,11 +279,11 @@ class BatchesCall:
                 yield raw, time.perf_counter() - t0, nbytes
         except grpc.RpcError as e:
             if self.cancelled:
-                raise ConnectionError(f"the call to {self.address} was cancelled") from None
+                raise errors.ConnectionError(f"the call to {self.address} was cancelled") from None
             raise batches_error(e, self.address) from None
         except ConnectionError:
             if self.cancelled:
-                raise ConnectionError(f"the call to {self.address} was cancelled") from None
+                raise errors.ConnectionError(f"the call to {self.address} was cancelled") from None
             raise
         finally:
             if ds is not None:

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from batchd import errors
 from batchd.client import forks
 from batchd.errors import (
     AuthenticationError,
@@ -196,7 +197,8 @@ def open_channel(address: str, *, connect_timeout: float = 10.0,
     if not wait_for_server(channel, connect_timeout, address):
         channel.close()
         hint = "; is it a TLS server (tls_ca=...)?" if tls is None else "; check the TLS settings (tls_ca, tls_cert, tls_key)"
-        raise ConnectionError(f"no batchd server answered at {address} within {connect_timeout:g} s{hint}") from None
+        raise errors.ConnectionError(f"no batchd server answered at {address} within {connect_timeout:g} s{hint}"
+                                     ) from None
     return channel
 
 
@@ -251,7 +253,7 @@ def translate(e: grpc.RpcError, address: str) -> Exception:
     if code == grpc.StatusCode.INTERNAL and detail.type == "WorkerError":
         return WorkerError(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or _transport_failure(code, details, detail):
-        return ConnectionError(f"batchd server at {address} is unavailable: {details}")
+        return errors.ConnectionError(f"batchd server at {address} is unavailable: {details}")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{address}: {details}")
     if code == grpc.StatusCode.PERMISSION_DENIED:
@@ -259,7 +261,7 @@ def translate(e: grpc.RpcError, address: str) -> Exception:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhaustedError(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return TimeoutError(f"batchd server at {address} did not answer in time: {details}")
+        return errors.TimeoutError(f"batchd server at {address} did not answer in time: {details}")
     return BatchdError(f"{code.name} from {address}: {details}")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import torch
 
-from batchd import wire
+from batchd import errors, wire
 from batchd.client import buffers, decode, fields, forks
 from batchd.client.call import BatchesCall, Outbox
 from batchd.client.channel import open_channel, wait_for_server
@@ -227,9 +227,9 @@ class ServerConnection:
             # buffered this message
             if shm is not None:
                 shm.release_unused(raw.lease)
-            raise ConnectionError(f"batchd server at {self.address} ended the shared-memory session of batch "
-                                  f"{raw.batch_index} (epoch {raw.epoch}) before it was read: the server is "
-                                  f"shutting down or restarting") from None
+            raise errors.ConnectionError(f"batchd server at {self.address} ended the shared-memory session of batch "
+                                         f"{raw.batch_index} (epoch {raw.epoch}) before it was read: the server is "
+                                         f"shutting down or restarting") from None
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
         o, event = self.options, None

@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-from batchd import datawire, wire
+from batchd import datawire, errors, wire
 from batchd.client import addresses, buffers, fields, forks
 from batchd.client.channel import TLS
 
@@ -93,13 +93,13 @@ class DataSocket:
         reached or the TLS handshake fails (ValueError if a TLS file cannot be read)."""
         host = data_host(address)
         if host is None:
-            raise ConnectionError(f"{address} has no host to open a data connection to")
+            raise errors.ConnectionError(f"{address} has no host to open a data connection to")
         ctx = client_tls_context(tls) if tls is not None else None
         where = f"the data port {port} of the batchd server at {address}"
         try:
             raw = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as e:
-            raise ConnectionError(f"cannot connect to {where}: {e.strerror or e}") from None
+            raise errors.ConnectionError(f"cannot connect to {where}: {e.strerror or e}") from None
         sock = raw
         try:
             if ctx is not None:
@@ -108,7 +108,7 @@ class DataSocket:
         except (OSError, ssl.SSLError) as e:
             sock.close()
             raw.close()
-            raise ConnectionError(f"cannot open a data connection to {where}: {e}") from None
+            raise errors.ConnectionError(f"cannot open a data connection to {where}: {e}") from None
         sock.settimeout(SLICE_S)
         return cls(sock, address, timeout)
 
@@ -125,7 +125,7 @@ class DataSocket:
         self._read_into(memoryview(self._header), stopping)
         magic, index, sent = datawire.unpack_header(self._header)
         if magic != datawire.MAGIC or index != batch.batch_index or sent != length:
-            raise ConnectionError(
+            raise errors.ConnectionError(
                 f"the data connection of the batchd server at {self.address} sent a header for batch {index} of "
                 f"{sent} bytes (magic {bytes(magic)!r}) where batch {batch.batch_index} of {length} bytes "
                 f"(magic {datawire.MAGIC!r}) was due")
@@ -150,19 +150,19 @@ class DataSocket:
                 if self._closed:
                     raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
                 if time.monotonic() - last > self.timeout:
-                    raise ConnectionError(f"the data connection of the batchd server at {self.address} brought "
-                                          f"no byte for {self.timeout:g} s") from None
+                    raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} brought "
+                                                 f"no byte for {self.timeout:g} s") from None
                 continue
             except (OSError, ssl.SSLError) as e:
                 if self._closed:
                     raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
-                raise ConnectionError(f"the data connection of the batchd server at {self.address} broke: "
-                                      f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
+                raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} broke: "
+                                             f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
             if not n:
                 if self._closed:
                     raise ConnectionAbortedError(f"the data connection to {self.address} was closed")
-                raise ConnectionError(f"the batchd server at {self.address} closed its data connection "
-                                      f"({got} of {total} bytes read)")
+                raise errors.ConnectionError(f"the batchd server at {self.address} closed its data connection "
+                                             f"({got} of {total} bytes read)")
             got += n
             last = time.monotonic()
         self.bytes_received += total

@@ -21,10 +21,14 @@ position 0.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from batchd.client.datasets import mismatches
 from batchd.sampler import num_batches
+
+log = logging.getLogger("batchd.client.loader")
 
 STATE_VERSION = 2
 TOPOLOGY = ("batch_size", "world_size", "rank")  # may differ between the saved state and the loader
@@ -38,6 +42,42 @@ class Resume:
     epoch: int
     start_position: int
     next_batch: int
+
+
+def settings_of(options: Any, num_samples: int) -> dict[str, Any]:
+    """What determines a loader's batches besides the position, as ``state_dict`` saves it:
+    ``options`` (a ``LoaderOptions``) and the dataset's ``num_samples``."""
+    o = options
+    return {
+        "dataset": o.dataset, "num_samples": num_samples, "batch_size": o.batch_size,
+        "shuffle": o.shuffle, "seed": o.seed, "drop_last": o.drop_last, "rank": o.rank,
+        "world_size": o.world_size,  # (batch_size, rank and world_size may differ on load: TOPOLOGY)
+        "pipeline": "" if o.pipeline is None else o.pipeline.SerializeToString(deterministic=True).hex(),
+        **({"decode_on_client": True} if o.decode_on_client else {}),  # other bytes (nvJPEG)
+    }
+
+
+def check_state(state: Any, settings: dict[str, Any], identity: dict[str, Any], *, strict: bool,
+                address: str) -> None:
+    """Whether a loader with ``settings`` (``settings_of``) reading a server whose dataset has
+    ``identity`` (``DatasetInfo.identity``) at ``address`` may continue ``state``.
+
+    Raises ValueError if ``state`` is not a state_dict (version 1 or 2), was saved with other
+    settings (``TOPOLOGY`` aside), or (``strict``) against other fingerprints, naming what differs
+    (saved value first); without ``strict``, other fingerprints are a warning.
+    """
+    if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
+        raise ValueError(f"not a RemoteDataLoader state_dict (version 1 or {STATE_VERSION})")
+    for key, value in settings.items():
+        if key not in TOPOLOGY and state.get(key) != value:
+            raise ValueError(f"state_dict was saved with {key}={state.get(key)!r}, this loader has {key}={value!r}")
+    differ = mismatches(state, identity)
+    if differ:
+        what = (f"state_dict of dataset {settings['dataset']!r} was saved where the batches were other bytes than "
+                f"{address} now serves: " + "; ".join(differ) + " (saved vs now)")
+        if strict:
+            raise ValueError(what + "; load_state_dict(state, strict=False) resumes anyway")
+        log.warning("%s; resuming anyway (strict=False)", what)
 
 
 def position_reached(start_position: int, next_batch: int, batch_size: int, world_size: int) -> int:

@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
+from batchd import errors
 from batchd.client import fields, forks
 from batchd.client.assign import Assigner
 from batchd.client.call import BatchesCall, ServerRefused
@@ -378,8 +379,9 @@ class Feed:
             for lane in a.silent(now, self.options.timeout):
                 runner = self._runners.get(lane.key)
                 if runner is not None:
-                    silent.append((runner, TimeoutError(f"no batch from {lane.key.address} for "
-                                                        f"{self.options.timeout:g} s while the other servers sent theirs")))
+                    error = errors.TimeoutError(f"no batch from {lane.key.address} for {self.options.timeout:g} s "
+                                                "while the other servers sent theirs")
+                    silent.append((runner, error))
         return deadline, silent
 
     def _finish(self) -> None:  # (under the lock)
@@ -420,7 +422,7 @@ class Feed:
                 now = time.monotonic()
                 if now >= deadline:
                     names = ", ".join(s.address for s in self._runners) or ", ".join(self.owner.addresses)
-                    raise TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
+                    raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
                 if not self._converter.is_alive() and not self._ready:
                     raise RuntimeError(f"the converter thread ended without a result ({what}, batch {b})")
                 self._cond.wait(min(_POLL_S, deadline - now))

@@ -1,37 +1,32 @@
 """``RemoteDataLoader``: a PyTorch-DataLoader-shaped iterator over batches batchd servers build.
 
 ``RemoteDataLoader(address, dataset, ...)`` is what users type, for one server or several: it
-checks the arguments once (``LoaderOptions``, in the caller's thread), then reads through a
-``SingleServerLoader`` (below) or a ``MultiServerLoader`` (``batchd.client.multi``). Both yield
-the batches of an epoch in order; the facade keeps the position, epochs and exact resume.
+checks the arguments once (``LoaderOptions``, in the caller's thread; its settings are
+attributes, ``LoaderSettings``), then reads through a ``SingleServerLoader``
+(``batchd.client.single``) or a ``MultiServerLoader`` (``batchd.client.multi``). Both yield the
+batches of an epoch in order; the facade keeps the position, epochs and exact resume.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterator
 
 import torch
 
 from batchd.client import elastic, forks
-from batchd.client.addresses import may_grow, server_addresses
-from batchd.client.connection import ServerConnection
-from batchd.client.datasets import DatasetInfo, mismatches
-from batchd.client.feed import Feed
+from batchd.client.datasets import DatasetInfo
 from batchd.client.loader_stats import LoaderStats
-from batchd.client.membership import _Server
-from batchd.client.options import TRANSPORTS, LoaderOptions  # noqa: F401  (TRANSPORTS: public name)
+from batchd.client.multi import open_servers
+from batchd.client.options import TRANSPORTS, LoaderOptions, LoaderSettings  # noqa: F401  (TRANSPORTS: public name)
 from batchd.client.profile import Profile, make_profile
 from batchd.client.timings import LoopTimings, timed
 from batchd.sampler import num_batches
 from batchd.v1 import loader_pb2 as pb
 
-log = logging.getLogger(__name__)
-
 _VERDICT_EVERY_S = 0.5  # how often the verdict reported to servers is recomputed
 
 
-class RemoteDataLoader:
+class RemoteDataLoader(LoaderSettings):
     """Iterate batches of a dataset that a batchd server at ``address`` decodes and augments.
 
     Each batch is a dict with an entry per field of the dataset's samples (e.g. ``image``,
@@ -118,8 +113,12 @@ class RemoteDataLoader:
             left out and named in ``skipped``).
         prefetch: the fewest batches a server is asked to build ahead (>= 1): its window of
             grants starts there and grows with its measured rate (``batchd.client.assign``).
-        timeout: seconds without a batch before iteration raises TimeoutError.
-        connect_timeout: seconds to find the server before raising ConnectionError.
+        timeout: seconds without a batch before iteration raises ``batchd.TimeoutError``.
+        connect_timeout: seconds to find the server before raising ``batchd.ConnectionError``.
+        max_message_bytes: the largest gRPC message this loader accepts, in bytes (None: 1 GiB,
+            ``batchd.client.channel.DEFAULT_MAX_MESSAGE_BYTES``). An inline batch is one message: a
+            larger one raises ResourceExhaustedError. The server sends at most its own
+            ``max_message_bytes`` (default 512 MiB).
         transport: "auto" (shared memory when this process can read the server's /dev/shm,
             i.e. same host and IPC namespace; else the socket data plane: each batch's bytes on a
             TCP connection beside the call, received straight into a reused buffer, TLS when the
@@ -152,8 +151,8 @@ class RemoteDataLoader:
             n builds every n-th batch; it runs at n x the slowest server.
         tls, tls_ca, tls_cert, tls_key: TLS to the server: ``tls_ca`` is the PEM file of the CA
             that signed the server's certificate, ``tls_cert`` + ``tls_key`` a client certificate
-            (mutual TLS); or ``tls=True`` (system roots) / a ``batchd.client.channel.TLS`` / a dict
-            of its fields. None of them: plaintext.
+            (mutual TLS); or ``tls=True`` (system roots) / a ``batchd.TLS`` / a dict of its
+            fields. None of them: plaintext.
         token: the bearer token for a server with ``auth`` (default: the ``BATCHD_TOKEN``
             environment variable). A missing or wrong one raises AuthenticationError; a dataset
             the token may not read, PermissionDeniedError (both PermissionErrors).
@@ -177,23 +176,16 @@ class RemoteDataLoader:
     could not be read; names dataset, index and file), ShapeMismatchError, WorkerError,
     ResourceExhaustedError (a server limit: open streams, batch bytes), ConnectionError (server
     gone), TimeoutError or DatasetChangedError (a restarted server serves other data; see
-    ``reconnect_timeout``). With auth: AuthenticationError / PermissionDeniedError.
+    ``reconnect_timeout``). With auth: AuthenticationError / PermissionDeniedError. Every one
+    but ValueError is a ``batchd.BatchdError``; batchd's ConnectionError and TimeoutError are
+    also the built-in exceptions of those names.
 
     Epochs: each complete pass advances ``epoch`` by one (so shuffle differs per pass, as with
     DataLoader); ``set_epoch(e)`` picks the epoch explicitly, as with DistributedSampler.
 
-    Resume: ``state_dict()`` is a small dict (the settings and the position: epoch, next batch,
-    the global position reached); ``load_state_dict(state)`` on a new loader makes its next
-    iteration start at exactly that batch, computing nothing before it; on loaders with another
-    ``world_size`` or ``batch_size`` (every rank loads the same state) it continues the epoch from
-    the global position reached, every remaining sample once with the same bytes
-    (``batchd.client.elastic``).
-
-    Figures: ``stats()``.
-
-    Profile: ``profile()`` says where this epoch's time went (each batch's stages on the server
-    and here, the loop's wait for data) and what bounds it (``batchd.client.profile``); the wait
-    shows as a ``batchd.wait`` range in PyTorch profiler traces (and NVTX on CUDA).
+    Resume: ``state_dict()`` and ``load_state_dict(state)``, exactly, at the same or another
+    ``world_size`` or ``batch_size``. Figures: ``stats()``, ``server_stats()``. Where the time
+    went and what bounds it: ``profile()``.
 
     Fork: the process may fork while the loader reads (DataLoader workers, a multiprocessing pool,
     ``subprocess`` with ``preexec_fn``); the children live, and the loader reads on undisturbed.
@@ -223,23 +215,13 @@ class RemoteDataLoader:
             failover_timeout=failover_timeout, probe_interval=probe_interval, strict=strict,
             gpu_transform=gpu_transform, decode_on_client=decode_on_client, collate_fn=collate_fn, hedge=hedge,
             **extra)
-        addresses = server_addresses(address)
-        several = len(addresses) > 1 or may_grow(address)
-        if several:  # names as IP:PORT, as the prober will see them when it resolves them again
-            addresses = server_addresses(address, keep_single_name=False)
         self._transfer = None
         if self.options.device.type == "cuda":  # here, in the caller's thread, on the resolved device
             from batchd.client.transfer import CudaTransfer
 
             self._transfer = CudaTransfer(self.options.device)
         self._stats = LoaderStats()
-        if several:
-            from batchd.client.multi import MultiServerLoader
-
-            self.servers: SingleServerLoader | MultiServerLoader = MultiServerLoader(
-                address, addresses, self.options, self._transfer, self._stats, assignment=assignment)
-        else:
-            self.servers = SingleServerLoader(addresses[0], self.options, self._transfer, self._stats)
+        self.servers = open_servers(address, self.options, self._transfer, self._stats, assignment)  # one or several
         self.address: str = self.servers.address
         self.epoch = 0
         self._start_position = 0  # the epoch at self.epoch is read from this global position (elastic resume)
@@ -248,40 +230,41 @@ class RemoteDataLoader:
         self.timings = LoopTimings()  # this epoch's stages and waits (batchd.client.timings)
         self._verdict, self._verdict_at = "", 0.0  # reported to the servers with the progress
 
-    # the settings, as attributes (read-only but for _pipeline, which tests may swap)
-    dataset = property(lambda self: self.options.dataset)
-    batch_size = property(lambda self: self.options.batch_size)
-    shuffle = property(lambda self: self.options.shuffle)
-    seed = property(lambda self: self.options.seed)
-    drop_last = property(lambda self: self.options.drop_last)
-    rank = property(lambda self: self.options.rank)
-    world_size = property(lambda self: self.options.world_size)
-    device = property(lambda self: self.options.device)
-    prefetch = property(lambda self: self.options.prefetch)
-    timeout = property(lambda self: self.options.timeout)
-    transport = property(lambda self: self.options.transport)
-    strict = property(lambda self: self.options.strict)
-    reconnect_timeout = property(lambda self: self.options.reconnect_timeout)
-    # what the server(s) serve: with one server, as described again on each reconnect (strict=False)
-    info: DatasetInfo = property(lambda self: self.servers.info)  # type: ignore[assignment]
+    @property
+    def info(self) -> DatasetInfo:
+        """What the server(s) serve: with one server, as described again on each reconnect (strict=False)."""
+        return self.servers.info
+
+    @property
+    def assignment(self) -> str:
+        """How batches are handed to several servers: "dynamic" or "stride" (see ``assignment`` above)."""
+        return self.servers.assignment
+
+    @property
+    def addresses(self) -> list[str]:
+        """The servers this loader reads from, as ``HOST:PORT`` (one, or several)."""
+        return self.servers.addresses
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        """One dict per server: ``address``, ``up``, ``retired`` (no longer named by the address),
+        ``batches`` (yielded that it sent first, all iterations), ``error`` (its last), ``share`` of
+        the current (else last) epoch's batches (0..1), ``window`` (grants it may hold), ``rate``
+        (batches/s), ``stalled``, ``hedges_issued`` / ``hedges_won`` / ``hedges_wasted``
+        (``batchd.client.membership.ServerSet.server_stats``)."""
+        return self.servers.server_stats()
+
+    @property
+    def _shm(self) -> Any:
+        """The shared-memory session of a one-server loader (None when it reads inline); tests read it."""
+        return self.servers._shm
 
     @property
     def _pipeline(self) -> pb.Pipeline | None:
         return self.options.pipeline
 
     @_pipeline.setter
-    def _pipeline(self, pipeline: pb.Pipeline | None) -> None:
+    def _pipeline(self, pipeline: pb.Pipeline | None) -> None:  # (tests swap it)
         self.options.pipeline = pipeline
-
-    def __getattr__(self, name: str) -> Any:
-        """Other settings come from ``self.options`` (``connect_timeout``, ``failover_timeout``,
-        ...); what only one kind of loader has (``addresses``, ``server_stats`` with several
-        servers; ``_shm``, ``_open_stream`` with one) from ``self.servers``."""
-        if name in ("servers", "options") or name.startswith("__"):
-            raise AttributeError(name)
-        if name in LoaderOptions.__dataclass_fields__:
-            return getattr(self.options, name)
-        return getattr(self.servers, name)
 
     # --- DataLoader surface ------------------------------------------------------------------
 
@@ -341,9 +324,11 @@ class RemoteDataLoader:
         return self._stats.snapshot({s["address"]: s["batches"] for s in per_server}, per_server)
 
     def profile(self) -> Profile:
-        """Where this epoch's time went, and what bounds it: a dict (``verdict``, ``advice``,
-        ``evidence``, ``wait_ratio``, ``stages`` {stage: seconds}, ``shares``, ...) that prints as
-        a table. See ``batchd.client.profile`` for the stages, the rules and their thresholds."""
+        """Where this epoch's time went (each batch's stages on the server and here, the loop's wait
+        for data), and what bounds it: a dict (``verdict``, ``advice``, ``evidence``,
+        ``wait_ratio``, ``stages`` {stage: seconds}, ``shares``, ...) that prints as a table. See
+        ``batchd.client.profile`` for the stages, the rules and their thresholds. The wait shows
+        as a ``batchd.wait`` range in PyTorch profiler traces (and NVTX on CUDA)."""
         return make_profile(self.timings.snapshot())
 
     def _current_verdict(self, now: float) -> str:
@@ -372,17 +357,6 @@ class RemoteDataLoader:
 
     # --- exact resume ------------------------------------------------------------------------
 
-    def _identity(self) -> dict[str, Any]:
-        """What determines the batches, besides the position."""
-        o = self.options
-        return {
-            "dataset": o.dataset, "num_samples": self.info.num_samples, "batch_size": o.batch_size,
-            "shuffle": o.shuffle, "seed": o.seed, "drop_last": o.drop_last, "rank": o.rank,
-            "world_size": o.world_size,  # (batch_size, rank and world_size may differ on load: elastic.TOPOLOGY)
-            "pipeline": "" if o.pipeline is None else o.pipeline.SerializeToString(deterministic=True).hex(),
-            **({"decode_on_client": True} if o.decode_on_client else {}),  # other bytes (nvJPEG)
-        }
-
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: a small JSON-serialisable dict.
 
@@ -397,8 +371,9 @@ class RemoteDataLoader:
         epoch, start, next_batch = (self._position if self._position is not None
                                     else (self.epoch, self._start_position, self._resume_batch))
         reached = elastic.position_reached(start, next_batch, self.batch_size, self.world_size)
-        return {"version": elastic.STATE_VERSION, **self._identity(), **self.info.identity(), "epoch": epoch,
-                "next_batch": next_batch, "start_position": start, "position": reached}
+        return {"version": elastic.STATE_VERSION, **elastic.settings_of(self.options, self.info.num_samples),
+                **self.info.identity(), "epoch": epoch, "next_batch": next_batch, "start_position": start,
+                "position": reached}
 
     def load_state_dict(self, state: dict[str, Any], strict: bool | None = None) -> None:
         """Continue from ``state`` (from ``state_dict``) at the next iteration.
@@ -417,109 +392,9 @@ class RemoteDataLoader:
         seed, drop_last, transform), is malformed, or (strict) against other fingerprints, naming
         what differs ("dataset fingerprint A vs B", "opencv 4.10.0 vs 5.0.0"; saved value first).
         """
-        if not isinstance(state, dict) or state.get("version") not in (1, elastic.STATE_VERSION):
-            raise ValueError(f"not a RemoteDataLoader state_dict (version 1 or {elastic.STATE_VERSION})")
-        for key, value in self._identity().items():
-            if key not in elastic.TOPOLOGY and state.get(key) != value:
-                raise ValueError(f"state_dict was saved with {key}={state.get(key)!r}, this loader has {key}={value!r}")
-        differ = mismatches(state, self.info.identity())
-        if differ:
-            what = (f"state_dict of dataset {self.dataset!r} was saved where the batches were other bytes than "
-                    f"{self.address} now serves: " + "; ".join(differ) + " (saved vs now)")
-            if (self.strict if strict is None else strict):
-                raise ValueError(what + "; load_state_dict(state, strict=False) resumes anyway")
-            log.warning("%s; resuming anyway (strict=False)", what)
+        elastic.check_state(state, elastic.settings_of(self.options, self.info.num_samples), self.info.identity(),
+                            strict=self.strict if strict is None else strict, address=self.address)
         at = elastic.resume_from(state, num_samples=self.info.num_samples, batch_size=self.batch_size,
                                  world_size=self.world_size, drop_last=self.drop_last)
         self.epoch, self._start_position, self._resume_batch, self._position = (at.epoch, at.start_position,
                                                                               at.next_batch, None)
-
-
-class SingleServerLoader:
-    """The batches of one server, through one ``Batches`` call per iteration (the same
-    ``batchd.client.feed`` as several servers, with n = 1), resumed across a broken call (server
-    restart, lost connection) within ``options.reconnect_timeout`` seconds. Built by
-    ``RemoteDataLoader``."""
-
-    single = True
-    budget = None  # (no hedging with one server)
-
-    def __init__(self, address: str, options: LoaderOptions, transfer: Any = None, stats: LoaderStats | None = None,
-                 assignment: str = "dynamic"):
-        self.options = options
-        self.address = address
-        self.assignment = assignment
-        self._transfer = transfer
-        self.loader_stats = stats if stats is not None else LoaderStats()
-        self.server = _Server(address, ServerConnection(address, options, transfer), up=True)
-        self._feed: Feed | None = None
-        self._last_figures: dict = {}
-        self._closed = False
-
-    @property
-    def connection(self) -> ServerConnection:
-        return self.server.conn
-
-    @property
-    def info(self) -> DatasetInfo:
-        return self.server.conn.info
-
-    @property
-    def addresses(self) -> list[str]:
-        return [self.address]
-
-    @property
-    def _shm(self):
-        return self.server.conn._shm
-
-    def close(self) -> None:
-        self._closed = True
-        feed = self._feed
-        if feed is not None:
-            feed.close()
-        self.server.conn.close()
-
-    # --- the failure policy of a feed (batchd.client.feed.Owner) ------------------------------------
-
-    def reconnect_window(self) -> float:
-        return max(0.0, self.options.reconnect_timeout)
-
-    def lane_down(self, server: Any, error: BaseException, epoch: int, batch: int) -> BaseException | None:
-        """The server is given up: the iteration raises ``error`` (a ConnectionError after
-        ``reconnect_timeout`` seconds says so)."""
-        timeout = self.options.reconnect_timeout
-        if isinstance(error, ConnectionError) and timeout > 0:
-            return ConnectionError(f"lost the stream from {self.address} at epoch {epoch}, batch {batch}, and could "
-                                   f"not resume within reconnect_timeout={timeout:g} s: {error}")
-        return error
-
-    def wait_for_any(self, feed: Any, epoch: int, batch: int) -> BaseException | None:
-        return ConnectionError(f"lost the stream from {self.address} at epoch {epoch}, batch {batch}")
-
-    def server_stats(self) -> list[dict[str, Any]]:
-        """As ``MultiServerLoader.server_stats``, for the one server."""
-        feed = self._feed
-        figures = feed.figures() if feed is not None and not feed.closed else self._last_figures
-        f = figures.get(self.server, {})
-        s = self.server
-        return [{"address": s.address, "up": True, "retired": False, "batches": s.batches, "error": s.error,
-                 "share": 1.0 if f.get("batches") else 0.0, "window": f.get("window", 0),
-                 "rate": f.get("rate", s.pace.rate), "stalled": False, "hedges_issued": 0, "hedges_won": 0,
-                 "hedges_wasted": 0}]
-
-    def batches(self, epoch: int, start_batch: int, total: int, start_position: int = 0) -> Iterator[Any]:
-        """Batches start_batch .. total - 1 of ``epoch`` (its remainder from global position
-        ``start_position``), in order."""
-        if self._closed or self.server.conn.closed:
-            raise RuntimeError("the loader is closed")
-        old = self._feed
-        if old is not None:  # a previous iteration was abandoned: one at a time
-            old.close()
-        feed = self._feed = Feed(self, [self.server], epoch, start_batch, total, start_position)
-        try:
-            yield from feed.batches()
-        finally:
-            feed.close()
-            if self._feed is feed:
-                self._last_figures = feed.last_figures
-                self._feed = None

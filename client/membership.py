@@ -22,6 +22,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchd import errors
 from batchd.client.assign import Pace
 from batchd.client.connection import ServerConnection
 from batchd.client.datasets import difference, mismatches
@@ -119,8 +120,8 @@ class ServerSet:
                 s.conn.close()
             if fatal is not None:
                 raise fatal
-            raise ConnectionError("no batchd server answered at any of " + ", ".join(self.addresses) + ": "
-                                  + "; ".join(s.error for s in self._servers))
+            raise errors.ConnectionError("no batchd server answered at any of " + ", ".join(self.addresses) + ": "
+                                         + "; ".join(s.error for s in self._servers))
         for s in self._servers:
             if not s.up:
                 log.warning("batchd server %s is unavailable (%s); it gets work once it answers", s.address, s.error)

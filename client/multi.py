@@ -47,15 +47,30 @@ from typing import Any, Iterator
 
 import torch
 
-from batchd.client.addresses import AddressSource
+from batchd import errors
+from batchd.client.addresses import AddressSource, may_grow, server_addresses
 from batchd.client.assign import MODES
 from batchd.client.feed import Feed
 from batchd.client.hedge import Budget
 from batchd.client.loader_stats import LoaderStats
 from batchd.client.membership import PROBE_CONNECT_S, ServerSet, _Server
 from batchd.client.options import LoaderOptions
+from batchd.client.single import SingleServerLoader
 
 log = logging.getLogger(__name__)
+
+
+def open_servers(address: Any, options: LoaderOptions, transfer: Any, stats: LoaderStats,
+                 assignment: str = "dynamic") -> "SingleServerLoader | MultiServerLoader":
+    """What a ``RemoteDataLoader`` reads through for ``address``: a ``SingleServerLoader`` for one
+    server, a ``MultiServerLoader`` for several or for an address that may name more later (a
+    ``dns:///`` name, a ``file:`` list; ``batchd.client.addresses``). Raises as they do."""
+    addresses = server_addresses(address)
+    if len(addresses) == 1 and not may_grow(address):
+        return SingleServerLoader(addresses[0], options, transfer, stats)
+    # names as IP:PORT, as the prober will see them when it resolves them again
+    addresses = server_addresses(address, keep_single_name=False)
+    return MultiServerLoader(address, addresses, options, transfer, stats, assignment=assignment)
 
 
 class MultiServerLoader(ServerSet):
@@ -131,10 +146,10 @@ class MultiServerLoader(ServerSet):
             feed.stopping.wait(min(0.5, remaining))
         if self._closed or feed.stopping.is_set():
             return RuntimeError("the loader is closed")
-        errors = "; ".join(f"{s.address}: {s.error}" for s in self._servers if s.error)
-        return ConnectionError(
+        why = "; ".join(f"{s.address}: {s.error}" for s in self._servers if s.error)
+        return errors.ConnectionError(
             f"lost every batchd server ({', '.join(self.addresses)}) at epoch {epoch}, batch {batch}, and none came "
-            f"back within reconnect_timeout={self.options.reconnect_timeout:g} s ({errors or 'no answer'})")
+            f"back within reconnect_timeout={self.options.reconnect_timeout:g} s ({why or 'no answer'})")
 
     # --- iteration -----------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar, overload
 
 import torch
 
@@ -19,6 +19,8 @@ from batchd.client.hedge import HedgePolicy, hedge_policy
 from batchd.v1 import loader_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "socket", "inline")
+
+T = TypeVar("T")
 
 
 def pipeline_of(transform: Any) -> pb.Pipeline | None:
@@ -152,3 +154,88 @@ class LoaderOptions:
                    compression=pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE,
                    tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token),
                    hedge=hedge_policy(hedge), **rest)
+
+
+class Setting(Generic[T]):
+    """A read-only attribute of a loader, the ``LoaderOptions`` field of the same name:
+    ``batch_size = Setting[int]()`` in the class body makes ``loader.batch_size`` read
+    ``loader.options.batch_size`` (typed ``int`` for type checkers). Setting it raises
+    AttributeError: the options were checked once, at construction."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if name not in LoaderOptions.__dataclass_fields__:
+            raise TypeError(f"{owner.__name__}.{name}: LoaderOptions has no field {name!r}")
+        self.name = name
+
+    @overload
+    def __get__(self, loader: None, owner: type) -> "Setting[T]": ...
+
+    @overload
+    def __get__(self, loader: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, loader: Any, owner: Any = None) -> Any:
+        if loader is None:
+            return self
+        return getattr(loader.options, self.name)
+
+    def __set__(self, loader: Any, value: Any) -> None:
+        raise AttributeError(f"{self.name} is read-only: it was checked when the loader was built")
+
+
+class LoaderSettings:
+    """A loader's settings as read-only attributes, each typed: ``loader.batch_size`` is
+    ``loader.options.batch_size`` (``RemoteDataLoader`` has them; ``options`` is its
+    ``LoaderOptions``, checked once at construction)."""
+
+    options: LoaderOptions
+
+    dataset = Setting[str]()
+    """the dataset's name on the server"""
+    batch_size = Setting[int]()
+    """samples per batch, per rank"""
+    shuffle = Setting[bool]()
+    """a new permutation each epoch"""
+    seed = Setting[int]()
+    """the seed of the shuffle and of every sample's augmentation stream"""
+    drop_last = Setting[bool]()
+    """the last partial batch is dropped (and ranks' shards are not padded)"""
+    rank = Setting[int]()
+    """this process's shard"""
+    world_size = Setting[int]()
+    """the number of shards"""
+    device = Setting[torch.device]()
+    """where batches go, its CUDA index resolved (``cpu`` or ``cuda:N``)"""
+    prefetch = Setting[int]()
+    """the fewest batches a server is asked to build ahead"""
+    timeout = Setting[float]()
+    """seconds without a batch before iteration raises ``batchd.TimeoutError``"""
+    connect_timeout = Setting[float]()
+    """seconds to reach a server before ``batchd.ConnectionError``"""
+    max_message_bytes = Setting[int]()
+    """the largest gRPC message accepted, bytes"""
+    transport = Setting[str]()
+    """how batches come: ``"auto"``, ``"shm"``, ``"socket"`` or ``"inline"``"""
+    compression = Setting[int]()
+    """inline batches' compression, a ``pb.Compression`` (``COMPRESSION_NONE`` or ``COMPRESSION_LZ4``)"""
+    reconnect_timeout = Setting[float]()
+    """seconds to keep reconnecting a broken call (0: do not)"""
+    failover_timeout = Setting[float]()
+    """several servers: seconds a broken server may take to resume"""
+    probe_interval = Setting[float]()
+    """several servers: seconds between probes and readings of the address"""
+    tls = Setting[TLS | None]()
+    """the TLS settings (None: plaintext)"""
+    token = Setting[str | None]()
+    """the bearer token sent (None: none)"""
+    strict = Setting[bool]()
+    """batches that cannot be the same bytes are refused"""
+    gpu_transform = Setting[Callable[..., torch.Tensor] | None]()
+    """the function finishing each batch where it lands, or None"""
+    decode_on_client = Setting[bool]()
+    """JPEG files are decoded here, not on the server"""
+    collate_fn = Setting[Callable[[list[dict[str, Any]]], Any] | None]()
+    """the function making each batch from its samples, or None (the dict batch)"""
+    hedge = Setting[HedgePolicy | None]()
+    """several servers: the hedging policy (None: no hedging)"""
+    pipeline = Setting[pb.Pipeline | None]()
+    """the wire form of ``transform`` (None: images as decoded)"""

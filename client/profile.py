@@ -25,6 +25,7 @@ the server, from its task being sent to a worker to its message being ready) and
 from __future__ import annotations
 
 from batchd.client.timings import CLIENT_STAGES, LOOP_STAGES, SERVER_STAGES, WORKER_STAGES, LoopTimings
+from batchd.links import docs_link
 
 TRAINER_BOUND_WAIT = 0.05  # wait_ratio below this: trainer-bound
 WORKERS_BUSY = 0.85  # workers busy at least this fraction of their time: they are the limit
@@ -33,7 +34,7 @@ COPY_SHARE = 0.5  # copy + gpu_transform at least this share of the loop's time 
 MIN_BATCHES = 2  # fewer batches taken this epoch: no verdict yet ("unknown")
 
 VERDICTS = ("trainer-bound", "storage-bound", "cpu-bound", "transport-bound", "copy-bound")
-ADVICE = {
+_WHAT_TO_DO = {
     "trainer-bound": "Nothing to do: the training step is the slow part, and data arrives in time.",
     "storage-bound": "Enable the server's cache (cache: memory_bytes), raise reads_in_flight, or pack the "
                      "files into tar shards (batchd shards).",
@@ -43,6 +44,10 @@ ADVICE = {
                        "decode_on_client to send JPEG files instead of pixels.",
     "copy-bound": "Copy less: send uint8 and normalise on the GPU (gpu_transform), crop smaller, or use "
                   "pinned shared-memory batches (same host).",
+}
+# each verdict's advice ends with the address of its section of docs/tuning.md on the docs site
+ADVICE = {
+    **{verdict: f"{what} See {docs_link('tuning', verdict)}." for verdict, what in _WHAT_TO_DO.items()},
     "unknown": f"Iterate the loader first: a verdict needs {MIN_BATCHES} batches of this epoch.",
 }
 GROUPS = {"loop": LOOP_STAGES, "server": SERVER_STAGES, "client": CLIENT_STAGES}

@@ -44,7 +44,7 @@ import grpc
 import numpy as np
 import torch
 
-from batchd import wire
+from batchd import errors, wire
 from batchd.client import fields
 from batchd.v1 import loader_pb2 as pb
 
@@ -318,7 +318,7 @@ def _first(call, timeout: float) -> pb.SessionEvent:
     if not result:
         raise SharedMemoryUnavailable(f"no answer to OpenSession within {timeout:g} s")
     if isinstance(result[0], grpc.RpcError) and result[0].code() in _UNREACHABLE:
-        raise ConnectionError(f"OpenSession failed: the server is unreachable ({result[0].code().name})")
+        raise errors.ConnectionError(f"OpenSession failed: the server is unreachable ({result[0].code().name})")
     if isinstance(result[0], BaseException):
         raise SharedMemoryUnavailable(f"OpenSession failed: {result[0]}")
     return result[0]

@@ -11,15 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import queue
 import re
-import signal
-import subprocess
-import threading
-import time
 
 import pytest
 from helpers import free_port
+
+from batchd.server_process import ServerExited, ServerProcess
 
 
 class Mapping:
@@ -57,48 +54,17 @@ class Mapping:
 
 @contextlib.contextmanager
 def running(argv: list[str], *, cwd: pathlib.Path, env: dict | None = None, timeout: float = 60.0):
-    """Start ``argv`` (a ``batchd serve`` command); yields (process, log lines) once it logs
-    ``listening on``; SIGTERMs it on exit if it is still running."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            text=True, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    lines: queue.Queue[str | None] = queue.Queue()
-    log: list[str] = []
-
-    def pump():
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-
-    def collect():
-        while True:
-            try:
-                line = lines.get_nowait()
-            except queue.Empty:
-                return
-            if line is not None:
-                log.append(line)
-
+    """Start ``argv`` (a ``batchd serve`` command; ``batchd.server_process``); yields (process, log
+    lines) once it logs ``listening on`` (the lines read so far, growing while it runs); SIGTERMs
+    it on exit if it is still running (then SIGKILL after 20 s)."""
+    server = ServerProcess(argv, cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no 'listening on' line within {timeout:g} s:\n" + "".join(log))
-            if line is None:
-                pytest.fail(f"{argv[:2]} exited ({proc.wait()}) before listening:\n" + "".join(log))
-            log.append(line)
-            if "listening on" in line:
-                break
-        yield proc, log
-        collect()
+        server.start()
+    except ServerExited as e:
+        pytest.fail(f"{argv[:2]} exited ({e.returncode}) before listening:\n{e.log}")
+    except TimeoutError:
+        pytest.fail(f"no 'listening on' line within {timeout:g} s:\n{server.log}")
+    try:
+        yield server.proc, server.lines
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        server.stop(20)

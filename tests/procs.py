@@ -8,9 +8,6 @@ import collections
 import os
 import pathlib
 import subprocess
-import sys
-import threading
-import time
 
 import albumentations as A
 import grpc
@@ -19,6 +16,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import batchd
+from batchd import server_process
 from batchd.server import shm as server_shm
 
 N_TEST = 10_000
@@ -96,46 +94,24 @@ def segments_of(pid: int) -> list[pathlib.Path]:
     return sorted(server_shm.SHM_DIR.glob(f"batchd-{pid}-*"))
 
 
-class ServerProcess:
-    """``python -m batchd.cli serve --config CFG --address ADDR`` as a subprocess; stderr is kept."""
+class ServerProcess(server_process.ServerProcess):
+    """``python -m batchd.cli serve --config CFG --address ADDR`` (``batchd.server_process``); a
+    server that does not start, or does not exit when waited for, fails the test with its log."""
 
     def __init__(self, config: pathlib.Path, address: str):
+        super().__init__(server_process.serve_command("--config", config, "--address", address), keep_lines=500)
         self.config, self.address = config, address
-        self.lines: collections.deque[str] = collections.deque(maxlen=500)
-        self.proc: subprocess.Popen | None = None
-        self._listening = threading.Event()
 
     def start(self, timeout: float = 90.0) -> "ServerProcess":
-        env = dict(os.environ, NO_ALBUMENTATIONS_UPDATE="1", PYTHONUNBUFFERED="1")
-        self._listening.clear()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchd.cli", "serve", "--config", str(self.config), "--address", self.address],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not self._listening.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"the server did not start (exit code {self.proc.returncode}); its log:\n{self.log}")
-        return self
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-            if "listening on" in line:
-                self._listening.set()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
+        self.timeout = timeout
+        try:
+            return super().start()
+        except (server_process.ServerExited, TimeoutError):
+            self.kill()
+            pytest.fail(f"the server did not start (exit code {self.proc.returncode}); its log:\n{self.log}")
 
     def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
+        self.send_signal(sig)
 
     def wait(self, timeout: float) -> int:
         """The exit code; fails the test if the process is still running after ``timeout`` seconds."""
@@ -143,11 +119,6 @@ class ServerProcess:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server (pid {self.pid}) did not exit within {timeout:g} s; its log:\n{self.log}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def write_server_config(tmp_path: pathlib.Path, fmnist_root, workers: int = 2) -> pathlib.Path:

@@ -12,9 +12,10 @@ import torch
 
 import batchd
 from batchd.client import transfer as transfer_mod
-from batchd.client.loader import RemoteDataLoader, SingleServerLoader
+from batchd.client.loader import RemoteDataLoader
 from batchd.client.multi import MultiServerLoader
 from batchd.client.options import resolve_device
+from batchd.client.single import SingleServerLoader
 from batchd.client.transfer import finish
 
 pytestmark = pytest.mark.timeout(120)

@@ -28,8 +28,8 @@ import yaml
 
 from batchd.client import fields
 from batchd.client import shm as client_shm
-from batchd.client.loader import SingleServerLoader
 from batchd.client.options import LoaderOptions
+from batchd.client.single import SingleServerLoader
 from helpers import free_port, wait_until
 from procs import ServerProcess, fmnist_test_config
 

@@ -7,10 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import signal
-import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -20,6 +17,7 @@ import yaml
 import batchd
 from batchd.server.config import PythonConfig
 from batchd.server.data.datasets import open_dataset
+from batchd.server_process import ServerExited, ServerProcess, serve_command
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 from conftest import running_server
@@ -164,31 +162,19 @@ def test_the_fingerprint_names_the_data_version_or_the_source_args_and_len(testd
 
 
 def _serve(tmp_path, factory: str, *extra: str, args=None, timeout: float = 60.0) -> tuple[int | None, str]:
-    """Run ``batchd serve`` on a config with one python dataset; (exit code or None if it came up, stderr)."""
+    """Run ``batchd serve`` on a config with one python dataset; (exit code or None if it came up, its log)."""
     config = tmp_path / "server.yaml"
     config.write_text(yaml.safe_dump({"workers": 1, "cache_dir": str(tmp_path / "cache"),
                                       "datasets": {"mine": {"kind": "python", "factory": factory, "args": args or {}}}}))
-    env = dict(os.environ, NO_ALBUMENTATIONS_UPDATE="1", PYTHONUNBUFFERED="1")
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.Popen([sys.executable, "-m", "batchd.cli", "serve", "--config", str(config),
-                             "--address", f"127.0.0.1:{free_port()}", *extra],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp_path)
-    lines, deadline = [], time.monotonic() + timeout
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    server = ServerProcess(serve_command("--config", config, "--address", f"127.0.0.1:{free_port()}", *extra),
+                           env=env, cwd=tmp_path, timeout=timeout)
     try:
-        for line in proc.stderr:
-            lines.append(line)
-            if "listening on" in line:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=30)
-                return None, "".join(lines)
-            if time.monotonic() > deadline:
-                break
-        return proc.wait(timeout=30), "".join(lines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.start()
+    except ServerExited as e:
+        return e.returncode, e.log
+    server.stop(30)
+    return None, server.log
 
 
 def test_a_factory_that_fails_to_import_stops_the_server_with_its_own_error(tmp_path):

@@ -18,7 +18,6 @@ import fnmatch
 import json
 import os
 import pathlib
-import queue
 import re
 import shlex
 import shutil
@@ -26,7 +25,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 
 import numpy as np
@@ -378,35 +376,12 @@ def test_serve_example_config_reports_healthy_and_stops_on_sigterm(tmp_path):
     missing = [f for f in FMNIST_FILES if not (FMNIST_DIR / f).is_file()]
     if missing:
         pytest.skip(f"Fashion-MNIST is not in {FMNIST_DIR} (apt-get install dataset-fashion-mnist)")
-    proc = subprocess.Popen(
-        [batchd_exe(), "serve", "--config", str(EXAMPLE_CONFIG), "--address", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-        # Its dataset cache goes to a temporary folder, not the user's ~/.cache.
-        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp_path)},
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    log: list[str] = []
+    from deployed import running
 
-    def pump():
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        address = None
-        deadline = time.monotonic() + 30
-        while address is None:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail("no 'listening on' line within 30 s:\n" + "".join(log))
-            if line is None:
-                pytest.fail(f"batchd serve exited ({proc.wait()}) before listening:\n" + "".join(log))
-            log.append(line)
-            m = re.search(r"listening on (\S+)", line)
-            if m:
-                address = m.group(1).rstrip(".,;:)'\"")
+    # Its dataset cache goes to a temporary folder, not the user's ~/.cache.
+    with running([batchd_exe(), "serve", "--config", str(EXAMPLE_CONFIG), "--address", "127.0.0.1:0"], cwd=REPO,
+                 env={"XDG_CACHE_HOME": str(tmp_path)}, timeout=30) as (proc, log):
+        address = re.search(r"listening on (\S+)", "".join(log)).group(1).rstrip(".,;:)'\"")
         assert not address.endswith(":0"), f"the log should name the bound port, not {address}"
 
         res = run_batchd("health", address, "--timeout", "5")
@@ -418,10 +393,6 @@ def test_serve_example_config_reports_healthy_and_stops_on_sigterm(tmp_path):
         except subprocess.TimeoutExpired:
             pytest.fail("batchd serve did not exit within 20 s of SIGTERM:\n" + "".join(log))
         assert rc == 0, f"batchd serve exited {rc} on SIGTERM:\n" + "".join(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.timeout(90)

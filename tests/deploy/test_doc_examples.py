@@ -43,15 +43,15 @@ import os
 import pathlib
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import yaml
+
+from batchd.server_process import ServerExited, ServerProcess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -153,12 +153,18 @@ def doc_data(tmp_path_factory) -> pathlib.Path:
 
 @dataclass
 class Server:
-    proc: subprocess.Popen
-    address: str
+    process: ServerProcess
     metrics: str | None
     version: int  # the page config it serves
     command: list[str]
-    log: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.process.address
+
+    @property
+    def log(self) -> list[str]:
+        return list(self.process.lines)
 
 
 class PageRun:
@@ -223,28 +229,14 @@ class PageRun:
         if metrics is None and served.get("metrics_port"):
             metrics = f"127.0.0.1:{served['metrics_port']}"
         command = [str(BIN / "batchd"), *kept, "--address", "127.0.0.1:0"] + (["--metrics-port", "0"] if metrics else [])
-        proc = subprocess.Popen(command, cwd=self.folder, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        server = Server(proc, "", None, self.version, args)
-        listening = threading.Event()
-
-        def pump():
-            for line in proc.stdout:
-                server.log.append(line)
-                found = re.search(r"listening on (\S+)", line)
-                if found:
-                    server.address = found.group(1)
-                    listening.set()
-                found = re.search(r"serving Prometheus metrics on http://(\S+)/metrics", line)
-                if found:
-                    server.metrics = found.group(1)
-            listening.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        listening.wait(90)
-        if not server.address:
-            stop(server)
-            raise AssertionError(f"{block.where}: batchd serve did not start:\n{''.join(server.log)[-3000:]}")
+        process = ServerProcess(command, cwd=self.folder, env=self.env, timeout=90, new_session=True)
+        try:
+            process.start()
+        except (ServerExited, TimeoutError):
+            process.stop(30)
+            raise AssertionError(f"{block.where}: batchd serve did not start:\n{process.log[-3000:]}") from None
+        found = re.search(r"serving Prometheus metrics on http://(\S+)/metrics", process.log)
+        server = Server(process, found.group(1) if found else None, self.version, args)
         self.servers[address] = server
         if metrics:
             self.metrics[metrics] = server.metrics
@@ -346,13 +338,7 @@ class PageRun:
 
 
 def stop(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait()
+    server.process.stop(30)  # SIGTERM, then SIGKILL to its process group
 
 
 # --- the tests ------------------------------------------------------------------------------------

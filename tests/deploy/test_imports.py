@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import yaml
 from helpers import write_png
+
+from batchd.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,23 +97,16 @@ def test_a_running_server_and_its_workers_never_load_torch(tmp_path):
         "datasets": {"photos": {"kind": "imagefolder", "root": str(tmp_path / "photos")}},
         "pipelines": {"flip": A.to_dict(A.Compose([A.HorizontalFlip(p=0.5)]))},
     }))
-    log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; from batchd.cli import main; sys.exit(main())",
-                                 "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while "listening on" not in log.read_text():  # logged once every worker is ready
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        address = re.search(r"listening on (\S+)", log.read_text()).group(1)
+    serve = [sys.executable, "-c", "import sys; from batchd.cli import main; sys.exit(main())", "serve", "--config",
+             str(config)]
+    with ServerProcess(serve, timeout=90) as server:  # listening once every worker is ready
         # a pipeline built by the server and by each worker (albumentations' from_dict imports its
         # torch part whenever torch is installed): a client-sent one with boxes' params, and a preset
         flip = A.Compose([A.HorizontalFlip(p=0.5)], bbox_params=A.BboxParams(format="pascal_voc"))
         for transform in (flip, "flip"):
-            with batchd.RemoteDataLoader(address, "photos", batch_size=1, transform=transform) as loader:
+            with batchd.RemoteDataLoader(server.address, "photos", batch_size=1, transform=transform) as loader:
                 assert len(list(loader)) == 2
-        pids = _tree(proc.pid)
+        pids = _tree(server.pid)
         assert len(pids) >= 4, pids  # the server, the forkserver, 2 workers
         maps = {pid: pathlib.Path(f"/proc/{pid}/maps").read_text() for pid in pids}
         assert all("libpython" in m or "python" in m for m in maps.values())
@@ -121,10 +114,3 @@ def test_a_running_server_and_its_workers_never_load_torch(tmp_path):
                   for pid, m in maps.items()}
         assert not any(loaded.values()), loaded
         assert any("/cv2/" in m for m in maps.values())  # the workers did load their own libraries
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)

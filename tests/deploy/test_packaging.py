@@ -52,3 +52,4 @@ def test_the_wheel_holds_every_module(tmp_path):
             if (path.parent / "__init__.py").exists() and "__pycache__" not in rel.parts:
                 wanted.add("/".join((*name.split("."), *rel.parts)))
     assert wanted - shipped == set()
+    assert "batchd/py.typed" in zipfile.ZipFile(wheel).namelist(), "the PEP 561 marker: type checkers read batchd's hints"

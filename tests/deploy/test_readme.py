@@ -194,3 +194,19 @@ def test_every_profile_verdict_has_a_section_to_link_to():
     text = (ROOT / "docs" / "tuning.md").read_text()
     missing = [v for v in VERDICTS if not re.search(rf"^### {v} \{{#{v}\}}$", text, re.M)]
     assert not missing, f"docs/tuning.md has no section (anchor) for {missing}"
+
+
+def test_every_verdicts_advice_links_to_its_section_on_the_docs_site():
+    """The advice ends with the address of its verdict's section (``batchd.links.DOCS_URL``, the
+    site_url mkdocs.yml builds the site for) and that section's anchor exists in docs/tuning.md."""
+    from batchd.client.profile import ADVICE, VERDICTS
+    from batchd.links import DOCS_URL
+
+    assert yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python/name:", ""))["site_url"] == DOCS_URL
+    text = (ROOT / "docs" / "tuning.md").read_text()
+    for verdict in VERDICTS:
+        link = re.search(r"See (\S+)\.$", ADVICE[verdict])
+        assert link, f"the advice of {verdict} names no address: {ADVICE[verdict]!r}"
+        page, _, anchor = link.group(1).removeprefix(DOCS_URL).partition("/#")
+        assert (page, anchor) == ("tuning", verdict), link.group(1)
+        assert re.search(rf"^### .* \{{#{anchor}\}}$", text, re.M), f"docs/tuning.md has no anchor #{anchor}"

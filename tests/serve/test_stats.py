@@ -6,12 +6,10 @@ import json
 import logging
 import os
 import pathlib
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +23,7 @@ from batchd.server.serve import lag as lag_mod, sending as service_mod
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.compute.rates import RateMeter
 from batchd.server.serve.stats import snapshot
+from batchd.server_process import ServerProcess, serve_command
 from helpers import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -243,39 +242,14 @@ def test_logs_say_when_a_stream_starts_falls_behind_catches_up_and_finishes(serv
 
 
 def test_serve_metrics_port_flag(fmnist_root, tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchd.cli", "serve", "--config", str(REPO / "examples" / "fashion_mnist.yaml"),
-         "--address", "127.0.0.1:0", "--metrics-port", "0", "--workers", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp_path)},
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump():
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    log: list[str] = []
-    try:
-        metrics = address = None
-        deadline = time.monotonic() + 60
-        while address is None:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "batchd serve exited early:\n" + "".join(log)
-            log.append(line)
-            if m := re.search(r"Prometheus metrics on http://(\S+)/metrics", line):
-                metrics = m.group(1)
-            if m := re.search(r"listening on (\S+)", line):
-                address = m.group(1)
-        assert metrics and not metrics.endswith(":0"), "".join(log)
+    serve = serve_command("--config", REPO / "examples" / "fashion_mnist.yaml", "--address", "127.0.0.1:0",
+                          "--metrics-port", "0", "--workers", "1")
+    with ServerProcess(serve, cwd=REPO, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}, timeout=60) as server:
+        m = re.search(r"Prometheus metrics on http://(\S+)/metrics", server.log)  # (logged before "listening on")
+        metrics = m and m.group(1)
+        assert metrics and not metrics.endswith(":0"), server.log
         assert scrape(metrics)[("batchd_workers", ())] == 1
-        res = batchd_cli("status", address)
+        res = batchd_cli("status", server.address)
         assert res.returncode == 0 and "no open streams" in res.stdout, res.stdout + res.stderr
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, "".join(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0, server.log
