@@ -57,6 +57,8 @@ class Delivery:
     ``stopping``, ``assigner``, ``owner``, ``options``, ``epoch``, ``start``, ``total``,
     ``_fail``, ``_plan``, ``_send``, ``_fold`` and ``close``."""
 
+    # --- the converter -------------------------------------------------------------------------------
+
     def _convert_loop(self) -> None:
         try:
             while True:
