@@ -47,7 +47,7 @@ _warned_no_shm: set[str] = set()
 # The server's lease cap per shared-memory session (its config's max_leases_per_session, 8 by
 # default; the server does not announce it), and the leases the loop and the converter may hold
 # beyond the batches waiting in the reorder buffer: a lane keeps its grants plus the batches it
-# sent that wait here within the difference (batchd.client.assign).
+# sent that wait here within the difference (batchd.client.lane, Lane.room).
 ASSUMED_MAX_LEASES = 8
 LEASES_RESERVED = 3
 

@@ -9,30 +9,34 @@
                                                     |
                                    consumer: ``Feed.batches()`` yields b, b + 1, ... once each
 
-* **Lanes.** Each server of the iteration has a lane thread (``_LaneRunner``) that opens its
-  Batches call (``ServerConnection.open_batches``), checks the server's id (``batchd-server-id``:
-  the dataset is described again only when it changed), and puts each batch it receives in the
-  reorder buffer, or drops it when another server's copy came first (its lease released on the
+``Feed`` holds the iteration's state under its one lock (``_lock``, and ``_cond`` on it): the
+``Assigner``, the reorder buffer, the lane threads, the error that ends it. This file holds what
+changes who reads: servers that join, leave or fail, and what the lane threads report; the
+parts have their own files:
+
+* **Lanes** (``batchd.client.lane_runner``). Each server of the iteration has a lane thread
+  (``LaneRunner``) that opens its Batches call, checks the server's id (the dataset is described
+  again only when it changed), and hands each batch it receives to ``arrive``: it goes in the
+  reorder buffer, or is dropped when another server's copy came first (its lease released on the
   call). The ``Assigner`` (``batchd.client.assign``) decides, under the feed's one lock, which
   server is granted which batch index: as each server has room in its window, sized to its rate.
-* **The converter** takes the next batch in order once it arrived and there is room among the
-  ``max_ready`` converted batches, converts it outside the lock (``ServerConnection.convert``)
-  and hands it to the consumer. While it waits, it runs the assigner's lateness check (hedges,
-  stalled servers) at the deadlines the check gives, and marks down a server that sent nothing
-  for ``timeout`` seconds while others did.
+* **The converter and the consumer** (``batchd.client.delivery``, mixed in): the next batch in
+  order is converted outside the lock and handed to ``batches()``; while it waits, the converter
+  runs the lateness check (hedges, stalled servers) and marks down a server silent for
+  ``timeout`` seconds while others sent batches.
 * **Failures.** A call that breaks (``ConnectionError``) is opened again within the owner's
   reconnect window (``reconnect_timeout`` with one server, ``failover_timeout`` with several);
   meanwhile its batches stay granted to it (hedges may take them). A server that does not come
   back, or comes back serving other data (the server refuses the call's expected size or
-  fingerprints: ``ServerRefused``, or its new id's description differs), is given up: with one
-  server the iteration raises, with several its batches go to the others. With no server left,
-  the owner probes for ``reconnect_timeout`` seconds, then the iteration raises ConnectionError.
-  Any other error (a sample that cannot be read, a worker that died) ends the iteration with it,
-  after the batches before it that arrived.
+  fingerprints: ``ServerRefused``, or its new id's description differs), is given up
+  (``lane_failed``): with one server the iteration raises, with several its batches go to the
+  others. With no server left, the owner probes for ``reconnect_timeout`` seconds, then the
+  iteration raises ConnectionError. Any other error (a sample that cannot be read, a worker that
+  died) ends the iteration with it, after the batches before it that arrived.
 * **The end.** Once the converter took the last batch, every call is half-closed (the server
   ends it); calls with grants still outstanding (a stalled server's) are cancelled. Closing the
   feed early (a ``break``) cancels the calls (each reported abandoned with the leases received
-  on it) and releases the leases of batches received and never converted.
+  on it) and releases the leases of batches received and never converted (``close``).
 
 The owner (``SingleServerLoader``, ``MultiServerLoader``) provides ``options``, ``_transfer``,
 ``loader_stats``, ``budget``, ``assignment`` and the failure policy (``Owner``).
@@ -44,22 +48,14 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
-from batchd import errors
 from batchd.client import fields, forks
 from batchd.client.assign import Assigner
-from batchd.client.call import BatchesCall, ServerRefused
-from batchd.client.connection import deliver
-from batchd.errors import DatasetChangedError, DatasetNotFoundError
+from batchd.client.delivery import Delivery, release_dropped
+from batchd.client.lane_runner import LaneRunner
 
 log = logging.getLogger("batchd.client.loader")
-
-_POLL_S = 0.25  # the longest a waiting thread sleeps before it checks the others (seconds)
-MAX_READY = 1  # converted batches waiting for the consumer (1: double buffering)
-_END_GRACE_S = 10.0  # a half-closed call the server has not ended by then is cancelled
-_SILENT_EVERY_S = 1.0  # how often the converter looks for servers silent for `timeout`
 
 
 class Owner(Protocol):
@@ -79,15 +75,7 @@ class Owner(Protocol):
     def wait_for_any(self, feed: "Feed", epoch: int, batch: int) -> BaseException | None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class _Failed:
-    error: BaseException
-
-
-_END = object()
-
-
-class Feed:
+class Feed(Delivery):
     """Batches ``start .. total - 1`` of ``epoch`` (its remainder from global position
     ``start_position``) from ``servers`` (each with ``conn``, ``address``, ``pace``), in order.
     ``batches()`` is the consumer's iterator; ``close()`` ends everything (idempotent)."""
@@ -106,7 +94,7 @@ class Feed:
         # batch -> (WireBatch, server, its connection, call record, receive seconds)
         self._raw: dict[int, tuple[Any, Any, Any, Any, float]] = {}
         self._ready: collections.deque = collections.deque()  # Received, _Failed or _END, in order
-        self._runners: dict[Any, _LaneRunner] = {}  # server -> its lane thread
+        self._runners: dict[Any, LaneRunner] = {}  # server -> its lane thread
         self._fatal: BaseException | None = None
         self._all_down_since: float | None = None
         self.stopping = threading.Event()
@@ -135,7 +123,7 @@ class Feed:
 
     def _add(self, server: Any) -> None:  # (under the lock)
         self.assigner.add_lane(server, server.pace)
-        runner = self._runners[server] = _LaneRunner(self, server)
+        runner = self._runners[server] = LaneRunner(self, server)
         runner.start()
 
     def retire(self, server: Any) -> None:
@@ -177,7 +165,7 @@ class Feed:
 
     # --- from lane threads -------------------------------------------------------------------------
 
-    def opened(self, runner: "_LaneRunner") -> None:
+    def opened(self, runner: "LaneRunner") -> None:
         """``runner``'s call is up: grant it again what it held (a broken call lost it), then plan."""
         with self._lock:
             if self._runners.get(runner.server) is not runner:
@@ -189,7 +177,7 @@ class Feed:
                 runner.outbox.grant(again)
             self._plan()
 
-    def arrive(self, runner: "_LaneRunner", raw: Any, received: float, nbytes: int, record: Any) -> None:
+    def arrive(self, runner: "LaneRunner", raw: Any, received: float, nbytes: int, record: Any) -> None:
         """Lane thread: a batch came on ``runner``'s call."""
         b = raw.batch_index
         self.owner.loader_stats.received(*_transport(raw, nbytes))
@@ -218,9 +206,9 @@ class Feed:
                             self._cond.notify_all()
                     self._plan()
         if not keep and raw.segment:
-            _release(raw, record)
+            release_dropped(raw, record)
 
-    def lane_failed(self, runner: "_LaneRunner", error: BaseException) -> BaseException | None:
+    def lane_failed(self, runner: "LaneRunner", error: BaseException) -> BaseException | None:
         """``runner``'s server is given up (``error``). Returns the error that ends the iteration
         (one server), or None (its batches went to the others)."""
         with self._lock:
@@ -260,7 +248,7 @@ class Feed:
             if runner is not None and runner.outbox is not None:
                 runner.outbox.grant(batches)
 
-    def _fold(self, server: Any, runner: "_LaneRunner") -> None:  # (under the lock)
+    def _fold(self, server: Any, runner: "LaneRunner") -> None:  # (under the lock)
         """Add the lane's figures of this iteration to its server's totals."""
         lane = self.assigner.lanes.get(server) or runner.lane
         if lane is not None and not runner.folded:
@@ -269,168 +257,6 @@ class Feed:
             server.hedges_won += lane.hedges_won
             server.hedges_wasted += lane.hedges_wasted
 
-    # --- the converter -------------------------------------------------------------------------------
-
-    def _convert_loop(self) -> None:
-        try:
-            while True:
-                got = self._next_ready()
-                if got is None:
-                    return
-                b, (raw, server, conn, record, received) = got
-                try:
-                    item = conn.convert(raw, self.stopping, record)
-                except ConnectionError as e:
-                    if not raw.segment:
-                        raise
-                    log.info("batch %d is gone from %s's shared memory (%s); asking for it again", b,
-                             server.address, e)
-                    with self._lock:
-                        self._converting = None
-                        self._raw.pop(b, None)
-                        self.assigner.requeue(b)
-                        self._plan()
-                    continue
-                item.times.receive = received
-                with self._lock:
-                    self._converting = None
-                    self._raw.pop(b, None)
-                    self.assigner.take(b)
-                    server.batches += 1
-                    self._ready.append(item)
-                    self._plan()
-                    self._cond.notify_all()
-                del item, raw
-        except BaseException as e:  # never raise in the thread: hand it to the consumer
-            with self._lock:
-                self._converting = None
-                self._ready.append(_Failed(e))
-                self._cond.notify_all()
-
-    def _next_ready(self) -> tuple[int, tuple] | None:
-        """The next batch in order and its entry, once it arrived and the consumer has room (it
-        stays in the reorder buffer, ``_converting``, until converted); None at the end (``_END`` or an error
-        queued for the consumer) or when the feed closes."""
-        with self._lock:
-            while True:
-                if self.stopping.is_set():
-                    return None
-                now = time.monotonic()
-                deadline, silent = self._watch(now)
-                if silent:  # (marking a server down takes the lock)
-                    self._lock.release()
-                    try:
-                        for runner, error in silent:
-                            runner.give_up(error)
-                    finally:
-                        self._lock.acquire()
-                    continue
-                a = self.assigner
-                if a.done:
-                    self._ready.append(_END)
-                    self._cond.notify_all()
-                    self._finish()
-                    return None
-                if a.has(a.base) and len(self._ready) < MAX_READY:
-                    self._converting = a.base
-                    return a.base, self._raw[a.base]
-                if self._fatal is not None and not a.has(a.base):
-                    self._ready.append(_Failed(self._fatal))
-                    self._cond.notify_all()
-                    return None
-                if not self._runners and not self.owner.single and self._all_down_since is not None:
-                    self._lock.release()
-                    try:
-                        error = self.owner.wait_for_any(self, self.epoch, a.base)
-                    finally:
-                        self._lock.acquire()
-                    if error is not None:
-                        self._fail(error)
-                    continue
-                wait = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - now) + 1e-3)
-                self._cond.wait(wait)
-
-    def requeue_shared(self, server: Any) -> None:
-        """``server``'s call broke: the batches it sent over shared memory that wait here may be
-        gone with its session (a restart); they are asked for again."""
-        dropped = []
-        with self._lock:
-            for b in self.assigner.arrived_from(server):
-                entry = self._raw.get(b)
-                if b == self._converting or entry is None or not entry[0].segment:
-                    continue
-                dropped.append(self._raw.pop(b))
-                self.assigner.requeue(b)
-            if dropped:
-                self._plan()
-        for raw, _, _, record, _ in dropped:
-            _release(raw, record)
-
-    def _watch(self, now: float) -> tuple[float | None, list]:  # (under the lock)
-        """Lateness (hedges, stalled servers): the next deadline to look again; and the servers
-        silent for ``timeout`` while others sent batches, with the error to mark them down with."""
-        a = self.assigner
-        grants, deadline = a.check(now)
-        if grants:
-            self._send(grants)
-        silent = []
-        if now - self._silent_at >= _SILENT_EVERY_S and len(self._runners) > 1:
-            self._silent_at = now
-            for lane in a.silent(now, self.options.timeout):
-                runner = self._runners.get(lane.key)
-                if runner is not None:
-                    error = errors.TimeoutError(f"no batch from {lane.key.address} for {self.options.timeout:g} s "
-                                                "while the other servers sent theirs")
-                    silent.append((runner, error))
-        return deadline, silent
-
-    def _finish(self) -> None:  # (under the lock)
-        """Every batch was taken: half-close the calls (cancel those still holding grants)."""
-        for server, runner in self._runners.items():
-            lane = self.assigner.lanes.get(server)
-            runner.finish(cancel=lane is not None and bool(lane.outstanding))
-            self._fold(server, runner)
-
-    # --- the consumer ------------------------------------------------------------------------------
-
-    def batches(self) -> Iterator[Any]:
-        """The batches in order, each once; ``close()`` when done (also on an early exit)."""
-        o = self.options
-        b = self.start
-        what = f"dataset {o.dataset!r}, epoch {self.epoch}"
-        try:
-            while b < self.total:
-                item = self._take(b, what)
-                if item is _END:
-                    return
-                if isinstance(item, _Failed):
-                    raise item.error
-                batch = deliver(item, self.owner._transfer)
-                item = None
-                b += 1
-                yield batch
-                batch = None  # (not kept by this frame once the loop has it)
-        finally:
-            self.close()
-
-    def _take(self, b: int, what: str) -> Any:
-        timeout = self.options.timeout
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            self.assigner.asked(deadline - timeout)
-            while not self._ready:
-                now = time.monotonic()
-                if now >= deadline:
-                    names = ", ".join(s.address for s in self._runners) or ", ".join(self.owner.addresses)
-                    raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
-                if not self._converter.is_alive() and not self._ready:
-                    raise RuntimeError(f"the converter thread ended without a result ({what}, batch {b})")
-                self._cond.wait(min(_POLL_S, deadline - now))
-            item = self._ready.popleft()
-            self.assigner.handed(time.monotonic())
-            self._plan()  # (the loop's pace may let more be granted)
-            self._cond.notify_all()  # room for the converter
-            return item
 
     # --- the end ---------------------------------------------------------------------------------------
 
@@ -465,7 +291,7 @@ class Feed:
             self._converter.join(2.0)
         for wire_batch, _, _, record, _ in raw:
             if wire_batch.segment:
-                _release(wire_batch, record)
+                release_dropped(wire_batch, record)
         with self._lock:
             self._ready.clear()  # (a batch the converter finished meanwhile)
 
@@ -487,200 +313,9 @@ def _transport(raw: Any, nbytes: int) -> tuple[str, int]:
     return ("socket" if raw.payload is not None else "inline"), nbytes
 
 
-def _release(raw: Any, record: Any) -> None:
-    """Give back the lease of a shared-memory batch received on ``record``'s call and dropped unread."""
-    if record.shm is not None:
-        record.shm.release_unused(raw.lease)
-
-
 def _work(raw: Any) -> float:
     """A batch's worker seconds on its server (read + decode + pipeline + cache + write)."""
     t = raw.timings
     if t is None:
         return 0.0
     return t.read_seconds + t.decode_seconds + t.pipeline_seconds + t.cache_seconds + t.write_seconds
-
-
-class _LaneRunner:
-    """One server's lane thread in one feed (module docstring)."""
-
-    def __init__(self, feed: Feed, server: Any):
-        self.feed = feed
-        self.server = server
-        self.conn = server.conn  # (the connection of its calls: a probe may give the server a new one)
-        self.lane = feed.assigner.lanes.get(server)
-        self.outbox = None
-        self.call: BatchesCall | None = None
-        self.record = None
-        self.failing_since: float | None = None
-        self.broken_by: BaseException | None = None  # its call broke and no new one is up yet
-        self.folded = False
-        self._stopping = threading.Event()
-        self._finished = False
-        self._timer: threading.Timer | None = None  # cancels a half-closed call the server does not end
-        self._lock = threading.Lock()  # call, outbox (lane thread and stop/finish)
-        self._thread = threading.Thread(target=self._run, name="batchd-lane", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def server_outstanding(self, assigner: Assigner) -> list[int]:
-        lane = assigner.lanes.get(self.server)
-        return list(lane.outstanding) if lane is not None else []
-
-    # --- the thread --------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self._calls()
-        finally:
-            timer = self._timer
-            if timer is not None:
-                timer.cancel()
-
-    def _calls(self) -> None:
-        feed, server = self.feed, self.server
-        conn = self.conn
-        while not self._stopping.is_set() and not feed.stopping.is_set():
-            try:
-                call = self._open()
-                if call is None:
-                    return
-                feed.opened(self)  # (grants first: a server may send its metadata with its first batch)
-                server_id = call.server_id()
-                conn.check_server(server_id, feed.options.connect_timeout)
-                resumed = self.failing_since is not None
-                for raw, received, nbytes in call.messages():
-                    if resumed:  # (a batch came on the new call: not before, a draining server accepts and ends it)
-                        resumed, self.broken_by = False, None
-                        log.info("resumed the stream from %s at epoch %d, batch %d", server.address, feed.epoch,
-                                 raw.batch_index)
-                        feed.owner.loader_stats.count("reconnects")
-                    feed.arrive(self, raw, received, nbytes, self.record)
-                    raw = None
-                self._end_call(abandoned=False)
-                return
-            except ServerRefused as e:
-                self._end_call(abandoned=True)
-                self._give_up(_refused(conn, e, feed.options.connect_timeout))
-                return
-            except ConnectionError as e:
-                self._end_call(abandoned=True)
-                if self._stopping.is_set() or feed.stopping.is_set():
-                    return
-                if not self._reconnect(e):
-                    return
-            except (DatasetChangedError, DatasetNotFoundError) as e:
-                self._end_call(abandoned=True)
-                self._give_up(e)
-                return
-            except BaseException as e:  # the server's error (SampleError, WorkerError, ...): the iteration's
-                self._end_call(abandoned=True)
-                if not (self._stopping.is_set() or feed.stopping.is_set()):
-                    feed.fail(e)
-                return
-
-    def _open(self) -> BatchesCall | None:
-        feed = self.feed
-        call, record = self.conn.open_batches(feed.epoch, feed.start_position)
-        with self._lock:
-            if self._stopping.is_set() or feed.stopping.is_set():
-                call.cancel()
-                self.conn.end_call(call, record, abandoned=True)
-                return None
-            self.call, self.outbox, self.record = call, call.outbox, record
-        return call
-
-    def _end_call(self, abandoned: bool) -> None:
-        with self._lock:
-            call, record = self.call, self.record
-            self.call = self.outbox = None
-        if call is not None:
-            if abandoned:
-                call.cancel()
-            self.conn.end_call(call, record, abandoned=abandoned)
-
-    def _reconnect(self, error: BaseException) -> bool:
-        """Wait for the server to come back within the owner's window: True to open a new call;
-        False once given up (``lane_failed``)."""
-        feed, server = self.feed, self.server
-        with feed._lock:
-            feed.assigner.close_lane(server)
-            b = min(self.server_outstanding(feed.assigner), default=feed.assigner.base)
-        feed.requeue_shared(server)
-        self.broken_by = error
-        now = time.monotonic()
-        if self.failing_since is None:
-            self.failing_since = now
-            log.warning("lost the stream from %s at epoch %d, batch %d (%s); reconnecting for up to %g s",
-                        server.address, feed.epoch, b, error, feed.owner.reconnect_window())
-        else:  # a new call failed too: not at once again
-            self._stopping.wait(min(0.5, max(0.0, self.failing_since + feed.owner.reconnect_window() - now)))
-        deadline = self.failing_since + feed.owner.reconnect_window()
-        self.conn.new_session()  # a restarted server has new shared memory
-        while not (self._stopping.is_set() or feed.stopping.is_set()):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._give_up(error)
-                return False
-            if self.conn.wait_ready(min(remaining, 1.0)):
-                return True
-        return False
-
-    def _give_up(self, error: BaseException) -> None:
-        self.feed.lane_failed(self, error)
-
-    # --- from other threads ----------------------------------------------------------------------------
-
-    def give_up(self, error: BaseException) -> None:
-        """Mark this server down now (it stayed silent): its call is cancelled, its batches go."""
-        self._stopping.set()
-        self.feed.lane_failed(self, error)
-        self._cancel()
-
-    def finish(self, cancel: bool) -> None:
-        """The iteration got every batch: half-close the call (cancel it if ``cancel``). A call the
-        server has not ended within ``_END_GRACE_S`` is cancelled."""
-        with self._lock:
-            self._finished = True
-            call = self.call
-        if call is None:
-            self._stopping.set()
-            return
-        if cancel:
-            self._stopping.set()
-            call.cancel()
-            return
-        call.outbox.close()
-        self._timer = threading.Timer(_END_GRACE_S, self._cancel)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def stop(self) -> None:
-        """Cancel the call (reported abandoned by the lane thread) and wait briefly for the thread;
-        a call half-closed at the iteration's end (``finish``) is left to end on its own."""
-        with self._lock:
-            finished = self._finished
-        if finished:
-            return
-        self._stopping.set()
-        self._cancel()
-        if self._thread is not threading.current_thread():
-            self._thread.join(2.0)
-
-    def _cancel(self) -> None:
-        with self._lock:
-            call = self.call
-        if call is not None:
-            self._stopping.set()
-            call.cancel()
-
-
-def _refused(conn: Any, e: ServerRefused, timeout: float) -> BaseException:
-    """The DatasetChangedError behind a refused call: the dataset described again and compared
-    (``check_unchanged`` raises it, naming what changed); the server's words if that shows nothing."""
-    try:
-        conn.check_unchanged(timeout)
-    except (DatasetChangedError, DatasetNotFoundError, ConnectionError, TimeoutError) as changed:
-        return changed
-    return DatasetChangedError(conn.options.dataset, conn.address, [str(e)])

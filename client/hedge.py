@@ -17,7 +17,7 @@ once its age (seconds since it was granted) exceeds
     max(min_delay, factor x P),  P = the ``percentile``-th percentile of the latencies (grant to
     arrival) of the *other* servers' recent batches.
 
-Every server's window is sized to one common horizon (``batchd.client.assign``), so a healthy
+Every server's window is sized to one common horizon (``batchd.client.windows``), so a healthy
 server's latency is about that horizon whatever its speed, and the others' latency is a fair
 yardstick. A server whose oldest grant is late in that sense is *stalled*: it gets no new grants
 until something arrives from it. When the batch the loop waits for is late, it is hedged, and

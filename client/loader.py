@@ -112,7 +112,7 @@ class RemoteDataLoader(LoaderSettings):
             file the loader cannot decode follows the dataset's ``on_error`` (SampleError, or
             left out and named in ``skipped``).
         prefetch: the fewest batches a server is asked to build ahead (>= 1): its window of
-            grants starts there and grows with its measured rate (``batchd.client.assign``).
+            grants starts there and grows with its measured rate (``batchd.client.windows``).
         timeout: seconds without a batch before iteration raises ``batchd.TimeoutError``.
         connect_timeout: seconds to find the server before raising ``batchd.ConnectionError``.
         max_message_bytes: the largest gRPC message this loader accepts, in bytes (None: 1 GiB,

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchd import errors
-from batchd.client.assign import Pace
 from batchd.client.connection import ServerConnection
 from batchd.client.datasets import difference, mismatches
+from batchd.client.pace import Pace
 
 log = logging.getLogger("batchd.client.multi")
 
@@ -40,7 +40,7 @@ class _Server:
     error: str = ""
     batches: int = 0  # batches yielded that this server sent first (all iterations)
     retired: bool = False  # no longer named by the address: gets no work, is not probed
-    pace: Pace = field(default_factory=Pace)  # its rate and latencies (batchd.client.assign)
+    pace: Pace = field(default_factory=Pace)  # its rate and latencies (batchd.client.pace)
     hedges_issued: int = 0  # hedged grants it was given, and of those, won and wasted (ended iterations)
     hedges_won: int = 0
     hedges_wasted: int = 0

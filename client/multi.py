@@ -8,7 +8,7 @@ that will finish it soonest; every window is sized to the server's measured rate
 gets more batches, a slow one fewer, and the loop still gets batch b, b + 1, ... once each, with
 the bytes one server would give. ``state_dict``/``load_state_dict``, ``len`` and ``set_epoch``
 mean what they mean with one server. The iteration itself (lane threads, the reorder buffer,
-the converter, hedging) is ``batchd.client.feed``.
+the converter) is ``batchd.client.feed``; hedging is the assigner's (``batchd.client.lateness``).
 
 Failures, joins, leaves:
 

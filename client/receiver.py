@@ -1,6 +1,6 @@
 """What a received batch becomes before the loop takes it: ``to_tensors`` (an inline batch's
 fields as views of its message) and ``Received`` (a converted batch as the converter thread of
-``batchd.client.feed`` hands it to the consumer)."""
+``batchd.client.delivery`` hands it to the consumer)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ shared-memory slots copied from directly.
 Pattern from ffcv's ``loader/epoch_iterator.py`` and spdl's ``io/_transfer.py``:
 
 * the copy to the device is issued on a side stream (``non_blocking=True``), in the loader's
-  converter thread (``batchd.client.feed``), while the training step runs on the default stream;
+  converter thread (``batchd.client.delivery``), while the training step runs on the default stream;
 * inline batches go through ``slots`` pinned host buffers per tensor name, allocated once (grown
   if a batch is larger) and reused round robin; before slot k is overwritten we wait on the
   (blocking, so the thread sleeps rather than spins) event recorded after the last copy out of

@@ -18,9 +18,11 @@ import queue
 import numpy as np
 import pytest
 
-from batchd.client.assign import MAX_WINDOW, Assigner, Pace
+from batchd.client.assign import Assigner
 from batchd.client.call import Outbox
 from batchd.client.hedge import Budget, HedgePolicy
+from batchd.client.pace import Pace
+from batchd.client.windows import MAX_WINDOW
 from batchd.v1 import loader_pb2 as pb
 
 

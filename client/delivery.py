@@ -1,0 +1,221 @@
+"""The ordered side of a feed: the converter thread, and the consumer's iterator.
+
+``Delivery`` is the part of ``Feed`` (``batchd.client.feed``) that turns the reorder buffer
+(``_raw``: batch index -> the received ``WireBatch`` and where it came from, filled by the lane
+threads, ``batchd.client.lane_runner``) into batches handed out in order, each once::
+
+    raw reorder buffer --one converter thread, in batch order, MAX_READY ahead--> _ready --> batches()
+
+* **The converter** (``_convert_loop``) takes the next batch in order once it arrived and there
+  is room among the ``MAX_READY`` converted batches (the double buffer), converts it outside the
+  lock (``ServerConnection.convert``: unpack, device copy, gpu_transform, decode_on_client,
+  collate_fn) and hands it to the consumer. While it waits (``_next_ready``), it runs the
+  assigner's lateness check (hedges, stalled servers, ``batchd.client.lateness``) at the
+  deadlines the check gives, and marks down a server that sent nothing for ``timeout`` seconds
+  while others did (``_watch``). A shared-memory batch gone with a restarted server's session is
+  asked for again (``requeue_shared``). Once the last batch is taken, every call is half-closed
+  (``_finish``). An error ends the queue (``_Failed``), after the batches before it.
+* **The consumer** (``batches``) takes the converted batches in order, waiting at most
+  ``timeout`` seconds for each (``errors.TimeoutError``, naming the servers), and never past the
+  converter's end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from batchd import errors
+from batchd.client.connection import deliver
+
+log = logging.getLogger("batchd.client.loader")
+
+_POLL_S = 0.25  # the longest a waiting thread sleeps before it checks the others (seconds)
+MAX_READY = 1  # converted batches waiting for the consumer (1: double buffering)
+_SILENT_EVERY_S = 1.0  # how often the converter looks for servers silent for `timeout`
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: BaseException
+
+
+_END = object()
+
+
+def release_dropped(raw: Any, record: Any) -> None:
+    """Give back the lease of a shared-memory batch received on ``record``'s call and dropped unread."""
+    if record.shm is not None:
+        record.shm.release_unused(raw.lease)
+
+
+class Delivery:
+    """Mixed into ``Feed``: needs its ``_lock``, ``_cond``, ``_raw``, ``_ready``, ``_runners``,
+    ``_fatal``, ``_all_down_since``, ``_converting``, ``_silent_at``, ``_converter``,
+    ``stopping``, ``assigner``, ``owner``, ``options``, ``epoch``, ``start``, ``total``,
+    ``_fail``, ``_plan``, ``_send``, ``_fold`` and ``close``."""
+
+    # --- the converter -------------------------------------------------------------------------------
+
+    def _convert_loop(self) -> None:
+        try:
+            while True:
+                got = self._next_ready()
+                if got is None:
+                    return
+                b, (raw, server, conn, record, received) = got
+                try:
+                    item = conn.convert(raw, self.stopping, record)
+                except ConnectionError as e:
+                    if not raw.segment:
+                        raise
+                    log.info("batch %d is gone from %s's shared memory (%s); asking for it again", b,
+                             server.address, e)
+                    with self._lock:
+                        self._converting = None
+                        self._raw.pop(b, None)
+                        self.assigner.requeue(b)
+                        self._plan()
+                    continue
+                item.times.receive = received
+                with self._lock:
+                    self._converting = None
+                    self._raw.pop(b, None)
+                    self.assigner.take(b)
+                    server.batches += 1
+                    self._ready.append(item)
+                    self._plan()
+                    self._cond.notify_all()
+                del item, raw
+        except BaseException as e:  # never raise in the thread: hand it to the consumer
+            with self._lock:
+                self._converting = None
+                self._ready.append(_Failed(e))
+                self._cond.notify_all()
+
+    def _next_ready(self) -> tuple[int, tuple] | None:
+        """The next batch in order and its entry, once it arrived and the consumer has room (it
+        stays in the reorder buffer, ``_converting``, until converted); None at the end (``_END`` or an error
+        queued for the consumer) or when the feed closes."""
+        with self._lock:
+            while True:
+                if self.stopping.is_set():
+                    return None
+                now = time.monotonic()
+                deadline, silent = self._watch(now)
+                if silent:  # (marking a server down takes the lock)
+                    self._lock.release()
+                    try:
+                        for runner, error in silent:
+                            runner.give_up(error)
+                    finally:
+                        self._lock.acquire()
+                    continue
+                a = self.assigner
+                if a.done:
+                    self._ready.append(_END)
+                    self._cond.notify_all()
+                    self._finish()
+                    return None
+                if a.has(a.base) and len(self._ready) < MAX_READY:
+                    self._converting = a.base
+                    return a.base, self._raw[a.base]
+                if self._fatal is not None and not a.has(a.base):
+                    self._ready.append(_Failed(self._fatal))
+                    self._cond.notify_all()
+                    return None
+                if not self._runners and not self.owner.single and self._all_down_since is not None:
+                    self._lock.release()
+                    try:
+                        error = self.owner.wait_for_any(self, self.epoch, a.base)
+                    finally:
+                        self._lock.acquire()
+                    if error is not None:
+                        self._fail(error)
+                    continue
+                wait = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - now) + 1e-3)
+                self._cond.wait(wait)
+
+    def requeue_shared(self, server: Any) -> None:
+        """``server``'s call broke: the batches it sent over shared memory that wait here may be
+        gone with its session (a restart); they are asked for again."""
+        dropped = []
+        with self._lock:
+            for b in self.assigner.arrived_from(server):
+                entry = self._raw.get(b)
+                if b == self._converting or entry is None or not entry[0].segment:
+                    continue
+                dropped.append(self._raw.pop(b))
+                self.assigner.requeue(b)
+            if dropped:
+                self._plan()
+        for raw, _, _, record, _ in dropped:
+            release_dropped(raw, record)
+
+    def _watch(self, now: float) -> tuple[float | None, list]:  # (under the lock)
+        """Lateness (hedges, stalled servers): the next deadline to look again; and the servers
+        silent for ``timeout`` while others sent batches, with the error to mark them down with."""
+        a = self.assigner
+        grants, deadline = a.check(now)
+        if grants:
+            self._send(grants)
+        silent = []
+        if now - self._silent_at >= _SILENT_EVERY_S and len(self._runners) > 1:
+            self._silent_at = now
+            for lane in a.silent(now, self.options.timeout):
+                runner = self._runners.get(lane.key)
+                if runner is not None:
+                    error = errors.TimeoutError(f"no batch from {lane.key.address} for {self.options.timeout:g} s "
+                                                "while the other servers sent theirs")
+                    silent.append((runner, error))
+        return deadline, silent
+
+    def _finish(self) -> None:  # (under the lock)
+        """Every batch was taken: half-close the calls (cancel those still holding grants)."""
+        for server, runner in self._runners.items():
+            lane = self.assigner.lanes.get(server)
+            runner.finish(cancel=lane is not None and bool(lane.outstanding))
+            self._fold(server, runner)
+
+    # --- the consumer ------------------------------------------------------------------------------
+
+    def batches(self) -> Iterator[Any]:
+        """The batches in order, each once; ``close()`` when done (also on an early exit)."""
+        o = self.options
+        b = self.start
+        what = f"dataset {o.dataset!r}, epoch {self.epoch}"
+        try:
+            while b < self.total:
+                item = self._take(b, what)
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                batch = deliver(item, self.owner._transfer)
+                item = None
+                b += 1
+                yield batch
+                batch = None  # (not kept by this frame once the loop has it)
+        finally:
+            self.close()
+
+    def _take(self, b: int, what: str) -> Any:
+        timeout = self.options.timeout
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self.assigner.asked(deadline - timeout)
+            while not self._ready:
+                now = time.monotonic()
+                if now >= deadline:
+                    names = ", ".join(s.address for s in self._runners) or ", ".join(self.owner.addresses)
+                    raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
+                if not self._converter.is_alive() and not self._ready:
+                    raise RuntimeError(f"the converter thread ended without a result ({what}, batch {b})")
+                self._cond.wait(min(_POLL_S, deadline - now))
+            item = self._ready.popleft()
+            self.assigner.handed(time.monotonic())
+            self._plan()  # (the loop's pace may let more be granted)
+            self._cond.notify_all()  # room for the converter
+            return item
