@@ -1,7 +1,7 @@
 """GPU finishing (GpuTransform) in a ResNet-50 training step, against DataLoader with pin_memory.
 
-    python -m bench.cuda_finish [--steps 30] [--workers N]    # needs a CUDA device
-    python -m bench.cuda_finish --cpu                          # the cost table only, on the CPU
+    python -m bench.cuda.cuda_finish [--steps 30] [--workers N]    # needs a CUDA device
+    python -m bench.cuda.cuda_finish --cpu                          # the cost table only, on the CPU
 
 Table 1, the cost of finishing one batch (256 x 256x256x3 uint8 -> 256 x 3x224x224 bf16,
 channels_last; medians): the hand-written ``.permute().float().div(255).sub(mean).div(std)``
@@ -12,7 +12,7 @@ instead of ``index_select``. On CUDA: device time (events) and host time to issu
 Table 2 (CUDA only), a ResNet-50 training step (batch 256, 224x224, bf16 autocast, channels_last,
 SGD; the host synchronises after each step so that "data wait" is time blocked in ``next()``):
 
-* ``DataLoader``: torch DataLoader, pin_memory=True, the same decode code (bench/torch_loader.py),
+* ``DataLoader``: torch DataLoader, pin_memory=True, the same decode code (bench/peers/torch_loader.py),
   Resize(256) + RandomCrop(224) + HorizontalFlip and float32 normalisation in the workers (as
   ToTensor + Normalize do), ``.cuda(non_blocking=True)`` in the loop;
 * ``batchd, by hand``: the server crops and flips, uint8 to the device on the side stream, the
@@ -296,7 +296,7 @@ def main() -> int:
         cost_table(torch.device("cpu"), args.batch, args.repeats)
         return 0
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure (python -m bench.cuda_finish --cpu gives the CPU cost table)")
+        print("no CUDA device: nothing to measure (python -m bench.cuda.cuda_finish --cpu gives the CPU cost table)")
         return 0
     cost_table(torch.device("cuda"), args.batch, args.repeats)
     training_table(args)

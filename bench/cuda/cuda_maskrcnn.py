@@ -1,6 +1,6 @@
 """Mask R-CNN through batchd on a GPU: data-loading time per sample, sequential loop vs batchd (needs a GPU).
 
-    python bench/cuda_maskrcnn.py [--steps 50] [--batch-size 4] [--workers 4]
+    python -m bench.cuda.cuda_maskrcnn [--steps 50] [--batch-size 4] [--workers 4]
 
 The workload of the classic asynchronous-loader measurement on Mask R-CNN data: torchvision's
 ``maskrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=11)`` trained with SGD
@@ -8,7 +8,7 @@ for ``--steps`` steps on Table 13's data (``bench/data/fashion-coco-384``: COCO 
 and RLE masks, 384-512 px canvases) under Table 13's ``det-train`` pipeline (random crop, flip,
 colour, ``bbox_params``), two ways:
 
-- sequential: each step loads its batch in the training process (``bench/torch_coco.py``'s
+- sequential: each step loads its batch in the training process (``bench/peers/torch_coco.py``'s
   Dataset: OpenCV decode, pycocotools' ``annToMask``, the same albumentations Compose; what
   torchvision's references do with ``num_workers=0``), then trains on it;
 - batchd: ``RemoteDataLoader(..., device="cuda", collate_fn=batchd.detection_collate)`` from a

@@ -1,6 +1,6 @@
 """Copy/compute overlap of the client's CUDA double buffering: prints a table (needs a GPU).
 
-    python bench/cuda_overlap.py [--batch 256] [--repeats 5]
+    python -m bench.cuda.cuda_overlap [--batch 256] [--repeats 5]
 
 For a [B, 224, 224, 3] uint8 batch: time of the host-to-device transfer alone (pinned copy +
 side-stream H2D), of a compute block alone (matmuls on the default stream), and of both issued

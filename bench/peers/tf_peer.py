@@ -1,7 +1,7 @@
 """The peers a user would pick instead of batchd: tf.data in-process and tf.data service.
 
 Both do pipeline L3's work with TensorFlow's own ops, on the same photo files, in the same run
-as batchd and the PyTorch DataLoader (Table 1, ``bench/table_workers.py``):
+as batchd and the PyTorch DataLoader (Table 1, ``bench/tables/table_workers.py``):
 
     read_file -> decode_jpeg (reduced-size decoding where the image stays >= 256x256, as batchd's
     workers do: ``ratio`` 8, 4 or 2) -> resize 256x256 (bilinear) -> flip left-right -> random
@@ -264,10 +264,10 @@ def _serve(args: argparse.Namespace) -> int:
                 cmd = json.loads(line)
                 # the order goes on past the timed batches (prefetch + a batch per thread, never
                 # consumed), so the pipeline is as full when the window closes as when it opened,
-                # as batchd's stream and bench.torch_loader.time_loader are
+                # as batchd's stream and bench.peers.torch_loader.time_loader are
                 tail = max(2, 2 * args.workers) + args.workers
                 need = (cmd["warmup"] + cmd["timed"] + tail) * args.batch_size
-                rng = np.random.default_rng(cmd["seed"])  # a fresh shuffled order, as bench.torch_loader.Plan
+                rng = np.random.default_rng(cmd["seed"])  # a fresh shuffled order, as bench.peers.torch_loader.Plan
                 n = len(plan["files"])
                 order = np.concatenate([rng.permutation(n) for _ in range(-(-need // n))])[:need]
                 ds = _pipeline(tf, paths, labels, order, cmd["seed"], args.workers, args.batch_size)
@@ -303,7 +303,7 @@ def render(r: dict) -> str:
                          fx(m["batchd_shm"] / m[k]), fx(m["batchd_tcp"] / m[k]),
                          f"{c[k] * 1e3:.2f}" if k in c else "", fx(c[k] / c["batchd_shm"]) if k in c else ""])
     return ("\n**Peers: tf.data** (tensorflow-cpu " + r.get("tf_version", "?") + "; the same run, interleaved with the "
-            "methods above; L3's work with TF ops, see bench/tf_peer.py; CPU summed over the peer process, its TF "
+            "methods above; L3's work with TF ops, see bench/peers/tf_peer.py; CPU summed over the peer process, its TF "
             "threads and the tf.data service's dispatcher and worker; "
             + ("the peer ran in a network namespace of its own with only loopback, since TensorFlow binds the "
                "service's servers to every interface" if r.get("tf_isolated") else

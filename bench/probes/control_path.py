@@ -2,9 +2,9 @@
 messages per batch, StreamBatches (a ReleaseLeases call per batch, as today's client) against the
 Batches call (grants, releases and progress on the call).
 
-    python bench/control_path.py [--epochs N] [--batch-size B ...] [--window W]
+    python -m bench.probes.control_path [--epochs N] [--batch-size B ...] [--window W]
 
-One ``batchd serve`` process (bench/server_proc.py), 2 workers, Fashion-MNIST's test split
+One ``batchd serve`` process (bench/fixtures/server_proc.py), 2 workers, Fashion-MNIST's test split
 without a pipeline (the workers are not the bottleneck), shared memory. The client here is the
 wire protocol by hand (no batchd.client), so the figures are the server's alone:
 

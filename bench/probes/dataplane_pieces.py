@@ -1,6 +1,6 @@
 """The data plane's pieces alone: what receiving a batch costs the trainer, and sending it the server.
 
-    python bench/dataplane_pieces.py [--quick] [--repeats N]
+    python -m bench.probes.dataplane_pieces [--quick] [--repeats N]
 
 A server process (spawned: a ``DataPlane`` and a ``SlotPool`` slot holding one 64 x 224 x 224 x 3
 uint8 batch, 9.6 MB, and an int64 label [64]) sends ``BATCHES`` batches as fast as the client
@@ -9,7 +9,7 @@ takes them over loopback; this process receives them with ``DataSocket.receive``
 the batch. Per mode (plain TCP, TLS 1.3 with an ECDSA P-256 certificate), alternated, median of
 the rounds: the receiving process's CPU (user + system, all its threads, from
 /proc/PID/task/*/schedstat) and the server process's, in seconds per GB of payload, and GB/s.
-No gRPC is involved: bench/table_network.py measures the whole path.
+No gRPC is involved: bench/tables/table_network.py measures the whole path.
 
 The design figures this checks (docs/design/network-path.md): plain ``recv_into`` 0.09 s/GB,
 TLS 0.47 s/GB in the trainer; the server's send <= 0.3 s/GB.

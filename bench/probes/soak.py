@@ -1,7 +1,7 @@
 """Soak test: a batchd server under churn for a while; its resources must stay flat.
 
-    python bench/soak.py                      # 10 minutes, 3 clients
-    python bench/soak.py --minutes 1 --clients 3 --seed 1
+    python -m bench.probes.soak                      # 10 minutes, 3 clients
+    python -m bench.probes.soak --minutes 1 --clients 3 --seed 1
 
 Starts ``batchd serve`` (Fashion-MNIST, ``--workers 2``) as a subprocess, then, until the time is
 up:

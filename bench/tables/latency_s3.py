@@ -1,7 +1,7 @@
 """Table 9's S3 rows: the photo set in a SeaweedFS bucket, read through a proxy that delays every request.
 
 ``S3Photos`` starts SeaweedFS (``Seaweed`` from ``tests/seaweed_server.py``: ``weed server -s3``
-on 127.0.0.1, free ports, a temporary ``-dir``), uploads bench/make_photos.py's photo set to
+on 127.0.0.1, free ports, a temporary ``-dir``), uploads bench/fixtures/make_photos.py's photo set to
 ``s3://batchd-test/photos/<class>/<file>``, and puts ``tests/s3proxy.py`` in front of the S3 port:
 every HTTP request waits the added latency before it is passed on, so each object's first byte
 comes that much later (one delay per request, keep-alive connections included). Every S3 row

@@ -1,8 +1,8 @@
 """Table 15: workers sized to demand (config workers: {min: 1, max: 2}) against fixed pools of 1 and 2.
 
-    python bench/table_autoscale.py [--quick] [--repeats N]
+    python -m bench.tables.table_autoscale [--quick] [--repeats N]
 
-One ``batchd serve`` per pool (bench/server_proc.py): ``workers: 1``, ``workers: {min: 1, max: 2,
+One ``batchd serve`` per pool (bench/fixtures/server_proc.py): ``workers: 1``, ``workers: {min: 1, max: 2,
 cool_down_s: COOL_DOWN_S}`` and ``workers: 2``, over Fashion-MNIST's training split with a
 CPU-heavy pipeline (``PIPELINE``: resize to 256 x 256, Gaussian and median blurs, brightness and
 contrast: milliseconds a sample; batch 64), read through shared memory by one loader, with two

@@ -1,6 +1,6 @@
 """Table 10: decode once, augment many times (the decoded-sample cache; photo set, L3, batch 64, 2 workers).
 
-    python bench/table_cache.py [--quick]
+    python -m bench.tables.table_cache [--quick]
 
 Every scenario starts a fresh server (its own cache settings) and runs clients as separate
 processes (``--client``: imports torch, connects, reads its first batch, then waits for "go"

@@ -1,6 +1,6 @@
 """Table 11: what batching samples as dicts of fields costs a worker, against the work of the batch.
 
-    python bench/table_collate.py [--runs 7]
+    python -m bench.tables.table_collate [--runs 7]
 
 Before issue 19 a worker wrote each sample's image straight into the batch's slot
 (``images[n] = image``, then ``labels[n] = label``). Now ``BatchWriter`` (server/compute/collate.py)
@@ -12,7 +12,7 @@ per-field checks (dtype, shape) in Python. In this process, as a worker runs (on
   back, alternating which goes first: the old loop (image and label) and ``BatchWriter``;
 - cost: the median of the paired (new - old) / work, per batch.
 
-Rows: photos (bench/make_photos.py, made if missing) with L3, 64 per batch, and Fashion-MNIST's
+Rows: photos (bench/fixtures/make_photos.py, made if missing) with L3, 64 per batch, and Fashion-MNIST's
 training set with the ``train`` preset of examples/fashion_mnist.yaml, 256 per batch (the
 smallest images: where a per-sample overhead shows most). Target: cost under 1%.
 """

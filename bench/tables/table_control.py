@@ -1,6 +1,6 @@
 """Table 16: the control path. CPU per batch of the server's main process and of the trainer's process.
 
-    python bench/table_control.py [--quick] [--repeats N]
+    python -m bench.tables.table_control [--quick] [--repeats N]
 
 batchd keeps the pixels out of the server's main process and out of the trainer's (workers write
 each batch into a shared-memory slot; the trainer maps it), but the bookkeeping around every
@@ -19,7 +19,7 @@ gRPC, the scheduler, the leases; ``/proc/PID/task/*/schedstat``), this process's
 trainer: ``time.process_time``, every thread of the client), divided by the batches. The
 batches are dropped as they come (no page of them is read): what is measured is what the loader
 itself costs, not reading the pixels, which costs the same whoever delivered them. DataLoader
-(``bench/torch_loader.py``: the same decode and ``R224`` in 2 persistent forkserver workers, no
+(``bench/peers/torch_loader.py``: the same decode and ``R224`` in 2 persistent forkserver workers, no
 cache) is timed the same way in this process: its main process's CPU per batch. Cases rotate
 between repeats; medians.
 

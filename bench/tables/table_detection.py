@@ -1,6 +1,6 @@
 """Table 13: COCO-format detection loading with boxes and masks, boxes in COCO's format under a cached prefix.
 
-    python bench/table_detection.py [--quick] [--repeats 3]
+    python -m bench.tables.table_detection [--quick] [--repeats 3]
 
 Data: ``bench/data/fashion-coco-384`` (examples/make_fashion_coco.py, made once: 1,000 JPEG
 canvases of 384-512 px with up to 8 Fashion-MNIST items each; a COCO JSON whose masks are
@@ -13,7 +13,7 @@ masks and every per-object field move and drop together. Batch 8.
 **Throughput** (images/s and CPU per image, 2 workers each, medians of interleaved repeats):
 
 - DataLoader: a torch ``Dataset`` doing the same work as torchvision's detection references
-  (``bench/torch_coco.py``: OpenCV decode, pycocotools' ``annToMask``, the same albumentations
+  (``bench/peers/torch_coco.py``: OpenCV decode, pycocotools' ``annToMask``, the same albumentations
   Compose with the boxes given in COCO's format), ``collate_fn=lambda x: tuple(zip(*x))``,
   persistent forkserver workers;
 - batchd: ``kind: coco`` with ``masks: true``, ``RemoteDataLoader(..., collate_fn=batchd.detection_collate)``
@@ -111,7 +111,7 @@ class Setup:
         if method in ("dataloader", "sequential"):
             loader, order = (self.loader, self.order) if method == "dataloader" else (self.sequential, self.sequential_order)
             # a round of the workers' batches after the counted ones, consumed untimed: the window
-            # closes with the workers as busy as when it opened (bench/torch_loader.py::time_loader)
+            # closes with the workers as busy as when it opened (bench/peers/torch_loader.py::time_loader)
             tail = loader.num_workers * (loader.prefetch_factor or 2) if loader.num_workers else 0
             order.set(len(self.dataset), (count + tail) * BS, seed)
             return _drain(iter(loader))

@@ -1,8 +1,8 @@
 """Table 17: every server at full speed. Servers of unequal speed, a stalled server, a sidecar.
 
-    python bench/table_fullspeed.py [--quick] [--repeats N]
+    python -m bench.tables.table_fullspeed [--quick] [--repeats N]
 
-``batchd serve`` processes (bench/server_proc.py) with one worker each and a sleep-bound operator
+``batchd serve`` processes (bench/fixtures/server_proc.py) with one worker each and a sleep-bound operator
 pipeline (tests/pydata/batchd_testdata.py ``paced``: a fixed sleep per sample, the sample
 unchanged), so each server's speed is set by its config and several run on 2 cores: the figures
 measure how the loader spreads the work, not the machine. Samples are ``Paced``'s (4 x 4 pixels:

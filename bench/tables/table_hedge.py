@@ -1,8 +1,8 @@
 """Table 12: hedged requests. One loader over 3 servers, one of which stalls for 1 s every 8 s.
 
-    python bench/table_hedge.py [--quick] [--repeats N]
+    python -m bench.tables.table_hedge [--quick] [--repeats N]
 
-Three ``batchd serve`` processes (bench/server_proc.py) with one worker each over the photo
+Three ``batchd serve`` processes (bench/fixtures/server_proc.py) with one worker each over the photo
 dataset (its 4x manifest; pipeline L1, batch 8, bytes inline) feed one ``RemoteDataLoader``.
 While it reads, the third server's process is stopped (SIGSTOP) for ``STALL_S`` seconds every
 ``PERIOD_S`` seconds and then continued (SIGCONT): a pause such as a long garbage collection,

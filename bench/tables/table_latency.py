@@ -1,8 +1,8 @@
 """Table 9: images/s against storage latency added to every file open or S3 request (0, 2, 10, 50 ms).
 
-    python bench/table_latency.py [--quick] [--repeats N] [--chart PATH]
+    python -m bench.tables.table_latency [--quick] [--repeats N] [--chart PATH]
 
-The photo set (bench/make_photos.py) is mounted through ``bench/fusefs.py``, a read-only FUSE
+The photo set (bench/fixtures/make_photos.py) is mounted through ``bench/fixtures/fusefs.py``, a read-only FUSE
 pass-through that sleeps in ``open`` (what NFS, Lustre metadata or an object store's first byte
 cost per object); every row reads through the same mount, whose latency changes live between
 measurements (0 ms is the FUSE pass-through without sleeping, not the local disk). Rows:
@@ -11,10 +11,10 @@ measurements (0 ms is the FUSE pass-through without sleeping, not the local disk
   running and queued batches on ``reads_in_flight`` I/O threads (default 32) while it decodes;
 - the same with ``reads_in_flight: 1`` (one read at a time, overlapping only the decode: about
   what batchd did before concurrent reads);
-- PyTorch DataLoader with 2 and with 16 workers (``bench/torch_loader.py``: batchd's decode code,
+- PyTorch DataLoader with 2 and with 16 workers (``bench/peers/torch_loader.py``: batchd's decode code,
   persistent workers, prefetch_factor 2), each worker reading its batch's files one after another.
 
-The S3 rows (``bench/latency_s3.py``): the same photos in a SeaweedFS bucket behind
+The S3 rows (``bench/tables/latency_s3.py``): the same photos in a SeaweedFS bucket behind
 ``tests/s3proxy.py``, which holds every HTTP request the added latency; batchd with 2 workers on
 an ``s3://`` imagefolder, DataLoader with 2 and 16 workers whose Dataset fetches each object with
 obstore. The latency of the mount and of the proxy change together; all rows are interleaved.
@@ -70,7 +70,7 @@ SERIAL = ("batchd_seq", "dataloader2", "s3_dataloader2")  # one read at a time p
 ONCE_MS = 50  # SERIAL rows are measured in the first repeat only at this latency (see measured_in)
 LOADER = {"dataloader2": 2, "dataloader16": 16, "s3_dataloader2": 2, "s3_dataloader16": 16}  # DataLoader per row
 FORKSERVER_PRELOAD = ["torch", "cv2", "albumentations", "obstore", "batchd.server.data.datasets.imagefolder",
-                      "bench.torch_loader", "bench.latency_s3"]
+                      "bench.peers.torch_loader", "bench.tables.latency_s3"]
 PIPELINE = "L3"
 BATCH = 64
 MB = 1 << 20
@@ -285,7 +285,7 @@ def render(r: dict) -> str:
         f"warm-up (warm-up + timed at {'/'.join(str(x) for x in LATENCIES_MS)} ms: {counts}); "
         f"median of {r['repeats']} interleaved repeats ({', '.join(LABELS[m] for m in methods if m in SERIAL)}: "
         f"one measurement at {ONCE_MS} ms, where their rate is set by the latency). The FUSE rows read the photo set through the same FUSE "
-        "pass-through (bench/fusefs.py, a Python daemon: its own CPU counts against the 2 cores), which sleeps the "
+        "pass-through (bench/fixtures/fusefs.py, a Python daemon: its own CPU counts against the 2 cores), which sleeps the "
         "added latency in each open. batchd reads 32 samples at once per worker (reads_in_flight) while it decodes; "
         "a DataLoader worker reads its batch's files one after another. On a shared machine the kernel shares the "
         "cores per process, so 16 DataLoader processes take more of them from other users' work than 2 batchd "

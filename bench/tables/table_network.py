@@ -1,13 +1,13 @@
 """Table 18: what receiving batches costs the training process, per transport (issue 28).
 
-    python bench/table_network.py [--quick] [--repeats N]
+    python -m bench.tables.table_network [--quick] [--repeats N]
 
 Transports: the socket data plane (``transport="socket"``: the tensor bytes on a TCP connection
 beside the Batches call, ``recv_into`` a pooled buffer; docs/design/network-path.md), today's
 inline TCP (``transport="inline"``: the bytes in the gRPC messages) and shared memory
 (``transport="shm"``), all over loopback to one ``batchd serve`` process.
 
-Part 1, the cost per GB. A server of 2 workers serves ``bench.synthetic.Frames`` (ready-made
+Part 1, the cost per GB. A server of 2 workers serves ``bench.fixtures.synthetic.Frames`` (ready-made
 224 x 224 frames, no pipeline: 9.6 MB batches of 64 cost a worker a copy), so the transport is
 what is measured. The training loop runs a fixed pure-Python step (an integer loop that holds
 the GIL, calibrated alone to T) per batch, T chosen so that the loop asks for about 0.1, 0.3 and
@@ -142,7 +142,7 @@ def run(s, log=print) -> dict:
     steps = {r: PyStep(BATCH_BYTES / (r * 1e9)) for r in RATES}
     log("  table18: steps alone " + ", ".join(f"{steps[r].alone * 1e3:.1f} ms at {r:g} GB/s" for r in RATES))
     cost: dict[tuple[float, str], list[dict]] = {}
-    frames = {"frames": {"kind": "python", "factory": "bench.synthetic:Frames"}}
+    frames = {"frames": {"kind": "python", "factory": "bench.fixtures.synthetic:Frames"}}
     with ServerProcess(datasets=frames, workers=2, cache_dir=data.CACHE,
                        extra={"python_path": [str(ROOT)], "max_slots": 32}) as srv:
         for t in TRANSPORTS:  # first use: workers warm, buffers and connections made

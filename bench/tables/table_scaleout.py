@@ -1,8 +1,8 @@
 """Table 6: one loader fed by 1, 2 and 3 batchd servers (each with 1 worker) on this machine.
 
-    python bench/table_scaleout.py [--quick] [--repeats N]
+    python -m bench.tables.table_scaleout [--quick] [--repeats N]
 
-Each configuration starts N ``batchd serve`` processes (bench/server_proc.py) with one worker
+Each configuration starts N ``batchd serve`` processes (bench/fixtures/server_proc.py) with one worker
 each over the photo dataset (its 4x manifest; pipeline L1, batch 64) and reads them through one
 ``RemoteDataLoader([address, ...])``: batch b comes from server b mod N (client/multi.py), with
 the bytes inline in the gRPC messages (transport="inline"), as they travel from other hosts. We

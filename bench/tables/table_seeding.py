@@ -1,10 +1,10 @@
 """What one random stream per sample costs: seeding against the work of a sample, in microseconds.
 
-    python bench/table_seeding.py [--runs 9] [--photos 384] [--fmnist 4096]
+    python -m bench.tables.table_seeding [--runs 9] [--photos 384] [--fmnist 4096]
 
 Everything runs in this process, as a batchd worker runs it (one OpenCV thread), over two datasets:
 
-- photos (bench/make_photos.py, made if missing) with the L3 pipeline (bench/pipelines.py);
+- photos (bench/fixtures/make_photos.py, made if missing) with the L3 pipeline (bench/fixtures/pipelines.py);
 - Fashion-MNIST's training set with the ``train`` preset of examples/fashion_mnist.yaml
   (Affine p=0.5, HorizontalFlip p=0.5).
 

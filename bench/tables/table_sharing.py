@@ -1,8 +1,8 @@
 """Table 7: one loader, several experiments (photo dataset, L3, batch 64, 2 workers).
 
-    python bench/table_sharing.py [--quick] [--repeats N]
+    python -m bench.tables.table_sharing [--quick] [--repeats N]
 
-Clients are separate processes (``python bench/table_sharing.py --client ...``): each imports
+Clients are separate processes (``python -m bench.tables.table_sharing --client ...``): each imports
 torch, connects, reads one batch, then waits for a "go" line on stdin, so that the clients of
 a scenario start together and import time is never timed. Each reads the rest of one epoch
 and prints its images/s. Server CPU seconds (server + forkserver + workers, utime + stime) are

@@ -1,6 +1,6 @@
 """Table 14: what per-batch timings cost (issue 21 §1: under 1% of throughput).
 
-    python bench/table_timings.py [--quick] [--repeats N]
+    python -m bench.tables.table_timings [--quick] [--repeats N]
 
 Every batch carries its timings (``BatchTimings``) and the client adds its own; the code that does
 it runs in four places. A. We time that code itself, in this process, with the real functions

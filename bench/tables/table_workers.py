@@ -1,13 +1,13 @@
 """Table 1: images/s for 1, 2 and 4 workers x pipelines L1-L4, and the speedup over a sequential loop.
 
-Methods: the sequential loop (``bench/sequential.py``), PyTorch DataLoader (persistent workers),
+Methods: the sequential loop (``bench/peers/sequential.py``), PyTorch DataLoader (persistent workers),
 batchd over TCP with the bytes in the gRPC messages (transport="inline") and batchd over shared
 memory (transport="shm"). Batch 64. One server and one DataLoader per worker count, started
 once and reused; each measurement consumes ``warmup`` batches untimed (a multiple of the worker
 count) and then times ``timed`` batches. Methods are interleaved (rotating order) within each
 repeat so that the machine's noise hits all of them alike.
 
-Peers (``bench/tf_peer.py``, pipeline L3 only, when TensorFlow is installed): tf.data in-process
+Peers (``bench/peers/tf_peer.py``, pipeline L3 only, when TensorFlow is installed): tf.data in-process
 and tf.data service (a dispatcher and one worker on this host), doing L3's work with TF ops, in
 one subprocess per worker count, interleaved with the methods above; without TensorFlow the
 table says "skipped".
@@ -44,7 +44,7 @@ def run(s, log=print) -> dict:
     composes = {p: pipelines.build(p) for p in pipes}
     presets = pipelines.presets(pipes)
     torch_ds = PhotoDataset("photos", cfg, data.LOCAL_CACHE, presets)
-    # the peers a user would pick instead (bench/tf_peer.py): tf.data and tf.data service, L3 only
+    # the peers a user would pick instead (bench/peers/tf_peer.py): tf.data and tf.data service, L3 only
     peers = tf_peer.METHODS if tf_peer.available() and tf_peer.PIPELINE in pipes else ()
     photo_paths = [str(data.PHOTOS / f) for f in data.photo_files()]
     photo_labels = [int(f.split("/")[0].split("_")[1]) for f in data.photo_files()]
