@@ -27,14 +27,9 @@ of your torch build); without CUDA or torchvision the script says so and exits 0
 from __future__ import annotations
 
 import argparse
-import os
-import pathlib
 import statistics
 import sys
 import time
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import torch
 

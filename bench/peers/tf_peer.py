@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 
-from bench import ROOT, module_argv, module_env
+from bench import module_argv, module_env
 
 from bench.measure import StreamTiming
 

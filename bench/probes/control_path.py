@@ -25,12 +25,8 @@ import os
 import pathlib
 import queue
 import statistics
-import sys
 import tempfile
 import uuid
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import grpc
 

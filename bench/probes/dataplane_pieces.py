@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 
-from bench import ROOT
 
 from bench import common
 from bench.measure import consume, cpu_seconds, median

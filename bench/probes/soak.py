@@ -36,21 +36,16 @@ import os
 import pathlib
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-from bench import ROOT, module_argv, module_env
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
+from bench import module_argv, module_env
+from bench.probes.soak_tree import SHM_DIR, measure, ppid, process_tree, table, verdicts, worker_pids
 FMNIST_ROOT = pathlib.Path("/usr/share/datasets/fashion-mnist")
-SHM_DIR = pathlib.Path("/dev/shm") if os.path.isdir("/dev/shm") else pathlib.Path(tempfile.gettempdir())
 TRANSPORTS = ("shm", "inline", "lz4")
-TOLERANCE = {"fds": 10, "threads": 5, "segments": 8}  # absolute growth allowed
-RSS_TOLERANCE = 0.30  # relative growth allowed
 
 
 # --- client process ---------------------------------------------------------------------------
@@ -95,107 +90,6 @@ def client_main(address: str, transport: str, seed: int) -> int:
                     print(f"epoch {len(indices)} batches", flush=True)
         finally:
             ld.close()
-
-
-# --- measuring the server ---------------------------------------------------------------------
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in "ZX" else int(fields[1])
-
-
-def process_tree(root: int) -> dict[int, int]:
-    """{pid: ppid} of ``root`` and its live descendants."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            ppid = _ppid(int(entry))
-            if ppid is not None:
-                parents[int(entry)] = ppid
-    tree, todo = {root: parents.get(root, 0)}, [root]
-    while todo:
-        p = todo.pop()
-        for child, parent in parents.items():
-            if parent == p and child not in tree:
-                tree[child] = parent
-                todo.append(child)
-    return tree
-
-
-def worker_pids(server_pid: int) -> list[int]:
-    """The server's workers: children of its forkserver, i.e. its grandchildren."""
-    tree = process_tree(server_pid)
-    return sorted(p for p, parent in tree.items() if parent != server_pid and p != server_pid)
-
-
-def _status(pid: int, key: str) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def sample(server_pid: int) -> dict[str, float]:
-    tree = process_tree(server_pid)
-    try:
-        fds = len(os.listdir(f"/proc/{server_pid}/fd"))
-    except OSError:
-        fds = 0
-    segments = list(SHM_DIR.glob(f"batchd-{server_pid}-*"))
-    seg_bytes = 0
-    for s in segments:
-        try:
-            seg_bytes += s.stat().st_size
-        except OSError:
-            pass
-    return {
-        "rss_mb": sum(_status(p, "VmRSS") for p in tree) / 1024,
-        "processes": len(tree),
-        "fds": fds,
-        "threads": _status(server_pid, "Threads"),
-        "segments": len(segments),
-        "segment_mb": seg_bytes / (1 << 20),
-    }
-
-
-def measure(server_pid: int, n: int = 5, interval: float = 0.4) -> dict[str, float]:
-    """The median of ``n`` samples (a batch in flight or a worker restarting is not a trend)."""
-    samples = []
-    for i in range(n):
-        samples.append(sample(server_pid))
-        if i < n - 1:
-            time.sleep(interval)
-    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-
-
-def verdicts(start: dict, end: dict) -> dict[str, tuple[str, bool]]:
-    """metric -> (allowed growth, within it?)"""
-    out = {k: (f"+{v}", end[k] - start[k] <= v) for k, v in TOLERANCE.items()}
-    out["rss_mb"] = (f"+{RSS_TOLERANCE:.0%}", end["rss_mb"] <= start["rss_mb"] * (1 + RSS_TOLERANCE))
-    return out
-
-
-def table(start: dict, end: dict) -> str:
-    checks = verdicts(start, end)
-    rows = [("metric", "start", "end", "change", "allowed", "ok")]
-    for k in ("rss_mb", "processes", "fds", "threads", "segments", "segment_mb"):
-        allowed, ok = checks.get(k, ("-", None))
-        fmt = "{:.1f}" if k.endswith("_mb") else "{:.0f}"
-        rows.append((k, fmt.format(start[k]), fmt.format(end[k]), ("{:+.1f}" if k.endswith("_mb") else "{:+.0f}").format(
-            end[k] - start[k]), allowed, "-" if ok is None else ("yes" if ok else "NO")))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -250,12 +144,126 @@ class Client:
             return ""
 
 
+class Churn:
+    """The clients and the kills of a soak run: ``n_clients`` client processes kept running, a
+    random client killed every 4-12 s and a random worker every 3-10 s; ``stats`` counts them."""
+
+    def __init__(self, server, n_clients: int, rng: random.Random, seed: int, logdir: pathlib.Path):
+        self.server, self.rng, self.logdir = server, rng, logdir
+        self.stats: collections.Counter = collections.Counter()
+        self.failures: list[str] = []
+        self._seeds = iter(range(seed * 1000, seed * 1000 + 100000))
+        now = time.monotonic()
+        self.next_client_kill = now + rng.uniform(4, 12)
+        self.next_worker_kill = now + rng.uniform(3, 10)
+        self.clients = [self._new_client(slot) for slot in range(n_clients)]
+
+    def _new_client(self, slot: int) -> Client:
+        transport = TRANSPORTS[(slot + self.stats["clients_started"]) % len(TRANSPORTS)]
+        self.stats["clients_started"] += 1
+        return Client(slot, self.server.address, transport, next(self._seeds), self.logdir)
+
+    def _replace(self, i: int) -> None:
+        self.stats["epochs"] += self.clients[i].epochs
+        self.clients[i] = self._new_client(self.clients[i].slot)
+
+    def step(self, now: float) -> None:
+        """Replace clients that exited by themselves (each an error); kill a client or a worker when due."""
+        for i, c in enumerate(self.clients):
+            c.poll_epochs()
+            if c.proc.poll() is not None:
+                self.failures.append(f"client {c.slot} ({c.transport}, seed {c.seed}) exited with "
+                                     f"{c.proc.returncode}:\n{c.tail()}")
+                c.close()
+                self._replace(i)
+        if now >= self.next_client_kill:
+            i = self.rng.randrange(len(self.clients))
+            sig = self.rng.choice([signal.SIGKILL, signal.SIGTERM])
+            self.clients[i].kill(sig)
+            self.stats[f"clients_{signal.Signals(sig).name}"] += 1
+            self._replace(i)
+            self.next_client_kill = now + self.rng.uniform(4, 12)
+        if now >= self.next_worker_kill:
+            workers = worker_pids(self.server.pid)
+            if workers:
+                try:
+                    os.kill(self.rng.choice(workers), signal.SIGKILL)
+                    self.stats["workers_killed"] += 1
+                except ProcessLookupError:
+                    pass
+            self.next_worker_kill = now + self.rng.uniform(3, 10)
+
+    def stop(self) -> None:
+        for c in self.clients:
+            c.kill(signal.SIGKILL)
+            self.stats["epochs"] += c.epochs
+
+
+def stop_server(server) -> list[str]:
+    """SIGTERM the server; what went wrong: not 2 workers at the end, no clean exit within 30 s,
+    processes of its tree still running 10 s later, segments left after a clean stop."""
+    failures = []
+    pid = server.pid
+    tree = process_tree(pid) if server.proc.poll() is None else {}
+    if server.proc.poll() is None:
+        workers_now = worker_pids(pid)
+        if len(workers_now) != 2:
+            failures.append(f"the server has {len(workers_now)} workers at the end, not 2")
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            code = server.proc.wait(30)
+            if code != 0:
+                failures.append(f"the server exited with {code} on SIGTERM")
+        except subprocess.TimeoutExpired:
+            failures.append("the server did not exit within 30 s of SIGTERM")
+            server.proc.kill()
+            server.proc.wait(10)
+    deadline = time.monotonic() + 10
+    left = [p for p in tree if p != pid and ppid(p) is not None]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if ppid(p) is not None]
+    if left:
+        failures.append(f"processes of the server still running 10 s after it exited: {left}")
+    segments = list(SHM_DIR.glob(f"batchd-{pid}-*"))
+    if segments and server.proc.returncode == 0:
+        failures.append(f"shared-memory segments left after a clean stop: {[s.name for s in segments]}")
+    return failures
+
+
+def churn(server, n_clients: int, seed: int, duration: float, warmup: float, logdir: pathlib.Path):
+    """Run the clients and the kills for ``duration`` seconds; (churn, readings after the warm-up
+    and at the end; the end is None if the server died)."""
+    rng = random.Random(seed)
+    ch = Churn(server, n_clients, rng, seed, logdir)
+    start_m = end_m = None
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < duration:
+            time.sleep(0.2)
+            now = time.monotonic()
+            if server.proc.poll() is not None:
+                ch.failures.append(f"the server exited with {server.proc.returncode}:\n"
+                                   + "".join(list(server.lines)[-30:]))
+                break
+            ch.step(now)
+            if start_m is None and now - t0 >= warmup:
+                start_m = measure(server.pid)
+                print(f"baseline after {now - t0:.0f} s: {start_m}", flush=True)
+        if start_m is None:  # a run shorter than its warm-up
+            start_m = measure(server.pid)
+        if server.proc.poll() is None:
+            end_m = measure(server.pid)
+    finally:
+        ch.stop()
+    return ch, start_m, end_m
+
+
 def run(minutes: float, n_clients: int, seed: int) -> int:
     from bench.fixtures.server_proc import ServerProcess
 
     import albumentations as A
 
-    rng = random.Random(seed)
     duration = minutes * 60
     warmup = min(60.0, max(20.0, duration / 4))  # the slot pool grows to its working set first
     tmp = tempfile.TemporaryDirectory(prefix="batchd-soak-")
@@ -265,101 +273,23 @@ def run(minutes: float, n_clients: int, seed: int) -> int:
     print(f"soak: {minutes:g} min, {n_clients} clients, seed {seed}, warm-up {warmup:.0f} s", flush=True)
 
     server = ServerProcess(datasets=datasets, pipelines=pipelines, workers=2, cache_dir=logdir / "cache").start()
-    pid = server.pid
-    print(f"server pid {pid} on {server.address}, workers {worker_pids(pid)}", flush=True)
-    clients: list[Client] = []
-    stats = collections.Counter()
-    failures: list[str] = []
-    start_m = end_m = None
+    print(f"server pid {server.pid} on {server.address}, workers {worker_pids(server.pid)}", flush=True)
     t0 = time.monotonic()
-    next_client_kill = t0 + rng.uniform(4, 12)
-    next_worker_kill = t0 + rng.uniform(3, 10)
-    client_seeds = iter(range(seed * 1000, seed * 1000 + 100000))
-
-    def new_client(slot: int) -> Client:
-        return Client(slot, server.address, TRANSPORTS[(slot + stats["clients_started"]) % len(TRANSPORTS)],
-                      next(client_seeds), logdir)
-
     try:
-        for slot in range(n_clients):
-            clients.append(new_client(slot))
-            stats["clients_started"] += 1
-        while time.monotonic() - t0 < duration:
-            time.sleep(0.2)
-            now = time.monotonic()
-            if server.proc.poll() is not None:
-                failures.append(f"the server exited with {server.proc.returncode}:\n" + "".join(list(server.lines)[-30:]))
-                break
-            for i, c in enumerate(clients):
-                c.poll_epochs()
-                if c.proc.poll() is not None:  # exited by itself: an error
-                    failures.append(f"client {c.slot} ({c.transport}, seed {c.seed}) exited with "
-                                    f"{c.proc.returncode}:\n{c.tail()}")
-                    stats["epochs"] += c.epochs
-                    c.close()
-                    clients[i] = new_client(c.slot)
-                    stats["clients_started"] += 1
-            if now >= next_client_kill:
-                i = rng.randrange(len(clients))
-                sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
-                clients[i].kill(sig)
-                stats["epochs"] += clients[i].epochs
-                stats[f"clients_{signal.Signals(sig).name}"] += 1
-                clients[i] = new_client(clients[i].slot)
-                stats["clients_started"] += 1
-                next_client_kill = now + rng.uniform(4, 12)
-            if now >= next_worker_kill:
-                workers = worker_pids(pid)
-                if workers:
-                    try:
-                        os.kill(rng.choice(workers), signal.SIGKILL)
-                        stats["workers_killed"] += 1
-                    except ProcessLookupError:
-                        pass
-                next_worker_kill = now + rng.uniform(3, 10)
-            if start_m is None and now - t0 >= warmup:
-                start_m = measure(pid)
-                print(f"baseline after {now - t0:.0f} s: {start_m}", flush=True)
-        if start_m is None:  # a run shorter than its warm-up
-            start_m = measure(pid)
-        if server.proc.poll() is None:
-            end_m = measure(pid)
+        ch, start_m, end_m = churn(server, n_clients, seed, duration, warmup, logdir)
     finally:
-        for c in clients:
-            c.kill(signal.SIGKILL)
-            stats["epochs"] += c.epochs
-        tree = process_tree(pid) if server.proc.poll() is None else {}
-        if server.proc.poll() is None:
-            workers_now = worker_pids(pid)
-            if len(workers_now) != 2:
-                failures.append(f"the server has {len(workers_now)} workers at the end, not 2")
-            server.proc.send_signal(signal.SIGTERM)
-            try:
-                code = server.proc.wait(30)
-                if code != 0:
-                    failures.append(f"the server exited with {code} on SIGTERM")
-            except subprocess.TimeoutExpired:
-                failures.append("the server did not exit within 30 s of SIGTERM")
-                server.proc.kill()
-                server.proc.wait(10)
-        deadline = time.monotonic() + 10
-        left = [p for p in tree if p != pid and _ppid(p) is not None]
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = [p for p in left if _ppid(p) is not None]
-        if left:
-            failures.append(f"processes of the server still running 10 s after it exited: {left}")
-        segments = list(SHM_DIR.glob(f"batchd-{pid}-*"))
-        if segments and server.proc.returncode == 0:
-            failures.append(f"shared-memory segments left after a clean stop: {[s.name for s in segments]}")
+        failures = stop_server(server)
         server.stop()
         tmp.cleanup()
+    return report(ch, failures, start_m, end_m, time.monotonic() - t0)
 
-    elapsed = time.monotonic() - t0
+
+def report(ch: Churn, failures: list[str], start_m: dict, end_m: dict | None, elapsed: float) -> int:
+    """Print what ran and every failure; the exit status (0: PASS)."""
+    stats, failures = ch.stats, ch.failures + failures
     print(f"\nran {elapsed:.0f} s: {stats['epochs']} complete epochs, {stats['clients_started']} clients started "
           f"({stats['clients_SIGKILL']} SIGKILLed, {stats['clients_SIGTERM']} SIGTERMed at random), "
           f"{stats['workers_killed']} workers SIGKILLed")
-    ok = not failures
     if end_m is not None:
         print("\nserver process tree (median of 5 samples, clients running):")
         print(table(start_m, end_m))

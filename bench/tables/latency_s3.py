@@ -19,7 +19,6 @@ Rows (same L3 pipeline, batch 64):
 from __future__ import annotations
 
 import pathlib
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 

@@ -22,13 +22,9 @@ workers it ran on average (Stats' worker count sampled every 0.25 s).
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 import threading
 import time
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import albumentations as A
 

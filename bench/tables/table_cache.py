@@ -30,9 +30,7 @@ import sys
 import tempfile
 import time
 
-from bench import ROOT, module_argv, module_env
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
+from bench import module_argv, module_env
 from bench.fixtures import data, pipelines
 from bench.report import md_table
 from bench.fixtures.server_proc import ServerProcess

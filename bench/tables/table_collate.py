@@ -25,9 +25,6 @@ import pathlib
 import sys
 import time
 
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
 import cv2
 import numpy as np
 
@@ -40,6 +37,7 @@ from batchd.server.compute.stages import STAGES
 from batchd.server.compute.worker import _Worker
 from batchd.server.config import load_config
 from batchd.server.shm import Segment
+from bench import ROOT
 from bench import common
 from bench.fixtures import data
 from bench.fixtures import pipelines as bench_pipelines

@@ -45,12 +45,8 @@ from __future__ import annotations
 
 import collections
 import os
-import pathlib
 import sys
 import time
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from bench import common
 from bench.fixtures import data, pipelines

@@ -36,13 +36,9 @@ with 2 workers: what overlapping leaves).
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import time
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from bench import common
 from bench.fixtures import data

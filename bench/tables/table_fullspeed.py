@@ -27,19 +27,16 @@ from __future__ import annotations
 
 import itertools
 import os
-import pathlib
 import signal
 import sys
 import threading
 import time
 
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
 import numpy as np
 
 import batchd
 from batchd.client.stats import get_stats
+from bench import ROOT
 from bench import common, noise
 from bench.fixtures import data
 from bench.measure import median

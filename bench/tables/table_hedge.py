@@ -22,14 +22,10 @@ from __future__ import annotations
 
 import itertools
 import os
-import pathlib
 import signal
 import sys
 import threading
 import time
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import numpy as np
 

@@ -35,17 +35,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from batchd.server.config import ImageFolderConfig
 from bench import common
@@ -128,10 +125,6 @@ def warmup_batches(m: str) -> int:
 def run(s, log=print) -> dict:
     """Measure every (latency, method) cell ``s.repeats`` times, methods interleaved."""
     data.ensure_photos()
-    presets = pipelines.presets((PIPELINE,))
-    rates: dict[str, list[float]] = {}
-    cpus: dict[str, list[float]] = {}
-    memory: dict[str, dict[str, float]] = {}
     skipped = fuse_missing()
     if skipped:
         log(f"  table9: skipped: {skipped}")
@@ -142,77 +135,117 @@ def run(s, log=print) -> dict:
         log(f"  table9: S3 rows skipped: {s3_skipped}")
     s3_info = {"skipped": s3_skipped, "requests": 0, "images": 0}
     work = tempfile.mkdtemp(prefix="batchd-latency-")
-    bucket = None
     t0 = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
-            mnt = stack.enter_context(Mount(data.PHOTOS, 0))
-            cfg = ImageFolderConfig(kind="imagefolder", root=mnt.path)
-            servers: dict[str, ServerProcess] = {}
-            stack.callback(lambda: [srv.stop() for srv in servers.values()])
-            pool = stack.enter_context(ThreadPoolExecutor(3))  # a start waits for the server's "listening" line
-
-            def start(m: str, datasets: dict) -> None:
-                servers[m] = ServerProcess(datasets=datasets, pipelines=presets, workers=2,
-                                           cache_dir=os.path.join(work, f"cache-{m}"),
-                                           extra={"reads_in_flight": 1} if m == "batchd_seq" else None)
-                starts.append(pool.submit(servers[m].start))
-            starts = []
-            for m in ("batchd", "batchd_seq"):
-                start(m, common.server_datasets(photos=cfg))
-            if not s3_skipped:  # SeaweedFS starts and takes the photos while the FUSE servers start
-                bucket = stack.enter_context(latency_s3.S3Photos(pathlib.Path(work, "seaweed"), log=log))
-                start("s3_batchd", {"photos": bucket.server_dataset()})
-            for f in starts:
-                f.result()
-            # DataLoader workers start from a forkserver that has imported these already (as fork would
-            # give them): 16 workers importing torch each took ~40 s on the busy 2-core machine, ~6 s so.
-            multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-            if bucket is None:
-                torch_ds = PhotoDataset("photos", cfg, pathlib.Path(work, "cache-local"), presets)
-            else:
-                torch_ds = latency_s3.FuseOrS3Photos(
-                    "photos", cfg, pathlib.Path(work, "cache-local"), presets, storage_options=bucket.storage_options,
-                    s3_cfg=ImageFolderConfig(kind="imagefolder", root=bucket.url, storage_options=bucket.storage_options))
-            loaders = {n: make_loader(torch_ds, n) for n in sorted(set(LOADER.values()))}
-            stack.callback(loaders.clear)
+            rig = Rig.start(stack, work, with_s3=not s3_skipped, log=log)
             for m in methods:  # start-up (DataLoader workers, the server's pipeline) not timed
-                _one(m, servers, loaders, torch_ds, seed=0, timed=1)
-            log(f"  table9: started in {time.perf_counter() - t0:.0f} s (servers {servers['batchd'].startup_s:.1f} s)")
-            for rep in range(s.repeats):
-                for li, latency in enumerate(LATENCIES_MS):
-                    mnt.set_latency(latency)
-                    if bucket is not None:
-                        bucket.set_latency(latency)
-                    k = (rep + li) % len(methods)
-                    for m in [m for m in methods[k:] + methods[:k] if measured_in(rep, m, latency)]:
-                        snap = {}
-                        n = timed_batches(s, m, latency)
-
-                        def once():
-                            before = bucket.requests() if m in latency_s3.METHODS else 0
-                            out = _one(m, servers, loaders, torch_ds, seed=1000 * rep + li + 1, timed=n, snapshot=snap)
-                            if m in latency_s3.METHODS:  # outside the timed window
-                                s3_info["requests"] += bucket.requests() - before
-                                s3_info["images"] += (warmup_batches(m) + n) * BATCH
-                            return out
-                        r = measure(once)
-                        rates.setdefault(f"{latency}|{m}", []).append(r.rate)
-                        cpus.setdefault(f"{latency}|{m}", []).append(r.cpu_per_image)
-                        for key, v in snap.items():
-                            cell = memory.setdefault(f"{latency}|{m}", {})
-                            cell[key] = max(cell.get(key, 0.0), v)
-                    log(f"  table9: repeat {rep + 1}/{s.repeats}, {latency} ms done ({time.perf_counter() - t0:.0f} s)")
-            if bucket is not None:
-                s3_info["seaweed_mb"] = bucket.memory()
+                rig.one(m, seed=0, timed=1)
+            log(f"  table9: started in {time.perf_counter() - t0:.0f} s (servers {rig.servers['batchd'].startup_s:.1f} s)")
+            cells = sweep(s, rig, methods, s3_info, log=log, t0=t0)
+            if rig.bucket is not None:
+                s3_info["seaweed_mb"] = rig.bucket.memory()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return result(s, methods, cells, s3_info)
+
+
+@dataclasses.dataclass
+class Rig:
+    """What the cells are measured on: the FUSE mount, the servers (batchd, batchd_seq and, with
+    S3, s3_batchd), the SeaweedFS bucket (or None), the DataLoaders' dataset and loaders."""
+
+    mnt: Mount
+    bucket: object
+    servers: dict
+    torch_ds: object
+    loaders: dict
+
+    @classmethod
+    def start(cls, stack: contextlib.ExitStack, work: str, *, with_s3: bool, log=print) -> "Rig":
+        """Everything started, its stopping registered on ``stack``; the servers start together."""
+        presets = pipelines.presets((PIPELINE,))
+        mnt = stack.enter_context(Mount(data.PHOTOS, 0))
+        cfg = ImageFolderConfig(kind="imagefolder", root=mnt.path)
+        servers: dict[str, ServerProcess] = {}
+        stack.callback(lambda: [srv.stop() for srv in servers.values()])
+        pool = stack.enter_context(ThreadPoolExecutor(3))  # a start waits for the server's "listening" line
+        starts = []
+
+        def start(m: str, datasets: dict) -> None:
+            servers[m] = ServerProcess(datasets=datasets, pipelines=presets, workers=2,
+                                       cache_dir=os.path.join(work, f"cache-{m}"),
+                                       extra={"reads_in_flight": 1} if m == "batchd_seq" else None)
+            starts.append(pool.submit(servers[m].start))
+        for m in ("batchd", "batchd_seq"):
+            start(m, common.server_datasets(photos=cfg))
+        bucket = None
+        if with_s3:  # SeaweedFS starts and takes the photos while the FUSE servers start
+            bucket = stack.enter_context(latency_s3.S3Photos(pathlib.Path(work, "seaweed"), log=log))
+            start("s3_batchd", {"photos": bucket.server_dataset()})
+        for f in starts:
+            f.result()
+        # DataLoader workers start from a forkserver that has imported these already (as fork would
+        # give them): 16 workers importing torch each took ~40 s on the busy 2-core machine, ~6 s so.
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+        if bucket is None:
+            torch_ds = PhotoDataset("photos", cfg, pathlib.Path(work, "cache-local"), presets)
+        else:
+            torch_ds = latency_s3.FuseOrS3Photos(
+                "photos", cfg, pathlib.Path(work, "cache-local"), presets, storage_options=bucket.storage_options,
+                s3_cfg=ImageFolderConfig(kind="imagefolder", root=bucket.url, storage_options=bucket.storage_options))
+        loaders = {n: make_loader(torch_ds, n) for n in sorted(set(LOADER.values()))}
+        stack.callback(loaders.clear)
+        return cls(mnt, bucket, servers, torch_ds, loaders)
+
+    def set_latency(self, latency_ms: float) -> None:
+        self.mnt.set_latency(latency_ms)
+        if self.bucket is not None:
+            self.bucket.set_latency(latency_ms)
+
+    def one(self, m: str, *, seed: int, timed: int, snapshot: dict | None = None) -> tuple[float, float]:
+        return _one(m, self.servers, self.loaders, self.torch_ds, seed=seed, timed=timed, snapshot=snapshot)
+
+
+def sweep(s, rig: Rig, methods: tuple, s3_info: dict, *, log=print, t0: float) -> dict:
+    """Every cell, ``s.repeats`` times, the methods' order rotated per (repeat, latency);
+    {"latency|method": {"rates": [...], "cpus": [...], "memory": {...}}}. Counts the S3 requests
+    the proxy passed on (outside the timed window) into ``s3_info``."""
+    cells: dict[str, dict] = {}
+    for rep in range(s.repeats):
+        for li, latency in enumerate(LATENCIES_MS):
+            rig.set_latency(latency)
+            k = (rep + li) % len(methods)
+            for m in [m for m in methods[k:] + methods[:k] if measured_in(rep, m, latency)]:
+                snap = {}
+                n = timed_batches(s, m, latency)
+
+                def once():
+                    before = rig.bucket.requests() if m in latency_s3.METHODS else 0
+                    out = rig.one(m, seed=1000 * rep + li + 1, timed=n, snapshot=snap)
+                    if m in latency_s3.METHODS:  # outside the timed window
+                        s3_info["requests"] += rig.bucket.requests() - before
+                        s3_info["images"] += (warmup_batches(m) + n) * BATCH
+                    return out
+                r = measure(once)
+                cell = cells.setdefault(f"{latency}|{m}", {"rates": [], "cpus": [], "memory": {}})
+                cell["rates"].append(r.rate)
+                cell["cpus"].append(r.cpu_per_image)
+                for key, v in snap.items():
+                    cell["memory"][key] = max(cell["memory"].get(key, 0.0), v)
+            log(f"  table9: repeat {rep + 1}/{s.repeats}, {latency} ms done ({time.perf_counter() - t0:.0f} s)")
+    return cells
+
+
+def result(s, methods: tuple, cells: dict, s3_info: dict) -> dict:
+    """The table's results.json entry: per latency, each method's rates, median, CPU and memory."""
     rows = []
     for latency in LATENCIES_MS:
-        cell = {m: rates[f"{latency}|{m}"] for m in methods}
-        rows.append({"latency_ms": latency, "rates": cell, "median": {m: median(v) for m, v in cell.items()},
-                     "cpu_per_image": {m: median(cpus[f"{latency}|{m}"]) for m in methods},
-                     "memory": {m: memory.get(f"{latency}|{m}", {}) for m in methods}})
+        cell = {m: cells[f"{latency}|{m}"] for m in methods}
+        rows.append({"latency_ms": latency, "rates": {m: c["rates"] for m, c in cell.items()},
+                     "median": {m: median(c["rates"]) for m, c in cell.items()},
+                     "cpu_per_image": {m: median(c["cpus"]) for m, c in cell.items()},
+                     "memory": {m: c["memory"] for m, c in cell.items()}})
     return {"rows": rows, "batch_size": BATCH, "repeats": s.repeats, "pipeline": PIPELINE, "methods": list(methods),
             "timed_batches": {m: {str(lat): timed_batches(s, m, lat) for lat in LATENCIES_MS} for m in methods},
             "warmup_batches": {m: warmup_batches(m) for m in methods}, "s3": s3_info}

@@ -33,7 +33,6 @@ Targets (issue 28): trainer <= 0.2 s/GB over the data plane; a Python-bound step
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 import time
 

@@ -15,12 +15,8 @@ the core count; CPU seconds per image tell what separate hosts would do (see ``r
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 import time
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from bench import common
 from bench.fixtures import data, pipelines

@@ -34,9 +34,6 @@ import random
 import sys
 import time
 
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
 import albumentations as A
 import cv2
 import numpy as np
@@ -47,6 +44,7 @@ from batchd.server.config import load_config
 from batchd.server.compute.protocol import Task
 from batchd.server.shm import Segment
 from batchd.server.compute.worker import _Worker
+from bench import ROOT
 from bench import common
 from bench.fixtures import data
 from bench.fixtures import pipelines as bench_pipelines

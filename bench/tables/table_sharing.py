@@ -24,14 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
 
-from bench import ROOT, module_argv, module_env
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
+from bench import module_argv, module_env
 from bench import common
 from bench.fixtures import data, pipelines
 from bench.measure import median, tree_cpu_seconds

@@ -27,13 +27,9 @@ would need the two runs to differ by under 1%, far below this machine's run-to-r
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 import time
 import timeit
-
-from bench import ROOT
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import albumentations as A
 
