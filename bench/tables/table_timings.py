@@ -66,12 +66,9 @@ def _worker_cost(samples: int, work_per_sample: float, reads: bool) -> float:
 
         def batch():
             clock.start(PIPELINE)
-            clock.begin_samples()
-            every, on = clock.every, False
-            for k in range(samples):
-                if on:
-                    clock.pause()
-                on = clock.on = not k % every
+            every = clock.every
+            for _ in clock.samples(samples, WRITE):  # the worker's loop (server/compute/stages.py)
+                on = clock.on
                 if on:
                     clock.enter(READ)
                 if reads:
@@ -82,10 +79,6 @@ def _worker_cost(samples: int, work_per_sample: float, reads: bool) -> float:
                     clock.enter(PIPELINE)
                 if on:
                     clock.enter(WRITE)
-            if on:
-                clock.pause()
-            every = clock.every
-            clock.end_samples(samples, WRITE)
             clock.every = every  # (here the loop's time is not the work's)
             return {**clock.stop(), "read_io": io.io_seconds, "started": clock.started, "cache_hits": 0.0}
 
