@@ -23,8 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.fixtures import data
-from bench.report import fx, md_table
 from bench.peers.torch_loader import PhotoDataset
+from bench.report import fx, md_table
 
 METHODS = ("s3_batchd", "s3_dataloader2", "s3_dataloader16")
 LABELS = {"s3_batchd": "batchd, 2 workers (s3://)", "s3_dataloader2": "DataLoader, 2 workers (obstore)",

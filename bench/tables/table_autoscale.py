@@ -30,10 +30,10 @@ import albumentations as A
 
 from bench import common
 from bench.fixtures import data
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median, tree_cpu_seconds
 from bench.noise import measure
 from bench.report import md_table
-from bench.fixtures.server_proc import ServerProcess
 
 NAME = "table15"
 NEEDS_PHOTOS = False  # Fashion-MNIST only (bench/run_all.py)

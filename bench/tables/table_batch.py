@@ -11,12 +11,12 @@ import math
 
 from bench import common
 from bench.fixtures import data, pipelines
-from bench.peers import sequential
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median, spread, time_stream
 from bench.noise import measure
-from bench.report import fx, md_table
-from bench.fixtures.server_proc import ServerProcess
+from bench.peers import sequential
 from bench.peers.torch_loader import PhotoDataset, make_loader, time_loader
+from bench.report import fx, md_table
 
 NAME = "table2"
 TITLE = "Table 2: batch size (2 workers, L3)"

@@ -32,8 +32,8 @@ import time
 
 from bench import module_argv, module_env
 from bench.fixtures import data, pipelines
-from bench.report import md_table
 from bench.fixtures.server_proc import ServerProcess
+from bench.report import md_table
 
 NAME = "table10"
 TITLE = "Table 10: decoded-sample cache (L3, batch 64, 2 workers; images/s per epoch, 3 epochs)"

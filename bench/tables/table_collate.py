@@ -37,10 +37,8 @@ from batchd.server.compute.stages import STAGES
 from batchd.server.compute.worker import _Worker
 from batchd.server.config import load_config
 from batchd.server.shm import Segment
-from bench import ROOT
-from bench import common
-from bench.fixtures import data
-from bench.fixtures import pipelines as bench_pipelines
+from bench import ROOT, common
+from bench.fixtures import data, pipelines as bench_pipelines
 from bench.measure import median
 from bench.report import md_table
 

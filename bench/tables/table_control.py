@@ -50,10 +50,10 @@ import time
 
 from bench import common
 from bench.fixtures import data, pipelines
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import cpu_seconds, median, time_stream
 from bench.noise import measure
 from bench.report import fx, md_table
-from bench.fixtures.server_proc import ServerProcess
 
 NAME = "table16"
 TITLE = "Table 16: the control path (CPU per batch of the server's main process and the trainer; 2 workers)"

@@ -42,11 +42,11 @@ import time
 
 from bench import common
 from bench.fixtures import data
+from bench.fixtures.server_proc import ServerProcess
+from bench.fixtures.trainer import SleepStep, train_loop
 from bench.measure import median, spread, time_stream
 from bench.noise import measure
 from bench.report import fx, md_table
-from bench.fixtures.server_proc import ServerProcess
-from bench.fixtures.trainer import SleepStep, train_loop
 
 NAME = "table13"
 TITLE = ("Table 13: COCO detection with masks, boxes in COCO's format under a LongestMaxSize + PadIfNeeded prefix "

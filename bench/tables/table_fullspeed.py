@@ -36,12 +36,11 @@ import numpy as np
 
 import batchd
 from batchd.client.stats import get_stats
-from bench import ROOT
-from bench import common, noise
+from bench import ROOT, common, noise
 from bench.fixtures import data
+from bench.fixtures.server_proc import ServerProcess, private_shm_available
 from bench.measure import median
 from bench.report import md_table
-from bench.fixtures.server_proc import ServerProcess, private_shm_available
 
 NAME = "table17"
 TITLE = "Table 17: every server at full speed (sleep-bound servers of 1 worker, batches go to whoever has room)"

@@ -33,9 +33,9 @@ import batchd
 from batchd.client.stats import get_stats
 from bench import common, noise
 from bench.fixtures import data, pipelines
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median
 from bench.report import md_table
-from bench.fixtures.server_proc import ServerProcess
 
 NAME = "table12"
 TITLE = "Table 12: hedged requests, one of 3 servers stalled 1 s every 8 s (1 worker each, L1, batch 8)"

@@ -47,13 +47,13 @@ from concurrent.futures import ThreadPoolExecutor
 from batchd.server.config import ImageFolderConfig
 from bench import common
 from bench.fixtures import data, pipelines
-from bench.tables import latency_s3
 from bench.fixtures.fusefs import Mount
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median, smaps_rollup, time_stream
 from bench.noise import measure
-from bench.report import fx, md_table
-from bench.fixtures.server_proc import ServerProcess
 from bench.peers.torch_loader import PhotoDataset, make_loader, time_loader, worker_pids
+from bench.report import fx, md_table
+from bench.tables import latency_s3
 
 NAME = "table9"
 TITLE = "Table 9: images/s against storage latency per file open (FUSE) and per S3 request (L3, batch 64)"

@@ -40,10 +40,10 @@ from bench import ROOT
 
 from bench import common
 from bench.fixtures import data, pipelines
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import consume, cpu_seconds, median, time_stream
 from bench.noise import measure
 from bench.report import md_table
-from bench.fixtures.server_proc import ServerProcess
 
 NAME = "table18"
 TITLE = "Table 18: the network path: trainer and server CPU per GB, and images/s, per transport"

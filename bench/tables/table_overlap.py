@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from bench import common
 from bench.fixtures import data, pipelines
-from bench.peers import sequential
-from bench.measure import median
-from bench.noise import measure
-from bench.report import md_table
 from bench.fixtures.server_proc import ServerProcess
 from bench.fixtures.trainer import BusyStep, SleepStep, train_loop
+from bench.measure import median
+from bench.noise import measure
+from bench.peers import sequential
+from bench.report import md_table
 
 NAME = "table3"
 TITLE = "Table 3: overlap of loading and training (L3, batch 64)"

@@ -27,11 +27,11 @@ import numpy as np
 
 from bench import common
 from bench.fixtures import data, pipelines
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import cpu_seconds, median, time_stream
 from bench.noise import measure
-from bench.report import fx, md_table
-from bench.fixtures.server_proc import ServerProcess
 from bench.peers.torch_loader import PhotoDataset, make_loader, time_loader, worker_pids
+from bench.report import fx, md_table
 
 NAME = "table5"
 TITLE = "Table 5: profile of a batch (L3, batch 64) and reduced JPEG decoding"

@@ -20,9 +20,9 @@ from batchd.server.config import ManifestConfig
 
 from bench import common
 from bench.fixtures import data
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import cmdline, maps_file, proc_status, smaps_rollup
 from bench.report import md_table
-from bench.fixtures.server_proc import ServerProcess
 
 NAME = "table4"
 TITLE = "Table 4: scale of the index (10M-row manifest, server + 2 workers)"

@@ -20,10 +20,10 @@ import time
 
 from bench import common
 from bench.fixtures import data, pipelines
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median, spread, time_stream, tree_cpu_seconds
 from bench.noise import measure
 from bench.report import md_table
-from bench.fixtures.server_proc import ServerProcess
 
 NAME = "table6"
 TITLE = "Table 6: scale-out, one loader over 1-3 servers (1 worker each, L1, batch 64)"

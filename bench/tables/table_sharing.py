@@ -28,12 +28,11 @@ import subprocess
 import sys
 import time
 
-from bench import module_argv, module_env
-from bench import common
+from bench import common, module_argv, module_env
 from bench.fixtures import data, pipelines
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median, tree_cpu_seconds
 from bench.report import md_table
-from bench.fixtures.server_proc import ServerProcess
 
 NAME = "table7"
 TITLE = "Table 7: one loader, several experiments (L3, batch 64, 2 workers, clients in separate processes)"

@@ -35,10 +35,10 @@ import albumentations as A
 
 from bench import common
 from bench.fixtures import data
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median, time_stream
 from bench.noise import measure
 from bench.report import md_table
-from bench.fixtures.server_proc import ServerProcess
 
 NAME = "table14"
 NEEDS_PHOTOS = False  # Fashion-MNIST only (bench/run_all.py)

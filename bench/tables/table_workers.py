@@ -19,12 +19,12 @@ import time
 
 from bench import common
 from bench.fixtures import data, pipelines
-from bench.peers import sequential, tf_peer
+from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median, spread, time_stream
 from bench.noise import measure
-from bench.report import fx, md_table
-from bench.fixtures.server_proc import ServerProcess
+from bench.peers import sequential, tf_peer
 from bench.peers.torch_loader import PhotoDataset, make_loader, time_loader
+from bench.report import fx, md_table
 
 NAME = "table1"
 TITLE = "Table 1: workers x pipeline (batch 64)"
