@@ -100,13 +100,13 @@ proto: $(STAMP)
 	$(PY) proto/generate.py
 
 bench-deps:
-	$(call apt_provide,mate-backgrounds,$(MATE_PHOTOS),the photo benchmark (bench/make_photos.py))
+	$(call apt_provide,mate-backgrounds,$(MATE_PHOTOS),the photo benchmark (bench/fixtures/make_photos.py))
 
 bench: install bench-deps
 	$(PY) -c 'import matplotlib, tensorflow' 2>/dev/null || $(PY) -m pip install -e '.[client,bench]' \
 	  || { echo '!! the bench extra did not install: Table 1 skips the tf.data peers' >&2; \
 	       $(PY) -m pip install 'matplotlib>=3.7'; }
-	$(PY) bench/run_all.py $(ARGS)
+	$(PY) -m bench.run_all $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .hypothesis .cache bench/data

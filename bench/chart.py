@@ -88,7 +88,7 @@ def draw_latency(results: dict, path: pathlib.Path) -> pathlib.Path | None:
     t9 = results.get("table9")
     if not t9 or t9.get("skipped") or not t9.get("rows"):
         return None
-    from bench.table_latency import LABELS
+    from bench.tables.table_latency import LABELS
 
     import matplotlib
 

@@ -9,7 +9,7 @@ import batchd
 from batchd.server.config import ImageFolderConfig, ManifestConfig
 from batchd.server.data.datasets import open_dataset
 
-from bench import data
+from bench.fixtures import data
 
 
 def photos_config() -> ImageFolderConfig:

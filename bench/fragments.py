@@ -21,7 +21,8 @@ import re
 import sys
 from typing import Sequence
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from bench import ROOT
+
 README = ROOT / "README.md"
 BEGIN, END = "<!-- headline -->", "<!-- /headline -->"
 

@@ -58,7 +58,7 @@ def render(results: dict, modules: Sequence, machine_md: str, wall: dict) -> str
     if wall:
         parts += ["- wall time of this run: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()), ""]
     parts += [
-        "Produced by `python bench/run_all.py` (`make bench`). Each number is the median of the "
+        "Produced by `python -m bench.run_all` (`make bench`). Each number is the median of the "
         "repeats stated under its table; the machine is shared and noisy, so compare numbers within a "
         "table (measured in the same minutes, interleaved) rather than across runs.",
         "",

@@ -1,8 +1,8 @@
 """Run batchd's benchmark suite: tables to stdout as they complete, then bench/results/.
 
-    python bench/run_all.py                  # everything (about 15 minutes on a 2-core machine)
-    python bench/run_all.py --quick          # a smoke run: fewer images and repeats (under 2 minutes)
-    python bench/run_all.py --only table1,table3
+    python -m bench.run_all                  # everything (about 15 minutes on a 2-core machine)
+    python -m bench.run_all --quick          # a smoke run: fewer images and repeats (under 2 minutes)
+    python -m bench.run_all --only table1,table3
 
 Tables: table1 (workers x pipeline), table2 (batch size), table3 (overlap with training),
 table4 (memory with a 10M-row manifest; alias: scale), table5 (per-batch profile and reduced
@@ -35,17 +35,12 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
-from bench import (chart, data, machine, measure, report, table_batch, table_latency, table_overlap,  # noqa: E402
-                   table_profile, table_scale, table_scaleout, table_seeding, table_sharing, table_workers)
-from bench import table_autoscale, table_cache, table_collate, table_control, table_detection, table_hedge, table_timings  # noqa: E402
-from bench import table_fullspeed, table_network  # noqa: E402
-from bench import fragments, noise  # noqa: E402
-from bench.settings import Settings  # noqa: E402
+from bench import ROOT, chart, fragments, machine, measure, noise, report
+from bench.fixtures import data
+from bench.settings import Settings
+from bench.tables import (table_autoscale, table_batch, table_cache, table_collate, table_control, table_detection,
+                          table_fullspeed, table_hedge, table_latency, table_network, table_overlap, table_profile,
+                          table_scale, table_scaleout, table_seeding, table_sharing, table_timings, table_workers)
 
 MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile, table_scaleout, table_sharing,
            table_seeding, table_latency, table_cache, table_collate, table_hedge, table_detection, table_timings,

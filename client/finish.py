@@ -243,7 +243,7 @@ class GpuTransform:
             finish_key(seed=seed, epoch=epoch)  # the same argument checks with or without draws
             h, w = height, width
         offsets = torch.arange(0, 256 * channels, 256, dtype=torch.int32, device=images.device)
-        # index_select, not lut[index]: 3x faster on the CPU (bench/cuda_finish.py --cpu)
+        # index_select, not lut[index]: 3x faster on the CPU (bench/cuda/cuda_finish.py --cpu)
         if self.channels_last:
             index = torch.empty((b, h, w, channels), dtype=torch.int32, device=images.device)
             torch.add(images, offsets, out=index)

@@ -147,7 +147,7 @@ class RemoteDataLoader(LoaderSettings):
             latency of the *other* servers' recent batches); hedges never exceed 10% of the
             batches yielded), False, or a ``HedgePolicy``.
         assignment: "dynamic" (default: batches go to whichever server has room). "stride" is
-            for benchmarks only (``bench/table_fullspeed.py``): the old static split, server i of
+            for benchmarks only (``bench/tables/table_fullspeed.py``): the old static split, server i of
             n builds every n-th batch; it runs at n x the slowest server.
         tls, tls_ca, tls_cert, tls_key: TLS to the server: ``tls_ca`` is the PEM file of the CA
             that signed the server's certificate, ``tls_cert`` + ``tls_key`` a client certificate

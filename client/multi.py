@@ -34,7 +34,7 @@ shared-memory session; ``transport="auto"`` picks shared memory per server: on f
 sidecar, inline for the others); all share the loader's options (the device resolved in the
 caller's thread) and its ``CudaTransfer``.
 
-``assignment="stride"`` (semi-public, for ``bench/table_fullspeed.py``'s comparison only): the old
+``assignment="stride"`` (semi-public, for ``bench/tables/table_fullspeed.py``'s comparison only): the old
 static split, server i of n granted exactly the batches b with ``(b - start) % n == i``.
 """
 

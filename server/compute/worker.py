@@ -174,12 +174,9 @@ class _Worker(WorkerSamples):
                              describe=lambda i: f"sample {i} ({ds.source(i)})", specs=ds.fields, dataset=ds.name)
         self.prefetch(task)  # no-op if it came ahead of time
         clock, self.cache_lookups, self.cache_misses = self.clock, 0, 0
-        clock.begin_samples()  # samples timed one in clock.every (the rest: their share of the loop's time)
-        every, on = clock.every, False
-        for k, (index, position) in enumerate(zip(task.indices.tolist(), task.positions.tolist())):
-            if on:
-                clock.pause()
-            on = clock.on = not k % every
+        indices, positions = task.indices.tolist(), task.positions.tolist()
+        for k in clock.samples(len(indices), WRITE):  # timed one in clock.every (the rest: their share)
+            index, position, on = indices[k], positions[k], clock.on
             try:
                 sample, prefixed = self._sample(ds, task, k, index, plan)
                 if on:
@@ -196,9 +193,6 @@ class _Worker(WorkerSamples):
             if on:
                 clock.enter(WRITE)
             writer.add(sample, index, position)
-        if on:
-            clock.pause()
-        clock.end_samples(len(task.indices), WRITE)
         layout = writer.finish()
         seg, grown = slot
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, self.timings(task),

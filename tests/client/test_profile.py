@@ -4,8 +4,6 @@ loop's wait, and what the client reports to the server on the progress channel."
 
 from __future__ import annotations
 
-import pathlib
-import sys
 import time
 
 import albumentations as A
@@ -19,8 +17,7 @@ from batchd.client.timings import LoopTimings
 from helpers import ThrottledProxy, write_class_tree
 from seaweed import seaweed  # noqa: F401  (the session fixture)
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from bench.s3proxy import DelayProxy  # noqa: E402
+from s3proxy import DelayProxy
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,12 +16,8 @@ def run_batch(clock: StageClock, samples: int, read_s: float, pipeline_s: float)
     """A worker's calls for one batch of ``samples``: each reads for ``read_s``, runs its pipeline
     for ``pipeline_s`` (sleeps), as the worker guards them (only timed samples call the clock)."""
     clock.start(PIPELINE)
-    clock.begin_samples()
-    every, on = clock.every, False
-    for k in range(samples):
-        if on:
-            clock.pause()
-        on = clock.on = not k % every
+    for _ in clock.samples(samples, WRITE):  # the worker's own loop
+        on = clock.on
         if on:
             clock.enter(READ)
         if read_s:
@@ -34,9 +30,6 @@ def run_batch(clock: StageClock, samples: int, read_s: float, pipeline_s: float)
             time.sleep(pipeline_s)
         if on:
             clock.enter(WRITE)
-    if on:
-        clock.pause()
-    clock.end_samples(samples, WRITE)
     return clock.stop()
 
 

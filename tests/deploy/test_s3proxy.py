@@ -1,4 +1,4 @@
-"""bench/s3proxy.py, the latency-adding HTTP proxy of Table 9's S3 rows: it must pass requests and
+"""tests/s3proxy.py, the latency-adding HTTP proxy of Table 9's S3 rows: it must pass requests and
 responses through byte for byte and count (so delay) every request of a keep-alive connection,
 bodies with Content-Length or chunked included. Against a real HTTP/1.1 server on 127.0.0.1.
 """
@@ -8,14 +8,11 @@ from __future__ import annotations
 import hashlib
 import http.client
 import http.server
-import pathlib
-import sys
 import threading
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from bench.s3proxy import DelayProxy  # noqa: E402
+from s3proxy import DelayProxy
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,1 @@
+"""The loaders batchd is compared against: the sequential loop, PyTorch DataLoader (photos, COCO), tf.data."""

@@ -1,0 +1,228 @@
+"""Table 18: what receiving batches costs the training process, per transport (issue 28).
+
+    python -m bench.tables.table_network [--quick] [--repeats N]
+
+Transports: the socket data plane (``transport="socket"``: the tensor bytes on a TCP connection
+beside the Batches call, ``recv_into`` a pooled buffer; docs/design/network-path.md), today's
+inline TCP (``transport="inline"``: the bytes in the gRPC messages) and shared memory
+(``transport="shm"``), all over loopback to one ``batchd serve`` process.
+
+Part 1, the cost per GB. A server of 2 workers serves ``bench.fixtures.synthetic.Frames`` (ready-made
+224 x 224 frames, no pipeline: 9.6 MB batches of 64 cost a worker a copy), so the transport is
+what is measured. The training loop runs a fixed pure-Python step (an integer loop that holds
+the GIL, calibrated alone to T) per batch, T chosen so that the loop asks for about 0.1, 0.3 and
+1 GB/s (T = 96, 32 and 9.6 ms). Per transport and rate, alternated, medians of the rounds:
+
+* trainer CPU s/GB: this process's CPU (every thread, /proc/PID/task/*/schedstat) over the timed
+  batches, minus the steps' own (their thread's CPU time), per GB received; the loop also reads
+  one byte per page of each batch (``bench.measure.consume``), as any trainer reads its batch;
+* step slowdown: the median time of one step inside the loop against the median of as many
+  steps run alone just before, with no loader open (what the GIL and the cores the receiving
+  takes cost the step);
+* server CPU s/GB: the server's main process (gRPC, scheduling, sending; not its workers);
+* GB/s received (below the offered rate where the transport or the machine cannot keep up).
+
+Part 2, images/s on real work: Table 1's L3 row (photos, pipeline L3, batch 64, 2 workers),
+socket against shared memory (and inline), medians of alternated rounds.
+
+Targets (issue 28): trainer <= 0.2 s/GB over the data plane; a Python-bound step slowed <= 5% at
+0.3 GB/s; the data plane >= 0.9x shared memory's images/s on L3; the server's main process
+<= 0.3 s/GB sending.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from bench import ROOT
+
+from bench import common
+from bench.fixtures import data, pipelines
+from bench.fixtures.server_proc import ServerProcess
+from bench.measure import consume, cpu_seconds, median, time_stream
+from bench.noise import measure
+from bench.report import md_table
+
+NAME = "table18"
+TITLE = "Table 18: the network path: trainer and server CPU per GB, and images/s, per transport"
+TRANSPORTS = ("socket", "inline", "shm")
+LABELS = {"socket": "data plane (socket)", "inline": "TCP inline (gRPC)", "shm": "shared memory"}
+RATES = (0.1, 0.3, 1.0)  # GB/s offered
+BS, SIZE = 64, 224
+BATCH_BYTES = BS * SIZE * SIZE * 3 + BS * 8 * 3  # image, label, index, position
+
+
+class PyStep:
+    """A fixed pure-Python step: ``iterations`` of an integer loop (holds the GIL throughout),
+    calibrated alone to ``seconds`` (``alone``: its time per call then, median of 7)."""
+
+    def __init__(self, seconds: float):
+        probe = 200_000
+        per = median(self._time(probe) for _ in range(5)) / probe
+        self.iterations = max(1000, round(seconds / per))
+        for _ in range(2):  # the long loop runs at another pace than the probe: rescale on it
+            self.iterations = max(1000, round(self.iterations * seconds / median(self._time(self.iterations)
+                                                                                  for _ in range(3))))
+        self.alone = median(self._time(self.iterations) for _ in range(5))
+        self.seconds = seconds
+
+    @staticmethod
+    def _loop(n: int) -> int:
+        x = 0
+        for i in range(n):
+            x += i & 7
+        return x
+
+    def _time(self, n: int) -> float:
+        t0 = time.perf_counter()
+        self._loop(n)
+        return time.perf_counter() - t0
+
+    def __call__(self) -> None:
+        self._loop(self.iterations)
+
+
+def _loader(address: str, transport: str, seed: int):
+    import batchd
+
+    return batchd.RemoteDataLoader(address, "frames", batch_size=BS, shuffle=True, seed=seed, drop_last=True,
+                                   prefetch=4, transport=transport, timeout=120)
+
+
+def _cost(srv: ServerProcess, transport: str, step: PyStep, batches: int, seed: int) -> dict:
+    """One measurement of part 1: the step alone ``batches`` times (no loader open), then ``batches``
+    steps timed after 4 warm-up ones with a loader over ``transport``."""
+    me = os.getpid()
+    alone = []
+    for _ in range(batches):
+        ts = time.perf_counter()
+        step()
+        alone.append(time.perf_counter() - ts)
+    with _loader(srv.address, transport, seed) as loader:
+        it = iter(loader)
+        # warm-up: about 2.5 s of the loop, long enough for the batches received ahead to reach
+        # the loader's lookahead (so the data plane's buffer pool holds all it will need: a
+        # long-running loop allocates nothing; tests/client/test_dataplane_client.py)
+        for _ in range(max(8, min(150, round(2.5 / step.alone)))):
+            b = next(it)
+            consume(b)
+            step()
+            del b
+        pool = loader.servers.server.conn.data.pool
+        allocated = pool.allocated
+        c0, s0, t0 = cpu_seconds(me), cpu_seconds(srv.pid), time.perf_counter()
+        inside, step_cpu = [], 0.0
+        for _ in range(batches):
+            b = next(it)
+            consume(b)
+            tc, ts = time.thread_time(), time.perf_counter()
+            step()
+            inside.append(time.perf_counter() - ts)
+            step_cpu += time.thread_time() - tc
+            del b
+        c1, s1, t1 = cpu_seconds(me), cpu_seconds(srv.pid), time.perf_counter()
+        allocated = pool.allocated - allocated
+    gb = batches * BATCH_BYTES / 1e9
+    return {"trainer": (c1 - c0 - step_cpu) / gb, "server": (s1 - s0) / gb,
+            "slowdown": median(inside) / median(alone), "gbps": gb / (t1 - t0), "allocated": allocated}
+
+
+def _images(srv: ServerProcess, transport: str, seed: int, warmup: int, timed: int) -> float:
+    with common.remote(srv.address, "photos", batch_size=BS, pipeline="L3", workers=2, transport=transport,
+                       seed=seed) as rl:
+        return time_stream(rl, warmup, timed).rate
+
+
+def run(s, log=print) -> dict:
+    rounds = s.repeats if s.repeats > 1 else s.pick(5, 2)
+    batches = {r: s.pick(max(40, int(60 * r / 0.3)), max(12, int(20 * r / 0.3))) for r in RATES}
+    steps = {r: PyStep(BATCH_BYTES / (r * 1e9)) for r in RATES}
+    log("  table18: steps alone " + ", ".join(f"{steps[r].alone * 1e3:.1f} ms at {r:g} GB/s" for r in RATES))
+    cost: dict[tuple[float, str], list[dict]] = {}
+    frames = {"frames": {"kind": "python", "factory": "bench.fixtures.synthetic:Frames"}}
+    with ServerProcess(datasets=frames, workers=2, cache_dir=data.CACHE,
+                       extra={"python_path": [str(ROOT)], "max_slots": 32}) as srv:
+        for t in TRANSPORTS:  # first use: workers warm, buffers and connections made
+            _cost(srv, t, steps[RATES[0]], 4, seed=1)
+        for rnd in range(rounds):
+            for ri, r in enumerate(RATES):
+                order = TRANSPORTS[(rnd + ri) % 3:] + TRANSPORTS[:(rnd + ri) % 3]
+                for t in order:
+                    cost.setdefault((r, t), []).append(
+                        measure(lambda: _cost(srv, t, steps[r], batches[r], seed=100 * rnd + ri)))
+            log(f"  table18: cost round {rnd + 1}/{rounds} done")
+    rows = [{"rate": r, "transport": t, **{k: median(x[k] for x in cost[(r, t)])
+                                           for k in ("trainer", "server", "slowdown", "gbps")},
+             "allocated": sum(x["allocated"] for x in cost[(r, t)])}
+            for r in RATES for t in TRANSPORTS]
+
+    data.ensure_photos()
+    cfg = common.photos_config()
+    timed, warmup = s.pick(24, 8), 4
+    rates: dict[str, list[float]] = {}
+    with ServerProcess(datasets=common.server_datasets(photos=cfg), pipelines=pipelines.presets(["L3"]), workers=2,
+                       cache_dir=data.CACHE) as srv:
+        for t in TRANSPORTS:
+            _images(srv, t, 1, 0, 2)
+        for rnd in range(rounds):
+            order = TRANSPORTS if rnd % 2 == 0 else TRANSPORTS[::-1]
+            for t in order:
+                rates.setdefault(t, []).append(measure(lambda: _images(srv, t, 1000 + rnd, warmup, timed)))
+            log(f"  table18: L3 round {rnd + 1}/{rounds} done")
+    images = {t: median(v) for t, v in rates.items()}
+    return {"rows": rows, "images": images, "images_rounds": rates, "rounds": rounds, "batches": batches,
+            "steps_alone": {r: steps[r].alone for r in RATES}, "l3_timed": timed * BS}
+
+
+def render(r: dict) -> str:
+    head = ["offered", "transport", "trainer CPU s/GB", "step vs alone", "server main CPU s/GB", "GB/s received"]
+    rows = [[f"{x['rate']:g} GB/s", LABELS[x["transport"]], f"{x['trainer']:.3f}", f"{x['slowdown']:.3f}x",
+             f"{x['server']:.3f}", f"{x['gbps']:.2f}"] for x in r["rows"]]
+    shm = r["images"]["shm"]
+    img = md_table(["transport (L3, 2 workers, batch 64)", "images/s", "vs shared memory"],
+                   [[LABELS[t], f"{v:.0f}", f"{v / shm:.2f}x"] for t, v in r["images"].items()])
+    steps = ", ".join(f"{v * 1e3:.1f} ms" for v in r["steps_alone"].values())
+    return (md_table(head, rows) + f"\n\n{img}\n\n"
+            f"Part 1: 9.6 MB batches (64 x 224 x 224 x 3 ready-made frames, 2 workers); a pure-Python step per batch "
+            f"({steps} alone, for 0.1, 0.3 and 1 GB/s offered); trainer CPU is this process's beyond the steps' own; "
+            f"the server's is its main process's (not its workers'); after about 2.5 s of warm-up, the data plane "
+            f"allocated {sum(x['allocated'] for x in r['rows'] if x['transport'] == 'socket')} receive buffers in "
+            f"the timed batches (0: all reused). Part 2: {r['l3_timed']} images timed per round. "
+            f"Medians of {r['rounds']} alternated rounds; loopback, one machine: the server's workers and the "
+            f"trainer share its cores.")
+
+
+def _row(r: dict, rate: float, transport: str) -> dict:
+    return next(x for x in r["rows"] if x["rate"] == rate and x["transport"] == transport)
+
+
+def targets(r: dict) -> list[dict]:
+    sock = [x for x in r["rows"] if x["transport"] == "socket"]
+    worst = max(x["trainer"] for x in sock)
+    at03 = _row(r, 0.3, "socket")
+    ratio = r["images"]["socket"] / r["images"]["shm"]
+    server = max(x["server"] for x in sock)
+    inline = ", ".join(f"{_row(r, rate, 'inline')['trainer']:.3f}" for rate in RATES)
+    return [
+        {"name": "data plane: trainer CPU <= 0.2 s/GB received", "passed": worst <= 0.2,
+         "detail": ", ".join(f"{x['trainer']:.3f} at {x['rate']:g} GB/s" for x in sock)
+                   + f" (inline: {inline})"},
+        {"name": "data plane: a Python-bound step slowed <= 5% at 0.3 GB/s", "passed": at03["slowdown"] <= 1.05,
+         "detail": f"{at03['slowdown']:.3f}x (inline {_row(r, 0.3, 'inline')['slowdown']:.3f}x, "
+                   f"shm {_row(r, 0.3, 'shm')['slowdown']:.3f}x)"},
+        {"name": "data plane >= 0.9x shared memory's images/s (L3, 2 workers)", "passed": ratio >= 0.9,
+         "detail": f"{ratio:.2f}x ({r['images']['socket']:.0f} vs {r['images']['shm']:.0f} img/s; inline "
+                   f"{r['images']['inline'] / r['images']['shm']:.2f}x)"},
+        {"name": "server main process <= 0.3 s/GB sending (data plane)", "passed": server <= 0.3,
+         "detail": ", ".join(f"{x['server']:.3f} at {x['rate']:g} GB/s" for x in sock)},
+    ]
+
+
+def main(argv=None) -> int:
+    return common.table_main(sys.modules[__name__], argv, photos=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
