@@ -136,7 +136,7 @@ class Reporter:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._calls: dict[str, CallRecord] = {}  # open calls, by tag
-        self._sessions: dict[str, Any] = {}  # session id -> SharedMemorySession (forget, end_if_done)
+        self._sessions: dict[str, Any] = {}  # session id -> SharedMemorySession (forget, sweep, end_if_done)
         self._carriers: dict[str, Any] = {}  # session id -> the Outbox of the call open on it
         self._closing = False
         self._then: Callable[[], None] | None = None
@@ -223,6 +223,9 @@ class Reporter:
                 log.exception("reporting to %s failed", self.address)
             with self._lock:
                 sessions = list(self._sessions.values())
+            if not items:  # an idle round: segments unlinked since the last release go now
+                for s in sessions:
+                    s.sweep()
             done = [s for s in sessions if s.end_if_done()]  # (cancels a call: not under the lock)
             with self._lock:
                 for s in done:

@@ -130,7 +130,8 @@ class SharedMemorySession:
     """One OpenSession call and the leases received under it. Thread-safe.
 
     Freed batches are queued on ``reporter`` (``batchd.client.leases.Reporter``), whose thread
-    sends ReleaseLeases, calls ``forget`` with what it sent and ``end_if_done`` each round.
+    sends ReleaseLeases, calls ``forget`` with what it sent, ``sweep`` on an idle round and
+    ``end_if_done`` each round.
     """
 
     def __init__(self, address: str, call, session: str, reporter):
@@ -256,6 +257,13 @@ class SharedMemorySession:
             self._outstanding.difference_update(leases)
         if self._host_maps:
             self._drop_host_maps(leases)
+
+    def sweep(self) -> None:
+        """Unmap the idle mappings of segments the server unlinked after the last release round
+        (the reporter calls this on a round with nothing to send: the server unlinks a segment
+        only once it has the release, so the last round's check may come too early)."""
+        if self._host_maps:
+            self._drop_host_maps([])
 
     def end_if_done(self) -> bool:
         """Once closing with nothing outstanding: end the session call (the server returns what is
