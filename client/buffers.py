@@ -136,6 +136,11 @@ class BufferPool:
                 self._free.sort(key=lambda b: b.numel())
                 del self._free[0]
 
+    def discard(self, buf: torch.Tensor) -> None:
+        """``buf`` is out of use but must never be reused (something may still write it): forget it."""
+        with self._lock:
+            self.outstanding -= 1
+
     def clear(self) -> None:
         """Drop every free buffer (those handed out still come back, and are kept up to ``keep``)."""
         with self._lock:

@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from batchd import errors, wire
-from batchd.client import buffers, decode, fields, forks
+from batchd.client import buffers, decode, fields, forks, relay
 from batchd.client.call import BatchesCall, Outbox
 from batchd.client.channel import open_channel, wait_for_server
 from batchd.client.collate import collate
@@ -72,10 +72,16 @@ class ServerConnection:
         self._finalizer = weakref.finalize(self, forks.in_owner(self._owner, self.reporter.close), self._channel.close)
         self._shm: SharedMemorySession | None = None
         self._shm_tried = False
-        # the socket data plane (TRANSPORT_SOCKET): its payloads go to pinned buffers when copied to CUDA
-        pool = buffers.BufferPool(buffers.PinnedPool() if transfer is not None else buffers.pageable)
+        # the socket data plane (TRANSPORT_SOCKET): its payloads go to the relay's buffers (client/relay.py),
+        # to pinned ones when copied to CUDA, else to ordinary ones
+        if options.relay is True and not relay.AVAILABLE:
+            raise ValueError("relay=True needs Linux (memfd_create); use relay='auto' or False")
+        use_relay = options.relay is True or (options.relay == "auto" and transfer is None and relay.AVAILABLE)
+        link_relay = relay.shared() if use_relay else None
+        pool = buffers.BufferPool(link_relay.buffers if link_relay is not None else
+                                  buffers.PinnedPool() if transfer is not None else buffers.pageable)
         self.data = DataLink(address, options.tls, pool, connect_timeout=options.connect_timeout,
-                             timeout=options.timeout, optional=options.transport == "auto")
+                             timeout=options.timeout, optional=options.transport == "auto", relay=link_relay)
         self._tag_prefix = new_tag_prefix()
         self._tags = itertools.count()
         self.calls: weakref.WeakSet = weakref.WeakSet()  # Batches calls open (cancelled by close)

@@ -196,17 +196,20 @@ class DataLink:
     address: the server's gRPC address (its host is dialed). tls: the loader's TLS settings (None:
     plain). pool: the buffers payloads are received into (pinned when the loader copies to CUDA).
     connect_timeout, timeout: seconds (``DataSocket.connect``, ``DataSocket.receive``).
-    optional: the loader chose the data plane itself (``transport="auto"``): a data port this
+    relay: the process that holds the connections and receives into ``pool``'s buffers
+    (client/relay.py), or None: this process receives. optional: the loader chose the data
+    plane itself (``transport="auto"``): a data port this
     client cannot reach (a firewall, a Service that forwards only the gRPC port) makes
     ``reachable`` False, once, with a warning, and the server's calls go inline from then on;
     with ``transport="socket"`` it stays a broken call, reconnected as any.
     """
 
     def __init__(self, address: str, tls: TLS | None, pool: buffers.BufferPool, *, connect_timeout: float,
-                 timeout: float, optional: bool = True):
+                 timeout: float, optional: bool = True, relay: Any = None):
         self.address, self.tls, self.pool = address, tls, pool
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.optional = optional
+        self.relay = relay  # a batchd.client.relay.Relay holds the connections (pool: its RelayBuffers), or None
         self.reachable = True
 
     @property
@@ -222,6 +225,9 @@ class DataLink:
             return None
         port, token = offer
         try:
+            if self.relay is not None:
+                return self.relay.open(self.address, data_host(self.address), port, token, tls=self.tls,
+                                       connect_timeout=self.connect_timeout, timeout=self.timeout)
             return DataSocket.connect(self.address, port, token, tls=self.tls, connect_timeout=self.connect_timeout,
                                       timeout=self.timeout)
         except ConnectionError as e:

@@ -21,7 +21,6 @@ from batchd.client.options import TRANSPORTS, LoaderOptions, LoaderSettings  # n
 from batchd.client.profile import Profile, make_profile
 from batchd.client.timings import LoopTimings, timed
 from batchd.sampler import num_batches
-from batchd.v1 import loader_pb2 as pb
 
 _VERDICT_EVERY_S = 0.5  # how often the verdict reported to servers is recomputed
 
@@ -126,6 +125,8 @@ class RemoteDataLoader(LoaderSettings):
             is ``unix:``, bytes in the gRPC messages), "shm" (shared memory or RuntimeError),
             "socket" (the data plane even on the server's host; inline where the server has none),
             or "inline" (always bytes in the messages).
+        relay: "auto" (on for CPU batches on Linux), True or False: a process of batchd's own
+            receives the data plane's bytes into memory this one maps (client/relay.py).
         compression: None, or "lz4" to compress inline tensor bytes (for slow remote links; the
             batches then come inline, not on the data plane).
         reconnect_timeout: if the call breaks (server restarted, connection lost), seconds to
@@ -198,7 +199,8 @@ class RemoteDataLoader(LoaderSettings):
                  drop_last: bool = False, transform: Any = None, rank: int | None = None,
                  world_size: int | None = None, device: str | torch.device | None = None, prefetch: int = 2,
                  timeout: float = 120.0, connect_timeout: float = 10.0, max_message_bytes: int | None = None,
-                 transport: str = "auto", compression: str | None = None, reconnect_timeout: float = 60.0,
+                 transport: str = "auto", relay: bool | str = "auto", compression: str | None = None,
+                 reconnect_timeout: float = 60.0,
                  failover_timeout: float = 5.0, probe_interval: float = 5.0, tls: Any = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, strict: bool = True, gpu_transform: Any = None,
@@ -211,7 +213,7 @@ class RemoteDataLoader(LoaderSettings):
             dataset, transform=transform, rank=rank, world_size=world_size, device=device, compression=compression,
             tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token, batch_size=batch_size,
             shuffle=shuffle, seed=seed, drop_last=drop_last, prefetch=prefetch, timeout=timeout,
-            connect_timeout=connect_timeout, transport=transport, reconnect_timeout=reconnect_timeout,
+            connect_timeout=connect_timeout, transport=transport, relay=relay, reconnect_timeout=reconnect_timeout,
             failover_timeout=failover_timeout, probe_interval=probe_interval, strict=strict,
             gpu_transform=gpu_transform, decode_on_client=decode_on_client, collate_fn=collate_fn, hedge=hedge,
             **extra)
@@ -257,14 +259,6 @@ class RemoteDataLoader(LoaderSettings):
     def _shm(self) -> Any:
         """The shared-memory session of a one-server loader (None when it reads inline); tests read it."""
         return self.servers._shm
-
-    @property
-    def _pipeline(self) -> pb.Pipeline | None:
-        return self.options.pipeline
-
-    @_pipeline.setter
-    def _pipeline(self, pipeline: pb.Pipeline | None) -> None:  # (tests swap it)
-        self.options.pipeline = pipeline
 
     # --- DataLoader surface ------------------------------------------------------------------
 

@@ -98,6 +98,7 @@ class LoaderOptions:
     connect_timeout: float = 10.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     transport: str = "auto"
+    relay: bool | str = "auto"
     compression: int = pb.COMPRESSION_NONE
     reconnect_timeout: float = 60.0
     failover_timeout: float = 5.0
@@ -127,6 +128,8 @@ class LoaderOptions:
             raise ValueError(f"timeout must be positive seconds, got {self.timeout!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.relay not in ("auto", True, False):
+            raise ValueError(f"relay must be 'auto', True or False, got {self.relay!r}")
         if self.gpu_transform is not None and not callable(self.gpu_transform):
             raise ValueError(f"gpu_transform must be None or a callable, got {type(self.gpu_transform).__name__}")
         if self.collate_fn is not None and not callable(self.collate_fn):
@@ -215,6 +218,8 @@ class LoaderSettings:
     """the largest gRPC message accepted, bytes"""
     transport = Setting[str]()
     """how batches come: ``"auto"``, ``"shm"``, ``"socket"`` or ``"inline"``"""
+    relay = Setting[bool | str]()
+    """whether a relay process receives the data plane's batches: ``"auto"``, True or False"""
     compression = Setting[int]()
     """inline batches' compression, a ``pb.Compression`` (``COMPRESSION_NONE`` or ``COMPRESSION_LZ4``)"""
     reconnect_timeout = Setting[float]()

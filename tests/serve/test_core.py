@@ -287,7 +287,7 @@ def test_preset_is_applied(fmnist_server, fmnist_test_ref):
 @pytest.mark.filterwarnings("ignore:Transform NoSuchTransform has no 'p' parameter")
 def test_invalid_pipeline_is_a_value_error(fmnist_server):
     with loader(fmnist_server, batch_size=8, transform=A.HorizontalFlip(p=1.0)) as ld:
-        ld._pipeline.albumentations_json = '{"transform": {"__class_fullname__": "NoSuchTransform"}}'
+        ld.options.pipeline.albumentations_json = '{"transform": {"__class_fullname__": "NoSuchTransform"}}'
         with pytest.raises(ValueError, match="NoSuchTransform"):
             next(iter(ld))
 

@@ -413,7 +413,7 @@ def _send_pipeline(address, spec, **kw):
     text = spec if isinstance(spec, str) else json.dumps(spec)
     with batchd.RemoteDataLoader(address, "tiny-a", batch_size=2, transport="inline", reconnect_timeout=0,
                                  connect_timeout=5, **kw) as loader:
-        loader._pipeline = pb.Pipeline(albumentations_json=text)
+        loader.options.pipeline = pb.Pipeline(albumentations_json=text)
         return next(iter(loader))
 
 

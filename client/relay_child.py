@@ -1,0 +1,178 @@
+"""The receive relay's process: it holds the trainer's data connections and writes each batch's
+payload into a buffer the trainer has mapped (client/relay.py starts it; docs/network.md).
+
+Run as ``python -I relay_child.py SPEC`` by ``batchd.client.relay.Relay``, never imported by
+batchd: it uses the standard library only, so it starts in a few tens of milliseconds and holds
+none of the trainer's state (no gRPC, no torch, no CUDA context). SPEC (JSON) gives the data
+plane's header (``struct`` format, magic: ``batchd.datawire``, so the format has one source)
+the read slice in seconds and the control socket's fd.
+
+Protocol (AF_UNIX SOCK_SEQPACKET: one message per send; fds by SCM_RIGHTS):
+
+* Each message on the control socket is ``OPEN`` (JSON: address (named in errors), host, port,
+  token (hex), tls (ca, cert, key, server_name; or null), connect_timeout, timeout) with one
+  fd: the relay's end of a fresh socketpair for that data connection. A thread of its own then
+  dials the server, speaks TLS if asked, sends the token and answers on the pair ``O`` (opened)
+  or ``E`` + the error's text. EOF on the control socket ends the process: the trainer closed the relay, or
+  died (the kernel closes a dead process's sockets, SIGKILL included; a child it forked without
+  exec, such as a DataLoader worker, holds the socket open until it exits too). Not
+  PR_SET_PDEATHSIG: that fires when the *thread* that started the relay ends.
+* On a connection's pair the trainer sends ``READ`` (``REQUEST``: op ``R``, buffer id, batch
+  index, payload length, buffer size) with the buffer's memfd the first time it names that
+  buffer on this connection. The relay reads the 24-byte header, checks magic, index and length,
+  reads the payload straight into the buffer (``recv_into``: one kernel copy, in this process)
+  and answers ``D`` + the bytes read (``DONE``), or ``E`` + the error's text, after which the
+  connection is closed. EOF on the pair (the trainer closed the connection) ends the thread and
+  closes the data connection, also while a read waits (it looks every SLICE seconds).
+
+A buffer stays mapped here while its connection lives (one mapping per buffer and connection,
+made once: a buffer is reused batch after batch, so its pages are faulted in once).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import select
+import socket
+import ssl
+import struct
+import sys
+import threading
+import time
+
+REQUEST = struct.Struct("<cxxxIQQQ")  # op, buffer id, batch index, payload length, buffer size: 32 bytes
+DONE = struct.Struct("<cxxxxxxxQ")  # op, bytes read
+
+
+class Failed(Exception):
+    """A connection's error, sent to the trainer as ``E`` + its text."""
+
+
+class Connection:
+    """One data connection and its pair to the trainer (one thread)."""
+
+    def __init__(self, pair: socket.socket, spec: dict, header: struct.Struct, magic: bytes, slice_s: float):
+        self.pair, self.spec, self.header, self.magic, self.slice_s = pair, spec, header, magic, slice_s
+        self.where = f"the data port {spec['port']} of the batchd server at {spec['address']}"
+        self.sock: socket.socket | None = None
+        self.maps: dict[int, mmap.mmap] = {}
+        self.head = bytearray(header.size)
+
+    def run(self) -> None:
+        try:
+            try:
+                self.sock = self._connect()
+            except Failed as e:
+                self._send(b"E" + str(e).encode())
+                return
+            self._send(b"O")
+            while True:
+                msg, fds, _, _ = self.pair.recvmsg(REQUEST.size, socket.CMSG_LEN(4))
+                got = _fds(fds)
+                if not msg:
+                    return  # the trainer closed the connection
+                op, buf_id, index, length, size = REQUEST.unpack(msg)
+                try:
+                    if got:
+                        self.maps.setdefault(buf_id, mmap.mmap(got[0], size))
+                    view = memoryview(self.maps[buf_id])[:length]
+                    self._read(memoryview(self.head))
+                    magic, _, sent_index, sent = self.header.unpack(self.head)
+                    if magic != self.magic or sent_index != index or sent != length:
+                        raise Failed(f"{self.where} sent a header for batch {sent_index} of {sent} bytes (magic "
+                                     f"{bytes(magic)!r}) where batch {index} of {length} bytes was due")
+                    self._read(view)
+                except Failed as e:
+                    self._send(b"E" + str(e).encode())
+                    return
+                finally:
+                    for fd in got:
+                        os.close(fd)
+                self._send(DONE.pack(b"D", length))
+        except OSError:
+            return  # the pair broke: the trainer is gone
+        finally:
+            if self.sock is not None:
+                self.sock.close()
+            self.pair.close()
+            for mm in self.maps.values():
+                mm.close()
+
+    def _connect(self) -> socket.socket:
+        spec = self.spec
+        try:
+            raw = socket.create_connection((spec["host"], spec["port"]), timeout=spec["connect_timeout"])
+        except OSError as e:
+            raise Failed(f"cannot connect to {self.where}: {e.strerror or e}") from None
+        sock = raw
+        try:
+            tls = spec.get("tls")
+            if tls is not None:
+                ctx = ssl.create_default_context(cafile=tls.get("ca"))
+                if tls.get("cert"):
+                    ctx.load_cert_chain(tls["cert"], tls.get("key"))
+                ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+                sock = ctx.wrap_socket(raw, server_hostname=tls.get("server_name") or spec["host"])
+            sock.sendall(bytes.fromhex(spec["token"]))
+        except (OSError, ssl.SSLError) as e:
+            sock.close()
+            raw.close()
+            raise Failed(f"cannot open a data connection to {self.where}: {e}") from None
+        sock.settimeout(self.slice_s)
+        return sock
+
+    def _read(self, view: memoryview) -> None:
+        """Fill ``view`` from the data connection; Failed on a silent (``timeout``), closed or
+        broken one; returns early (OSError) when the trainer closes the pair."""
+        got, total, last = 0, len(view), time.monotonic()
+        while got < total:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except (TimeoutError, BlockingIOError, ssl.SSLWantReadError):
+                if select.select([self.pair], [], [], 0)[0]:
+                    raise OSError("the trainer closed the connection") from None
+                if time.monotonic() - last > self.spec["timeout"]:
+                    raise Failed(f"{self.where} brought no byte for {self.spec['timeout']:g} s") from None
+                continue
+            except (OSError, ssl.SSLError) as e:
+                raise Failed(f"the data connection to {self.where} broke: "
+                             f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
+            if not n:
+                raise Failed(f"{self.where} closed its data connection ({got} of {total} bytes read)")
+            got += n
+            last = time.monotonic()
+
+    def _send(self, data: bytes) -> None:
+        self.pair.send(data)
+
+
+def _fds(ancillary) -> list[int]:
+    fds = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4]))
+    return fds
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    header, magic, slice_s = struct.Struct(spec["header"]), spec["magic"].encode("latin-1"), spec["slice_s"]
+    control = socket.socket(fileno=spec["control_fd"])
+    while True:
+        try:
+            msg, fds, _, _ = control.recvmsg(65536, socket.CMSG_LEN(4))
+        except OSError:
+            return 0
+        got = _fds(fds)
+        if not msg:
+            return 0  # the trainer closed the relay, or died
+        if not got:
+            continue
+        conn = Connection(socket.socket(fileno=got[0]), json.loads(msg), header, magic, slice_s)
+        threading.Thread(target=conn.run, name="relay-connection", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,132 @@
+"""The receive relay (client/relay.py): the data plane's batches received by a process of
+batchd's own into memory the trainer maps, so the trainer's CPU does not copy them.
+
+Real servers on 127.0.0.1:0 (a ``batchd serve`` subprocess), a real relay process: the bytes
+equal those over shared memory and with the relay off; the trainer process never reads a data
+connection (its own receive path made to raise); a relay killed with SIGKILL mid-epoch is
+replaced and the epoch comes whole, each batch once, the same bytes; a relay ends with the
+trainer that started it, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import albumentations as A
+import pytest
+
+import batchd
+from batchd.client import dataplane, relay
+from helpers import digest, wait_until
+from procs import RANDOM_AUG, fmnist_test_config
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(not relay.AVAILABLE, reason="the relay needs Linux (memfd_create)")]
+
+N_TEST, BATCH = 10_000, 250
+
+
+@pytest.fixture(scope="module")
+def server(fmnist_root, tmp_path_factory):
+    from conftest import running_server
+
+    with running_server(cache_dir=tmp_path_factory.mktemp("cache"), workers=2, datasets=fmnist_test_config(fmnist_root),
+                        pipelines={"aug": A.to_dict(RANDOM_AUG)}) as srv:
+        yield srv
+
+
+def read(address, **kw) -> list[str]:
+    kw = {"batch_size": BATCH, "shuffle": True, "seed": 5, "transform": "aug", "timeout": 60, **kw}
+    with batchd.RemoteDataLoader(address, "fmnist-test", **kw) as ld:
+        return [digest(b) for b in ld]
+
+
+def test_the_relay_gives_the_bytes_of_shared_memory_and_of_the_trainers_own_receive(server, monkeypatch):
+    want = read(server.address, transport="shm")
+    assert len(want) == N_TEST // BATCH
+    assert read(server.address, transport="socket", relay=False) == want
+
+    def trainer_reads(*a, **k):
+        raise AssertionError("the trainer process read a data connection itself")
+
+    monkeypatch.setattr(dataplane.DataSocket, "receive", trainer_reads)
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=BATCH, shuffle=True, seed=5,
+                                 transform="aug", transport="socket") as ld:
+        assert ld.relay == "auto"
+        got = [digest(b) for b in ld]
+        received = ld.stats()["bytes_received"]["socket"]
+    assert got == want
+    assert received >= N_TEST * 28 * 28
+    assert relay.shared().alive()
+
+
+def test_relay_false_receives_in_the_trainer(server, monkeypatch):
+    def relay_opens(*a, **k):
+        raise AssertionError("relay=False opened a relayed connection")
+
+    monkeypatch.setattr(relay.Relay, "open", relay_opens)
+    assert len(read(server.address, transport="socket", relay=False)) == N_TEST // BATCH
+    with pytest.raises(ValueError, match="relay must be 'auto', True or False"):
+        batchd.RemoteDataLoader(server.address, "fmnist-test", relay="yes")
+
+
+def test_a_relay_killed_mid_epoch_is_replaced_and_nothing_is_lost_or_repeated(server):
+    want = read(server.address, transport="shm", seed=9)
+    shared = relay.shared()
+    started = shared.started
+    got, killed = [], []
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=BATCH, shuffle=True, seed=9,
+                                 transform="aug", transport="socket", timeout=60) as ld:
+        for i, batch in enumerate(ld):
+            got.append(digest(batch))
+            if i in (5, 20):  # twice: the replacement is replaced too
+                pid = shared.pid
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    assert got == want, "batches lost, repeated or changed across the relay's deaths"
+    assert shared.started >= started + 2 and shared.pid not in killed
+
+
+def test_the_relay_ends_with_its_trainer_even_on_sigkill(server, tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        import batchd
+        from batchd.client import relay
+        ld = batchd.RemoteDataLoader({server.address!r}, "fmnist-test", batch_size=250, transport="socket")
+        it = iter(ld)
+        next(it)
+        print(relay.shared().pid, flush=True)
+        time.sleep(120)
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = [None]
+        reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert line[0], "the trainer printed no relay pid"
+        pid = int(line[0])
+        assert os.path.exists(f"/proc/{pid}")
+        proc.kill()
+        proc.wait(10)
+        # the relay is the trainer's child: once it exits, init reaps it
+        assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 10), \
+            f"the relay (pid {pid}) outlived its trainer"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
