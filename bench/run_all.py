@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         print(f"\n== {m.TITLE} ==", flush=True)
         # a hang in a table prints every thread's stack and ends the run (servers die with us); the
         # tables ran before it are saved. Re-armed per table: a whole run takes 30-40 minutes here.
-        faulthandler.dump_traceback_later(300 if settings.quick else 1200, exit=True)
+        faulthandler.dump_traceback_later(300 if settings.quick else getattr(m, "TIMEOUT_S", 1200), exit=True)
         t0, n0 = time.perf_counter(), meter.seconds()
         r = m.run(settings, log=lambda msg: print(msg, flush=True))
         seconds = time.perf_counter() - t0
