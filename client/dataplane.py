@@ -65,7 +65,39 @@ def client_tls_context(tls: TLS) -> ssl.SSLContext:
     return ctx
 
 
-class DataSocket:
+class Closable:
+    """What both forms of a data connection (``DataSocket``, ``batchd.client.relay.RelayedSocket``)
+    share: ``close`` from any thread, once, and never in a forked child (its socket is the
+    parent's). Needs ``_sock``, ``_lock``, ``_closed`` and ``_owner``."""
+
+    _sock: socket.socket
+    _lock: threading.Lock
+    _closed: bool
+    _owner: int
+
+    def close(self) -> None:
+        """Close the connection (a ``receive`` in another thread fails at once). Idempotent;
+        nothing in a forked child."""
+        if forks.forked(self._owner):
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DataSocket(Closable):
     """The client end of one call's data connection. ``receive`` runs in one thread (the call's
     receiver); ``close`` from any.
 
@@ -166,27 +198,6 @@ class DataSocket:
             got += n
             last = time.monotonic()
         self.bytes_received += total
-
-    def close(self) -> None:
-        """Close the connection (a ``receive`` in another thread fails at once). Idempotent;
-        nothing in a forked child."""
-        if forks.forked(self._owner):
-            return
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-
-    def __enter__(self) -> "DataSocket":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class DataLink:

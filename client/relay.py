@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from batchd import datawire, errors, wire
-from batchd.client import buffers, fields, forks
+from batchd.client import buffers, dataplane, fields, forks
 from batchd.client.channel import TLS
 from batchd.client.relay_child import DONE, REQUEST
 
@@ -199,13 +199,14 @@ class Relay:
                 proc.wait()
 
 
-class RelayedSocket:
+class RelayedSocket(dataplane.Closable):
     """One data connection held by the relay, with ``DataSocket``'s interface: ``receive`` runs
-    in one thread (the call's receiver), ``close`` from any."""
+    in one thread (the call's receiver), ``close`` from any (closing the pair: the relay then
+    closes the server's connection)."""
 
     def __init__(self, pair: socket.socket, address: str, timeout: float, relay: Relay, pid: int, tls: bool):
         pair.settimeout(SLICE_S)
-        self._pair, self.address, self.timeout, self._relay, self.pid = pair, address, timeout, relay, pid
+        self._sock, self.address, self.timeout, self._relay, self.pid = pair, address, timeout, relay, pid
         self.tls = tls
         self.bytes_received = 0
         self.last_received = 0
@@ -228,9 +229,9 @@ class RelayedSocket:
             request = REQUEST.pack(b"R", buf_id, batch.batch_index, length, size)
             try:
                 if buf_id in self._sent:
-                    self._pair.send(request)
+                    self._sock.send(request)
                 else:
-                    _with_fd(self._pair, request, fd)
+                    _with_fd(self._sock, request, fd)
                     self._sent.add(buf_id)
             except OSError:
                 raise self._broken(batch.batch_index) from None
@@ -256,7 +257,7 @@ class RelayedSocket:
         deadline = time.monotonic() + (limit if limit is not None else self.timeout + 10.0)
         while True:
             try:
-                data = self._pair.recv(65536)
+                data = self._sock.recv(65536)
             except TimeoutError:
                 if stopping is not None and stopping.is_set():
                     self.close()
@@ -282,25 +283,6 @@ class RelayedSocket:
         return _Gone(f"the receive relay (pid {self.pid}) is gone (receiving batch {index} from "
                                       f"{self.address}); the next connection starts another")
 
-    def close(self) -> None:
-        """Close the connection (the relay closes the server's). Idempotent; nothing in a forked child."""
-        if forks.forked(self._owner):
-            return
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            self._pair.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._pair.close()
-
-    def __enter__(self) -> "RelayedSocket":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 _shared: Relay | None = None
