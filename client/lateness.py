@@ -8,7 +8,8 @@ servers' latencies; ``Budget``: how many hedges it may cost) to the assigner's l
   grant is older than its threshold (``threshold``) is *stalled* (no new grants until something
   arrives from it), and when the batch the loop waits for (``base``) is late, it is granted to
   another lane too (a hedge), and so (``chase``) is every batch the stalled lane holds, within
-  the ``Budget``. The first copy to arrive wins (``arrived``); the other grants are revoked, but
+  the ``Budget``; under stride, where a stalled lane's own batches are granted to no one, the
+  batch the loop waits for is hedged all the same. The first copy to arrive wins (``arrived``); the other grants are revoked, but
   for a stalled lane's oldest one: that one stays granted as its *probe* (most likely being built
   already), and its copy arriving, dropped, is how the loader learns that the lane lives again.
   Revoking it too would leave a lane that resumed with nothing to send and nothing granted.
@@ -32,7 +33,8 @@ _THRESHOLDS_EVERY_S = 0.05  # lateness thresholds are recomputed at most this of
 class Lateness:
     """Mixed into ``Assigner``: needs its ``lanes``, ``policy``, ``budget``, ``base``, ``total``,
     ``_arrived``, ``_holders``, ``_thresholds``, ``_thresholds_at``, ``_count``, ``working``,
-    ``holders``, ``_default_rate`` and ``_grant``."""
+    ``holders``, ``_default_rate``, ``_grant`` and, for stride, ``mode``, ``start``, ``_stride``
+    and ``_ahead``."""
 
     def threshold(self, lane: Lane) -> float | None:
         """Seconds after its grant when a batch of ``lane`` is late: ``HedgePolicy.late_after`` of
@@ -81,6 +83,11 @@ class Lateness:
         if b >= self.total or b in self._arrived:
             return grants, deadline
         holders = self.holders(b)
+        if not holders and self.mode == "stride":  # its own server is stalled: it grants it to no one
+            owner = self.lanes.get(self._stride[(b - self.start) % len(self._stride)]) if self._stride else None
+            if owner is not None and owner.stalled and self._hedge(owner, b, now, grants):
+                self._ahead.add(b)  # (granted: the plan skips it)
+            return grants, deadline
         if len(holders) != 1:
             return grants, deadline
         lane = holders[0]

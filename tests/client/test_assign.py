@@ -269,6 +269,26 @@ def test_a_server_that_stalls_again_and_again_is_hedged_every_time_within_the_bu
     assert extra <= issued
 
 
+def test_under_stride_a_stalled_servers_own_batches_are_hedged_too():
+    """Stride gives each server fixed batches, so a stalled server's next ones are granted to no one
+    (it gets no new grants while stalled): the batch the loop waits for must be hedged to another
+    server even though no lane holds it, else the loop waits out every stop. Table 12's adversary:
+    one of 3 servers stops 1 s every 8 s (a third of the batches are its own: 10% of the batches
+    yielded pays for the hedges)."""
+    stalls = [(t, t + 1.0) for t in np.arange(2.0, 120.0, 8.0)]
+
+    def run(policy):
+        return simulate([Server("a", 0.05), Server("b", 0.05), Server("c", 0.05, stalls=stalls)], 3000,
+                        policy=policy, step=0.02, mode="stride")
+
+    _, waits_off, _, taken = run(None)
+    assert taken == list(range(3000))
+    _, waits, a, taken = run(HedgePolicy())
+    assert taken == list(range(3000)), "a batch was taken twice or out of order"
+    assert waits.max() <= waits_off.max() / 2, (waits.max(), waits_off.max())
+    assert sum(f["hedges_issued"] for f in a.figures().values()) <= 0.1 * 3000
+
+
 def test_the_first_copy_wins_the_other_is_revoked_and_a_stalled_lane_keeps_its_oldest_as_a_probe():
     a = Assigner(0, 100, floor=2, policy=HedgePolicy(warmup=1, max_fraction=1.0, burst=10))
     a.budget.tokens = 10.0
