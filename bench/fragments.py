@@ -34,6 +34,9 @@ HEADLINE = (
     ("table10", "cache in RAM", "decoded-sample cache in RAM: epochs 2-3 vs epoch 1"),
     ("table13", "batchd shm >= 1.0x DataLoader images/s (COCO", "COCO boxes + masks: batchd vs PyTorch DataLoader"),
     ("table6", "2 servers (1 worker each)", "one loader over 2 servers vs 1 (1 worker each)"),
+    ("table17", "3 servers (128 + 47 + 80 img/s): dynamic", "servers of unequal speed in one loader vs the sum of each alone"),
+    ("table18", "data plane (relay): trainer CPU", "a remote trainer's CPU per GB received (relay; others in brackets)"),
+    ("table16", "server main process <= 1 ms", "server main process CPU per batch (shared memory, batch 64 / 256)"),
 )
 
 

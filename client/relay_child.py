@@ -77,13 +77,13 @@ class Connection:
                 try:
                     if got:
                         self.maps.setdefault(buf_id, mmap.mmap(got[0], size))
-                    view = memoryview(self.maps[buf_id])[:length]
                     self._read(memoryview(self.head))
                     magic, _, sent_index, sent = self.header.unpack(self.head)
                     if magic != self.magic or sent_index != index or sent != length:
                         raise Failed(f"{self.where} sent a header for batch {sent_index} of {sent} bytes (magic "
                                      f"{bytes(magic)!r}) where batch {index} of {length} bytes was due")
-                    self._read(view)
+                    with memoryview(self.maps[buf_id]) as whole:  # (released: the mapping can close)
+                        self._read(whole[:length])
                 except Failed as e:
                     self._send(b"E" + str(e).encode())
                     return
@@ -98,7 +98,10 @@ class Connection:
                 self.sock.close()
             self.pair.close()
             for mm in self.maps.values():
-                mm.close()
+                try:
+                    mm.close()
+                except BufferError:  # a view still held by an exception's frame: unmapped when collected
+                    pass
 
     def _connect(self) -> socket.socket:
         spec = self.spec
