@@ -225,7 +225,7 @@ def render(r: dict) -> str:
             f"every {PERIOD_S:g} s. Medians of {r['repeats']} repeats (stops, hedges, extra grants: sums). "
             "Extra grants: batch indices granted beyond one per batch yielded, an upper bound of the extra work."
             + (" The sidecar row was skipped: `unshare -m` is not allowed here." if r["sidecar_skipped"] else
-               " The TCP server runs with a /dev/shm of its own (unshare -m): its batches come inline over TCP."))
+               " The TCP server runs with a /dev/shm of its own (unshare -m): its batches come over TCP (the data plane)."))
     return out
 
 
