@@ -32,7 +32,7 @@ HEADLINE = (
     ("table3", "overlap: per-step time", "a training step beside loading: step time / max(load time, step alone), 2 workers"),
     ("table9", "batchd (2 workers) at 50 ms per open", "50 ms of storage latency per file: images/s kept"),
     ("table10", "cache in RAM", "decoded-sample cache in RAM: epochs 2-3 vs epoch 1"),
-    ("table13", "batchd shm >= 1.0x DataLoader images/s (COCO", "COCO boxes + masks: batchd vs PyTorch DataLoader"),
+    ("table13", "batchd shm, no cache >= 1.0x DataLoader images/s (COCO", "COCO boxes + masks: batchd vs PyTorch DataLoader"),
     ("table6", "2 servers (1 worker each)", "one loader over 2 servers vs 1 (1 worker each)"),
     ("table17", "3 servers (128 + 47 + 80 img/s): dynamic", "servers of unequal speed in one loader vs the sum of each alone"),
     ("table18", "data plane (relay): trainer CPU", "a remote trainer's CPU per GB received (relay; others in brackets)"),

@@ -228,7 +228,8 @@ def test_restarted_server_gets_work_again(server_procs, fmnist_root, tmp_path):
         procs[1].wait(10)
         d, i = read(it, 20)  # server 0 alone after the failover
         digests, indices = digests + d, indices + i
-        assert [s["up"] for s in ld.server_stats()] == [True, False]
+        # (server 0's lookahead may carry those 20 batches before the lane gives server 1 up)
+        assert wait_until(lambda: [s["up"] for s in ld.server_stats()] == [True, False], 15), ld.server_stats()
         before = ld.server_stats()[1]["batches"]
         procs[1].start()  # same address
         assert wait_until(lambda: ld.server_stats()[1]["up"], 60), ld.server_stats()

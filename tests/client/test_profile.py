@@ -68,8 +68,10 @@ def test_a_sleeping_training_step_is_trainer_bound(make_server, fmnist_root):
         # batch); from the first call to the 30th batch: its waits (the first one is startup) and steps
         assert steps <= p["stages"]["step"] <= steps + 0.03 and steps >= 29 * 0.03
         assert p["stages"]["wait"] + p["stages"]["step"] + p["startup_seconds"] == pytest.approx(got - t0, abs=0.01)
-        # batches waited, built, in the reorder buffer: the server was ahead of this loop
-        assert p["stages"]["reorder"] > p["stages"]["pipeline"]
+        # the server was ahead of this loop: after the first batch the loop hardly waited (built
+        # batches wait in the loader's lookahead now, granted a window at a time, not in the
+        # server's reorder buffer)
+        assert p["stages"]["wait"] < 0.1 * p["stages"]["step"], p.table()
         assert_consistent(p, 30)
         # the client reports its wait and verdict to the server with its progress (every 0.5 s)
         for _ in range(60):
