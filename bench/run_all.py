@@ -1,6 +1,6 @@
 """Run batchd's benchmark suite: tables to stdout as they complete, then bench/results/.
 
-    python -m bench.run_all                  # everything (about 15 minutes on a 2-core machine)
+    python -m bench.run_all                  # everything (about 75 minutes on a 2-core machine)
     python -m bench.run_all --quick          # a smoke run: fewer images and repeats (under 2 minutes)
     python -m bench.run_all --only table1,table3
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     for m in args.tables:
         print(f"\n== {m.TITLE} ==", flush=True)
         # a hang in a table prints every thread's stack and ends the run (servers die with us); the
-        # tables ran before it are saved. Re-armed per table: a whole run takes 30-40 minutes here.
+        # tables ran before it are saved. Re-armed per table: a whole run takes about 75 minutes here.
         faulthandler.dump_traceback_later(300 if settings.quick else getattr(m, "TIMEOUT_S", 1200), exit=True)
         t0, n0 = time.perf_counter(), meter.seconds()
         r = m.run(settings, log=lambda msg: print(msg, flush=True))
