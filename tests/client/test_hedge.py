@@ -102,7 +102,9 @@ def test_a_stalled_server_costs_little_exactly_once_same_bytes(servers):
     assert on["batches"] == off["batches"] == N // 4 and off["hedges_issued"] == 0
     assert on["hedges_issued"] == on["hedges_won"] + on["hedges_wasted"] <= 0.5 * on["batches"], on
     assert sum(on["batches_per_server"].values()) == N // 4
-    assert on["batches_per_server"][addresses[0]] > N // 8, on  # server 0 took most of server 1's share
+    # server 0 took at least its half (more when server 1 stopped with little built ahead: how much
+    # it had built is timing, so the stops' cost is judged on the waits below)
+    assert on["batches_per_server"][addresses[0]] >= N // 8, on
     # the three stops show in the p99 wait of the static split; here they are cut short
     assert off["wait_p99_seconds"] > STALL_S / 3, off
     assert on["wait_p99_seconds"] < STALL_S / 4, (on, off)
