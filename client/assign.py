@@ -162,11 +162,10 @@ class Assigner(Windows, Lateness):
         return grants
 
     def _plan_stride(self, working: list[Lane], limit: int, now: float, grants: dict) -> None:
-        n = len(self._stride)
         for b in range(self.next_new, limit):
             if b in self._ahead:
                 continue
-            owner = self.lanes.get(self._stride[(b - self.start) % n]) if n else None
+            owner = self._stride_owner(b)
             if owner is not None:
                 if not owner.open or owner.stalled or owner.room(b) <= 0:
                     continue  # its own batch: it waits (for its call, or for room)
@@ -180,6 +179,10 @@ class Assigner(Windows, Lateness):
         while self.next_new in self._ahead:
             self._ahead.discard(self.next_new)
             self.next_new += 1
+
+    def _stride_owner(self, b: int) -> Lane | None:
+        """Under stride, the lane whose batches include b (None when it left, or no lane was added)."""
+        return self.lanes.get(self._stride[(b - self.start) % len(self._stride)]) if self._stride else None
 
     def _pick(self, working: list[Lane], b: int) -> Lane | None:
         """The lane with room for batch b that would finish it soonest (unknown rates: the one

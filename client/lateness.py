@@ -33,8 +33,8 @@ _THRESHOLDS_EVERY_S = 0.05  # lateness thresholds are recomputed at most this of
 class Lateness:
     """Mixed into ``Assigner``: needs its ``lanes``, ``policy``, ``budget``, ``base``, ``total``,
     ``_arrived``, ``_holders``, ``_thresholds``, ``_thresholds_at``, ``_count``, ``working``,
-    ``holders``, ``_default_rate``, ``_grant`` and, for stride, ``mode``, ``start``, ``_stride``
-    and ``_ahead``."""
+    ``holders``, ``_default_rate``, ``_grant`` and, for stride, ``mode``, ``_stride_owner`` and
+    ``_ahead``."""
 
     def threshold(self, lane: Lane) -> float | None:
         """Seconds after its grant when a batch of ``lane`` is late: ``HedgePolicy.late_after`` of
@@ -84,7 +84,7 @@ class Lateness:
             return grants, deadline
         holders = self.holders(b)
         if not holders and self.mode == "stride":  # its own server is stalled: it grants it to no one
-            owner = self.lanes.get(self._stride[(b - self.start) % len(self._stride)]) if self._stride else None
+            owner = self._stride_owner(b)
             if owner is not None and owner.stalled and self._hedge(owner, b, now, grants):
                 self._ahead.add(b)  # (granted: the plan skips it)
             return grants, deadline

@@ -100,3 +100,13 @@ def fashion_coco(fmnist_root, tmp_path_factory) -> pathlib.Path:
     gen = load_example("make_fashion_coco")
     gen.main(["--out", str(out), "--images", "60", "--val-images", "20", "--seed", "0", "--fmnist", str(fmnist_root)])
     return out
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """PEM files (tests/pki.py): ca, server cert/key (SAN 127.0.0.1, localhost), client cert/key, a
+    rogue client's cert/key. Skips without ``cryptography``."""
+    pytest.importorskip("cryptography")
+    from pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))

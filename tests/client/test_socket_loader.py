@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Dataset
 import batchd
 from batchd.client.stats import get_stats
 from helpers import digest, fields_digest, free_port, jpeg_bytes, picture, wait_until
-from pki import make_pki
 from procs import RANDOM_AUG, fmnist_test_config, write_server_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -169,12 +168,6 @@ def test_two_loaders_sharing_one_computation_over_the_data_plane(server):
 
 
 # --- TLS and tokens -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    pytest.importorskip("cryptography")
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])

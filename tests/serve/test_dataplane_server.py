@@ -19,15 +19,8 @@ from batchd import datawire
 from batchd.server.config import ConfigError, DataPlaneConfig, ServerConfig, TlsConfig, load_config
 from batchd.server.serve.dataplane import DataPlane, tls_context
 from batchd.server.shm import Owner, SlotPool
-from pki import make_pki
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    pytest.importorskip("cryptography")
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture

@@ -33,7 +33,6 @@ from batchd.server.compute import allowlist
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.config import ConfigError, PipelineLimits, ServerConfig, load_config
 from batchd.v1 import loader_pb2 as pb
-from pki import make_pki
 from batchd.v1 import loader_pb2_grpc
 
 pytestmark = pytest.mark.timeout(180)
@@ -87,13 +86,6 @@ def _auth() -> dict:
         {"name": "team-a", "token_env": "BATCHD_TEST_TOKEN_A", "datasets": ["tiny-a"]},
         {"name": "admin", "token": TOKEN_ADMIN, "datasets": ["*"]},
     ]}
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, pathlib.Path]:
-    """PEM files: ca, server cert/key (SAN 127.0.0.1, localhost), client cert/key, rogue client cert/key."""
-    pytest.importorskip("cryptography")
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _tls(pki, **extra) -> dict:

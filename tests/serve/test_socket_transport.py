@@ -25,7 +25,6 @@ from batchd.client.dataplane import DataSocket
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 from helpers import wait_until
-from pki import make_pki
 from rawclient import RawBatches, RawSession, digest, tensors
 
 pytestmark = pytest.mark.timeout(240)
@@ -196,12 +195,6 @@ def test_a_data_connection_killed_mid_call_ends_the_call_unavailable_with_every_
 
 
 # --- TLS and tokens -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    pytest.importorskip("cryptography")
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def test_tls_and_tokens_nobody_without_the_calls_token_gets_a_byte(make_server, fmnist_root, pki):
