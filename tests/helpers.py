@@ -262,3 +262,24 @@ class ThrottledProxy:
                 s.close()
             except OSError:
                 pass
+
+
+def fake_data_server(script):
+    """A data port for one connection: a listening socket on 127.0.0.1 whose first connection has
+    its 32-byte token read, then ``script(conn)`` run on it, in a thread. Returns (listener,
+    thread)."""
+    import threading
+
+    from batchd import datawire
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(datawire.TOKEN_BYTES, socket.MSG_WAITALL)
+            script(conn)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return listener, t

@@ -25,6 +25,7 @@ from batchd.client.dataplane import DataSocket, data_host
 from batchd.server.config import TlsConfig
 from batchd.server.serve.dataplane import DataPlane, tls_context
 from batchd.server.shm import Owner, SlotPool
+from helpers import fake_data_server as fake_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,21 +144,6 @@ def test_a_part_of_a_batch_that_lives_on_keeps_its_buffer(slots):
         gc.collect()
         assert pool.outstanding == 0
         slots.release(slot)
-
-
-def fake_server(script):
-    """A listening socket whose one connection gets ``script(conn)`` run on it in a thread."""
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def run():
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(datawire.TOKEN_BYTES, socket.MSG_WAITALL)
-            script(conn)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return listener, t
 
 
 BATCH = wire.WireBatch(5, 0, 10, (wire.WireTensor("label", "int64", (4,), offset=0),))

@@ -21,8 +21,9 @@ import albumentations as A
 import pytest
 
 import batchd
-from batchd.client import dataplane, relay
-from helpers import digest, wait_until
+from batchd import datawire, wire
+from batchd.client import buffers, dataplane, relay
+from helpers import digest, fake_data_server, wait_until
 from procs import RANDOM_AUG, fmnist_test_config
 
 pytestmark = [pytest.mark.timeout(180),
@@ -122,6 +123,62 @@ def test_the_relay_ends_with_its_trainer_even_on_sigkill(server, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+PAYLOAD_BATCH = wire.WireBatch(5, 0, 10, (wire.WireTensor("label", "int64", (4,), offset=0),))  # 32 bytes of payload
+
+
+def _sends(data: bytes):
+    """A fake data port's script: send ``data``, then hold the connection until the relay closes it."""
+    def script(conn):
+        conn.sendall(data)
+        try:
+            conn.recv(1)
+        except OSError:
+            pass
+    return script
+
+
+def _open(listener, timeout: float = 30.0) -> relay.RelayedSocket:
+    port = listener.getsockname()[1]
+    return relay.shared().open(f"127.0.0.1:{port}", "127.0.0.1", port, bytes(datawire.TOKEN_BYTES), tls=None,
+                               connect_timeout=5.0, timeout=timeout)
+
+
+def test_the_relay_checks_the_header_and_its_error_gives_the_buffer_back():
+    pool = buffers.BufferPool(relay.shared().buffers)
+    listener, t = fake_data_server(_sends(datawire.pack_header(6, 32) + bytes(32)))
+    with listener, _open(listener) as rs:
+        with pytest.raises(ConnectionError, match=r"server at 127\.0\.0\.1:\d+ sent a header for batch 6 of 32 "
+                                                  r"bytes .* where batch 5 of 32 bytes was due"):
+            rs.receive(PAYLOAD_BATCH, pool)
+    t.join(5)
+    assert pool.outstanding == 0 and pool.bytes_free > 0  # the relay answered: the buffer is reusable
+
+
+@pytest.mark.parametrize("how", ["stopping", "close"])
+def test_a_buffer_the_relay_may_still_write_is_never_reused(how):
+    """A receive abandoned mid-payload (the loader stops, or closes the connection) leaves the
+    relay's read running until it looks again: that buffer leaves the pool for good."""
+    pool = buffers.BufferPool(relay.shared().buffers)
+    listener, t = fake_data_server(_sends(datawire.pack_header(5, 32) + bytes(10)))
+    with listener, _open(listener) as rs:
+        stopping, errors = threading.Event(), []
+
+        def receive():
+            try:
+                rs.receive(PAYLOAD_BATCH, pool, stopping)
+            except BaseException as e:
+                errors.append(e)
+
+        r = threading.Thread(target=receive)
+        r.start()
+        assert wait_until(lambda: pool.outstanding == 1, 5)
+        stopping.set() if how == "stopping" else rs.close()
+        r.join(5)
+        assert not r.is_alive() and errors and isinstance(errors[0], ConnectionAbortedError), errors
+    t.join(5)
+    assert pool.outstanding == 0 and pool.bytes_free == 0, "an abandoned buffer went back to the pool"
 
 
 def _zombie(pid: int) -> bool:
