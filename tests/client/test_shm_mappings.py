@@ -166,10 +166,13 @@ def test_unlinked_segments_are_unmapped_once_their_tensors_are_gone(server, path
     # server unlinked some and made new ones while the client had them mapped
     assert len(segments) > MAX_SLOTS + MAX_LEASES, (
         f"the server went through only {len(segments)} segments: the test no longer exercises unlinked ones")
-    # an unlinked segment stays mapped only from the server's unlinking (when a lease comes back)
-    # to the end of that release round: at most the leases of one round
-    assert most_unlinked <= MAX_LEASES, f"{path}: up to {most_unlinked} unlinked segments were mapped at once"
-    assert most <= MAX_SLOTS + 2 * MAX_LEASES, (
+    # an unlinked segment stays mapped from the server's unlinking to the client's next check (each
+    # release round and each idle round). The server unlinks a slot when its last holder lets go,
+    # which may be the computation (its reorder buffer or history) after the lease's round has
+    # checked: so what counts is the segments unlinked between two checks, not one round's leases
+    # (CI once saw 5 against that bound of 4). A few, never growing with the epoch: 112-120 before the fix.
+    assert most_unlinked <= 2 * MAX_LEASES, f"{path}: up to {most_unlinked} unlinked segments were mapped at once"
+    assert most <= MAX_SLOTS + 3 * MAX_LEASES, (
         f"{path}: up to {most} batchd segments mapped at once (the server had at most {MAX_SLOTS + MAX_LEASES} live)")
     # the session ends (nothing is held): everything left is unmapped, unregistered first
     assert wait_until(lambda: not batchd_mappings()), f"still mapped after close: {batchd_mappings()}"
