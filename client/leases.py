@@ -7,8 +7,11 @@ callbacks (which may run inside a gRPC call or under a lock, so they only queue)
 training loop's progress: no unary call per batch. What cannot ride on a call goes through
 ``ReleaseLeases`` (loader.proto), sent by ``Reporter``'s thread:
 
-* freed leases while no call is open on their session (between epochs, after the loop), or that
-  a call that ended could not send (``freed_all``);
+* freed leases while no call is open on their session (after the loop), or that a call that
+  ended could not send (``freed_all``). A lease freed between two calls on its session (an
+  epoch boundary: the last batches of an epoch are freed after its call ended) waits up to
+  ``hold`` seconds for the next call to carry it before it goes by ReleaseLeases: one unary call
+  less per epoch on both sides;
 * an abandoned call: when the client stops reading a call before its end (a ``break``, a closed
   or collected iterator, a failover, a broken call), it names the call's ``stream_tag`` and every
   lease it received on it; the server releases the others, which gRPC had buffered;
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -114,14 +118,18 @@ class Reporter:
     """The thread that sends ReleaseLeases for one channel (see the module docstring).
 
     interval: seconds between progress reports while it changes. retry_for: seconds a failing
-    request is retried before it is dropped (logged). ``close(then)`` ends the thread once every
+    request is retried before it is dropped (logged). hold: seconds a lease freed while no call is
+    open on its session waits for one to carry it (0: ReleaseLeases at once). ``close(then)`` ends the thread once every
     shared-memory session it serves has no lease outstanding, then calls ``then`` (closes the
     channel).
     """
 
-    def __init__(self, channel: grpc.Channel, address: str, *, interval: float = 0.5, retry_for: float = 30.0):
+    def __init__(self, channel: grpc.Channel, address: str, *, interval: float = 0.5, retry_for: float = 30.0,
+                 hold: float = 0.05):
         self.address = address
         self.interval = interval
+        self.hold = hold
+        self._held: list[tuple[float, str, int]] = []  # (deadline, session, lease): freed, no call to carry it (yet)
         self._rpc = channel.unary_unary(
             "/batchd.v1.BatchLoader/ReleaseLeases",
             request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
@@ -156,18 +164,21 @@ class Reporter:
         carrier = self._carriers.get(session)
         if carrier is not None and carrier.release(lease):
             return
-        self._queue.put(("freed", session, lease))
+        self._queue.put(("freed", session, lease, True))
 
     def freed_all(self, session: str, leases: list[int]) -> None:
         """Release ``leases`` by ReleaseLeases (a call that ended could not send them, or may have
         lost them). Releasing one twice is harmless: the server ignores an unknown lease."""
         if not forks.forked(self._owner):
             for lease in leases:
-                self._queue.put(("freed", session, lease))
+                self._queue.put(("freed", session, lease, False))
 
     def carry(self, session: str, outbox: Any) -> None:
-        """Releases of ``session`` ride on ``outbox`` (an open Batches call's) from now on."""
+        """Releases of ``session`` ride on ``outbox`` (an open Batches call's) from now on (held
+        ones too: the thread is woken for them)."""
         self._carriers[session] = outbox
+        if self._held:
+            self.wake()
 
     def uncarry(self, session: str, outbox: Any) -> None:
         """``outbox``'s call ended: releases of ``session`` go by ReleaseLeases again."""
@@ -211,8 +222,10 @@ class Reporter:
     def _loop(self) -> None:
         while True:
             items = []
+            held = self._held
+            timeout = self.interval if not held else max(0.0, min(self.interval, held[0][0] - time.monotonic()))
             try:
-                items.append(self._queue.get(timeout=self.interval))
+                items.append(self._queue.get(timeout=timeout))
                 while True:
                     items.append(self._queue.get_nowait())
             except queue.Empty:
@@ -231,7 +244,7 @@ class Reporter:
                 for s in done:
                     self._sessions.pop(s.session, None)
                 finished = self._closing and not self._sessions
-            if finished and self._queue.empty():
+            if finished and self._queue.empty() and not self._held:
                 break
         then, self._then = self._then, None
         if then is not None:
@@ -243,13 +256,17 @@ class Reporter:
         ended: list[CallRecord] = []
         for item in items:
             if item[0] == "freed":
-                freed.setdefault(item[1], []).append(item[2])
+                if item[3] and self.hold > 0:
+                    self._held.append((time.monotonic() + self.hold, item[1], item[2]))
+                else:
+                    freed.setdefault(item[1], []).append(item[2])
             elif item[0] == "ended":
                 record, received = item[1], item[2]
                 ended.append(record)
                 if record.abandoned and record.session:
                     requests.append(pb.ReleaseLeasesRequest(session=record.session, abandoned_stream=record.tag,
                                                             received_leases=received))
+        self._place_held(freed)
         requests.extend(pb.ReleaseLeasesRequest(session=s, leases=leases) for s, leases in freed.items())
         with self._lock:
             for record in ended:
@@ -274,6 +291,25 @@ class Reporter:
         for session, leases in freed.items():
             if session in sessions:
                 sessions[session].forget(leases)
+
+    def _place_held(self, freed: dict[str, list[int]]) -> None:
+        """Held leases ride on a call now open on their session; those past their deadline (or all,
+        once closing) go into ``freed`` (sent by ReleaseLeases)."""
+        if not self._held:
+            return
+        now = time.monotonic()
+        with self._lock:
+            closing = self._closing
+        kept = []
+        for deadline, session, lease in self._held:
+            carrier = self._carriers.get(session)
+            if carrier is not None and carrier.release(lease):
+                continue
+            if closing or deadline <= now:
+                freed.setdefault(session, []).append(lease)
+            else:
+                kept.append((deadline, session, lease))
+        self._held = kept
 
     def _session_gone(self) -> bool:
         """Whether the session of the request being sent ended (its call is over: the server

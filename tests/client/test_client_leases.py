@@ -269,3 +269,29 @@ def test_a_lease_arriving_after_the_call_was_abandoned_is_never_used(make_server
         assert b not in feed._raw and 987654 not in record.close(abandoned=True)
         monkeypatch.undo()
         it.close()
+
+
+def test_leases_freed_at_an_epoch_boundary_ride_on_the_next_call(make_server, fmnist_root, release_requests,
+                                                                   released):
+    """A training loop over several epochs frees the last batches of each epoch after its call
+    ended: they wait for the next epoch's call (``Reporter.hold``) instead of a ReleaseLeases call
+    each epoch (about one per epoch before). Every lease still comes back, the last epoch's by
+    ReleaseLeases once no call comes to carry them."""
+    server = _server(make_server, fmnist_root)
+    epochs = 6
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=1000, transport="shm") as ld:
+        received = 0
+        for epoch in range(epochs):
+            ld.set_epoch(epoch)
+            for batch in ld:  # (each batch freed when the next replaces it, the last one by the next epoch's first)
+                received += 1
+        session = ld._shm.session
+        during = [list(r.leases) for r in release_requests if r.leases]
+        del batch
+        gc.collect()
+        assert received == epochs * 10
+        # one boundary's leases may go by ReleaseLeases (a slow round on a loaded machine), not each one's
+        assert len(during) <= 1, f"{len(during)} ReleaseLeases calls over {epochs} epochs: {during}"
+        assert wait_until(lambda: server.loader.leases.held(session) == 0, 10), "a lease freed after the last call never came back"
+        assert len(set(released[session])) == received, "a lease was never released (or released twice)"
+        assert any(r.leases for r in release_requests), "the last batch's lease came back, but not by ReleaseLeases"
