@@ -2,9 +2,11 @@
 
 ``Outbox`` is the call's request iterator (a plain object, testable without a network). The first
 message opens the call (``BatchesControl.open``, a ``StreamBatchesRequest``); after it, each
-message carries what was queued since the last one: grants and revokes (sent at once), lease
-releases (sent with the next grant, or within ``release_delay`` seconds while any is queued: no
-unary ReleaseLeases per batch) and the training loop's progress (at most every
+message carries what was queued since the last one: revokes (sent at once), grants (at once,
+except on a call whose batches are released: once it released one, a grant waits up to
+``release_delay`` seconds for the release of the batch the loop lets go as it takes the next, so
+that both share one message instead of two), lease releases (sent with the next grant, or within
+``release_delay`` seconds while any is queued: no unary ReleaseLeases per batch) and the training loop's progress (at most every
 ``progress_every`` seconds while it changes, and once more in the last message). ``close()``
 half-closes the call once what is queued went out; ``abort()`` ends the iterator at once. gRPC's
 own thread runs the iterator; it waits on a condition with a timeout of ``_POLL_S`` (so it notices
@@ -91,6 +93,7 @@ class Outbox:
         self._closed = False  # no more releases accepted (half-closing or aborted)
         self._aborted = False
         self._last_progress = time.monotonic()
+        self._pairs = False  # a release was queued: grants wait a little for the next one
         self.recent_releases: collections.deque[int] = collections.deque(maxlen=_RECENT_RELEASES)
         self.messages = 0  # messages handed to gRPC (the open included)
 
@@ -168,8 +171,8 @@ class Outbox:
                 return
 
     def _collect(self) -> tuple[list[int], list[int], list[int], bool]:
-        """What to send next: waits up to ``_POLL_S`` for anything; releases alone wait up to
-        ``release_delay`` more for company."""
+        """What to send next: waits up to ``_POLL_S`` for anything; releases alone, and grants
+        alone once the call has released a lease, wait up to ``release_delay`` more for company."""
         grants: list[int] = []
         revokes: list[int] = []
         releases: list[int] = []
@@ -187,9 +190,12 @@ class Outbox:
                         revokes.extend(value)
                     elif kind == _RELEASE:
                         releases.append(value)
+                        self._pairs = True
                     elif kind == _CLOSE:
                         closing = True
-                if not releases or grants or revokes or closing or self._aborted:
+                if revokes or closing or self._aborted or (grants and (releases or not self._pairs)):
+                    break
+                if not releases and not grants:
                     break
                 now = time.monotonic()
                 deadline = now + self.release_delay if deadline is None else deadline
