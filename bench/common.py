@@ -67,6 +67,21 @@ def remote(address: str, dataset: str, *, batch_size: int, pipeline: str, worker
     )
 
 
+def table_or_client_main(table, argv=None, *, client_args) -> int:
+    """``table_main(table)``, or with ``--client`` one client of the table (a subprocess the table
+    starts): ``client_args(parser)`` adds the client's options, ``table.client_main(args)`` runs it."""
+    import argparse
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--client" not in argv:
+        return table_main(table, argv)
+    p = argparse.ArgumentParser(description=f"one client of {table.TITLE}")
+    p.add_argument("--client", action="store_true")
+    client_args(p)
+    return table.client_main(p.parse_args(argv))
+
+
 def table_main(table, argv=None, *, photos: bool = False, load_note: bool = False,
                quick_help: str = "fewer batches and 1 repeat", per: str = "configuration") -> int:
     """The command line of one table's module ``table`` (its ``__doc__``, ``TITLE``, ``run``,

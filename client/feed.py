@@ -48,7 +48,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from batchd.client import fields, forks
 from batchd.client.assign import Assigner
@@ -73,6 +73,20 @@ class Owner(Protocol):
     def lane_down(self, server: Any, error: BaseException, epoch: int, batch: int) -> BaseException | None: ...
 
     def wait_for_any(self, feed: "Feed", epoch: int, batch: int) -> BaseException | None: ...
+
+
+def iterate(owner: Any, feed: "Feed") -> Iterator[Any]:
+    """``feed``'s batches, as ``owner``'s iteration in progress (``owner._feed`` while they last,
+    its figures kept in ``owner._last_figures`` after); the feed is closed at the end or on an
+    early exit."""
+    owner._feed = feed
+    try:
+        yield from feed.batches()
+    finally:
+        feed.close()
+        if owner._feed is feed:
+            owner._last_figures = feed.last_figures
+            owner._feed = None
 
 
 class Feed(Delivery):

@@ -50,7 +50,7 @@ import torch
 from batchd import errors
 from batchd.client.addresses import AddressSource, may_grow, server_addresses
 from batchd.client.assign import MODES
-from batchd.client.feed import Feed
+from batchd.client.feed import Feed, iterate
 from batchd.client.hedge import Budget
 from batchd.client.loader_stats import LoaderStats
 from batchd.client.membership import PROBE_CONNECT_S, ServerSet, _Server
@@ -166,14 +166,7 @@ class MultiServerLoader(ServerSet):
         feed = Feed(self, servers, epoch, start_batch, total, start_position)
         if not servers:
             feed.mark_all_down()
-        self._feed = feed
-        try:
-            yield from feed.batches()
-        finally:
-            feed.close()
-            if self._feed is feed:
-                self._last_figures = feed.last_figures
-                self._feed = None
+        yield from iterate(self, feed)
 
     def close(self) -> None:
         """Cancel the calls, stop probing, close every server's channel. Idempotent."""

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from batchd import errors
 from batchd.client.connection import ServerConnection
 from batchd.client.datasets import DatasetInfo
-from batchd.client.feed import Feed
+from batchd.client.feed import Feed, iterate
 from batchd.client.loader_stats import LoaderStats
 from batchd.client.membership import _Server
 from batchd.client.options import LoaderOptions
@@ -99,11 +99,4 @@ class SingleServerLoader:
         old = self._feed
         if old is not None:  # a previous iteration was abandoned: one at a time
             old.close()
-        feed = self._feed = Feed(self, [self.server], epoch, start_batch, total, start_position)
-        try:
-            yield from feed.batches()
-        finally:
-            feed.close()
-            if self._feed is feed:
-                self._last_figures = feed.last_figures
-                self._feed = None
+        yield from iterate(self, Feed(self, [self.server], epoch, start_batch, total, start_position))

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from bench import module_argv, module_env
+from bench import common, module_argv, module_env
 from bench.fixtures import data, pipelines
 from bench.fixtures.server_proc import ServerProcess
 from bench.report import md_table
@@ -176,25 +176,16 @@ def render(r: dict) -> str:
                       "the same warm cache; the target compares with one experiment alone without the cache."])
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--pipeline", default="L3", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--epochs", type=int, default=EPOCHS, help=argparse.SUPPRESS)
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.client:
-        return client_main(args)
-    from bench.settings import Settings
 
-    r = run(Settings(quick=args.quick, repeats=1))
-    print(f"## {TITLE}\n\n{render(r)}\n")
-    for t in targets(r):
-        print(f"- **{'PASS' if t['passed'] else 'FAIL'}** {t['name']}: {t['detail']}")
-    return 0
+
+def main(argv=None) -> int:
+    return common.table_or_client_main(sys.modules[__name__], argv, client_args=_client_args)
 
 
 if __name__ == "__main__":

@@ -142,25 +142,15 @@ def render(r: dict) -> str:
                       "(it sleeps 0.25 s per batch)."])
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--pipeline", default="L3", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--sleep", type=float, default=0.0, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.client:
-        return client_main(args)
-    from bench.settings import Settings
 
-    r = run(Settings(quick=args.quick, repeats=1 if args.quick else args.repeats))
-    print(f"## {TITLE}\n\n{render(r)}\n")
-    for t in targets(r):
-        print(f"- **{'PASS' if t['passed'] else 'FAIL'}** {t['name']}: {t['detail']}")
-    return 0
+
+def main(argv=None) -> int:
+    return common.table_or_client_main(sys.modules[__name__], argv, client_args=_client_args)
 
 
 if __name__ == "__main__":
