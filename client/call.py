@@ -316,8 +316,10 @@ class BatchesCall:
         if forks.forked(self._owner):
             return
         self.cancelled = True
-        self.outbox.abort()
+        # the call first: an outbox that stops first ends the request stream, which the server
+        # reads as a half-close (a call that ends OK, counted finished) if that comes before the cancel
         self.call.cancel()
+        self.outbox.abort()
         if self._data_socket is not None:
             self._data_socket.close()  # a receive waiting on it ends at once
 
