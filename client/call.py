@@ -6,8 +6,9 @@ message carries what was queued since the last one: revokes (sent at once), gran
 except on a call whose batches are released: once it released one, a grant waits up to
 ``release_delay`` seconds for the release of the batch the loop lets go as it takes the next, so
 that both share one message instead of two), lease releases (sent with the next grant, or within
-``release_delay`` seconds while any is queued: no unary ReleaseLeases per batch) and the training loop's progress (at most every
-``progress_every`` seconds while it changes, and once more in the last message). ``close()``
+``release_delay`` seconds while any is queued: no unary ReleaseLeases per batch) and the training
+loop's progress (at most every ``progress_every`` seconds while it changes, and once more in the
+last message). ``close()``
 half-closes the call once what is queued went out; ``abort()`` ends the iterator at once. gRPC's
 own thread runs the iterator; it waits on a condition with a timeout of ``_POLL_S`` (so it notices
 an abort, and reports progress) and never spins.

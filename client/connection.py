@@ -214,8 +214,8 @@ class ServerConnection:
         return self.transfer is None and o.gpu_transform is None and not o.decode_on_client and o.collate_fn is None
 
     def convert(self, raw: wire.WireBatch, stopping: Any, record: CallRecord) -> Received:
-        """The converter (or the consumer, ``converts_inline``): the batch of ``raw`` (received on ``record``'s call) as the loader
-        hands it out (on the device, finished by ``gpu_transform``, ragged fields split into views,
+        """The converter (or the consumer, ``converts_inline``): the batch of ``raw`` (received on
+        ``record``'s call) as the loader hands it out (on the device, finished by ``gpu_transform``, ragged fields split into views,
         collated by ``collate_fn``), and its ``BatchTimes`` (unpack here; copy and gpu_transform:
         CUDA events, or the CPU time of gpu_transform). ``stopping``: an Event set when the
         iteration ends (a device copy is then refused). Raises ConnectionError if its

@@ -58,10 +58,10 @@ def release_dropped(raw: Any, record: Any) -> None:
 
 
 class Delivery:
-    """Mixed into ``Feed``: needs its ``_lock``, ``_cond``, ``_work``, ``_inline``, ``_raw``, ``_ready``,
-    ``_runners``, ``_fatal``, ``_all_down_since``, ``_converting``, ``_finished``, ``_silent_at``, ``_converter``,
-    ``stopping``, ``assigner``, ``owner``, ``options``, ``epoch``, ``start``, ``total``,
-    ``_fail``, ``_plan``, ``_send``, ``_fold`` and ``close``."""
+    """Mixed into ``Feed``: needs its ``_lock``, ``_cond``, ``_work``, ``_inline``, ``_raw``,
+    ``_ready``, ``_runners``, ``_fatal``, ``_all_down_since``, ``_converting``, ``_finished``,
+    ``_silent_at``, ``_converter``, ``stopping``, ``assigner``, ``owner``, ``options``, ``epoch``,
+    ``start``, ``total``, ``_fail``, ``_plan``, ``_send``, ``_fold`` and ``close``."""
 
     # --- the converter -------------------------------------------------------------------------------
 

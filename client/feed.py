@@ -9,12 +9,13 @@
                                                     |
                                    consumer: ``Feed.batches()`` yields b, b + 1, ... once each
 
-(with one server and CPU tensors as they came, the consumer converts each batch itself: "inline"
-in ``batchd.client.delivery``.) ``Feed`` holds the iteration's state under its one lock (``_lock``,
-with ``_cond`` and ``_work`` on it): the
-``Assigner``, the reorder buffer, the lane threads, the error that ends it. This file holds what
-changes who reads: servers that join, leave or fail, and what the lane threads report; the
-parts have their own files:
+With one server and CPU tensors as they came, the consumer converts each batch itself ("inline",
+``batchd.client.delivery``).
+
+``Feed`` holds the iteration's state under its one lock (``_lock``, with ``_cond`` and ``_work``
+on it): the ``Assigner``, the reorder buffer, the lane threads, the error that ends it. This file
+holds what changes who reads: servers that join, leave or fail, and what the lane threads report;
+the parts have their own files:
 
 * **Lanes** (``batchd.client.lane_runner``). Each server of the iteration has a lane thread
   (``LaneRunner``) that opens its Batches call, checks the server's id (the dataset is described
