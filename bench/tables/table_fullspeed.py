@@ -26,10 +26,7 @@ training step), after an untimed warm-up.
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import sys
-import threading
 import time
 
 import numpy as np
@@ -41,6 +38,7 @@ from bench.fixtures import data
 from bench.fixtures.server_proc import ServerProcess, private_shm_available
 from bench.measure import median
 from bench.report import md_table
+from tests.stalls import Stalls
 
 NAME = "table17"
 TITLE = "Table 17: every server at full speed (sleep-bound servers of 1 worker, batches go to whoever has room)"
@@ -90,33 +88,6 @@ def images_per_second(addresses, warmup: int, timed: int, **kw) -> dict:
     return {"rate": timed * BATCH / seconds, "shares": shares}
 
 
-class Stalls:
-    """SIGSTOP ``pid`` for STALL_S seconds every PERIOD_S seconds (the first stop 1 s in)."""
-
-    def __init__(self, pid: int):
-        self.pid, self.stops = pid, 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        pause = 1.0
-        while not self._done.wait(pause):
-            os.kill(self.pid, signal.SIGSTOP)
-            self.stops += 1
-            self._done.wait(STALL_S)
-            os.kill(self.pid, signal.SIGCONT)
-            pause = PERIOD_S - STALL_S
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
-        os.kill(self.pid, signal.SIGCONT)
-
-
 def stalled(servers: list[ServerProcess], seconds: float, **kw) -> dict:
     addresses = [s.address for s in servers]
     with _loader(addresses, batch_size=STALL_BATCH, **kw) as ld:
@@ -125,7 +96,7 @@ def stalled(servers: list[ServerProcess], seconds: float, **kw) -> dict:
             next(it)
         granted = sum(get_stats(a).totals.batches_granted for a in addresses)
         waits = []
-        with Stalls(servers[-1].pid) as stalls:
+        with Stalls(servers[-1].pid, STALL_S, PERIOD_S) as stalls:
             end = time.perf_counter() + seconds
             while time.perf_counter() < end:
                 t0 = time.perf_counter()

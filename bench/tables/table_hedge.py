@@ -27,10 +27,7 @@ without hedging. Modes interleave, rotated between repeats.
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import sys
-import threading
 import time
 
 import numpy as np
@@ -42,6 +39,7 @@ from bench.fixtures import data, pipelines
 from bench.fixtures.server_proc import ServerProcess
 from bench.measure import median
 from bench.report import md_table
+from tests.stalls import Stalls
 
 NAME = "table12"
 TITLE = "Table 12: hedged requests, one of 3 servers stalled 1 s every 8 s (1 worker each, L1, batch 8)"
@@ -50,35 +48,6 @@ BATCH = 8
 STEP_S = 0.02  # the training step per batch
 STALL_S = 1.0
 PERIOD_S = 8.0
-
-
-class Stalls:
-    """Stop process ``pid`` for ``stall_s`` seconds every ``period_s`` seconds (the first stop
-    ``first_s`` seconds in), from a thread, until the block ends; counts the stops."""
-
-    def __init__(self, pid: int, stall_s: float, period_s: float, first_s: float = 2.0):
-        self.pid, self.stall_s, self.period_s, self.first_s = pid, stall_s, period_s, first_s
-        self.stops = 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-stalls", daemon=True)
-
-    def _run(self) -> None:
-        pause = self.first_s
-        while not self._done.wait(pause):
-            pause = self.period_s - self.stall_s
-            os.kill(self.pid, signal.SIGSTOP)
-            self.stops += 1
-            self._done.wait(self.stall_s)
-            os.kill(self.pid, signal.SIGCONT)
-
-    def __enter__(self) -> "Stalls":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-        os.kill(self.pid, signal.SIGCONT)
 
 
 def _batches(loader):
@@ -103,7 +72,7 @@ def _one(servers: list[ServerProcess], mode: str, warmup: int, timed: int, seed:
         for _ in range(warmup):
             next(it)
         waits = []
-        with Stalls(servers[-1].pid, STALL_S, PERIOD_S) as stalls:
+        with Stalls(servers[-1].pid, STALL_S, PERIOD_S, first_s=2.0) as stalls:
             t0 = time.perf_counter()
             for _ in range(timed):
                 start = time.perf_counter()

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
 import pathlib
 import signal
-import threading
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from batchd.server.serve.service import BatchLoaderService
 from conftest import running_server
 from helpers import free_port, wait_until
 from procs import ServerProcess
+from stalls import Stalls
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -126,35 +125,6 @@ def test_every_sample_once_through_a_resume_a_failover_and_a_join(server_procs, 
 
 
 # --- a stalled server ----------------------------------------------------------------------------------
-
-
-class Stalls:
-    """SIGSTOP process ``pid`` for ``stall_s`` seconds every ``period_s`` seconds (the first stop
-    ``first_s`` in) until the block ends; then SIGCONT."""
-
-    def __init__(self, pid: int, stall_s: float = 2.0, period_s: float = 3.0, first_s: float = 1.0):
-        self.pid, self.stall_s, self.period_s, self.first_s = pid, stall_s, period_s, first_s
-        self.stops = 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        pause = self.first_s
-        while not self._done.wait(pause):
-            os.kill(self.pid, signal.SIGSTOP)
-            self.stops += 1
-            self._done.wait(self.stall_s)
-            os.kill(self.pid, signal.SIGCONT)
-            pause = self.period_s - self.stall_s
-
-    def __enter__(self) -> "Stalls":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-        os.kill(self.pid, signal.SIGCONT)
 
 
 def stalled_epoch(addresses, pid, **kw):
