@@ -9,9 +9,10 @@ servers' latencies; ``Budget``: how many hedges it may cost) to the assigner's l
   arrives from it), and when the batch the loop waits for (``base``) is late, it is granted to
   another lane too (a hedge), and so (``chase``) is every batch the stalled lane holds, within
   the ``Budget``; under stride, where a stalled lane's own batches are granted to no one, the
-  batch the loop waits for is hedged all the same. The first copy to arrive wins (``arrived``); the other grants are revoked, but
-  for a stalled lane's oldest one: that one stays granted as its *probe* (most likely being built
-  already), and its copy arriving, dropped, is how the loader learns that the lane lives again.
+  batch the loop waits for is hedged all the same. The first copy to arrive wins (``arrived``);
+  the other grants are revoked, but for a stalled lane's oldest one: that one stays granted as
+  its *probe* (most likely being built already), and its copy arriving, dropped, is how the
+  loader learns that the lane lives again.
   Revoking it too would leave a lane that resumed with nothing to send and nothing granted.
 
 ``silent`` finds the servers that sent nothing for the loader's ``timeout`` while the others sent

@@ -284,7 +284,6 @@ class RelayedSocket(dataplane.Closable):
                                       f"{self.address}); the next connection starts another")
 
 
-
 _shared: Relay | None = None
 _shared_lock = threading.Lock()
 
