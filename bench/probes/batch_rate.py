@@ -14,7 +14,7 @@ Rates alternate between repeats; medians.
 The work per batch is the same at every rate (one message each way, the same Python code on both
 sides), so a difference is what a thread woken after an idle gap pays over one that ran a moment
 ago: caches and branch predictors gone cold, the scheduler's wake-up. On the 2-core VM of the
-README it was 3-4x (2026-11-28): a fixed count of thread hand-offs per batch, not the work in
+README it was 2-4x (2026-11-28): a fixed count of thread hand-offs per batch, not the work in
 them, sets the trainer's CPU at training rates.
 """
 
