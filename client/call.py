@@ -9,7 +9,8 @@ that both share one message instead of two), lease releases (sent with the next 
 ``release_delay`` seconds while any is queued: no unary ReleaseLeases per batch) and the training
 loop's progress (at most every ``progress_every`` seconds while it changes, and once more in the
 last message). ``close()``
-half-closes the call once what is queued went out; ``abort()`` ends the iterator at once. gRPC's
+half-closes the call once what is queued went out, its last message marked ``done`` (the server
+counts the call finished, not cancelled); ``abort()`` ends the iterator at once. gRPC's
 own thread runs the iterator; it waits on a condition with a timeout of ``_POLL_S`` (so it notices
 an abort, and reports progress) and never spins.
 
@@ -124,7 +125,7 @@ class Outbox:
             return True
 
     def close(self) -> None:
-        """Half-close once what is queued is sent (with the final progress)."""
+        """Half-close once what is queued is sent (with the final progress), in a message marked ``done``."""
         with self._cond:
             self._closed = True
             self._items.append((_CLOSE, None))
@@ -158,8 +159,8 @@ class Outbox:
                 self._hand_back(releases)  # (abort took what was still queued)
                 return
             progress = self._due_progress(force=closing)
-            if grants or revokes or releases or progress is not None:
-                message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases)
+            if grants or revokes or releases or progress is not None or closing:
+                message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases, done=closing)
                 if progress is not None:
                     message.progress.CopyFrom(progress)
                 self.messages += 1
@@ -317,8 +318,8 @@ class BatchesCall:
         if forks.forked(self._owner):
             return
         self.cancelled = True
-        # the call first: an outbox that stops first ends the request stream, which the server
-        # reads as a half-close (a call that ends OK, counted finished) if that comes before the cancel
+        # the call first: an outbox that stops first ends the request stream (no `done`: the server
+        # counts it cancelled either way, but would send what was granted in vain)
         self.call.cancel()
         self.outbox.abort()
         if self._data_socket is not None:

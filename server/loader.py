@@ -353,7 +353,7 @@ class Loader:
                     self.counters[key] += getattr(stream, key)
                 if stream.request.hedge:
                     self.counters["hedge_batches_sent"] += stream.batches_sent
-        if reason == "finished" and not stream.finished:
+        if reason == "finished" and not stream.completed:
             reason = "ended early (the client stopped reading)"
         elapsed = time.monotonic() - stream.started
         log.info(

@@ -70,8 +70,11 @@ class RawBatches:
         """Queue a BatchesControl(**fields): grant, revoke, release, progress (or a raw message as ``msg``)."""
         self._queue.put(fields["msg"] if "msg" in fields else pb.BatchesControl(**fields))
 
-    def close(self) -> None:
-        """Half-close: no more control messages."""
+    def close(self, *, done: bool = True) -> None:
+        """Half-close: no more control messages; the last one says ``done`` (the call counts as
+        finished) unless ``done=False`` (a request stream that just ends: counted cancelled)."""
+        if done:
+            self._queue.put(pb.BatchesControl(done=True))
         self._queue.put(None)
 
     def __iter__(self):

@@ -12,8 +12,14 @@ reads it: ``CallControl`` starts a thread per call that does.
   grant the stream refuses (``Stream.check_grants``: ValueError, ResourceExhaustedError) ends
   reading: ``error`` holds the exception and the stream is interrupted, so the servicer ends the
   call with it at once.
-* The client half-closing (the iterator ends) marks the stream ``half_closed``: the call ends once
-  every grant was sent. The call going away (the iterator raises) interrupts it (``gone``).
+* A message with ``done`` (the client's last: it ends the call on purpose) marks the stream
+  ``half_closed`` at once and sets ``done``: the call ends once every grant was sent, counted
+  finished. A grant after it is refused (ValueError, as above).
+* The request iterator ending without ``done`` marks the stream ``half_closed`` too (what was
+  granted is still sent), but ``done`` stays False and the stream counts as cancelled: gRPC ends a
+  server's request iterator when the client half-closes and, at times, when it cancels before the
+  cancellation shows (``is_active()`` still True), so the iterator's end alone cannot say which.
+  The call going away (the iterator raises) interrupts it (``gone``).
 
 The thread never outlives the call: gRPC ends the request iterator when the call ends, and
 ``detach`` stops it from applying anything more. Counters (``count(key, n)``): control_messages,
@@ -61,6 +67,7 @@ class CallControl:
         self._stream: Stream | None = None
         self.error: BaseException | None = None  # why reading stopped early (the call must end with it)
         self.gone = False  # the call went away (cancelled, deadline, connection lost)
+        self.done = False  # the client ended the call on purpose (BatchesControl.done)
         self._thread = threading.Thread(target=self._read, name=name, daemon=True)
         self._thread.start()
 
@@ -103,8 +110,13 @@ class CallControl:
                     msg.ClearField("open")
                 elif msg.HasField("open"):
                     raise ValueError("Batches: `open` is allowed in the first BatchesControl of a call only")
+                elif self.done and msg.grant:
+                    raise ValueError("Batches: a grant after `done` (the client said it grants nothing more)")
                 if not self.apply(msg):
                     return
+                if msg.done and not self.done:
+                    self.done = True
+                    self._half_close()
             half_closed = True
         except grpc.RpcError:  # the request iterator raises once the call is over
             self.gone = True
@@ -116,6 +128,12 @@ class CallControl:
                 stream = self._stream
             if stream is not None:
                 stream.interrupt(half_closed=half_closed and self.error is None)
+
+    def _half_close(self) -> None:
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.interrupt(half_closed=True, done=True)
 
     def apply(self, msg: pb.BatchesControl) -> bool:
         """Apply one message to the attached stream: grants first, then revokes, releases, progress.

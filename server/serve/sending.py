@@ -72,6 +72,8 @@ class BatchSending:
                     return
                 if batch is None:
                     if stream.finished:
+                        if not stream.completed:  # the client's requests ended without `done`
+                            end.reason = "cancelled by the client"
                         return
                     if not context.is_active():
                         end.reason = "cancelled by the client"

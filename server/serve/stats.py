@@ -206,7 +206,7 @@ CONTROL = ("describe_dataset_calls", "list_datasets_calls", "release_leases_call
 
 def stream_outcome(stream: "Stream") -> str:
     """How a closed stream ended: one of ``ENDED``."""
-    if stream.finished:
+    if stream.completed:
         return "streams_finished"
     if stream.failed or stream.error is not None:
         return "streams_failed"

@@ -57,6 +57,7 @@ class Stream:
         self.granted_total = 0
         self.revoked_total = 0
         self.half_closed = False  # the client will grant nothing more
+        self.done = False  # ... and said so (BatchesControl.done): the stream counts finished, not cancelled
         self.interrupted = False  # stop waiting: the call ends (a control error)
         self.failed = False  # the call ended with an error (a batch's, or a control message's)
         self.computation: Computation | None = None
@@ -136,10 +137,17 @@ class Stream:
 
     @property
     def finished(self) -> bool:
-        """Ordered: sent its last batch. Granted: the client half-closed and every grant was sent (or revoked)."""
+        """Ordered: sent its last batch. Granted: the client half-closed and every grant was sent (or
+        revoked); it counts finished only if the client said ``done`` (``completed``)."""
         if self.ordered:
             return self.position >= self.end
         return self.half_closed and not self.granted
+
+    @property
+    def completed(self) -> bool:
+        """Finished as the client meant it to: ordered and sent its last batch, or granted and
+        finished after the client said ``done`` (a request stream that just ended may be a cancel)."""
+        return self.finished and (self.ordered or self.done)
 
     @property
     def idle(self) -> bool:
@@ -234,9 +242,11 @@ class Stream:
         """Take grants back (a Batches call); returns how many were outstanding."""
         return self.computation.revoke(self, indices)
 
-    def interrupt(self, *, half_closed: bool = False) -> None:
-        """The client half-closed (``half_closed``), or the call must end now: wake its waiting sender."""
+    def interrupt(self, *, half_closed: bool = False, done: bool = False) -> None:
+        """The client half-closed (``half_closed``; ``done``: it said so), or the call must end now:
+        wake its waiting sender."""
         if half_closed:
+            self.done = self.done or done  # (first: a sender that sees half_closed sees done)
             self.half_closed = True
         else:
             self.interrupted = True

@@ -350,10 +350,18 @@ def test_the_outbox_opens_then_sends_grants_at_once_and_batches_releases():
     outbox.revoke([1])
     outbox.close()
     m = next(messages)
-    assert list(m.revoke) == [1]
+    assert list(m.revoke) == [1] and m.done, "the last message of a closed call does not say done"
     with pytest.raises(StopIteration):
         next(messages)
     assert outbox.release(10) is False, "a closed outbox took a release it will never send"
+
+    outbox = Outbox(pb.StreamBatchesRequest())  # closing with nothing queued still says done
+    messages = iter(outbox)
+    next(messages)
+    outbox.close()
+    assert next(messages) == pb.BatchesControl(done=True)
+    with pytest.raises(StopIteration):
+        next(messages)
 
 
 def test_once_it_released_a_lease_a_grant_waits_a_moment_for_the_next_release():
@@ -400,7 +408,7 @@ def test_an_aborted_outbox_hands_back_what_it_never_sent():
     outbox.release(6)
     outbox.abort()
     assert sorted(unsent) == [5, 6]
-    with pytest.raises(StopIteration):
+    with pytest.raises(StopIteration):  # and no `done`: the server counts an aborted call cancelled
         next(messages)
 
 

@@ -132,7 +132,7 @@ def test_grants_in_any_order_are_each_sent_once_with_the_bytes_of_every_other_pa
     info = stub.DescribeDataset(pb.DescribeDatasetRequest(name="fmnist-test"), timeout=10)
     assert server_id(call.call) == info.server_id != ""
     assert _delta(_totals(stub), before, "batches_calls_started", "control_messages", "batches_granted",
-                  "streams_finished") == {"batches_calls_started": 1, "control_messages": len(chunks),
+                  "streams_finished") == {"batches_calls_started": 1, "control_messages": len(chunks) + 1,  # + done
                                           "batches_granted": NUM_BATCHES, "streams_finished": 1}
 
 
@@ -231,6 +231,20 @@ def test_half_closing_with_nothing_granted_ends_the_call(paced_server):
     assert wait_until(lambda: _settled(paced_server))
 
 
+@pytest.mark.parametrize("done", [True, False], ids=["done", "no-done"])
+def test_only_done_counts_a_call_finished_and_what_was_granted_is_sent_either_way(server, stub, done):
+    """A request stream that ends without ``done`` is what the server sees when a client's cancel
+    reads as a half-close (gRPC ends the request iterator before the cancellation shows): every
+    grant is still sent, but the stream counts cancelled; with ``done`` it counts finished."""
+    before = _totals(stub)
+    call = RawBatches(stub, _open(), grant=[3, 1, 4])
+    call.close(done=done)
+    assert sorted(b.batch_index for b in call) == [1, 3, 4] and call.call.code() == grpc.StatusCode.OK
+    assert wait_until(lambda: _settled(server))
+    assert _delta(_totals(stub), before, "streams_finished", "streams_cancelled") == {
+        "streams_finished": int(done), "streams_cancelled": int(not done)}
+
+
 # --- revoke ---------------------------------------------------------------------------------------
 
 
@@ -288,6 +302,8 @@ def test_invalid_grants_and_messages_are_refused_naming_what(server, stub):
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "batch 4 was already granted" in e.details()
     e = refused({"msg": pb.BatchesControl(open=_open())}, grant=[0])
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "first BatchesControl of a call only" in e.details()
+    e = refused({"done": True}, {"grant": [NUM_BATCHES - 1]}, grant=range(NUM_BATCHES - 1))  # (seconds of work left)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "a grant after `done`" in e.details()
     # a first message without open; bytes that are no BatchesControl
     with grpc.insecure_channel(server.address) as channel:
         bidi = channel.stream_stream("/batchd.v1.BatchLoader/Batches", request_serializer=None,
@@ -298,7 +314,7 @@ def test_invalid_grants_and_messages_are_refused_naming_what(server, stub):
                 list(bidi(iter([payload]), timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in e.value.details()
     assert wait_until(lambda: _settled(server))
-    assert _delta(_totals(stub), before, "streams_failed")["streams_failed"] == 4  # the other two opened none
+    assert _delta(_totals(stub), before, "streams_failed")["streams_failed"] == 5  # the other two opened none
 
 
 def test_more_grants_than_max_grants_are_refused(make_server, fmnist_root):

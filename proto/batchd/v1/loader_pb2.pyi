@@ -194,18 +194,20 @@ class StreamBatchesRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ..., expect_num_samples: _Optional[int] = ..., expect_fingerprint: _Optional[str] = ..., expect_build_fingerprint: _Optional[str] = ...) -> None: ...
 
 class BatchesControl(_message.Message):
-    __slots__ = ("open", "grant", "revoke", "release", "progress")
+    __slots__ = ("open", "grant", "revoke", "release", "progress", "done")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     REVOKE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     open: StreamBatchesRequest
     grant: _containers.RepeatedScalarFieldContainer[int]
     revoke: _containers.RepeatedScalarFieldContainer[int]
     release: _containers.RepeatedScalarFieldContainer[int]
     progress: StreamProgress
-    def __init__(self, open: _Optional[_Union[StreamBatchesRequest, _Mapping]] = ..., grant: _Optional[_Iterable[int]] = ..., revoke: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[int]] = ..., progress: _Optional[_Union[StreamProgress, _Mapping]] = ...) -> None: ...
+    done: bool
+    def __init__(self, open: _Optional[_Union[StreamBatchesRequest, _Mapping]] = ..., grant: _Optional[_Iterable[int]] = ..., revoke: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[int]] = ..., progress: _Optional[_Union[StreamProgress, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "offset", "compression", "sample_ndim", "sample_shapes", "sample_offsets")
