@@ -206,9 +206,16 @@ class ServerConnection:
                          server_id, self.info.server_id, self.options.dataset)
             self.check_unchanged(timeout)
 
+    def converts_inline(self) -> bool:
+        """Whether turning a received batch into the loader's is cheap enough for the training
+        loop's own thread (``batchd.client.delivery``): CPU tensors over the bytes as they came (no
+        device copy, ``gpu_transform``, ``decode_on_client`` or ``collate_fn``)."""
+        o = self.options
+        return self.transfer is None and o.gpu_transform is None and not o.decode_on_client and o.collate_fn is None
+
     def convert(self, raw: wire.WireBatch, stopping: Any, record: CallRecord) -> Received:
-        """The converter thread: the batch of ``raw`` (received on ``record``'s call) as the loader
-        hands it out (on the device, finished by ``gpu_transform``, ragged fields split into views,
+        """The converter (or the consumer, ``converts_inline``): the batch of ``raw`` (received on
+        ``record``'s call) as the loader hands it out (on the device, finished by ``gpu_transform``, ragged fields split into views,
         collated by ``collate_fn``), and its ``BatchTimes`` (unpack here; copy and gpu_transform:
         CUDA events, or the CPU time of gpu_transform). ``stopping``: an Event set when the
         iteration ends (a device copy is then refused). Raises ConnectionError if its

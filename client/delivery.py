@@ -18,6 +18,12 @@ threads, ``batchd.client.lane_runner``) into batches handed out in order, each o
 * **The consumer** (``batches``) takes the converted batches in order, waiting at most
   ``timeout`` seconds for each (``errors.TimeoutError``, naming the servers), and never past the
   converter's end.
+* **Inline** (``Feed._inline``: one server, and conversion is CPU tensors over the bytes as they
+  came, ``ServerConnection.converts_inline``): the consumer converts each batch itself once it
+  arrived, and the converter only ends the feed (the last batch taken, an error). A batch then
+  costs one thread wake-up less, which is what a batch costs at training rates
+  (``bench/probes/batch_rate.py``); the raw reorder buffer (``prefetch`` ahead) is the buffer.
+  The lane and the consumer wait on ``_cond``, the converter on ``_work`` (both on the one lock).
 """
 
 from __future__ import annotations
@@ -52,10 +58,10 @@ def release_dropped(raw: Any, record: Any) -> None:
 
 
 class Delivery:
-    """Mixed into ``Feed``: needs its ``_lock``, ``_cond``, ``_raw``, ``_ready``, ``_runners``,
-    ``_fatal``, ``_all_down_since``, ``_converting``, ``_silent_at``, ``_converter``,
-    ``stopping``, ``assigner``, ``owner``, ``options``, ``epoch``, ``start``, ``total``,
-    ``_fail``, ``_plan``, ``_send``, ``_fold`` and ``close``."""
+    """Mixed into ``Feed``: needs its ``_lock``, ``_cond``, ``_work``, ``_inline``, ``_raw``,
+    ``_ready``, ``_runners``, ``_fatal``, ``_all_down_since``, ``_converting``, ``_finished``,
+    ``_silent_at``, ``_converter``, ``stopping``, ``assigner``, ``owner``, ``options``, ``epoch``,
+    ``start``, ``total``, ``_fail``, ``_plan``, ``_send``, ``_fold`` and ``close``."""
 
     # --- the converter -------------------------------------------------------------------------------
 
@@ -65,35 +71,47 @@ class Delivery:
                 got = self._next_ready()
                 if got is None:
                     return
-                b, (raw, server, conn, record, received) = got
-                try:
-                    item = conn.convert(raw, self.stopping, record)
-                except ConnectionError as e:
-                    if not raw.segment:
-                        raise
-                    log.info("batch %d is gone from %s's shared memory (%s); asking for it again", b,
-                             server.address, e)
-                    with self._lock:
-                        self._converting = None
-                        self._raw.pop(b, None)
-                        self.assigner.requeue(b)
-                        self._plan()
+                b, entry = got
+                item = self._convert(b, entry)
+                if item is None:
                     continue
-                item.times.receive = received
                 with self._lock:
-                    self._converting = None
-                    self._raw.pop(b, None)
-                    self.assigner.take(b)
-                    server.batches += 1
+                    self._took(b, entry[1])
                     self._ready.append(item)
-                    self._plan()
                     self._cond.notify_all()
-                del item, raw
+                del item, entry, got
         except BaseException as e:  # never raise in the thread: hand it to the consumer
             with self._lock:
                 self._converting = None
                 self._ready.append(_Failed(e))
                 self._cond.notify_all()
+
+    def _convert(self, b: int, entry: tuple) -> Any:
+        """Batch ``b`` (``_converting``, still in the reorder buffer) converted, outside the lock;
+        None if its shared-memory slot was gone (asked for again)."""
+        raw, server, conn, record, received = entry
+        try:
+            item = conn.convert(raw, self.stopping, record)
+        except ConnectionError as e:
+            if not raw.segment:
+                raise
+            log.info("batch %d is gone from %s's shared memory (%s); asking for it again", b, server.address, e)
+            with self._lock:
+                self._converting = None
+                self._raw.pop(b, None)
+                self.assigner.requeue(b)
+                self._plan()
+            return None
+        item.times.receive = received
+        return item
+
+    def _took(self, b: int, server: Any) -> None:  # (under the lock)
+        """Batch ``b`` was converted: it leaves the reorder buffer, taken from ``server``."""
+        self._converting = None
+        self._raw.pop(b, None)
+        self.assigner.take(b)
+        server.batches += 1
+        self._plan()
 
     def _next_ready(self) -> tuple[int, tuple] | None:
         """The next batch in order and its entry, once it arrived and the consumer has room (it
@@ -119,7 +137,7 @@ class Delivery:
                     self._cond.notify_all()
                     self._finish()
                     return None
-                if a.has(a.base) and len(self._ready) < MAX_READY:
+                if a.has(a.base) and len(self._ready) < MAX_READY and not self._inline:
                     self._converting = a.base
                     return a.base, self._raw[a.base]
                 if self._fatal is not None and not a.has(a.base):
@@ -136,7 +154,7 @@ class Delivery:
                         self._fail(error)
                     continue
                 wait = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - now) + 1e-3)
-                self._cond.wait(wait)
+                self._work.wait(wait)
 
     def requeue_shared(self, server: Any) -> None:
         """``server``'s call broke: the batches it sent over shared memory that wait here may be
@@ -173,7 +191,10 @@ class Delivery:
         return deadline, silent
 
     def _finish(self) -> None:  # (under the lock)
-        """Every batch was taken: half-close the calls (cancel those still holding grants)."""
+        """Every batch was taken: half-close the calls (cancel those still holding grants). Once."""
+        if self._finished:
+            return
+        self._finished = True
         for server, runner in self._runners.items():
             lane = self.assigner.lanes.get(server)
             runner.finish(cancel=lane is not None and bool(lane.outstanding))
@@ -204,9 +225,15 @@ class Delivery:
     def _take(self, b: int, what: str) -> Any:
         timeout = self.options.timeout
         deadline = time.monotonic() + timeout
+        a = self.assigner
         with self._lock:
-            self.assigner.asked(deadline - timeout)
+            a.asked(deadline - timeout)
             while not self._ready:
+                if self._inline and self._converting is None and a.has(a.base) and not self.stopping.is_set():
+                    item = self._convert_here(a.base)
+                    if item is not None:
+                        break
+                    continue
                 now = time.monotonic()
                 if now >= deadline:
                     names = ", ".join(s.address for s in self._runners) or ", ".join(self.owner.addresses)
@@ -214,8 +241,31 @@ class Delivery:
                 if not self._converter.is_alive() and not self._ready:
                     raise RuntimeError(f"the converter thread ended without a result ({what}, batch {b})")
                 self._cond.wait(min(_POLL_S, deadline - now))
-            item = self._ready.popleft()
-            self.assigner.handed(time.monotonic())
+            else:
+                item = self._ready.popleft()
+                if not self._inline:
+                    self._work.notify_all()  # room for the converter
+            a.handed(time.monotonic())
             self._plan()  # (the loop's pace may let more be granted)
-            self._cond.notify_all()  # room for the converter
             return item
+
+    def _convert_here(self, b: int) -> Any:  # (under the lock; released while converting)
+        """Inline: batch ``b``, arrived, converted in the consumer's thread; None if it was asked
+        for again. Once the last batch is taken (or an error waits), the converter ends the feed."""
+        entry = self._raw[b]
+        self._converting = b
+        self._lock.release()
+        try:
+            item = self._convert(b, entry)
+        except BaseException:
+            self._lock.acquire()
+            self._converting = None
+            raise
+        self._lock.acquire()
+        if item is not None:
+            self._took(b, entry[1])
+            if self.assigner.done:
+                self._finish()  # (here: the loop may close the feed before the converter wakes)
+            if self.assigner.done or self._fatal is not None:
+                self._work.notify_all()
+        return item

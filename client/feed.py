@@ -9,10 +9,13 @@
                                                     |
                                    consumer: ``Feed.batches()`` yields b, b + 1, ... once each
 
-``Feed`` holds the iteration's state under its one lock (``_lock``, and ``_cond`` on it): the
-``Assigner``, the reorder buffer, the lane threads, the error that ends it. This file holds what
-changes who reads: servers that join, leave or fail, and what the lane threads report; the
-parts have their own files:
+With one server and CPU tensors as they came, the consumer converts each batch itself ("inline",
+``batchd.client.delivery``).
+
+``Feed`` holds the iteration's state under its one lock (``_lock``, with ``_cond`` and ``_work``
+on it): the ``Assigner``, the reorder buffer, the lane threads, the error that ends it. This file
+holds what changes who reads: servers that join, leave or fail, and what the lane threads report;
+the parts have their own files:
 
 * **Lanes** (``batchd.client.lane_runner``). Each server of the iteration has a lane thread
   (``LaneRunner``) that opens its Batches call, checks the server's id (the dataset is described
@@ -100,7 +103,10 @@ class Feed(Delivery):
         self.options = owner.options
         self.epoch, self.start, self.total, self.start_position = epoch, start, total, start_position
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(self._lock)  # the consumer waits on it
+        self._work = threading.Condition(self._lock)  # the converter waits on it
+        # one server, batches handed out as they came: the consumer converts them (no thread hand-off)
+        self._inline = owner.single and all(server.conn.converts_inline() for server in servers)
         policy = self.options.hedge if not owner.single else None
         self.assigner = Assigner(start, total, floor=self.options.prefetch, policy=policy,
                                  budget=owner.budget if policy is not None else None, mode=owner.assignment,
@@ -117,7 +123,8 @@ class Feed(Delivery):
         forks.keep(self)
         self._silent_at = 0.0
         self.last_figures: dict = {}  # the assigner's figures when the feed closed
-        self._converting: int | None = None  # the batch the converter is converting (still in _raw)
+        self._converting: int | None = None  # the batch being converted (still in _raw)
+        self._finished = False  # the calls were half-closed (every batch taken)
         with self._lock:
             for server in servers:
                 self._add(server)
@@ -133,7 +140,7 @@ class Feed(Delivery):
                 return
             self._add(server)
             self._all_down_since = None
-            self._cond.notify_all()
+            self._wake_all()
 
     def _add(self, server: Any) -> None:  # (under the lock)
         self.assigner.add_lane(server, server.pace)
@@ -149,7 +156,7 @@ class Feed(Delivery):
             lost = self.assigner.remove_lane(server)
             self._fold(server, runner)
             self._plan()
-            self._cond.notify_all()
+            self._wake_all()
         log.info("%s left the address: its %d batches in flight go to the others", server.address, len(lost))
         runner.stop()
 
@@ -158,7 +165,7 @@ class Feed(Delivery):
         with self._lock:
             if not self._runners and self._all_down_since is None:
                 self._all_down_since = time.monotonic()
-                self._cond.notify_all()
+                self._wake_all()
 
     @property
     def all_down_since(self) -> float | None:
@@ -216,8 +223,8 @@ class Feed(Delivery):
                     if keep:
                         self._raw[b] = (raw, runner.server, runner.conn, record, received)
                         runner.failing_since = None
-                        if b == self.assigner.base:
-                            self._cond.notify_all()
+                        if b == self.assigner.base:  # (the one that converts it waits for it)
+                            (self._cond if self._inline else self._work).notify_all()
                     self._plan()
         if not keep and raw.segment:
             release_dropped(raw, record)
@@ -240,17 +247,21 @@ class Feed(Delivery):
             elif not self._runners and self._all_down_since is None:
                 self._all_down_since = time.monotonic()
             self._plan()
-            self._cond.notify_all()
+            self._wake_all()
         return fatal
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
             self._fail(error)
 
+    def _wake_all(self) -> None:  # (under the lock)
+        self._cond.notify_all()
+        self._work.notify_all()
+
     def _fail(self, error: BaseException) -> None:  # (under the lock)
         if self._fatal is None:
             self._fatal = error
-        self._cond.notify_all()
+        self._wake_all()
 
     def _plan(self) -> None:  # (under the lock)
         grants = self.assigner.plan(time.monotonic())
@@ -295,7 +306,7 @@ class Feed(Delivery):
             for server, runner in runners:
                 self._fold(server, runner)
             self.last_figures = self.assigner.figures()
-            self._cond.notify_all()
+            self._wake_all()
         for _, runner in runners:
             runner.stop()
         if not self.owner.single:
