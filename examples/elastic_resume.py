@@ -18,10 +18,10 @@ rank's (position, sample index) pairs as JSON, to check that (tests/client/test_
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import pathlib
-
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,8 @@ def main() -> None:
     print(f"rank {rank}/{world}: {steps} steps, {len(seen)} samples, loss {loss.item():.3f}, "
           f"loader at epoch {state['epoch']}, position {state['position']}", flush=True)
     loader.close()
+    del model, optimizer, loss  # free DDP while Python still runs: it sits in a reference cycle, and
+    gc.collect()  # collected at exit, gloo's threads may abort the process (pytorch/pytorch#190489)
     dist.barrier()
     dist.destroy_process_group()
 

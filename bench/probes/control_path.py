@@ -72,9 +72,10 @@ def batches_epoch(stub, session: str, request: dict, window: int) -> int:
         if granted < batch.num_batches:
             msg.grant.append(granted)
             granted += 1
+        msg.done = n == batch.num_batches  # the last: every lease goes back on it, then the half-close
         controls.put(msg)
-        if n == batch.num_batches:
-            controls.put(None)  # half-close: every lease went back on the call
+        if msg.done:
+            controls.put(None)
     return n
 
 
