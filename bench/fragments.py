@@ -8,6 +8,9 @@ a copy of ``headline.md`` between ``<!-- headline -->`` and ``<!-- /headline -->
 ``sync_readme`` rewrites (tests/deploy/test_readme.py checks that the copy and the fragments are
 current).
 
+Probes outside the numbered tables that keep their figures in results.json too (``PROBES``:
+``python -m bench.probes.batch_rate``) get a fragment the same way, named after the probe.
+
 Each table's fragment starts with its caption: the title, when and on which machine it ran, the
 script that measures it and how busy the shared machine was; the table follows as results.md
 shows it.
@@ -38,6 +41,14 @@ HEADLINE = (
     ("table18", "data plane (relay): trainer CPU", "a remote trainer's CPU per GB received (relay; others in brackets)"),
     ("table16", "server main process <= 1 ms", "server main process CPU per batch (shared memory, batch 64 / 256)"),
 )
+
+
+def probes() -> tuple:
+    """The probes (bench/probes/) whose figures results.json keeps under their ``NAME``: each has
+    ``NAME``, ``TITLE``, ``render(r)`` and ``targets(r)`` as a table module has."""
+    from bench.probes import batch_rate
+
+    return (batch_rate,)
 
 
 def when(r: dict) -> str:
@@ -124,9 +135,9 @@ def headline(results: dict, modules: Sequence, fallback: str) -> str:
 
 
 def render_all(results: dict, modules: Sequence, fallback: str) -> dict[str, str]:
-    """file name -> text of every fragment."""
+    """file name -> text of every fragment: the tables', the probes' (``probes()``), targets, headline."""
     out = {f"{m.NAME}.md": table(m, results[m.NAME], machine_of(results[m.NAME], fallback))
-           for m in modules if m.NAME in results}
+           for m in (*modules, *probes()) if m.NAME in results}
     out["targets.md"] = targets(results, modules)
     out["headline.md"] = headline(results, modules, fallback)
     return out

@@ -121,6 +121,32 @@ def test_the_pages_retype_no_benchmark_table():
         assert not rows, f"{page.relative_to(ROOT)} retypes benchmark rows: {rows[:3]}"
 
 
+
+# a measured figure: two decimals or more, alone or in a run ("0.46 -> 0.84 ms", "0.27 / 0.19 s"),
+# with or without its unit; settings and targets ("0.2 s/GB", "5 ms") have fewer decimals
+_FIGURE = re.compile(r"(?<![\w.])\d+\.\d{2,}(?:\s*(?:->|→|-|/)\s*\d+(?:\.\d+)?)*"
+                     r"(?:\s*(?:ms|s/GB|s|img/s|images/s|x|%))?(?!\w|\.\d)")
+_DATED = re.compile(r"\bTable \d+\b|\b20\d\d-\d\d-\d\d\b")
+
+
+def test_the_pages_retype_no_dated_figure_in_prose():
+    """A paragraph that points at a table (or gives a date) says what it shows in words, and leaves
+    the figures to the table's fragment: a figure typed beside "Table 18" is stale after the next run."""
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", _text(page), flags=re.S)
+        text = re.sub(r"<!-- headline -->.*?<!-- /headline -->", "", text, flags=re.S)
+        found = [(_DATED.search(para).group(0), _FIGURE.findall(para)[:4])
+                 for para in re.split(r"\n\s*\n", text) if _DATED.search(para) and _FIGURE.search(para)]
+        assert not found, f"{page.relative_to(ROOT)} retypes figures next to a table or date: {found[:3]}"
+
+
+def test_the_dated_figure_pattern_finds_retyped_figures():
+    """The patterns above still catch what they are for (a rewrite could make them match nothing)."""
+    para = "Table 18 (2026-11-27): relay 0.27 / 0.19 / 0.13 s, trainer 0.46 -> 0.84 ms at 50/s, 6.58 ms."
+    assert _DATED.search(para)
+    assert _FIGURE.findall(para) == ["0.27 / 0.19 / 0.13 s", "0.46 -> 0.84 ms", "6.58 ms"]
+    assert not _FIGURE.search("the 0.2 s/GB goal, a grant waits up to 5 ms, torch 2.13.0, 1.5x")
+
 # --- facts checked against the code ---------------------------------------------------------------
 
 
