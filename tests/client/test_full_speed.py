@@ -3,8 +3,8 @@ server costs little; each batch still comes once, in order, with the bytes one s
 
 Servers run sleep-bound python pipelines (``batchd_testdata:paced``: a fixed sleep per sample,
 the sample unchanged) with one worker each, so their speeds are set by their configs and 2 cores
-run several: ``batchd serve`` processes where one is SIGKILLed or SIGSTOPped, in-process servers
-elsewhere. Samples are ``batchd_testdata:Paced``'s: sample i is image uint8 [4, 4] filled with
+run several: ``batchd serve`` processes where one is SIGKILLed or SIGSTOPped or needs a /dev/shm of
+its own (a TCP server beside a shared-memory sidecar), in-process servers elsewhere. Samples are ``batchd_testdata:Paced``'s: sample i is image uint8 [4, 4] filled with
 i % 256 and label i, so every batch can be checked against its indices.
 """
 
@@ -14,6 +14,8 @@ import concurrent.futures
 import contextlib
 import pathlib
 import signal
+import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ import yaml
 import batchd
 from batchd.client.stats import get_stats
 from batchd.server.serve.service import BatchLoaderService
+from batchd.server.serve.stats import snapshot
 from conftest import running_server
 from helpers import free_port, wait_until
 from procs import ServerProcess
@@ -122,6 +125,132 @@ def test_every_sample_once_through_a_resume_a_failover_and_a_join(server_procs, 
     assert all(np.array_equal(x, y) for x, y in zip(got, reference, strict=True)), "not the one server's order"
     assert exactly_once(got), "a sample is missing or repeated"
     assert stats["failovers"] == 1 and stats["batches_per_server"][c.address] > 0, stats
+
+
+# --- local and remote in one loader ------------------------------------------------------------------
+
+
+def private_shm_prefix() -> list[str] | None:
+    """An argv prefix that runs a command with a /dev/shm of its own (a mount namespace, as a
+    container without the trainer's IPC namespace): this process cannot read a server's shared
+    memory there and gets its batches over TCP, as from another host. None where ``unshare`` may
+    not mount (not root and no user namespaces)."""
+    for unshare in (["unshare", "-m"], ["unshare", "-r", "-m"]):
+        try:
+            ok = subprocess.run([*unshare, "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True,
+                                timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if ok:
+            return [*unshare, "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+    return None
+
+
+def test_a_sidecar_over_shared_memory_and_a_tcp_server_in_one_loader(server_procs, tmp_path):
+    """The recommended deployment (docs/several-servers.md): a sidecar on a unix socket whose
+    batches come over shared memory, plus a server whose /dev/shm this process cannot see (its own
+    mount namespace), whose batches come over the socket data plane, in one loader with
+    transport="auto". Each batch comes once, in the order and with the bytes of the sidecar alone;
+    both servers send a share, and each server's call uses its own transport."""
+    prefix = private_shm_prefix()
+    if prefix is None:
+        pytest.skip("unshare cannot mount a private /dev/shm here: no server whose shared memory is not ours")
+    n = 1200
+    cfg = tmp_path / "remote.yaml"
+    cfg.write_text(yaml.safe_dump(config(tmp_path / "remote", 0.002, n)))
+    remote = server_procs(cfg, f"127.0.0.1:{free_port()}")
+    remote.argv = [*prefix, *remote.argv]
+    remote.start()
+    with running_server(**config(tmp_path / "sidecar", 0.002, n), address=f"unix:{tmp_path}/sidecar.sock") as sidecar:
+        with loader(sidecar.address, transport="auto") as one:
+            reference = [check(b) for b in one]
+        with loader([sidecar.address, remote.address], transport="auto", hedge=False) as both:
+            it = iter(both)
+            got = [check(next(it)) for _ in range(20)]
+            calls = {a: get_stats(a).streams for a in (sidecar.address, remote.address)}
+            got += [check(b) for b in it]
+            stats = both.stats()
+        remote_totals, sidecar_totals = get_stats(remote.address).totals, get_stats(sidecar.address).totals
+    assert all(np.array_equal(x, y) for x, y in zip(got, reference, strict=True)), "not the sidecar's order"
+    assert exactly_once(got, n), "a sample is missing or repeated"
+    assert all(stats["servers"][a]["batches"] > 0 for a in (sidecar.address, remote.address)), stats["servers"]
+    assert [c.transport for c in calls[sidecar.address]] == ["shm"], calls
+    assert [c.transport for c in calls[remote.address]] == ["socket"], calls
+    assert stats["bytes_received"]["shm"] > 0 and stats["bytes_received"]["socket"] > 0, stats["bytes_received"]
+    assert remote_totals.data_connections_accepted >= 1 and remote_totals.data_plane_bytes_sent > 0, remote_totals
+    assert sidecar_totals.data_connections_accepted == 0 and sidecar_totals.data_plane_bytes_sent == 0, sidecar_totals
+
+
+# --- sharing and TLS across servers -------------------------------------------------------------------
+
+
+def test_identical_loaders_over_two_servers_share_one_computation_on_each(tmp_path):
+    """Two experiments with the same request read one epoch at once from the same two servers.
+    On each server their calls share one computation: a batch both loaders granted it is built
+    once and sent to both (so it builds fewer batches than it sends). Each loader gets every batch
+    once, in the order of one server."""
+    n = 1200
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(running_server(**config(tmp_path / str(k), 0.002, n))) for k in range(2)]
+        addresses = [s.address for s in servers]
+        with loader(addresses[0]) as one:
+            reference = [check(b) for b in one]
+        started = [snapshot(s.loader).computations_started for s in servers]
+        built = [s.loader.pool.batches_built for s in servers]
+        sent = [get_stats(a).totals.batches_sent for a in addresses]
+        barrier = threading.Barrier(2)
+        got: list = [None, None]
+
+        def read(k: int) -> None:
+            with loader(addresses, hedge=False) as ld:
+                len(ld)  # connected to both before the barrier: the two loaders start together
+                barrier.wait(30)
+                got[k] = [check(b) for b in ld]
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert wait_until(lambda: not any(s.loader.streams for s in servers))
+        started = [snapshot(s.loader).computations_started - x for s, x in zip(servers, started)]
+        built = [s.loader.pool.batches_built - x for s, x in zip(servers, built)]
+        sent = [get_stats(a).totals.batches_sent - x for a, x in zip(addresses, sent)]
+    for indices in got:
+        assert indices is not None and all(np.array_equal(x, y) for x, y in zip(indices, reference, strict=True))
+    num_batches = n // 8
+    assert sum(sent) == 2 * num_batches, sent
+    assert started == [1, 1], f"computations started per server: {started}"
+    assert all(0 < b < s for b, s in zip(built, sent)), f"built {built}, sent {sent}: nothing was shared"
+    assert num_batches <= sum(built) < 2 * num_batches, built
+
+
+@pytest.mark.parametrize("transport", ["inline", "socket"])
+def test_a_loader_over_two_tls_servers_reads_every_batch_once(tmp_path, pki, transport):
+    """Two servers with TLS and a token (gRPC calls and, for "socket", the data connections over
+    TLS): one loader reads every batch once, in the order of one server, each server a share."""
+    token = "full-speed-token-0123456789abcdef"
+    secure = {"tls": {"cert": str(pki["server_cert"]), "key": str(pki["server_key"])},
+              "auth": {"tokens": [{"name": "t", "token": token, "datasets": ["*"]}]}}
+    creds = {"tls_ca": str(pki["ca"]), "token": token}
+    n = 800
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(running_server(**config(tmp_path / str(k), 0.002, n), **secure))
+                   for k in range(2)]
+        assert all(s.data_plane.tls for s in servers)
+        addresses = [s.address for s in servers]
+        with loader(addresses[0], **creds) as one:
+            reference = [check(b) for b in one]
+        with loader(addresses, transport=transport, **creds) as both:
+            got = [check(b) for b in both]
+            figures = both.stats()
+        with pytest.raises(batchd.AuthenticationError):  # the token is required: TLS alone does not admit
+            with loader(addresses, tls_ca=str(pki["ca"])) as anonymous:
+                next(iter(anonymous))
+    assert all(np.array_equal(x, y) for x, y in zip(got, reference, strict=True)), "not the one server's order"
+    assert exactly_once(got, n)
+    assert all(figures["servers"][a]["batches"] > 0 for a in addresses), figures["servers"]
+    assert figures["bytes_received"][transport] > 0, figures["bytes_received"]
 
 
 # --- a stalled server ----------------------------------------------------------------------------------
