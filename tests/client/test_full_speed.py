@@ -4,8 +4,9 @@ server costs little; each batch still comes once, in order, with the bytes one s
 Servers run sleep-bound python pipelines (``batchd_testdata:paced``: a fixed sleep per sample,
 the sample unchanged) with one worker each, so their speeds are set by their configs and 2 cores
 run several: ``batchd serve`` processes where one is SIGKILLed or SIGSTOPped or needs a /dev/shm of
-its own (a TCP server beside a shared-memory sidecar), in-process servers elsewhere. Samples are ``batchd_testdata:Paced``'s: sample i is image uint8 [4, 4] filled with
-i % 256 and label i, so every batch can be checked against its indices.
+its own (a TCP server beside a shared-memory sidecar), in-process servers elsewhere. Samples are
+``batchd_testdata:Paced``'s: sample i is image uint8 [4, 4] filled with i % 256 and label i, so
+every batch can be checked against its indices.
 """
 
 from __future__ import annotations
