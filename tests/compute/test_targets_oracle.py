@@ -12,7 +12,8 @@ keypoints and surviving objects, bit for bit, over
   not listed by hand);
 - bbox formats pascal_voc, coco, yolo and albumentations, with keypoints;
 - no prefix, and a cacheable prefix (LongestMaxSize, PadIfNeeded, CenterCrop: it resizes, pads
-  and cuts objects, so the boxes it leaves depend on the filters);
+  and cuts objects, so the boxes it leaves depend on the filters); and a ToGray prefix, which
+  moves no box (``test_a_to_gray_prefix_with_boxes_equals_one_compose``);
 - ``check_each_transform`` true and false (false: albumentations filters only at the end);
 - no cache, and a cache (a miss, then a hit).
 
@@ -32,7 +33,7 @@ import pytest
 from albumentations.core import bbox_utils
 
 from batchd.sampler import sample_key
-from batchd.server.compute import allowlist
+from batchd.server.compute import allowlist, prefix as prefixes
 from batchd.server.compute.pipeline import SampleRandom
 from batchd.server.config import PipelineLimits
 from batchd.server.data.cache import SharedCache
@@ -200,3 +201,26 @@ def test_other_bbox_params_equal_one_compose_too(testdata, workers, fmt, params)
     ds = testdata.Rectangles(N, SIZE)
     for worker, what in ((plain, "no cache"), (cached, "cache miss"), (cached, "cache hit")):
         assert_equals_one_compose(worker, pipe, fmt, ds, f"{fmt} {params}, {what}")
+
+
+@pytest.mark.parametrize("each", [True, False], ids=["check_each", "check_at_end"])
+@pytest.mark.parametrize("name", ["Affine", "HorizontalFlip"])
+def test_a_to_gray_prefix_with_boxes_equals_one_compose(testdata, workers, name, each):
+    """A prefix that changes only the pixels (ToGray, p=1: cacheable, server/compute/prefix.py)
+    before a dual transform, boxes in format coco: the same as one plain Compose, cache off, miss
+    and hit (on the code before the two-stage pipeline the prefix converted the boxes as well:
+    "x_max is less than or equal to x_min")."""
+    plain, cached, cache = workers
+    pipe = A.Compose([A.ToGray(p=1), transform(name)],
+                     bbox_params=A.BboxParams(format="coco", label_fields=["labels"], min_visibility=0.3,
+                                              check_each_transform=each),
+                     keypoint_params=A.KeypointParams(format="xy", remove_invisible=False, check_each_transform=each))
+    assert prefixes.prefix_length(pipe) == 1, "ToGray(p=1) should be the pipeline's cacheable prefix"
+    allowlist.check(json.loads(json.dumps(A.to_dict(pipe))), PipelineLimits())
+    ds = testdata.Rectangles(N, SIZE)
+    what = f"ToGray + {name}, coco, check_each_transform={each}"
+    assert_equals_one_compose(plain, pipe, "coco", ds, f"{what}, no cache")
+    before = cache.stats()["rect"]
+    for attempt in ("miss", "hit"):
+        assert_equals_one_compose(cached, pipe, "coco", ds, f"{what}, cache {attempt}")
+    assert cache.stats()["rect"]["hits"] > before["hits"], "the second pass should come from the cache"

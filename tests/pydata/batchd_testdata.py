@@ -295,12 +295,13 @@ def jitter(scale: float = 10.0):
     return fn
 
 
-def dict_field_at(label: int = 5):
+def dict_field_at(label: int = 5, key: str = "label"):
     """A python pipeline that adds a field ``note``: a dict (which cannot become an array) in the
-    sample whose ``label`` is ``label``, an int elsewhere."""
+    sample whose field ``key`` has ``label`` for its largest value, an int elsewhere. ``key``: a
+    scalar (``label``, coco's ``image_id``) or an array (a segmentation's ``mask``)."""
 
     def fn(sample: dict, rng: np.random.Generator) -> dict:
-        return {**sample, "note": {"label": label} if int(sample["label"]) == label else 0}
+        return {**sample, "note": {"label": label} if int(np.max(sample[key])) == label else 0}
 
     return fn
 
