@@ -13,10 +13,10 @@ reads it: ``CallControl`` starts a thread per call that does.
   reading: ``error`` holds the exception and the stream is interrupted, so the servicer ends the
   call with it at once.
 * A message with ``done`` (the client's last: it ends the call on purpose) marks the stream
-  ``half_closed`` at once and sets ``done``: the call ends once every grant was sent, counted
+  ``half_closed`` and ``done`` at once: the call ends once every grant was sent, counted
   finished. A grant after it is refused (ValueError, as above).
 * The request iterator ending without ``done`` marks the stream ``half_closed`` too (what was
-  granted is still sent), but ``done`` stays False and the stream counts as cancelled: gRPC ends a
+  granted is still sent), but not ``done``, so the stream counts as cancelled: gRPC ends a
   server's request iterator when the client half-closes and, at times, when it cancels before the
   cancellation shows (``is_active()`` still True), so the iterator's end alone cannot say which.
   The call going away (the iterator raises) interrupts it (``gone``).
@@ -67,7 +67,6 @@ class CallControl:
         self._stream: Stream | None = None
         self.error: BaseException | None = None  # why reading stopped early (the call must end with it)
         self.gone = False  # the call went away (cancelled, deadline, connection lost)
-        self.done = False  # the client ended the call on purpose (BatchesControl.done)
         self._thread = threading.Thread(target=self._read, name=name, daemon=True)
         self._thread.start()
 
@@ -93,7 +92,7 @@ class CallControl:
     # --- the reading thread ------------------------------------------------------------------------
 
     def _read(self) -> None:
-        half_closed = False
+        half_closed = done = False
         try:
             for msg in self._requests:
                 self._count("control_messages", 1)
@@ -110,12 +109,12 @@ class CallControl:
                     msg.ClearField("open")
                 elif msg.HasField("open"):
                     raise ValueError("Batches: `open` is allowed in the first BatchesControl of a call only")
-                elif self.done and msg.grant:
+                elif done and msg.grant:
                     raise ValueError("Batches: a grant after `done` (the client said it grants nothing more)")
                 if not self.apply(msg):
                     return
-                if msg.done and not self.done:
-                    self.done = True
+                if msg.done and not done:
+                    done = True
                     self._half_close()
             half_closed = True
         except grpc.RpcError:  # the request iterator raises once the call is over

@@ -121,7 +121,6 @@ def test_the_pages_retype_no_benchmark_table():
         assert not rows, f"{page.relative_to(ROOT)} retypes benchmark rows: {rows[:3]}"
 
 
-
 # a measured figure: two decimals or more, alone or in a run ("0.46 -> 0.84 ms", "0.27 / 0.19 s"),
 # with or without its unit; settings and targets ("0.2 s/GB", "5 ms") have fewer decimals
 _FIGURE = re.compile(r"(?<![\w.])\d+\.\d{2,}(?:\s*(?:->|→|-|/)\s*\d+(?:\.\d+)?)*"
@@ -146,6 +145,7 @@ def test_the_dated_figure_pattern_finds_retyped_figures():
     assert _DATED.search(para)
     assert _FIGURE.findall(para) == ["0.27 / 0.19 / 0.13 s", "0.46 -> 0.84 ms", "6.58 ms"]
     assert not _FIGURE.search("the 0.2 s/GB goal, a grant waits up to 5 ms, torch 2.13.0, 1.5x")
+
 
 # --- facts checked against the code ---------------------------------------------------------------
 
