@@ -10,11 +10,20 @@ Reads start in the order the samples will be decoded (task by task, sample by sa
 ``read_ahead`` samples beyond the next one to decode, so memory holds at most ``read_ahead``
 encoded files per worker. Fewer when reads are fast: the reader keeps about
 ``4 * read latency / work per sample + 2`` reads outstanding (moving averages; all of
-``read_ahead`` until a read has been timed), which hides the latency with room for its tail,
-while a local
-disk's 30 us reads then keep one or two threads busy instead of waking 32 of them for every sample
+``read_ahead`` until a read has been timed), which hides the latency with room for its tail
 (measured: 32 threads contending for the GIL cost about 60-150 us of CPU per file, against 25 us
-for reading it). Only the worker's thread calls a ``SampleReader``; the I/O threads
+for reading it).
+
+None when a read costs almost nothing beside the work: while the read latency stays under
+``INLINE_BELOW`` (10 %) of the work per sample, the worker's own thread reads each sample as it
+takes it, and no I/O thread runs; it goes back to the threads once the latency passes
+``THREADS_ABOVE`` (20 %) of the work (the reads it makes itself keep the latency measured, so a
+storage that slows down is seen within a few samples). A read under ``INLINE_FLOOR_S`` (50 us;
+100 us to go back) is made inline whatever the work: handing it to a thread costs more. A page-cached local file takes about
+25 us to read against about 0.9 ms of decode and L3 per photo, while handing each read to a thread
+and back cost the worker about 0.1 ms of CPU per sample (futex wake-ups and the GIL): reading
+inline took a worker's CPU per photo from 0.90 to 0.79 ms (photos, L3, 2 workers; Table 16's
+same-work rows). Only the worker's thread calls a ``SampleReader``; the I/O threads
 only run ``read_bytes``. An error reading a sample (``SampleError`` naming dataset, index and
 path) is raised by ``take`` for that sample, where the worker handles it as it would a
 sequential read (``on_error``: skip or fail the batch).
@@ -31,6 +40,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 DEFAULT_READS_IN_FLIGHT = 32
 _WAIT_S = 0.02  # while waiting for a read, call ``while_waiting`` this often (seconds)
 _EWMA = 0.1  # weight of the newest observation in the moving averages
+INLINE_BELOW = 0.1  # read on the worker's thread while read latency < this x work per sample
+THREADS_ABOVE = 0.2  # ... and on the I/O threads again once it is > this x work per sample
+INLINE_FLOOR_S = 50e-6  # or while it is under this (seconds), whatever the work: a thread costs more
 
 
 class _Reads:
@@ -72,6 +84,13 @@ class SampleReader:
         self._latency_s: float | None = None  # moving average of one read's wall time (I/O threads write it)
         self._work_s: float | None = None  # moving average of the worker's time between two takes (not waiting)
         self._last_taken: float | None = None  # when the last take returned
+        self._inline = False  # reads are made by the worker's thread in take (none started ahead)
+
+    @property
+    def inline(self) -> bool:
+        """True while the worker's thread reads each sample itself as it takes it (reads are fast
+        beside the work: see the module docstring); False while I/O threads read ahead."""
+        return self._inline
 
     @property
     def target(self) -> int:
@@ -93,6 +112,15 @@ class SampleReader:
             lat = self._latency_s  # a race between I/O threads only loses an observation
             self._latency_s = dt if lat is None else lat + _EWMA * (dt - lat)
             self._add_io(reads, dt)
+
+    def _choose_inline(self) -> None:
+        """Read inline or on the threads, from the moving averages (hysteresis between the two)."""
+        lat, work = self._latency_s, self._work_s
+        if lat is not None and work is not None:
+            if self._inline:
+                self._inline = lat <= max(THREADS_ABOVE * work, 2 * INLINE_FLOOR_S)
+            else:
+                self._inline = lat < max(INLINE_BELOW * work, INLINE_FLOOR_S)
 
     @staticmethod
     def _add_io(reads: _Reads, seconds: float) -> None:
@@ -124,16 +152,13 @@ class SampleReader:
         if self._last_taken is not None:
             work, last = self._clock() - self._last_taken, self._work_s
             self._work_s = work if last is None else last + _EWMA * (work - last)
+            self._choose_inline()
         try:
             future, reads.futures[k] = reads.futures[k], None
             if future is None:
                 reads.started = max(reads.started, k + 1)
                 self._fill()
-                t0 = self._clock()
-                try:
-                    return reads.read(reads.indices[k])
-                finally:
-                    self._add_io(reads, self._clock() - t0)
+                return self._timed_read(reads, reads.indices[k])
             self._outstanding -= 1
             self._fill()  # keep the threads busy while this one waits or decodes
             if while_waiting is not None and not future.done():
@@ -180,7 +205,7 @@ class SampleReader:
     def _fill(self) -> None:
         """Start reads in decode order until ``target`` are outstanding."""
         target = self.target
-        if self._outstanding >= target:
+        if self._inline or self._outstanding >= target:
             return
         for reads in self._tasks.values():
             while reads.started < len(reads.indices):
