@@ -97,7 +97,9 @@ class ServerConfig(StrictModel):
     worker_timeout_s: a batch that takes longer than this fails the stream (seconds).
     reads_in_flight: sample reads each worker keeps running at once on its I/O threads, for its
         current batch and the next ones queued for it, while it decodes (hides storage latency:
-        NFS, FUSE, object stores); 1 reads one sample at a time.
+        NFS, FUSE, object stores); 1 reads one sample at a time. Reads much faster than the work
+        per sample (a page-cached local disk) are made on the worker's own thread instead
+        (``server/data/reader.py``).
     max_task_retries: times a batch is rebuilt after its worker died before the stream fails.
     grpc_threads: threads serving RPCs; each open stream and shared-memory session holds one, and an
         eighth (at least 2) is kept for short calls (Stats, ReleaseLeases, health): streams and
