@@ -7,7 +7,7 @@ import pathlib
 METHOD_STYLE = {  # label, colour
     "sequential": ("sequential", "#9e9e9e"),
     "dataloader": ("PyTorch DataLoader", "#ee8a3c"),
-    "batchd_tcp": ("batchd TCP (inline)", "#5b9bd5"),
+    "batchd_tcp": ("batchd TCP (data plane)", "#5b9bd5"),
     "batchd_shm": ("batchd shm", "#1f4e9c"),
 }
 

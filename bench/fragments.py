@@ -74,7 +74,12 @@ def fallback_machine(out_dir: pathlib.Path) -> str:
     except OSError:
         return "machine not recorded"
     m = re.search(r"^- machine: (.+?)(?:; load average.*)?$", text, re.M)
-    return m.group(1) if m else "machine not recorded"
+    if not m:
+        return "machine not recorded"
+    # in machine_line's words (CPUs, RAM, torch, OpenCV), so one machine is not named twice
+    machine = re.sub(r", Linux [^,;]*", "", m.group(1))
+    soft = re.search(r"^- software: .*?(torch [^,]+), (OpenCV [^,]+)", text, re.M)
+    return f"{machine}, {soft.group(1)}, {soft.group(2)}" if soft else machine
 
 
 def script(module) -> str:

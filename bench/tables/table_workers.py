@@ -1,8 +1,9 @@
 """Table 1: images/s for 1, 2 and 4 workers x pipelines L1-L4, and the speedup over a sequential loop.
 
 Methods: the sequential loop (``bench/peers/sequential.py``), PyTorch DataLoader (persistent workers),
-batchd over TCP with the bytes in the gRPC messages (transport="inline") and batchd over shared
-memory (transport="shm"). Batch 64. One server and one DataLoader per worker count, started
+batchd over TCP as a remote trainer gets it by default (transport="socket": the socket data plane,
+received by the relay process and mapped from its shared memory; Table 18 compares it with the
+bytes in the gRPC messages, transport="inline") and batchd over shared memory (transport="shm"). Batch 64. One server and one DataLoader per worker count, started
 once and reused; each measurement consumes ``warmup`` batches untimed (a multiple of the worker
 count) and then times ``timed`` batches. Methods are interleaved (rotating order) within each
 repeat so that the machine's noise hits all of them alike.
@@ -29,7 +30,7 @@ from bench.report import fx, md_table
 NAME = "table1"
 TITLE = "Table 1: workers x pipeline (batch 64)"
 METHODS = ("sequential", "dataloader", "batchd_tcp", "batchd_shm")
-LABELS = {"sequential": "sequential", "dataloader": "DataLoader", "batchd_tcp": "batchd TCP (inline)",
+LABELS = {"sequential": "sequential", "dataloader": "DataLoader", "batchd_tcp": "batchd TCP (data plane)",
           "batchd_shm": "batchd shm"}
 
 
@@ -115,7 +116,7 @@ def _one(m, ds, compose, torch_ds, dl, plan, srv, w, p, bs, seed, warmup, timed,
         return time_stream(sequential.batches(ds, compose, bs, seq_batches + 1, seed), 1, seq_batches)
     if m == "dataloader":
         return time_loader(dl, plan, p, len(torch_ds), bs, warmup, timed, seed)
-    transport = "inline" if m == "batchd_tcp" else "shm"
+    transport = "socket" if m == "batchd_tcp" else "shm"
     try:
         with common.remote(srv.address, "photos", batch_size=bs, pipeline=p, workers=w, transport=transport,
                            seed=seed) as rl:
