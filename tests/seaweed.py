@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import subprocess
 import threading
-import time
 
 import pytest
 

@@ -14,16 +14,16 @@ encoded files per worker. Fewer when reads are fast: the reader keeps about
 (measured: 32 threads contending for the GIL cost about 60-150 us of CPU per file, against 25 us
 for reading it).
 
-None when a read costs almost nothing beside the work: while the read latency stays under
-``INLINE_BELOW`` (10 %) of the work per sample, the worker's own thread reads each sample as it
-takes it, and no I/O thread runs; it goes back to the threads once the latency passes
-``THREADS_ABOVE`` (20 %) of the work (the reads it makes itself keep the latency measured, so a
-storage that slows down is seen within a few samples). A read under ``INLINE_FLOOR_S`` (50 us;
-100 us to go back) is made inline whatever the work: handing it to a thread costs more. A page-cached local file takes about
-25 us to read against about 0.9 ms of decode and L3 per photo, while handing each read to a thread
-and back cost the worker about 0.1 ms of CPU per sample (futex wake-ups and the GIL): reading
-inline took a worker's CPU per photo from 0.90 to 0.79 ms (photos, L3, 2 workers; Table 16's
-same-work rows). Only the worker's thread calls a ``SampleReader``; the I/O threads
+No read runs ahead when reads cost almost nothing beside the work: while the read latency stays
+under ``INLINE_BELOW`` (10 %) of the work per sample, or under ``INLINE_FLOOR_S`` (50 us) whatever
+the work, the worker's own thread reads each sample as it takes it and no I/O thread runs; the
+threads take over again once the latency passes ``THREADS_ABOVE`` (20 %) of the work and 100 us
+(the reads the worker makes itself keep the latency measured, so a storage that slows down is
+seen within a few samples). A page-cached local file takes about 25 us to read against about
+0.9 ms of decode and L3 per photo, while handing each read to a thread and back cost the worker
+about 0.1 ms of CPU per sample (futex wake-ups and the GIL): reading inline took a worker's CPU
+per photo from 0.90 to 0.79 ms (photos, L3, 2 workers; ``python -m bench.probes.worker_cpu`` on
+the commit before this policy and on it). Only the worker's thread calls a ``SampleReader``; the I/O threads
 only run ``read_bytes``. An error reading a sample (``SampleError`` naming dataset, index and
 path) is raised by ``take`` for that sample, where the worker handles it as it would a
 sequential read (``on_error``: skip or fail the batch).
