@@ -21,12 +21,14 @@ threads take over again once the latency passes ``THREADS_ABOVE`` (20 %) of the 
 (the reads the worker makes itself keep the latency measured, so a storage that slows down is
 seen within a few samples). A page-cached local file takes about 25 us to read against about
 0.9 ms of decode and L3 per photo, while handing each read to a thread and back cost the worker
-about 0.1 ms of CPU per sample (futex wake-ups and the GIL): reading inline took a worker's CPU
-per photo from 0.90 to 0.79 ms (photos, L3, 2 workers; ``python -m bench.probes.worker_cpu`` on
-the commit before this policy and on it). Only the worker's thread calls a ``SampleReader``; the I/O threads
-only run ``read_bytes``. An error reading a sample (``SampleError`` naming dataset, index and
-path) is raised by ``take`` for that sample, where the worker handles it as it would a
-sequential read (``on_error``: skip or fail the batch).
+0.05-0.1 ms of CPU per sample (futex wake-ups and the GIL): reading inline took a worker's CPU
+per photo from 0.81 to 0.76 ms, and from 0.90 to 0.79 ms in a busier hour (photos, L3, 2
+workers; ``python -m bench.probes.worker_cpu`` on the commit before this policy and on it).
+
+Only the worker's thread calls a ``SampleReader``; the I/O threads only run ``read_bytes``. An
+error reading a sample (``SampleError`` naming dataset, index and path) is raised by ``take`` for
+that sample, where the worker handles it as it would a sequential read (``on_error``: skip or fail
+the batch).
 """
 
 from __future__ import annotations
