@@ -114,16 +114,32 @@ def test_resume_from_checks_the_position():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from conftest import running_server
-
+def pics(tmp_path_factory):
+    """The image folder of N random PNGs both servers serve."""
     root = tmp_path_factory.mktemp("elastic")
     rng = np.random.default_rng(0)
     for i in range(N):
         write_png(root / f"c{i % 3}" / f"{i:03d}.png", rng.integers(0, 256, (12, 16, 3), dtype=np.uint8))
-    with running_server(workers=2, cache_dir=tmp_path_factory.mktemp("elastic-cache"),
-                        datasets={"pics": {"kind": "imagefolder", "root": str(root)}},
-                        pipelines={"aug": A.to_dict(AUG)}) as s:
+    return root
+
+
+def _serve(pics, tmp_path_factory):
+    from conftest import running_server
+
+    return running_server(workers=2, cache_dir=tmp_path_factory.mktemp("elastic-cache"),
+                          datasets={"pics": {"kind": "imagefolder", "root": str(pics)}},
+                          pipelines={"aug": A.to_dict(AUG)})
+
+
+@pytest.fixture(scope="module")
+def server(pics, tmp_path_factory):
+    with _serve(pics, tmp_path_factory) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def second_server(pics, tmp_path_factory):
+    with _serve(pics, tmp_path_factory) as s:
         yield s
 
 
@@ -195,6 +211,33 @@ def test_resume_at_another_world_size_and_batch_size(server, reference, drop_las
                 assert (i, h) == reference[p], f"W={world}, B={batch_size}: sample {i} (position {p}) differs"
     # the augmentation is random: the same image under two positions differs
     assert len({h for _, h in reference.values()}) == len(reference)
+
+
+def test_resume_at_another_world_size_over_two_servers(server, second_server, reference):
+    """W=4, B=8 for 3 steps on one server, then W=3, B=8 and W=2, B=16 over two servers (each
+    batch built by whichever has room): the epoch's samples once each, with the bytes of the
+    uninterrupted one-server run, and both servers built some of them."""
+    k = 3
+    first = {p for p in reference if (p // 4) < k * 8}
+    with loader(server, 4, 0, 8) as ld:
+        samples(ld, k)
+        state = json.loads(json.dumps(ld.state_dict()))
+    pools = [s.loader.pool for s in (server, second_server)]
+    built = [p.batches_built for p in pools]
+    for world, batch_size in ((3, 8), (2, 16)):
+        rest: dict[int, tuple[int, str]] = {}
+        for rank in range(world):
+            with batchd.RemoteDataLoader([server.address, second_server.address], "pics", world_size=world,
+                                         rank=rank, batch_size=batch_size, **KW) as ld:
+                ld.load_state_dict(state)
+                for p, i, h in samples(ld):
+                    assert p not in rest and p not in first, f"position {p} served twice (W={world}, B={batch_size})"
+                    rest[p] = (i, h)
+        assert sorted(p for p in {*first, *rest} if p < N) == list(range(N)), f"W={world}: not every sample once"
+        for p, (i, h) in rest.items():
+            if p in reference:
+                assert (i, h) == reference[p], f"W={world}, B={batch_size}: sample {i} (position {p}) differs"
+    assert all(p.batches_built > b for p, b in zip(pools, built)), "a server built none of the resumed batches"
 
 
 def test_a_resumed_epoch_resumes_again_and_a_version_1_state_loads(server, reference):
