@@ -319,8 +319,11 @@ class PageRun:
         for name in self.files:  # scripts a command may run name addresses too
             self.write_file(name)
         self.ensure_servers(script, block)
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", self.local(script)], cwd=self.folder,
-                              env=self.env, capture_output=True, text=True, timeout=240)
+        for attempt in range(2):
+            done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", self.local(script)], cwd=self.folder,
+                                  env=self.env, capture_output=True, text=True, timeout=240)
+            if done.returncode == 0 or not _gloo_exit_abort(script, done.stderr):
+                break
         assert done.returncode == 0, (f"{block.where}: exit {done.returncode}\n{done.stdout[-3000:]}\n"
                                       f"{done.stderr[-3000:]}{self.server_logs()}")
 
@@ -389,3 +392,10 @@ def test_the_pages_code_blocks_run(page, doc_data, tmp_path, tmp_path_factory, m
             module = sys.modules[name]
             if getattr(module, "__file__", None) and str(folder) in str(module.__file__):
                 del sys.modules[name]
+
+
+def _gloo_exit_abort(script: str, stderr: str) -> bool:
+    """A torchrun rank aborted at interpreter exit, after its work (gloo's runLoop thread and
+    finalization: pytorch/pytorch#190489; rare since the pages free DDP first, not gone under CI
+    load): tried once more. Any other failure, or this one twice, fails the test."""
+    return "torchrun" in script and "terminate called without an active exception" in stderr

@@ -120,6 +120,8 @@ def test_the_board_shows_what_each_worker_is_doing(make_server, fmnist_root):
         def pipeline_now():
             (w,) = snapshot(loader).pool.worker_stats
             seen.add(w.stage)
+            if w.stage == "idle" and "write" in seen:  # built its window unseen (a loaded machine):
+                take(loader, stream)  # one batch read lets it build one more
             return w.stage == "pipeline" and w.tasks > 0
 
         assert wait_until(pipeline_now, timeout=20, interval=0.01), seen
