@@ -216,10 +216,10 @@ class ServerConnection:
     def convert(self, raw: wire.WireBatch, stopping: Any, record: CallRecord) -> Received:
         """The converter (or the consumer, ``converts_inline``): the batch of ``raw`` (received on
         ``record``'s call) as the loader hands it out (on the device, finished by ``gpu_transform``,
-        ragged fields split into views, collated by ``collate_fn``), and its ``BatchTimes`` (unpack here; copy and gpu_transform:
-        CUDA events, or the CPU time of gpu_transform). ``stopping``: an Event set when the
-        iteration ends (a device copy is then refused). Raises ConnectionError if its
-        shared-memory slot is gone (the server ended the session)."""
+        ragged fields split into views, collated by ``collate_fn``), and its ``BatchTimes`` (unpack
+        here; copy and gpu_transform: CUDA events, or the CPU time of gpu_transform). ``stopping``:
+        an Event set when the iteration ends (a device copy is then refused). Raises
+        ConnectionError if its shared-memory slot is gone (the server ended the session)."""
         times, t0 = BatchTimes(raw.timings), time.perf_counter()
         shm = record.shm if raw.segment else None
         if raw.segment and shm is None:

@@ -206,8 +206,10 @@ class SampleReader:
 
     def _fill(self) -> None:
         """Start reads in decode order until ``target`` are outstanding."""
+        if self._inline:
+            return
         target = self.target
-        if self._inline or self._outstanding >= target:
+        if self._outstanding >= target:
             return
         for reads in self._tasks.values():
             while reads.started < len(reads.indices):

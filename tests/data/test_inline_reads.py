@@ -5,6 +5,7 @@ the thread that made it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -35,6 +36,18 @@ class Storage:
         return bytes([i % 256])
 
 
+@contextlib.contextmanager
+def reading(latency: float, samples: int):
+    """(storage, reader): a reader of 8 I/O threads with one task of ``samples`` samples queued."""
+    storage = Storage(latency)
+    reader = SampleReader(reads_in_flight=8, clock=storage.clock)
+    try:
+        reader.add(1, storage.read, list(range(samples)))
+        yield storage, reader
+    finally:
+        reader.close()
+
+
 def run(reader: SampleReader, storage: Storage, samples: range, work: float) -> None:
     """The worker's loop: take each sample (its bytes must be right), then work ``work`` seconds."""
     for i in samples:
@@ -45,10 +58,7 @@ def run(reader: SampleReader, storage: Storage, samples: range, work: float) -> 
 def test_fast_reads_are_made_by_the_worker_and_none_ahead():
     """25 us reads against 1 ms of work per sample: after the first timed reads the reader reads
     inline, starts no read on a thread, and every sample's bytes are still the right ones."""
-    storage = Storage(25e-6)
-    reader = SampleReader(reads_in_flight=8, clock=storage.clock)
-    try:
-        reader.add(1, storage.read, list(range(400)))
+    with reading(25e-6, 400) as (storage, reader):
         run(reader, storage, range(200), 1e-3)
         assert reader.inline
         first_inline = min(i for i in range(200) if storage.on_worker.get(i))
@@ -56,42 +66,27 @@ def test_fast_reads_are_made_by_the_worker_and_none_ahead():
         late = [i for i in range(first_inline + 64, 400) if not storage.on_worker[i]]
         assert not late, f"samples read on an I/O thread while reads were fast: {late[:10]}"
         assert max(storage.on_worker) == 399, "a read ran ahead of the samples taken"
-    finally:
-        reader.close()
 
 
 def test_slow_reads_stay_on_the_threads_ahead_of_the_worker():
     """10 ms reads against 1 ms of work: the reader never reads inline, and reads run ahead."""
-    storage = Storage(10e-3)
-    reader = SampleReader(reads_in_flight=8, clock=storage.clock)
-    try:
-        reader.add(1, storage.read, list(range(300)))
+    with reading(10e-3, 300) as (storage, reader):
         run(reader, storage, range(200), 1e-3)
         assert not reader.inline
         assert not any(storage.on_worker.values()), "a 10 ms read was made by the worker's thread"
-    finally:
-        reader.close()
 
 
 def test_cheap_work_still_reads_inline_under_the_floor():
     """20 us reads against 60 us of work (a third of it): under the 50 us floor, inline."""
-    storage = Storage(20e-6)
-    reader = SampleReader(reads_in_flight=8, clock=storage.clock)
-    try:
-        reader.add(1, storage.read, list(range(300)))
+    with reading(20e-6, 300) as (storage, reader):
         run(reader, storage, range(300), 60e-6)
         assert reader.inline
-    finally:
-        reader.close()
 
 
 def test_a_storage_that_slows_down_moves_reads_back_to_the_threads_and_back_again():
     """Inline at 25 us; the storage then takes 5 ms per read: within 10 samples the reader is
     back on its threads (reads run ahead again); fast again, it is inline again."""
-    storage = Storage(25e-6)
-    reader = SampleReader(reads_in_flight=8, clock=storage.clock)
-    try:
-        reader.add(1, storage.read, list(range(1000)))
+    with reading(25e-6, 1000) as (storage, reader):
         run(reader, storage, range(200), 1e-3)
         assert reader.inline
         storage.latency = 5e-3
@@ -106,5 +101,3 @@ def test_a_storage_that_slows_down_moves_reads_back_to_the_threads_and_back_agai
         storage.latency = 25e-6
         run(reader, storage, range(400, 1000), 1e-3)
         assert reader.inline, "reads fast again, but still on the threads"
-    finally:
-        reader.close()
