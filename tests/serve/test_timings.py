@@ -107,7 +107,9 @@ def test_the_cache_stage_and_its_hits(make_server, tmp_path):
 
 
 def test_the_board_shows_what_each_worker_is_doing(make_server, fmnist_root):
-    server = make_server(datasets=fmnist(fmnist_root), workers=1)
+    # the train split (7,500 batches of 8): the epoch outlasts the reads that keep the worker busy below
+    server = make_server(datasets={"fmnist": {"kind": "fashion-mnist", "root": str(fmnist_root), "split": "train"}},
+                         workers=1)
     loader = server.loader
     stages = snapshot(loader).pool.worker_stats
     assert [(w.id, w.stage, w.tasks) for w in stages] == [(0, "idle", 0)]
@@ -127,8 +129,15 @@ def test_the_board_shows_what_each_worker_is_doing(make_server, fmnist_root):
         assert wait_until(pipeline_now, timeout=20, interval=0.01), seen
         (w,) = snapshot(loader).pool.worker_stats
         assert w.pid == loader.pool.worker_pids[0]
-        take(loader, stream)
-        assert wait_until(lambda: snapshot(loader).pool.worker_stats[0].busy_ratio > 0.5, timeout=10)
+
+        # a reader that keeps up keeps the worker's window full, so it always has a batch to build and
+        # its moving busy ratio climbs past the idle time before the stream opened (on a loaded
+        # machine the worker was ready seconds earlier: one batch read and a wait never got there)
+        def busy_now():
+            take(loader, stream)
+            return snapshot(loader).pool.worker_stats[0].busy_ratio > 0.5
+
+        assert wait_until(busy_now, timeout=40, interval=0), snapshot(loader).pool.worker_stats[0]
     finally:
         loader.close_stream(stream, "test")
     assert wait_until(lambda: snapshot(loader).pool.worker_stats[0].stage == "idle", timeout=20)
