@@ -15,6 +15,14 @@ what the loop took; the rest of it is in its own files:
   grants outstanding, sized to its rate over one common horizon; indices are granted in order,
   each to the lane that will finish it soonest, never ``lookahead`` or more past the next batch
   the loop takes (``base``). Batches of a lane that went down come first (``lost``).
+* **Homes.** Batch b's *home* is the (b mod n)-th of the n working servers in the order of their
+  addresses, the same in every loader that reads from them. A batch goes home rather than to the
+  lane that would finish it soonest when its home has room and would finish it at most one of its
+  own batches later. Identical loaders over the same servers (experiments sharing them) then
+  mostly grant a batch to the same server, where their calls share one computation and it is
+  built once; when one server is faster, the soonest finish still decides and the shares follow
+  the speeds. (With every window full, a batch goes to the first lane with room, whatever its
+  home: loaders that read as fast as the servers build share less.)
 * **Stride** (``mode="stride"``, for the benchmark's comparison with the old split only): lane i
   of n (in the order they were added) is granted exactly the batches b with ``(b - start) % n ==
   i``, ``floor`` ahead; a lane that goes down leaves its batches to whoever has room.
@@ -89,9 +97,10 @@ class Assigner(Windows, Lateness):
 
     # --- lanes ---------------------------------------------------------------------------------
 
-    def add_lane(self, key: Hashable, pace: Pace, lease_limit: int | None = None) -> Lane:
-        """A server joins the iteration (not yet open: ``open_lane`` once its call is up)."""
-        lane = Lane(key, pace, self._order, lease_limit)
+    def add_lane(self, key: Hashable, pace: Pace, lease_limit: int | None = None, home: str | None = None) -> Lane:
+        """A server joins the iteration (not yet open: ``open_lane`` once its call is up). home:
+        its name as every loader knows it (its address), for batches' homes (``_pick``)."""
+        lane = Lane(key, pace, self._order, lease_limit, home)
         self._order += 1
         self.lanes[key] = lane
         self._stride.append(key)
@@ -186,7 +195,8 @@ class Assigner(Windows, Lateness):
 
     def _pick(self, working: list[Lane], b: int) -> Lane | None:
         """The lane with room for batch b that would finish it soonest (unknown rates: the one
-        with the fewest grants)."""
+        with the fewest grants), unless b's home lane has room and would finish it at most one of
+        its own batches later: then the home lane (module docstring, *Homes*)."""
         best, best_key = None, None
         default = self._default_rate(working)
         for lane in working:
@@ -195,7 +205,22 @@ class Assigner(Windows, Lateness):
             key = (lane.expected(default), len(lane.outstanding), lane.order)
             if best_key is None or key < best_key:
                 best, best_key = lane, key
+        if best is None or len(working) < 2:
+            return best
+        home = self._home(working, b)
+        if home is not None and home is not best and home.room(b) > 0:
+            rate = home.pace.rate or default
+            if home.expected(default) <= best_key[0] + (1 / rate if rate > 0 else math.inf):
+                return home
         return best
+
+    @staticmethod
+    def _home(working: list[Lane], b: int) -> Lane | None:
+        """Batch b's home among the working lanes: the (b mod n)-th by home name (None unless every
+        lane has a name)."""
+        if any(lane.home is None for lane in working):
+            return None
+        return sorted(working, key=lambda lane: lane.home)[b % len(working)]
 
     @staticmethod
     def _default_rate(lanes: list[Lane]) -> float:

@@ -143,7 +143,7 @@ class Feed(Delivery):
             self._wake_all()
 
     def _add(self, server: Any) -> None:  # (under the lock)
-        self.assigner.add_lane(server, server.pace)
+        self.assigner.add_lane(server, server.pace, home=server.address)
         runner = self._runners[server] = LaneRunner(self, server)
         runner.start()
 

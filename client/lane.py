@@ -28,6 +28,7 @@ class Lane:
     pace: Pace
     order: int  # its place among the lanes (stride mode)
     lease_limit: int | None = None  # shared memory: grants + batches waiting here stay below it
+    home: str | None = None  # a name every loader gives this server alike (its address): batches' homes
     outstanding: dict[int, float] = field(default_factory=dict)  # batch -> when granted (monotonic s)
     hedges: set[int] = field(default_factory=set)  # of outstanding: granted as hedges
     open: bool = False  # a call is up: it may be granted batches

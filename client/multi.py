@@ -4,9 +4,10 @@ The rule. Batch b of an epoch is a pure function of the request and b, whichever
 it, so the loader hands batch indices out as the servers have room for them and puts the
 batches back in order: each server has one ``Batches`` call per iteration, and the assigner
 (``batchd.client.assign``) grants the next batch index to the server with room in its window
-that will finish it soonest; every window is sized to the server's measured rate. A fast server
-gets more batches, a slow one fewer, and the loop still gets batch b, b + 1, ... once each, with
-the bytes one server would give. ``state_dict``/``load_state_dict``, ``len`` and ``set_epoch``
+that will finish it soonest (or to its home server, the same in every loader, when that is
+nearly as soon: ``batchd.client.assign``); every window is sized to the server's measured rate.
+A fast server gets more batches, a slow one fewer, and the loop still gets batch b, b + 1, ...
+once each, with the bytes one server would give. ``state_dict``/``load_state_dict``, ``len`` and ``set_epoch``
 mean what they mean with one server. The iteration itself (lane threads, the reorder buffer,
 the converter) is ``batchd.client.feed``; hedging is the assigner's (``batchd.client.lateness``).
 

@@ -35,6 +35,7 @@ class Server:
         self.busy = 0
         self.revoked: set[int] = set()
         self.built = 0
+        self.batches: set[int] = set()  # the batches it built
 
     def stalled(self, t):
         return any(a <= t < b for a, b in self.stalls)
@@ -43,12 +44,14 @@ class Server:
         return next((b for a, b in self.stalls if a <= t < b), t)
 
 
-def simulate(servers, total, *, policy=None, mode="dynamic", step=0.0, floor=2, lease_limit=None, until=None):
+def simulate(servers, total, *, policy=None, mode="dynamic", step=0.0, floor=2, lease_limit=None, until=None,
+             homes=False):
     """Run ``total`` batches through an Assigner over ``servers``; returns (seconds, the loop's
-    wait per batch, the assigner, the order batches were taken in)."""
+    wait per batch, the assigner, the order batches were taken in). homes: each lane's home name
+    is its server's name (as the feed gives each its address)."""
     a = Assigner(0, total, floor=floor, policy=policy, mode=mode)
     for s in servers:
-        a.add_lane(s.name, Pace(), lease_limit)
+        a.add_lane(s.name, Pace(), lease_limit, home=s.name if homes else None)
         a.open_lane(s.name)
     by = {s.name: s for s in servers}
     events, seq = [], [0]
@@ -64,6 +67,7 @@ def simulate(servers, total, *, policy=None, mode="dynamic", step=0.0, floor=2, 
                 continue
             s.busy += 1
             s.built += 1
+            s.batches.add(b)
             push(t + s.service, "done", (s.name, b))
 
     def grant(grants, t):
@@ -138,6 +142,39 @@ def test_unequal_servers_each_get_a_share_that_follows_its_speed():
     t, _, a, taken = simulate([Server("fast", fast), Server("slow", slow)], 600, mode="stride")
     assert taken == list(range(600)) and [f["batches"] for f in a.figures().values()] == [300, 300]
     assert 600 / t == pytest.approx(2 / slow, rel=0.05)  # the old split: n x the slowest
+
+
+def test_two_loaders_with_homes_grant_alike_where_loaders_without_them_do_not():
+    """Two loaders over the same two servers (experiments sharing them; each server's calls share
+    one computation), their loops paced by training steps: with homes a batch goes to the same
+    server for both, so each server builds it once for both; without, where each goes depends on
+    each loader's own timing. Neither costs the loops anything."""
+    def where(homes: bool, services: tuple[float, float], step: float):
+        servers = [Server("10.0.0.2:7000", services[0], workers=2), Server("10.0.0.1:7000", services[1], workers=2)]
+        t, waits, a, taken = simulate(servers, 400, step=step, homes=homes)
+        assert taken == list(range(400)) and sum(s.built for s in servers) == 400
+        return [s.batches for s in servers], np.median(waits)
+
+    for homes, at_least, at_most in ((True, 0.95, 1.0), (False, 0.0, 0.8)):
+        (a1, b1), wait1 = where(homes, (0.040, 0.041), step=0.030)  # loops slower than the servers
+        (a2, b2), wait2 = where(homes, (0.043, 0.039), step=0.031)  # (another loader's timing)
+        same = (len(a1 & a2) + len(b1 & b2)) / 400
+        assert at_least <= same <= at_most, (homes, same)
+        assert wait1 < 0.005 and wait2 < 0.005, (wait1, wait2)
+    # with homes, batch b's home is the (b mod 2)-th address in order, whoever was added first
+    (first, second), _ = where(True, (0.040, 0.041), step=0.030)
+    assert len({b for b in second if b % 2 == 0}) >= 0.95 * 200 and len(first) == pytest.approx(200, abs=10)
+
+
+def test_homes_give_way_to_speed():
+    """A server 3 x faster than the other still gets about 3/4 of the batches with homes: a batch
+    goes home only when its home would finish it at most one of its batches later."""
+    fast, slow = 0.05, 0.15
+    alone = 1 / fast + 1 / slow
+    t, _, a, taken = simulate([Server("b-fast", fast), Server("a-slow", slow)], 600, homes=True)
+    assert taken == list(range(600)) and 600 / t >= 0.95 * alone, (600 / t, alone)
+    shares = {k: f["batches"] / 600 for k, f in a.figures().items()}
+    assert shares["b-fast"] == pytest.approx((1 / fast) / alone, abs=0.05), shares
 
 
 def test_windows_grow_to_keep_every_worker_busy_and_the_lookahead_stays_bounded():

@@ -18,6 +18,7 @@ import pathlib
 import signal
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,17 +203,20 @@ def record_sends(server) -> dict[int, list[int]]:
     return sent
 
 
-@pytest.mark.parametrize("assignment", ["stride", "dynamic"])
-def test_identical_loaders_over_two_servers_share_one_computation_on_each(tmp_path, assignment):
+@pytest.mark.parametrize("assignment, step", [("stride", 0.0), ("dynamic", 0.0), ("dynamic", 0.025)])
+def test_identical_loaders_over_two_servers_share_one_computation_on_each(tmp_path, assignment, step):
     """Two experiments with the same request read one epoch at once from the same two servers.
     On each server their calls share one computation: a batch that both loaders took from that
     server is built there once and sent to both, so each server builds exactly the batches it
     sent, once each. Each loader gets every batch once, in the order of one server.
 
-    Which server a loader takes a batch from is its own decision: "stride" makes the two loaders
-    decide alike (each server sends every batch of its half to both, and builds it once), while
-    "dynamic" may split them any way (CI saw every batch go to one server for one loader and the
-    other for the other), so there the check is the count per server, not that they overlap."""
+    Which server a loader takes a batch from is its own decision. "stride" makes the two loaders
+    decide alike: every batch is shared. "dynamic" sends a batch to its home server (the same for
+    both loaders) when that server has room: with loops that train ``step`` seconds per batch,
+    slower than the servers build, nearly every batch is shared; with loops that take batches as
+    fast as the servers build them, each goes to whichever server has room first, and the split
+    may be anything (CI once saw none shared: each batch from one server for one loader and from
+    the other for the other), so there the check is the count per server only."""
     n = 1200
     num_batches = n // 8
     with contextlib.ExitStack() as stack:
@@ -228,10 +232,13 @@ def test_identical_loaders_over_two_servers_share_one_computation_on_each(tmp_pa
         got: list = [None, None]
 
         def read(k: int) -> None:
-            with loader(addresses, hedge=False, assignment=assignment) as ld:
+            # (under "dynamic" the second lists the servers the other way round: homes go by address)
+            named = addresses[::-1] if k and assignment == "dynamic" else addresses
+            with loader(named, hedge=False, assignment=assignment) as ld:
                 got[k] = []
                 for b in ld:
                     got[k].append(check(b))
+                    time.sleep(step)  # (a training step)
                     barrier.wait(60)
 
         threads = [threading.Thread(target=read, args=(k,)) for k in range(2)]
@@ -252,6 +259,8 @@ def test_identical_loaders_over_two_servers_share_one_computation_on_each(tmp_pa
     assert built == distinct, f"built {built}, distinct batches sent {distinct}, sent {sent}"
     if assignment == "stride":  # both loaders took the same half from each server: all of it shared
         assert sent == [num_batches, num_batches] and built == [num_batches // 2, num_batches // 2], (built, sent)
+    elif step:  # homes: (nearly) every batch from the same server for both, built there once
+        assert sum(built) <= 1.15 * num_batches, f"built {built}, sent {sent}: {sum(built)} of {2 * num_batches}"
 
 
 @pytest.mark.parametrize("transport", ["inline", "socket"])
