@@ -18,8 +18,9 @@ round of grants (``Assigner.plan``):
   batch.
 * **Lookahead.** Indices are granted in order, each to the lane that will finish it soonest
   (``(outstanding + 1) / rate``; or its home, ``batchd.client.assign``), never ``lookahead`` or
-  more past the next batch the loop takes (``base``): memory and leases stay bounded. The lookahead is what keeps every window full with
-  as much again arrived (2 x the windows), but no more than the loop needs: about 2 x H of its
+  more past the next batch the loop takes (``base``): memory and leases stay bounded. The
+  lookahead is what keeps every window full with as much again arrived (2 x the windows), but
+  no more than the loop needs: about 2 x H of its
   own pace (a loop that steps slower than the servers build gets fewer batches ahead), at least
   ``floor`` per lane (each server ``prefetch`` ahead; all there is before the loop's first step),
   at most ``MAX_LOOKAHEAD`` batches and ``MAX_LOOKAHEAD_BYTES``. Batches of a lane that went down
