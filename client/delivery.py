@@ -23,7 +23,10 @@ threads, ``batchd.client.lane_runner``) into batches handed out in order, each o
   arrived, and the converter only ends the feed (the last batch taken, an error). A batch then
   costs one thread wake-up less, which is what a batch costs at training rates
   (``bench/probes/batch_rate.py``); the raw reorder buffer (``prefetch`` ahead) is the buffer.
-  The lane and the consumer wait on ``_cond``, the converter on ``_work`` (both on the one lock).
+  The consumer also reads the call itself when the batch it needs has not come (``Feed.direct``:
+  the call on loan from its lane thread, ``batchd.client.lane_runner``), another wake-up less.
+  The lane and the consumer wait on ``_cond``, the converter on ``_work``, a lane thread whose
+  call is on loan on ``_loaned`` (all on the one lock).
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ class Delivery:
             lane = self.assigner.lanes.get(server)
             runner.finish(cancel=lane is not None and bool(lane.outstanding))
             self._fold(server, runner)
+        self._loaned.notify_all()  # (a call on loan goes back to its lane thread, which reads it to its end)
 
     # --- the consumer ------------------------------------------------------------------------------
 
@@ -238,6 +242,10 @@ class Delivery:
                 if now >= deadline:
                     names = ", ".join(s.address for s in self._runners) or ", ".join(self.owner.addresses)
                     raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
+                runner = self._lender()
+                if runner is not None:  # read the call here (no wake-up of its lane thread)
+                    runner.loan.read(self, runner, f"{what}, batch {b}")
+                    continue
                 if not self._converter.is_alive() and not self._ready:
                     raise RuntimeError(f"the converter thread ended without a result ({what}, batch {b})")
                 self._cond.wait(min(_POLL_S, deadline - now))
@@ -248,6 +256,16 @@ class Delivery:
             a.handed(time.monotonic())
             self._plan()  # (the loop's pace may let more be granted)
             return item
+
+    def _lender(self) -> Any:  # (under the lock)
+        """The lane runner whose call is on loan with nobody reading it (direct reads), or None."""
+        if not self.direct or self.stopping.is_set():
+            return None
+        for runner in self._runners.values():
+            loan = runner.loan
+            if loan is not None and not loan.reading and loan.outcome is None and not loan.timed_out:
+                return runner
+        return None
 
     def _convert_here(self, b: int) -> Any:  # (under the lock; released while converting)
         """Inline: batch ``b``, arrived, converted in the consumer's thread; None if it was asked

@@ -105,8 +105,10 @@ class Feed(Delivery):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # the consumer waits on it
         self._work = threading.Condition(self._lock)  # the converter waits on it
+        self._loaned = threading.Condition(self._lock)  # a lane thread whose call is on loan waits on it
         # one server, batches handed out as they came: the consumer converts them (no thread hand-off)
         self._inline = owner.single and all(server.conn.converts_inline() for server in servers)
+        self.direct = self._inline  # ... and reads them off the call itself (on loan from its lane thread)
         policy = self.options.hedge if not owner.single else None
         self.assigner = Assigner(start, total, floor=self.options.prefetch, policy=policy,
                                  budget=owner.budget if policy is not None else None, mode=owner.assignment,

@@ -8,6 +8,16 @@ are sent again), checks the server's id (``batchd-server-id``: the dataset is de
 only when it changed) and hands the feed each batch it receives (``Feed.arrive``). The grants
 and revokes the feed decides go out on the call's ``outbox``.
 
+**On loan** (``Feed.direct``: one server, batches converted by the consumer itself). Once the call is
+up and checked, the lane thread lends its messages to the consumer (``Loan``) and waits: the
+consumer, needing a batch that has not come, reads the next message itself and hands it to the
+feed, so a batch wakes one thread (the consumer, from gRPC) instead of two (the lane thread,
+then the consumer); while the loop trains, messages wait in gRPC's buffer. The lane thread takes
+the call back when a read ends it or raises (it handles that as below: reconnect, give up,
+fail), when the iteration finished (it reads the call to its end) or stopped, and it is the
+watchdog: a read that outlasts ``timeout`` has its call cancelled and the consumer raises
+``TimeoutError``, as a wait for a batch does.
+
 Its call's life: a call that breaks (``ConnectionError``) is opened again within the owner's
 reconnect window (``_reconnect``; meanwhile its batches stay granted to it and the shared-memory
 ones waiting in the feed are asked for again, ``Feed.requeue_shared``); a server that does not
@@ -23,8 +33,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
+from batchd import errors
 from batchd.client.call import BatchesCall, ServerRefused
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
@@ -35,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchd.client.loader")
 
 _END_GRACE_S = 10.0  # a half-closed call the server has not ended by then is cancelled
+_POLL_S = 0.25  # while its call is on loan, the lane thread looks at it this often (seconds)
 
 
 class LaneRunner:
@@ -56,6 +68,8 @@ class LaneRunner:
         self._timer: threading.Timer | None = None  # cancels a half-closed call the server does not end
         self._lock = threading.Lock()  # call, outbox (lane thread and stop/finish)
         self._thread = threading.Thread(target=self._run, name="batchd-lane", daemon=True)
+        self._resumed = False  # the call is a new one after a break: the first batch on it says so
+        self.loan: Loan | None = None  # its messages, lent to the consumer (under the feed's lock)
 
     def start(self) -> None:
         self._thread.start()
@@ -85,14 +99,13 @@ class LaneRunner:
                 feed.opened(self)  # (grants first: a server may send its metadata with its first batch)
                 server_id = call.server_id()
                 conn.check_server(server_id, feed.options.connect_timeout)
-                resumed = self.failing_since is not None
-                for raw, received, nbytes in call.messages():
-                    if resumed:  # (a batch came on the new call: not before, a draining server accepts and ends it)
-                        resumed, self.broken_by = False, None
-                        log.info("resumed the stream from %s at epoch %d, batch %d", server.address, feed.epoch,
-                                 raw.batch_index)
-                        feed.owner.loader_stats.count("reconnects")
-                    feed.arrive(self, raw, received, nbytes, self.record)
+                self._resumed = self.failing_since is not None
+                messages = call.messages()
+                if feed.direct and not self._lend(messages):
+                    self._end_call(abandoned=True)  # (stopped: the call was cancelled)
+                    return
+                for raw, received, nbytes in messages:  # (all of them; what is left after a loan)
+                    self.arrived(raw, received, nbytes)
                     raw = None
                 self._end_call(abandoned=False)
                 return
@@ -115,6 +128,51 @@ class LaneRunner:
                 if not (self._stopping.is_set() or feed.stopping.is_set()):
                     feed.fail(e)
                 return
+
+    def arrived(self, raw: Any, received: float, nbytes: int) -> None:
+        """A batch came on the call (read by this thread, or by the consumer on loan)."""
+        if self._resumed:  # (a batch came on the new call: not before, a draining server accepts and ends it)
+            self._resumed, self.broken_by = False, None
+            log.info("resumed the stream from %s at epoch %d, batch %d", self.server.address, self.feed.epoch,
+                     raw.batch_index)
+            self.feed.owner.loader_stats.count("reconnects")
+        self.feed.arrive(self, raw, received, nbytes, self.record)
+
+    def taking_back(self) -> bool:
+        """Whether this thread takes its call back from the consumer once no read is running."""
+        return self._stopping.is_set() or self.feed.stopping.is_set() or self._finished
+
+    def _lend(self, messages: Iterator) -> bool:
+        """Lend the call's ``messages`` to the consumer (module docstring, *On loan*) until they
+        ended, the iteration finished or stopped, or a read outlasted ``timeout`` (then the call
+        is cancelled and the consumer raises TimeoutError). Raises what a read raised; returns
+        False once stopped, True with the messages left for this thread to read (none once they
+        ended; the rest of a finished iteration's)."""
+        feed, loan = self.feed, Loan(messages)
+        timeout = feed.options.timeout
+        with feed._lock:
+            self.loan = loan
+            feed._cond.notify_all()
+            try:
+                while loan.outcome is None:
+                    if self.taking_back():
+                        if not loan.reading:
+                            return self._finished and not self._stopping.is_set()
+                    elif loan.reading and time.monotonic() - loan.since > timeout and not loan.timed_out:
+                        loan.timed_out = True  # (the consumer raises TimeoutError once its read ends)
+                        self._stopping.set()
+                        feed._lock.release()
+                        try:
+                            self._cancel()
+                        finally:
+                            feed._lock.acquire()
+                        continue
+                    feed._loaned.wait(_POLL_S)
+            finally:
+                self.loan = None
+        if loan.outcome is not _ENDED:
+            raise loan.outcome
+        return True
 
     def _open(self) -> BatchesCall | None:
         feed = self.feed
@@ -210,6 +268,51 @@ class LaneRunner:
         if call is not None:
             self._stopping.set()
             call.cancel()
+
+
+_ENDED = object()
+
+
+class Loan:
+    """A call's messages lent to the consumer (``LaneRunner._lend``); its fields are under the
+    feed's lock. outcome: None while lent, ``_ENDED`` once they ended, or what a read raised."""
+
+    __slots__ = ("messages", "reading", "since", "outcome", "timed_out")
+
+    def __init__(self, messages: Iterator):
+        self.messages = messages
+        self.reading = False  # the consumer reads it now (outside the lock)
+        self.since = 0.0  # when that read began (monotonic s)
+        self.outcome: Any = None
+        self.timed_out = False  # that read outlasted ``timeout``: the call was cancelled
+
+    def read(self, feed: Any, runner: "LaneRunner", what: str) -> None:
+        """The consumer (under the feed's lock, released while it reads) reads one message and
+        hands it to the feed; an end or an error of the call is the lane thread's to handle
+        (``outcome``). Raises TimeoutError (naming ``what`` it waited for) if the read outlasted
+        ``timeout`` (the lane thread cancelled the call)."""
+        self.reading, self.since = True, time.monotonic()
+        outcome = None
+        feed._lock.release()
+        try:
+            try:
+                raw, received, nbytes = next(self.messages)
+            except StopIteration:
+                outcome = _ENDED
+            except Exception as e:  # (the call's error: the lane thread reconnects, gives up or fails)
+                outcome = e
+            else:
+                runner.arrived(raw, received, nbytes)
+                raw = None
+        finally:
+            feed._lock.acquire()
+            self.reading = False
+            if outcome is not None or runner.taking_back():  # (else its thread sleeps on: no wake-up per batch)
+                feed._loaned.notify_all()
+        if outcome is not None:
+            self.outcome = outcome
+        if self.timed_out:
+            raise errors.TimeoutError(f"no batch from {runner.server.address} for {feed.options.timeout:g} s ({what})")
 
 
 def _refused(conn: Any, e: ServerRefused, timeout: float) -> BaseException:
