@@ -167,7 +167,10 @@ class LaneRunner:
                         finally:
                             feed._lock.acquire()
                         continue
-                    feed._loaned.wait(_POLL_S)
+                    wait = _POLL_S
+                    if loan.reading and not loan.timed_out:  # (to the read's deadline, not a poll past it)
+                        wait = min(wait, max(0.0, loan.since + timeout - time.monotonic()) + 1e-3)
+                    feed._loaned.wait(wait)
             finally:
                 self.loan = None
         if loan.outcome is not _ENDED:
