@@ -258,8 +258,9 @@ class Delivery:
             return item
 
     def _lender(self) -> Any:  # (under the lock)
-        """The lane runner whose call is on loan with nobody reading it (direct reads), or None."""
-        if not self.direct or self.stopping.is_set():
+        """The lane runner whose call is on loan with nobody reading it (direct reads), or None
+        (also once an error waits: the converter hands it to the consumer)."""
+        if not self.direct or self.stopping.is_set() or self._fatal is not None:
             return None
         for runner in self._runners.values():
             loan = runner.loan

@@ -213,7 +213,7 @@ def test_identical_loaders_over_two_servers_share_one_computation_on_each(tmp_pa
     Which server a loader takes a batch from is its own decision. "stride" makes the two loaders
     decide alike: every batch is shared. "dynamic" sends a batch to its home server (the same for
     both loaders) when that server has room: with loops that train ``step`` seconds per batch,
-    slower than the servers build, nearly every batch is shared; with loops that take batches as
+    slower than the servers build, most batches are shared; with loops that take batches as
     fast as the servers build them, each goes to whichever server has room first, and the split
     may be anything (CI once saw none shared: each batch from one server for one loader and from
     the other for the other), so there the check is the count per server only."""
@@ -259,8 +259,9 @@ def test_identical_loaders_over_two_servers_share_one_computation_on_each(tmp_pa
     assert built == distinct, f"built {built}, distinct batches sent {distinct}, sent {sent}"
     if assignment == "stride":  # both loaders took the same half from each server: all of it shared
         assert sent == [num_batches, num_batches] and built == [num_batches // 2, num_batches // 2], (built, sent)
-    elif step:  # homes: (nearly) every batch from the same server for both, built there once
-        assert sum(built) <= 1.15 * num_batches, f"built {built}, sent {sent}: {sum(built)} of {2 * num_batches}"
+    elif step:  # homes: most batches from the same server for both, built there once
+        # (about 150 of 300 on a quiet machine, 175 in a loaded CI run; about 240 without homes)
+        assert sum(built) <= 1.3 * num_batches, f"built {built}, sent {sent}: {sum(built)} of {2 * num_batches}"
 
 
 @pytest.mark.parametrize("transport", ["inline", "socket"])
