@@ -244,7 +244,7 @@ class Delivery:
                     raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
                 runner = self._lender()
                 if runner is not None:  # read the call here (no wake-up of its lane thread)
-                    runner.loan.read(self, runner, f"{what}, batch {b}")
+                    runner.loan.read(self, runner, what, b)
                     continue
                 if not self._converter.is_alive() and not self._ready:
                     raise RuntimeError(f"the converter thread ended without a result ({what}, batch {b})")

@@ -108,7 +108,6 @@ class Feed(Delivery):
         self._loaned = threading.Condition(self._lock)  # a lane thread whose call is on loan waits on it
         # one server, batches handed out as they came: the consumer converts them (no thread hand-off)
         self._inline = owner.single and all(server.conn.converts_inline() for server in servers)
-        self.direct = self._inline  # ... and reads them off the call itself (on loan from its lane thread)
         policy = self.options.hedge if not owner.single else None
         self.assigner = Assigner(start, total, floor=self.options.prefetch, policy=policy,
                                  budget=owner.budget if policy is not None else None, mode=owner.assignment,
@@ -172,6 +171,12 @@ class Feed(Delivery):
     @property
     def all_down_since(self) -> float | None:
         return self._all_down_since
+
+    @property
+    def direct(self) -> bool:
+        """Whether the consumer reads the batches off the call itself (inline: one server, CPU
+        tensors as they came), the call on loan from its lane thread (``batchd.client.lane_runner``)."""
+        return self._inline
 
     @property
     def closed(self) -> bool:

@@ -289,11 +289,11 @@ class Loan:
         self.outcome: Any = None
         self.timed_out = False  # that read outlasted ``timeout``: the call was cancelled
 
-    def read(self, feed: Any, runner: "LaneRunner", what: str) -> None:
+    def read(self, feed: Any, runner: "LaneRunner", what: str, b: int) -> None:
         """The consumer (under the feed's lock, released while it reads) reads one message and
         hands it to the feed; an end or an error of the call is the lane thread's to handle
-        (``outcome``). Raises TimeoutError (naming ``what`` it waited for) if the read outlasted
-        ``timeout`` (the lane thread cancelled the call)."""
+        (``outcome``). Raises TimeoutError (naming ``what`` and batch ``b``, which it waited for)
+        if the read outlasted ``timeout`` (the lane thread cancelled the call)."""
         self.reading, self.since = True, time.monotonic()
         outcome = None
         feed._lock.release()
@@ -315,7 +315,8 @@ class Loan:
         if outcome is not None:
             self.outcome = outcome
         if self.timed_out:
-            raise errors.TimeoutError(f"no batch from {runner.server.address} for {feed.options.timeout:g} s ({what})")
+            raise errors.TimeoutError(f"no batch from {runner.server.address} for {feed.options.timeout:g} s "
+                                      f"({what}, batch {b})")
 
 
 def _refused(conn: Any, e: ServerRefused, timeout: float) -> BaseException:
