@@ -11,7 +11,15 @@ TCP connection of its own beside the call (plain, or TLS when the gRPC port uses
   (24 bytes, little-endian: magic ``b"BDP1"``, 4 reserved bytes (0), batch_index u64, payload
   length u64) and then the payload: the batch's tensors at the ``Tensor.offset`` the message
   names, each at a multiple of ``ALIGN`` bytes, zeros between them; its length is the end of
-  the last tensor (``payload_layout``).
+  the last tensor (``payload_layout``);
+* where the server offers it (initial metadata ``batchd-data-control: 1``; plain TCP only, see
+  below), the client may write on the same connection, after its token, the call's grants and
+  revokes: each a ``CONTROL`` header (8 bytes, little-endian: magic ``b"BDC1"``, length u32)
+  and a serialized ``BatchesControl`` carrying ``grant``, ``revoke`` and ``progress`` only
+  (``open``, ``done`` and ``release`` stay on the call), applied as if they came on the call. A grant written there costs the client one ``send`` in the thread that grants, where
+  one on the call wakes gRPC's request thread and its channel thread (Table 18). Not with TLS:
+  the server's sends and reads would then share one ``SSLSocket`` from two threads, which
+  OpenSSL does not allow.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ HEADER = struct.Struct("<4sIQQ")  # magic, reserved, batch_index, payload length
 TOKEN_BYTES = 32
 PORT_KEY = "batchd-data-port"
 TOKEN_KEY = "batchd-data-token"
+CONTROL_KEY = "batchd-data-control"
+CONTROL_MAGIC = b"BDC1"
+CONTROL = struct.Struct("<4sI")  # magic, length of the BatchesControl that follows: 8 bytes
+MAX_CONTROL = 1 << 20  # bytes: a longer control frame is a protocol error
 ALIGN = 64  # bytes: every tensor of a payload starts on a cache line, as in a shared-memory slot
 
 
@@ -64,9 +76,28 @@ def payload_layout(tensors: Iterable[tuple[int, int]]) -> tuple[list[Piece], int
     return pieces, end
 
 
-def metadata(port: int, token: bytes) -> tuple[tuple[str, str], tuple[str, str]]:
-    """The initial metadata entries that offer a data connection."""
-    return (PORT_KEY, str(port)), (TOKEN_KEY, token.hex())
+def pack_control(message: bytes) -> bytes:
+    """One control frame: the ``CONTROL`` header and ``message`` (a serialized ``BatchesControl``).
+    Raises ValueError past ``MAX_CONTROL`` bytes."""
+    if len(message) > MAX_CONTROL:
+        raise ValueError(f"a control frame of {len(message)} bytes (at most {MAX_CONTROL})")
+    return CONTROL.pack(CONTROL_MAGIC, len(message)) + message
+
+
+def metadata(port: int, token: bytes, *, control: bool = False) -> tuple[tuple[str, str], ...]:
+    """The initial metadata entries that offer a data connection (``control``: and that the
+    server reads control frames on it)."""
+    entries = ((PORT_KEY, str(port)), (TOKEN_KEY, token.hex()))
+    return entries + ((CONTROL_KEY, "1"),) if control else entries
+
+
+def controls(entries) -> bool:
+    """Whether a call's initial metadata says the server reads control frames on its data connection."""
+    for item in entries or ():
+        if item[0] == CONTROL_KEY:
+            value = item[1].decode("ascii", "replace") if isinstance(item[1], bytes) else item[1]
+            return value == "1"
+    return False
 
 
 def offered(entries) -> tuple[int, bytes] | None:

@@ -14,6 +14,16 @@ counts the call finished, not cancelled); ``abort()`` ends the iterator at once.
 own thread runs the iterator; it waits on a condition with a timeout of ``_POLL_S`` (so it notices
 an abort, and reports progress) and never spins.
 
+Once the call's data connection is open and its server reads control frames there (plain TCP:
+``batchd.datawire``), ``direct(send)`` sends grants and revokes that way instead: each in the
+thread that grants, under the outbox's lock, with what was queued of them first, and with the
+progress when it is due; the iterator then carries only releases and the last message (and
+waits on its queue up to ``_DIRECT_POLL_S``: nothing but an abort, which wakes it, is left to
+look for). A grant that way costs one
+``send``; on the call it wakes gRPC's request thread and its channel thread, which then take
+the GIL from the training loop (Table 18, issue 28). A send that fails puts the message back
+on the call (the connection broke: the call breaks with it and is resumed).
+
 ``release(lease)`` may be called from anywhere, a ``weakref.finalize`` callback included (the
 outbox's lock is re-entrant, and it only appends). Once the outbox is closed it returns False and
 the caller sends the release another way (``ReleaseLeases``); release and abort take the same lock,
@@ -40,7 +50,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from batchd import errors, wire
+from batchd import datawire, errors, wire
 from batchd.client import forks
 from batchd.client.channel import ERROR_DETAIL_KEY, translate
 from batchd.client.dataplane import DataLink, DataSocket
@@ -52,6 +62,7 @@ log = logging.getLogger("batchd.client.loader")
 SERVER_ID_KEY = "batchd-server-id"
 BATCHES_METHOD = "/batchd.v1.BatchLoader/Batches"
 _POLL_S = 0.25  # the request iterator's longest wait on its queue
+_DIRECT_POLL_S = 5.0  # ... once grants and progress go on the data connection (``Outbox.direct``)
 _RECENT_RELEASES = 256  # releases remembered to send again when a call breaks
 
 _GRANT, _REVOKE, _RELEASE, _CLOSE = range(4)
@@ -96,6 +107,8 @@ class Outbox:
         self._aborted = False
         self._last_progress = time.monotonic()
         self._pairs = False  # a release was queued: grants wait a little for the next one
+        self._direct: Callable[[bytes], None] | None = None  # sends a control frame on the data connection
+        self.frames = 0  # control frames sent on the data connection
         self.recent_releases: collections.deque[int] = collections.deque(maxlen=_RECENT_RELEASES)
         self.messages = 0  # messages handed to gRPC (the open included)
 
@@ -103,6 +116,8 @@ class Outbox:
 
     def _put(self, kind: int, value: Any) -> None:
         with self._cond:
+            if self._direct is not None and not self._aborted and self._send_direct(kind, value):
+                return
             self._items.append((kind, value))
             self._cond.notify()
 
@@ -113,6 +128,35 @@ class Outbox:
     def revoke(self, batches: list[int]) -> None:
         if batches:
             self._put(_REVOKE, batches)
+
+    def direct(self, send: Callable[[bytes], None]) -> None:
+        """Send grants and revokes (with the progress when due) as control frames by ``send`` (the call's data connection) from
+        now on, those queued first (module docstring)."""
+        with self._cond:
+            if self._aborted or self._closed:
+                return
+            self._direct = send
+            queued = [(kind, value) for kind, value in self._items if kind in (_GRANT, _REVOKE)]
+            self._items = collections.deque(item for item in self._items if item[0] not in (_GRANT, _REVOKE))
+            for n, (kind, value) in enumerate(queued):
+                if not self._send_direct(kind, value):
+                    self._items.extendleft(reversed(queued[n:]))
+                    self._cond.notify()
+                    break
+
+    def _send_direct(self, kind: int, value: list[int]) -> bool:  # (under the lock)
+        message = pb.BatchesControl(grant=value) if kind == _GRANT else pb.BatchesControl(revoke=value)
+        progress = self._due_progress(force=False)
+        if progress is not None:
+            message.progress.CopyFrom(progress)
+        try:
+            self._direct(datawire.pack_control(message.SerializeToString()))
+        except (OSError, ValueError) as e:
+            log.debug("a control frame could not be sent on the data connection (%s): on the call instead", e)
+            self._direct = None
+            return False
+        self.frames += 1
+        return True
 
     def release(self, lease: int) -> bool:
         """Queue a freed lease for the next message. Reentrant. False once closed (the caller
@@ -158,7 +202,7 @@ class Outbox:
             if self._aborted:
                 self._hand_back(releases)  # (abort took what was still queued)
                 return
-            progress = self._due_progress(force=closing)
+            progress = self._due_progress(force=closing) if closing or self._direct is None else None
             if grants or revokes or releases or progress is not None or closing:
                 message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases, done=closing)
                 if progress is not None:
@@ -181,7 +225,7 @@ class Outbox:
         closing = False
         with self._cond:
             if not self._items and not self._aborted:
-                self._cond.wait(_POLL_S)
+                self._cond.wait(_POLL_S if self._direct is None else _DIRECT_POLL_S)
             deadline = None
             while True:
                 while self._items:
@@ -311,6 +355,8 @@ class BatchesCall:
             self._data_socket = ds
             if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
                 ds.close()
+            elif datawire.controls(metadata) and ds.controls:
+                self.outbox.direct(ds.send_control)
         return ds
 
     def cancel(self) -> None:

@@ -21,6 +21,10 @@ connection closed or reset, the handshake refused.
 loader's TLS settings and timeouts, and the buffer pool (``receive``: a batch's message in, the
 same batch with its ``payload`` out).
 
+``DataSocket.send_control`` writes a control frame (the call's grants and revokes, where the
+server reads them there: ``batchd.datawire``) from the thread that grants; only a plain TCP
+connection does (``controls``): one ``SSLSocket`` must not be read and written by two threads.
+
 A forked child never touches the connection (``close`` there does nothing): its socket is the
 parent's (``batchd.client.forks``).
 """
@@ -110,6 +114,7 @@ class DataSocket(Closable):
         self.address = address
         self.timeout = timeout
         self.tls = isinstance(sock, ssl.SSLSocket)
+        self.controls = not self.tls  # control frames may be written here (module docstring)
         self.bytes_received = 0
         self.last_received = 0  # bytes of the last batch received (header included)
         self._header = bytearray(datawire.HEADER.size)
@@ -169,6 +174,14 @@ class DataSocket(Closable):
             raise
         self.last_received = datawire.HEADER.size + length
         return buffers.tensors(batch, buf, length, pool.give_back)
+
+    def send_control(self, frame: bytes) -> None:
+        """Write one control frame (``batchd.datawire.pack_control``); one writer at a time (the
+        call's ``Outbox`` holds its lock). Raises OSError (TimeoutError after ``SLICE_S`` seconds
+        without room) if it cannot."""
+        if self._closed or not self.controls:
+            raise OSError("the data connection is closed" if self._closed else "no control frames over TLS")
+        self._sock.sendall(frame)
 
     def _read_into(self, view: memoryview, stopping: threading.Event | None) -> None:
         got, total = 0, len(view)

@@ -16,7 +16,9 @@ for a batch, one to hear it arrived, and tensors that are views of a buffer it m
   connection, which maps it once, so a buffer reused batch after batch costs no page faults.
 * ``RelayedSocket`` is one connection, with ``DataSocket``'s interface (client/dataplane.py):
   ``receive`` sends ``READ`` with the buffer and waits for ``DONE``; the header's checks and the
-  ``timeout`` run in the relay, and its errors come back with their text.
+  ``timeout`` run in the relay, and its errors come back with their text. ``send_control``
+  sends ``C`` + a control frame (the call's grants and revokes), which the relay writes on the
+  data connection (plain TCP only, as ``DataSocket``).
 
 Failure: a relay that dies (killed, out of memory) breaks the connections it held: each
 ``receive`` raises ConnectionError naming the relay, which the loader resumes as any broken call
@@ -48,7 +50,7 @@ import torch
 from batchd import datawire, errors, wire
 from batchd.client import buffers, dataplane, fields, forks
 from batchd.client.channel import TLS
-from batchd.client.relay_child import DONE, REQUEST
+from batchd.client.relay_child import DONE, MAX_MESSAGE, REQUEST
 
 log = logging.getLogger("batchd.client.loader")
 CHILD = pathlib.Path(__file__).with_name("relay_child.py")
@@ -208,6 +210,7 @@ class RelayedSocket(dataplane.Closable):
         pair.settimeout(SLICE_S)
         self._sock, self.address, self.timeout, self._relay, self.pid = pair, address, timeout, relay, pid
         self.tls = tls
+        self.controls = not tls
         self.bytes_received = 0
         self.last_received = 0
         self._sent: set[int] = set()  # buffer ids whose fd the relay has for this connection
@@ -249,6 +252,16 @@ class RelayedSocket(dataplane.Closable):
         self.last_received = datawire.HEADER.size + length
         self.bytes_received += length
         return buffers.tensors(batch, buf, length, pool.give_back)
+
+    def send_control(self, frame: bytes) -> None:
+        """Have the relay write one control frame on the data connection (one message on the pair:
+        atomic beside a ``receive`` in another thread). Raises OSError if it cannot, ValueError
+        for a frame longer than the relay reads (the caller sends that one on the call)."""
+        if self._closed or not self.controls:
+            raise OSError("the data connection is closed" if self._closed else "no control frames over TLS")
+        if len(frame) + 1 > MAX_MESSAGE:
+            raise ValueError(f"a control frame of {len(frame)} bytes: longer than the relay reads ({MAX_MESSAGE})")
+        self._sock.send(b"C" + frame)
 
     def wait(self, stopping: threading.Event | None, limit: float | None, doing: str) -> bytes:
         """The relay's next message on this connection. Raises ConnectionAbortedError once

@@ -22,8 +22,11 @@ Protocol (AF_UNIX SOCK_SEQPACKET: one message per send; fds by SCM_RIGHTS):
   buffer on this connection. The relay reads the 24-byte header, checks magic, index and length,
   reads the payload straight into the buffer (``recv_into``: one kernel copy, in this process)
   and answers ``D`` + the bytes read (``DONE``), or ``E`` + the error's text, after which the
-  connection is closed. EOF on the pair (the trainer closed the connection) ends the thread and
-  closes the data connection, also while a read waits (it looks every SLICE seconds).
+  connection is closed. The trainer may also send ``C`` + a control frame (the call's grants
+  and revokes), which the relay writes on the data connection as it is (no answer). EOF on
+  the pair (the trainer closed the connection) ends the thread and closes the data
+  connection, also while a read waits (it looks every SLICE seconds; a control frame waiting
+  there is written then).
 
 A buffer stays mapped here while its connection lives (one mapping per buffer and connection,
 made once: a buffer is reused batch after batch, so its pages are faulted in once).
@@ -44,6 +47,7 @@ import time
 
 REQUEST = struct.Struct("<cxxxIQQQ")  # op, buffer id, batch index, payload length, buffer size: 32 bytes
 DONE = struct.Struct("<cxxxxxxxQ")  # op, bytes read
+MAX_MESSAGE = 1 << 16  # bytes: a READ, or C + a control frame (a longer frame goes on the call instead)
 
 
 class Failed(Exception):
@@ -69,10 +73,13 @@ class Connection:
                 return
             self._send(b"O")
             while True:
-                msg, fds, _, _ = self.pair.recvmsg(REQUEST.size, socket.CMSG_LEN(4))
+                msg, fds, _, _ = self.pair.recvmsg(MAX_MESSAGE, socket.CMSG_LEN(4))
                 got = _fds(fds)
                 if not msg:
                     return  # the trainer closed the connection
+                if msg[:1] == b"C":
+                    self._control(msg)
+                    continue
                 op, buf_id, index, length, size = REQUEST.unpack(msg)
                 try:
                     if got:
@@ -134,8 +141,11 @@ class Connection:
             try:
                 n = self.sock.recv_into(view[got:])
             except (TimeoutError, BlockingIOError, ssl.SSLWantReadError):
-                if select.select([self.pair], [], [], 0)[0]:
-                    raise OSError("the trainer closed the connection") from None
+                while select.select([self.pair], [], [], 0)[0]:  # the trainer sent a control frame, or closed
+                    msg = self.pair.recv(MAX_MESSAGE)
+                    if msg[:1] != b"C":
+                        raise OSError("the trainer closed the connection") from None
+                    self._control(msg)
                 if time.monotonic() - last > self.spec["timeout"]:
                     raise Failed(f"{self.where} brought no byte for {self.spec['timeout']:g} s") from None
                 continue
@@ -146,6 +156,13 @@ class Connection:
                 raise Failed(f"{self.where} closed its data connection ({got} of {total} bytes read)")
             got += n
             last = time.monotonic()
+
+    def _control(self, msg: bytes) -> None:
+        """Write a control frame (``C`` + the frame) on the data connection; Failed if it broke."""
+        try:
+            self.sock.sendall(msg[1:])
+        except (OSError, ssl.SSLError) as e:
+            raise Failed(f"the data connection to {self.where} broke (sending a grant): {e}") from None
 
     def _send(self, data: bytes) -> None:
         self.pair.send(data)

@@ -12,6 +12,11 @@ reads it: ``CallControl`` starts a thread per call that does.
   grant the stream refuses (``Stream.check_grants``: ValueError, ResourceExhaustedError) ends
   reading: ``error`` holds the exception and the stream is interrupted, so the servicer ends the
   call with it at once.
+* Grants, revokes and progress may also come as control frames on the call's data connection
+  (``apply_frame``, from that connection's reader thread: ``batchd.datawire``), applied as
+  these messages are; anything else in a frame (``open``, ``done``, ``release``),
+  a frame that does not parse, or a refused grant ends the call with that error as well. A
+  frame's grant after ``done`` is ignored (the call is ending).
 * A message with ``done`` (the client's last: it ends the call on purpose) marks the stream
   ``half_closed`` and ``done`` at once: the call ends once every grant was sent, counted
   finished. A grant after it is refused (ValueError, as above).
@@ -23,7 +28,8 @@ reads it: ``CallControl`` starts a thread per call that does.
 
 The thread never outlives the call: gRPC ends the request iterator when the call ends, and
 ``detach`` stops it from applying anything more. Counters (``count(key, n)``): control_messages,
-batches_granted, batches_revoked, leases_released_on_calls.
+batches_granted, batches_revoked, leases_released_on_calls, control_frames (those that came on
+the data connection).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class CallControl:
         self._stream: Stream | None = None
         self.error: BaseException | None = None  # why reading stopped early (the call must end with it)
         self.gone = False  # the call went away (cancelled, deadline, connection lost)
+        self._done = False  # the client said ``done``
         self._thread = threading.Thread(target=self._read, name=name, daemon=True)
         self._thread.start()
 
@@ -114,7 +121,7 @@ class CallControl:
                 if not self.apply(msg):
                     return
                 if msg.done and not done:
-                    done = True
+                    done = self._done = True
                     self._half_close()
             half_closed = True
         except grpc.RpcError:  # the request iterator raises once the call is over
@@ -127,6 +134,41 @@ class CallControl:
                 stream = self._stream
             if stream is not None:
                 stream.interrupt(half_closed=half_closed and self.error is None)
+
+    # --- the data connection's reader thread ---------------------------------------------------
+
+    def apply_frame(self, data: bytes) -> bool:
+        """Apply one control frame's message (``batchd.datawire``: grant, revoke, progress), first
+        waiting for ``attach`` (a frame may come before the servicer handed the stream over).
+        False once the call is ending or the frame ended it (``fail``)."""
+        while not self._attached.wait(_ATTACH_POLL_S):
+            if not self._is_active():
+                return False
+        try:
+            try:
+                msg = pb.BatchesControl.FromString(data)
+            except Exception:  # (protobuf's DecodeError)
+                raise ValueError("Batches: a control frame on the data connection is not a valid BatchesControl") \
+                    from None
+            if msg.HasField("open") or msg.done or msg.release:
+                raise ValueError("Batches: a control frame on the data connection may carry grant, revoke and "
+                                 "progress only")
+            self._count("control_frames", 1)
+            if self._done and msg.grant:
+                return True  # (the call is ending: the client granted before it said done)
+            return self.apply(msg)
+        except Exception as e:
+            self.fail(e)
+            return False
+
+    def fail(self, error: BaseException) -> None:
+        """End the call with ``error`` (a bad frame on the data connection), as a bad message does."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            stream = self._stream
+        if stream is not None:
+            stream.interrupt()
 
     def _half_close(self) -> None:
         with self._lock:

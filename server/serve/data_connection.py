@@ -11,6 +11,10 @@ socket by reference, so a slot reused once the send returned changed bytes not y
 client (over loopback every batch: tests/serve/test_dataplane_server.py), and it measured dearer
 than ``send`` here (0.15-0.17 against 0.09-0.11 s of CPU per GB, loopback, 9.6 MB batches).
 
+``DataConnection.read_control`` reads the client's control frames (grants, revokes, progress; the
+format in ``batchd.datawire``) on a thread of its own, beside the call's sends: plain TCP only
+(two threads on one ``SSLSocket`` is not allowed), so the server offers it only without TLS.
+
 Never hang: the socket's operations time out in slices (``dataplane.SLICE_S``); a send that
 cannot progress asks ``cancelled()`` (the call's ``not context.is_active()``) each slice and
 raises ConnectionAbortedError once it says so, however long a client that stopped reading holds
@@ -23,7 +27,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from batchd import datawire
 from batchd.server.shm import Segment
@@ -94,6 +98,48 @@ class DataConnection:
         self.bytes_sent += datawire.HEADER.size + length
         self._plane._sent(datawire.HEADER.size + length)
 
+    def read_control(self, control: Any) -> None:
+        """Read control frames until the connection closes (the call ended, the client went away)
+        and hand each message to ``control.apply_frame`` (``CallControl``), which returns False
+        once the call is ending. A frame with a wrong magic or a length past
+        ``datawire.MAX_CONTROL`` goes to ``control.fail`` (the call ends with it), and so does the
+        client's end closing first (ConnectionError: grants sent on it may be lost, so the call
+        ends UNAVAILABLE and the client resumes it). Runs on a
+        thread of its own; waits for frames as long as the connection lives (a training loop may
+        pause), looking at ``close`` every timeout slice."""
+        head = bytearray(datawire.CONTROL.size)
+        while self._fill(head):
+            magic, length = datawire.CONTROL.unpack(head)
+            if magic != datawire.CONTROL_MAGIC or length > datawire.MAX_CONTROL:
+                control.fail(ValueError(f"Batches: the data connection from {self.peer} sent a control frame with "
+                                        f"magic {bytes(magic)!r} and length {length} (expected "
+                                        f"{datawire.CONTROL_MAGIC!r}, at most {datawire.MAX_CONTROL} bytes)"))
+                return
+            body = bytearray(length)
+            if not self._fill(body):
+                break
+            if not control.apply_frame(bytes(body)):
+                return
+        if not self._closed:  # the client's end closed or broke (a dead relay): grants may be lost with it
+            control.fail(ConnectionError(f"the data connection from {self.peer} closed"))
+
+    def _fill(self, buf: bytearray) -> bool:
+        """Read exactly ``len(buf)`` bytes; False once the connection closed or broke."""
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            try:
+                n = self._sock.recv_into(view[got:])
+            except (TimeoutError, BlockingIOError):
+                if self._closed:
+                    return False
+                continue
+            except OSError:
+                return False
+            if not n:
+                return False
+            got += n
+        return True
+
     def _cork(self, on: bool) -> None:
         """TCP_CORK: the header and small tensors leave in full segments with the large ones."""
         if hasattr(socket, "TCP_CORK") and not self._closed:
@@ -148,19 +194,23 @@ class CallSender:
     on (``send``), in the order of the call's messages.
 
     cancelled(): whether the call ended (``not context.is_active()``): a wait for the client's
-    connection, or a send to a client that stopped reading, ends then. Raises
-    ConnectionAbortedError if the plane is closed.
+    connection, or a send to a client that stopped reading, ends then. control: the call's
+    ``CallControl``, to read the client's control frames on the connection into (plain TCP
+    only: offered in ``metadata`` then), or None. Raises ConnectionAbortedError if the plane is
+    closed.
     """
 
-    def __init__(self, plane: DataPlane, cancelled: Callable[[], bool]):
-        self.ticket = plane.expect()
+    def __init__(self, plane: DataPlane, cancelled: Callable[[], bool], control: Any = None):
+        self.controls = control is not None and not plane.tls
+        self.ticket = plane.expect(control if self.controls else None)
         self.port = plane.port
         self._cancelled = cancelled
         self._connection: DataConnection | None = None
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """``batchd-data-port`` and ``batchd-data-token`` (``batchd.datawire.metadata``)."""
-        return datawire.metadata(self.port, self.ticket.token)
+        """``batchd-data-port``, ``batchd-data-token`` and, where control frames are read,
+        ``batchd-data-control`` (``batchd.datawire.metadata``)."""
+        return datawire.metadata(self.port, self.ticket.token, control=self.controls)
 
     def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int) -> int:
         """Write one batch's payload (``DataConnection.send``), first waiting for the client's

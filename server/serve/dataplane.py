@@ -12,7 +12,9 @@ calls (``TRANSPORT_SOCKET``; docs/design/network-path.md, the format in ``batchd
   whose token is unknown, reused or late (accepted more than ``token_ttl_s`` after ``expect``)
   is closed without a byte written: without the call's token, no batch bytes.
 * ``Ticket.wait`` gives the call its ``DataConnection``, which writes the call's batches
-  (``data_connection.py``).
+  (``data_connection.py``). A ticket made with a ``control`` (plain TCP only) also gets a
+  thread, started once its connection is claimed, that reads the client's control frames into it
+  (``DataConnection.read_control``) until the connection closes.
 
 Never hang: every socket operation has a timeout slice (``SLICE_S``). ``close`` stops the accept
 thread, shuts every connection down (a send blocked on one returns with an error at once) and
@@ -31,7 +33,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from batchd import datawire
 from batchd.server.config import TlsConfig
@@ -72,8 +74,9 @@ def tls_context(tls: TlsConfig) -> ssl.SSLContext:
 class Ticket:
     """One call's one-time token and, once its client presented it, that client's connection."""
 
-    def __init__(self, plane: "DataPlane", token: bytes, deadline: float):
+    def __init__(self, plane: "DataPlane", token: bytes, deadline: float, control: Any = None):
         self.token = token
+        self.control = control  # the call's CallControl: its connection's control frames go there
         self.deadline = deadline  # time.monotonic() after which a connection presenting it is refused
         self._plane = plane
         self._claimed = threading.Event()
@@ -175,10 +178,13 @@ class DataPlane:
             return {"bytes_sent": self.bytes_sent, "connections_accepted": self.connections_accepted,
                     "connections_refused": self.connections_refused, "pending": len(self._pending)}
 
-    def expect(self) -> Ticket:
-        """A fresh one-time token for one call. Raises ConnectionAbortedError once closed."""
+    def expect(self, control: Any = None) -> Ticket:
+        """A fresh one-time token for one call (``control``: its ``CallControl``, to read the
+        client's control frames into; plain TCP only). Raises ConnectionAbortedError once closed."""
+        if control is not None and self.tls:
+            raise ValueError("control frames on a TLS data connection: not supported (one SSLSocket, two threads)")
         now = time.monotonic()
-        ticket = Ticket(self, secrets.token_bytes(datawire.TOKEN_BYTES), now + self.token_ttl_s)
+        ticket = Ticket(self, secrets.token_bytes(datawire.TOKEN_BYTES), now + self.token_ttl_s, control)
         with self._lock:
             if self._closed:
                 raise ConnectionAbortedError("the data plane is closed")
@@ -269,6 +275,9 @@ class DataPlane:
             sock = None  # the ticket owns it now (and closes it if its call has ended)
             if not ticket._give(connection):
                 connection.close()
+            elif ticket.control is not None:
+                threading.Thread(target=connection.read_control, args=(ticket.control,), name="batchd-data-control",
+                                 daemon=True).start()
         except Exception as e:  # never let a handshake thread die with a traceback
             reason = f"{type(e).__name__}: {e}"
         finally:

@@ -131,6 +131,8 @@ def _server_families(s: "stats.ServerStats"):
                    t.batches_calls_started)
     yield _counter("batchd_control_messages", "BatchesControl messages received on Batches calls (the open "
                    "included).", t.control_messages)
+    yield _counter("batchd_control_frames", "Control frames (grants, revokes, progress) read on data connections "
+                   "instead of Batches calls.", t.control_frames)
     yield _counter("batchd_batches_granted", "Batch indices granted on Batches calls.", t.batches_granted)
     yield _counter("batchd_batches_revoked", "Batch indices revoked on Batches calls before they were sent.",
                    t.batches_revoked)

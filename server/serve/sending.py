@@ -102,7 +102,8 @@ class BatchSending:
                     end: _Ending) -> bool:
         """Whether the call ends before its next batch: the server drains (aborts UNAVAILABLE), a
         control message was refused (aborts INVALID_ARGUMENT, or RESOURCE_EXHAUSTED past
-        max_grants), or the client went away (True); ``end.reason`` says which."""
+        max_grants), the data connection that carried the client's grants closed (aborts
+        UNAVAILABLE: the client resumes), or the client went away (True); ``end.reason`` says which."""
         if self.loader.draining:
             end.reason = "ended: the server is shutting down"
             context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -111,6 +112,9 @@ class BatchSending:
                           "the server is shutting down; grant the batches not received to another server")
         if control is not None and control.error is not None:
             e = control.error
+            if isinstance(e, ConnectionError):  # the client's data connection closed under the call
+                end.reason = "ended: the client's data connection closed"
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; reconnect to resume")
             end.reason = f"failed: {type(e).__name__} in a control message"
             stream.failed = True
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError)

@@ -5,7 +5,8 @@ Real servers on 127.0.0.1:0 (a ``batchd serve`` subprocess), a real relay proces
 equal those over shared memory and with the relay off; the trainer process never reads a data
 connection (its own receive path made to raise); a relay killed with SIGKILL mid-epoch is
 replaced and the epoch comes whole, each batch once, the same bytes; a relay ends with the
-trainer that started it, SIGKILL included.
+trainer that started it, SIGKILL included; control frames (grants) go through it to the server,
+also while a read waits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import albumentations as A
 import pytest
@@ -154,6 +156,46 @@ def test_the_relay_checks_the_header_and_its_error_gives_the_buffer_back():
             rs.receive(PAYLOAD_BATCH, pool)
     t.join(5)
     assert pool.outstanding == 0 and pool.bytes_free > 0  # the relay answered: the buffer is reusable
+
+
+def test_control_frames_through_the_relay_reach_the_server_also_while_a_read_waits():
+    """The relay writes the trainer's control frames (grants) on the data connection as they
+    come: between reads, and while a read waits for a payload (a frame waiting on the pair is
+    not the trainer closing it)."""
+    frames = [datawire.pack_control(bytes([k]) * (k + 1)) for k in range(6)]
+    want = b"".join(frames)
+    seen, gate = bytearray(), threading.Event()
+
+    def script(conn):
+        conn.settimeout(20)
+        while len(seen) < len(frames[0]) + len(frames[1]):  # before any READ: between reads
+            seen.extend(conn.recv(1 << 16))
+        gate.set()  # the receive below starts; its payload comes only after the other frames came
+        while len(seen) < len(want):
+            seen.extend(conn.recv(1 << 16))
+        conn.sendall(datawire.pack_header(5, 32) + bytes(range(32)))
+        try:
+            conn.recv(1)
+        except OSError:
+            pass
+
+    pool = buffers.BufferPool(relay.shared().buffers)
+    listener, t = fake_data_server(script)
+    with listener, _open(listener) as rs:
+        assert rs.controls
+        rs.send_control(frames[0])
+        rs.send_control(frames[1])
+        assert gate.wait(10), "frames sent between reads did not reach the server"
+        got = []
+        r = threading.Thread(target=lambda: got.append(rs.receive(PAYLOAD_BATCH, pool)))
+        r.start()
+        time.sleep(relay.SLICE_S * 2)  # the relay's read waits (it looks at the pair each slice)
+        for frame in frames[2:]:
+            rs.send_control(frame)
+        r.join(20)
+        assert got and got[0]["label"].numpy().tobytes() == bytes(range(32))
+    t.join(5)
+    assert bytes(seen) == want
 
 
 @pytest.mark.parametrize("how", ["stopping", "close"])

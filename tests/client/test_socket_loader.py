@@ -64,6 +64,27 @@ def test_stats_count_bytes_per_transport(server):
     assert totals.data_plane_bytes_sent > 0 and totals.data_connections_accepted >= 1
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["in-the-trainer", "relay"])
+def test_grants_and_progress_go_on_the_data_connection_not_on_the_call(server, relay):
+    """The training loop's grants are control frames on the data connection (a ``send`` in the
+    thread that grants), not messages on the call (gRPC's request thread): the call carries its
+    open and its last message."""
+    before = get_stats(server.address).totals
+    got = []
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=BATCH, shuffle=True, seed=11,
+                                 transform="aug", transport="socket", relay=relay) as ld:
+        for b in ld:
+            got.append(digest(b))
+    after = get_stats(server.address).totals
+    assert got == read(server.address, "shm")
+    frames, messages = after.control_frames - before.control_frames, after.control_messages - before.control_messages
+    # 40 batches granted as the loop takes them (several to a grant when they come faster than it
+    # takes them): on the call only its open (with the first window), at most one grant before the
+    # data connection opened, and the last message
+    assert frames >= 3 and messages <= 3, (frames, messages)
+    assert after.batches_granted - before.batches_granted == N_TEST // BATCH
+
+
 def test_auto_picks_the_data_plane_for_a_remote_server_and_shared_memory_on_this_host(server, monkeypatch):
     with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=BATCH) as ld:
         next(iter(ld))
@@ -186,6 +207,7 @@ def test_tls_and_tokens_on_the_data_plane(make_server, fmnist_root, pki, mutual)
                                                                    "key": str(pki["client_key"])} if mutual else {})},
                       token=TOKEN)
     assert stats.totals.data_connections_accepted == 1 and stats.totals.data_plane_bytes_sent > 0
+    assert stats.totals.control_frames == 0, "control frames on a TLS data connection"
     with batchd.RemoteDataLoader(srv.address, "fmnist-test", batch_size=BATCH, shuffle=True, seed=11,
                                  transform="aug", transport="inline", **creds) as ld:
         assert got == [digest(b) for b in ld]

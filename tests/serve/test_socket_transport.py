@@ -3,8 +3,10 @@ the wire (``rawclient.RawBatches``) with the client's ``DataSocket``: the bytes 
 inline and over shared memory; a server without a data plane, a compressed call and a
 StreamBatches call answer inline; a client that never connects, and a data connection killed
 mid-call, end the call UNAVAILABLE with every slot back; the statistics count the data plane;
-on a TLS server with tokens, the data connection is TLS and nobody without the call's token
-(no bearer token on the call, a wrong or reused token, plaintext) gets a byte."""
+grants, revokes and progress written on a plain data connection (control frames) are applied as
+on the call, and a bad frame or the client's end closing ends the call; on a TLS server with
+tokens, the data connection is TLS (no control frames offered) and nobody without the call's
+token (no bearer token on the call, a wrong or reused token, plaintext) gets a byte."""
 
 from __future__ import annotations
 
@@ -194,6 +196,83 @@ def test_a_data_connection_killed_mid_call_ends_the_call_unavailable_with_every_
     assert srv.loader.counters["streams_cancelled"] + srv.loader.counters["streams_failed"] >= 1
 
 
+# --- control frames on the data connection --------------------------------------------------------
+
+
+def _frame(**fields) -> bytes:
+    return datawire.pack_control(pb.BatchesControl(**fields).SerializeToString())
+
+
+def test_grants_revokes_and_progress_on_the_data_connection_are_applied_as_on_the_call(server, stub):
+    inline = {b.batch_index: digest(tensors(b)) for b in stub.StreamBatches(_open(seed=81), timeout=120)}
+    before = stub.Stats(pb.StatsRequest(), timeout=10).totals
+    call = RawBatches(stub, _open(transport=pb.TRANSPORT_SOCKET, seed=81), grant=[0])
+    metadata = call.call.initial_metadata()
+    assert datawire.controls(metadata), "a plain data plane offers control frames"
+    port, token = datawire.offered(metadata)
+    pool, got = buffers.BufferPool(), {}
+    order = [int(b) for b in np.random.default_rng(2).permutation(np.arange(1, NUM_BATCHES))]
+    frames = 0
+    with DataSocket.connect(server.address, port, token) as ds:
+        messages = iter(call.call)
+        first = wire.decode_batch(next(messages).SerializeToString())
+        got[first.batch_index] = digest(socket_arrays(first, ds, pool))
+        ds.send_control(_frame(progress=pb.StreamProgress(batches_taken=1, samples_taken=BATCH)))
+        frames += 1
+        assert wait_until(lambda: any(st.batches_taken == 1 and st.transport == "socket"
+                                      for st in stub.Stats(pb.StatsRequest(), timeout=10).streams)), \
+            "the progress in a frame did not reach the stream"
+        ds.send_control(_frame(grant=order[:5] + [order[-1]]))
+        ds.send_control(_frame(revoke=[order[-1]]))  # (it may be on its way: then it comes anyway)
+        frames += 2
+        for k in range(5, len(order) - 1, 7):
+            ds.send_control(_frame(grant=order[k:min(k + 7, len(order) - 1)]))
+            frames += 1
+        while len(got) < NUM_BATCHES - 1:
+            raw = wire.decode_batch(next(messages).SerializeToString())
+            assert raw.batch_index not in got, "a batch sent twice"
+            got[raw.batch_index] = digest(socket_arrays(raw, ds, pool))
+        after_grants = stub.Stats(pb.StatsRequest(), timeout=10).totals
+        call.close()
+        for message in messages:  # the revoked batch, if it was on its way
+            raw = wire.decode_batch(message.SerializeToString())
+            got[raw.batch_index] = digest(socket_arrays(raw, ds, pool))
+    assert call.call.code() == grpc.StatusCode.OK
+    assert all(inline[b] == d for b, d in got.items()) and set(got) >= set(range(NUM_BATCHES)) - {order[-1]}
+    after = stub.Stats(pb.StatsRequest(), timeout=10).totals
+    assert after_grants.control_frames - before.control_frames == frames
+    assert after.control_messages - before.control_messages == 2, "grants went on the call (open and done only)"
+    assert after.batches_granted - before.batches_granted == NUM_BATCHES
+    assert after.batches_revoked - before.batches_revoked == (NUM_BATCHES - len(got) == 1)
+    assert wait_until(lambda: not server.loader.streams and server.loader.slots.in_use == 0)
+
+
+@pytest.mark.parametrize("case", ["open", "release", "magic", "not-protobuf", "closed"])
+def test_a_bad_frame_or_a_closed_data_connection_ends_the_call(server, stub, case):
+    call = RawBatches(stub, _open(transport=pb.TRANSPORT_SOCKET, seed=82), grant=[0])
+    port, token = datawire.offered(call.call.initial_metadata())
+    with DataSocket.connect(server.address, port, token) as ds:
+        messages = iter(call.call)
+        socket_arrays(wire.decode_batch(next(messages).SerializeToString()), ds, buffers.BufferPool())
+        if case == "closed":  # as a relay that died does: grants sent into it may be lost
+            ds.close()
+        else:
+            frame = {"open": _frame(open=_open()), "release": _frame(release=[1]),
+                     "magic": b"XXXX" + _frame(grant=[1])[4:],
+                     "not-protobuf": datawire.pack_control(b"\xff\xff\xff")}[case]
+            ds.send_control(frame)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in messages:
+                pass
+    want = {"open": (grpc.StatusCode.INVALID_ARGUMENT, "grant, revoke and progress only"),
+            "release": (grpc.StatusCode.INVALID_ARGUMENT, "grant, revoke and progress only"),
+            "magic": (grpc.StatusCode.INVALID_ARGUMENT, "magic b'XXXX'"),
+            "not-protobuf": (grpc.StatusCode.INVALID_ARGUMENT, "not a valid BatchesControl"),
+            "closed": (grpc.StatusCode.UNAVAILABLE, "data connection from 127.0.0.1")}[case]
+    assert (e.value.code(), want[1] in e.value.details()) == (want[0], True), e.value.details()
+    assert wait_until(lambda: not server.loader.streams and server.loader.slots.in_use == 0)
+
+
 # --- TLS and tokens -----------------------------------------------------------------------------
 
 
@@ -213,6 +292,7 @@ def test_tls_and_tokens_nobody_without_the_calls_token_gets_a_byte(make_server, 
         call = RawBatches(stub, _open(transport=pb.TRANSPORT_SOCKET), grant=[0, 1, 2])
         call.close()
         port, token = datawire.offered(call.call.initial_metadata())
+        assert not datawire.controls(call.call.initial_metadata()), "control frames offered over TLS"
 
         def nothing(sock) -> bytes:
             sock.settimeout(5)
