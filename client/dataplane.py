@@ -178,10 +178,15 @@ class DataSocket(Closable):
     def send_control(self, frame: bytes) -> None:
         """Write one control frame (``batchd.datawire.pack_control``); one writer at a time (the
         call's ``Outbox`` holds its lock). Raises OSError (TimeoutError after ``SLICE_S`` seconds
-        without room) if it cannot."""
+        without room) if it cannot; the connection is then closed (part of a frame may have gone:
+        the server must not read on from there), so the call breaks and is resumed."""
         if self._closed or not self.controls:
             raise OSError("the data connection is closed" if self._closed else "no control frames over TLS")
-        self._sock.sendall(frame)
+        try:
+            self._sock.sendall(frame)
+        except OSError:
+            self.close()
+            raise
 
     def _read_into(self, view: memoryview, stopping: threading.Event | None) -> None:
         got, total = 0, len(view)

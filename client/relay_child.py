@@ -47,7 +47,7 @@ import time
 
 REQUEST = struct.Struct("<cxxxIQQQ")  # op, buffer id, batch index, payload length, buffer size: 32 bytes
 DONE = struct.Struct("<cxxxxxxxQ")  # op, bytes read
-MAX_MESSAGE = 1 << 16  # bytes: a READ, or C + a control frame (a longer frame goes on the call instead)
+MAX_MESSAGE = 4096  # bytes: a READ, or C + a control frame (a longer frame goes on the call instead)
 
 
 class Failed(Exception):

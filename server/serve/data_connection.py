@@ -107,38 +107,40 @@ class DataConnection:
         ends UNAVAILABLE and the client resumes it). Runs on a
         thread of its own; waits for frames as long as the connection lives (a training loop may
         pause), looking at ``close`` every timeout slice."""
-        head = bytearray(datawire.CONTROL.size)
-        while self._fill(head):
-            magic, length = datawire.CONTROL.unpack(head)
-            if magic != datawire.CONTROL_MAGIC or length > datawire.MAX_CONTROL:
-                control.fail(ValueError(f"Batches: the data connection from {self.peer} sent a control frame with "
-                                        f"magic {bytes(magic)!r} and length {length} (expected "
-                                        f"{datawire.CONTROL_MAGIC!r}, at most {datawire.MAX_CONTROL} bytes)"))
-                return
-            body = bytearray(length)
-            if not self._fill(body):
+        buf, size = bytearray(), datawire.CONTROL.size
+        chunk = bytearray(64 * 1024)
+        while True:
+            n = self._recv(chunk)
+            if not n:
                 break
-            if not control.apply_frame(bytes(body)):
-                return
+            buf += memoryview(chunk)[:n]
+            at = 0
+            while len(buf) - at >= size:  # every whole frame received (one recv may bring several)
+                magic, length = datawire.CONTROL.unpack_from(buf, at)
+                if magic != datawire.CONTROL_MAGIC or length > datawire.MAX_CONTROL:
+                    control.fail(ValueError(f"Batches: the data connection from {self.peer} sent a control frame "
+                                            f"with magic {bytes(magic)!r} and length {length} (expected "
+                                            f"{datawire.CONTROL_MAGIC!r}, at most {datawire.MAX_CONTROL} bytes)"))
+                    return
+                if len(buf) - at - size < length:
+                    break
+                if not control.apply_frame(bytes(buf[at + size:at + size + length])):
+                    return
+                at += size + length
+            del buf[:at]
         if not self._closed:  # the client's end closed or broke (a dead relay): grants may be lost with it
             control.fail(ConnectionError(f"the data connection from {self.peer} closed"))
 
-    def _fill(self, buf: bytearray) -> bool:
-        """Read exactly ``len(buf)`` bytes; False once the connection closed or broke."""
-        view, got = memoryview(buf), 0
-        while got < len(buf):
+    def _recv(self, chunk: bytearray) -> int:
+        """Bytes read into ``chunk`` (waiting as long as it takes); 0 once the connection closed or broke."""
+        while True:
             try:
-                n = self._sock.recv_into(view[got:])
+                return self._sock.recv_into(chunk)
             except (TimeoutError, BlockingIOError):
                 if self._closed:
-                    return False
-                continue
+                    return 0
             except OSError:
-                return False
-            if not n:
-                return False
-            got += n
-        return True
+                return 0
 
     def _cork(self, on: bool) -> None:
         """TCP_CORK: the header and small tensors leave in full segments with the large ones."""
