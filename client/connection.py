@@ -26,7 +26,8 @@ import torch
 
 from batchd import errors, wire
 from batchd.client import buffers, decode, fields, forks, relay
-from batchd.client.call import BatchesCall, Outbox
+from batchd.client.call import BatchesCall
+from batchd.client.outbox import Outbox
 from batchd.client.channel import open_channel, wait_for_server
 from batchd.client.collate import collate
 from batchd.client.dataplane import DataLink

@@ -3,7 +3,7 @@
 Leases of shared-memory batches whose tensors were freed are queued by ``weakref.finalize``
 callbacks (which may run inside a gRPC call or under a lock, so they only queue). While a
 ``Batches`` call is open on the session (``carry``), they ride on that call's request stream
-(``batchd.client.call.Outbox``: with the next grant, or within a few ms), and so does the
+(``batchd.client.outbox.Outbox``: with the next grant, or within a few ms), and so does the
 training loop's progress: no unary call per batch. What cannot ride on a call goes through
 ``ReleaseLeases`` (loader.proto), sent by ``Reporter``'s thread:
 
