@@ -78,7 +78,11 @@ class Connection:
                 if not msg:
                     return  # the trainer closed the connection
                 if msg[:1] == b"C":
-                    self._control(msg)
+                    try:
+                        self._control(msg)
+                    except Failed as e:  # (the trainer reads it as its next read's answer)
+                        self._send(b"E" + str(e).encode())
+                        return
                     continue
                 op, buf_id, index, length, size = REQUEST.unpack(msg)
                 try:
