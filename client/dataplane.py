@@ -135,6 +135,7 @@ class DataSocket(Closable):
         where = f"the data port {port} of the batchd server at {address}"
         try:
             raw = socket.create_connection((host, port), timeout=connect_timeout)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a control frame leaves at once (no Nagle)
         except OSError as e:
             raise errors.ConnectionError(f"cannot connect to {where}: {e.strerror or e}") from None
         sock = raw

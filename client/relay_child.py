@@ -118,6 +118,7 @@ class Connection:
         spec = self.spec
         try:
             raw = socket.create_connection((spec["host"], spec["port"]), timeout=spec["connect_timeout"])
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a control frame leaves at once (no Nagle)
         except OSError as e:
             raise Failed(f"cannot connect to {self.where}: {e.strerror or e}") from None
         sock = raw
