@@ -104,8 +104,8 @@ class Outbox:
             self._put(_REVOKE, batches)
 
     def direct(self, send: Callable[[bytes], None]) -> None:
-        """Send grants and revokes (with the progress when due) as control frames by ``send`` (the call's data connection) from
-        now on, those queued first (module docstring)."""
+        """From now on send grants and revokes (with the progress when due) as control frames by
+        ``send`` (the call's data connection), those queued first (module docstring)."""
         with self._cond:
             if self._aborted or self._closed:
                 return
