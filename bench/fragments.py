@@ -165,6 +165,24 @@ def write(out_dir: pathlib.Path, results: dict, modules: Sequence) -> pathlib.Pa
     return folder
 
 
+def keep_probe(out_dir: pathlib.Path, name: str, r: dict, *, seconds: float, foreign_cpu_s: float,
+               quick: bool = False) -> pathlib.Path:
+    """A probe's result ``r`` stamped (when, how long in seconds, other processes' share of the
+    machine's CPU from ``foreign_cpu_s`` seconds, the machine), kept in ``out_dir``'s results.json
+    under ``name``, and every fragment rewritten; returns the fragments' folder."""
+    import os
+
+    from bench import machine, report
+    from bench.run_all import MODULES
+
+    r.update(run_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), quick=quick, seconds=seconds,
+             foreign_cpu=foreign_cpu_s / (seconds * (os.cpu_count() or 1)), machine=machine_line(machine.info()))
+    results = report.load(out_dir)
+    results[name] = r
+    report.save(out_dir, results)
+    return write(out_dir, results, MODULES)
+
+
 def readme_block(text: str) -> str:
     """The README's headline block as it should read: the fragment between the markers."""
     return f"{BEGIN}\n{text}{END}"

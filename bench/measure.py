@@ -139,15 +139,18 @@ def time_stream(batches: Iterable, warmup: int, timed: int, *,
     return StreamTiming(t1 - t0, images, timed, c1 - c0)
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds of process ``pid`` so far: the sum over its live threads of
-    /proc/PID/task/TID/schedstat (nanoseconds; /proc/PID/stat counts 10 ms ticks only)."""
+def cpu_seconds(pid: int, skip: set[int] | frozenset[int] = frozenset()) -> float:
+    """CPU seconds of process ``pid`` so far: the sum over its live threads (but those whose native
+    id is in ``skip``) of /proc/PID/task/TID/schedstat (nanoseconds; /proc/PID/stat counts 10 ms
+    ticks only)."""
     total = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         tids = []
     for tid in tids:
+        if int(tid) in skip:
+            continue
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[0])
@@ -175,17 +178,7 @@ def harness_tids() -> set[int]:
 def trainer_cpu_seconds() -> float:
     """CPU seconds of this process so far, every thread but the harness's (``harness_tids``): what
     a training process running the same loop would spend. Per thread, as ``cpu_seconds``."""
-    skip = harness_tids()
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) in skip:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass  # the thread ended
-    return total / 1e9 if total else time.process_time()
+    return cpu_seconds(os.getpid(), skip=harness_tids())
 
 
 def proc_status(pid: int) -> dict[str, int]:

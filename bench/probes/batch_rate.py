@@ -26,15 +26,13 @@ hand-offs per batch, not the work in them, sets the trainer's CPU at training ra
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import statistics
 import tempfile
 import time
 
 import batchd
-from bench import ROOT, fragments, machine, noise, report
+from bench import ROOT, fragments, noise
 from bench.fixtures.server_proc import ServerProcess
 from bench.measure import cpu_seconds
 from bench.report import md_table
@@ -110,16 +108,8 @@ def main(argv=None) -> None:
     r = run(args.batch_size, args.batches, args.rates, args.repeats)
     seconds = time.perf_counter() - t0
     meter.stop()
-    r.update(run_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), quick=False, seconds=seconds,
-             foreign_cpu=meter.seconds() / (seconds * (os.cpu_count() or 1)),
-             machine=fragments.machine_line(machine.info()))
+    folder = fragments.keep_probe(args.out, NAME, r, seconds=seconds, foreign_cpu_s=meter.seconds())
     print(render(r))
-    results = report.load(args.out)
-    results[NAME] = r
-    report.save(args.out, results)
-    from bench.run_all import MODULES
-
-    folder = fragments.write(args.out, results, MODULES)
     print(f"\nwrote {args.out / 'results.json'} and {folder / (NAME + '.md')}")
 
 

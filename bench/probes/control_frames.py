@@ -83,12 +83,10 @@ def main(argv=None) -> int:
     """Run the probe, print the table, keep it in results.json and write its fragment
     (``fragments/control_frames.md``, which docs/design/network-path.md includes)."""
     import argparse
-    import datetime
-    import os
     import pathlib
     import time
 
-    from bench import fragments, machine, noise, report
+    from bench import fragments, noise
     from bench.measure import pin_threads
     from bench.settings import Settings
 
@@ -107,19 +105,11 @@ def main(argv=None) -> int:
     r = run(settings)
     seconds = time.perf_counter() - t0
     meter.stop()
-    r.update(run_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), quick=args.quick,
-             seconds=seconds, foreign_cpu=meter.seconds() / (seconds * (os.cpu_count() or 1)),
-             machine=fragments.machine_line(machine.info()))
     print(f"\n## {TITLE}\n\n{render(r)}\n")
     for t in targets(r):
         print(f"- {'PASS' if t['passed'] else 'FAIL'} {t['name']}: {t['detail']}")
     if not args.quick:
-        from bench.run_all import MODULES
-
-        results = report.load(args.out)
-        results[NAME] = r
-        report.save(args.out, results)
-        folder = fragments.write(args.out, results, MODULES)
+        folder = fragments.keep_probe(args.out, NAME, r, seconds=seconds, foreign_cpu_s=meter.seconds())
         print(f"\nwrote {args.out / 'results.json'} and {folder / (NAME + '.md')}")
     return 0
 

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import albumentations as A
 import pytest
@@ -158,6 +157,28 @@ def test_the_relay_checks_the_header_and_its_error_gives_the_buffer_back():
     assert pool.outstanding == 0 and pool.bytes_free > 0  # the relay answered: the buffer is reusable
 
 
+class _Spy:
+    """A relayed connection's pair socket that sets ``read_sent`` once a READ went on it."""
+
+    def __init__(self, sock, read_sent: threading.Event):
+        self._sock, self._read_sent = sock, read_sent
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+    def sendmsg(self, buffers, *args):
+        n = self._sock.sendmsg(buffers, *args)
+        if bytes(buffers[0])[:1] == b"R":
+            self._read_sent.set()
+        return n
+
+    def send(self, data, *args):
+        n = self._sock.send(data, *args)
+        if bytes(data)[:1] == b"R":
+            self._read_sent.set()
+        return n
+
+
 def test_control_frames_through_the_relay_reach_the_server_also_while_a_read_waits():
     """The relay writes the trainer's control frames (grants) on the data connection as they
     come: between reads, and while a read waits for a payload (a frame waiting on the pair is
@@ -186,11 +207,13 @@ def test_control_frames_through_the_relay_reach_the_server_also_while_a_read_wai
         rs.send_control(frames[0])
         rs.send_control(frames[1])
         assert gate.wait(10), "frames sent between reads did not reach the server"
+        read_sent = threading.Event()
+        rs._sock = _Spy(rs._sock, read_sent)
         got = []
         r = threading.Thread(target=lambda: got.append(rs.receive(PAYLOAD_BATCH, pool)))
         r.start()
-        time.sleep(relay.SLICE_S * 2)  # the relay's read waits (it looks at the pair each slice)
-        for frame in frames[2:]:
+        assert read_sent.wait(10)
+        for frame in frames[2:]:  # behind the READ on the pair: only the waiting read can forward them
             rs.send_control(frame)
         r.join(20)
         assert got and got[0]["label"].numpy().tobytes() == bytes(range(32))
