@@ -112,10 +112,9 @@ class BufferPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes (its contents are whatever it last held)."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:  # (by position: list.remove would compare tensors with ==, element by element)
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 self.reused += 1
                 self.outstanding += 1
                 self.peak = max(self.peak, self.outstanding)

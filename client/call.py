@@ -32,6 +32,7 @@ log = logging.getLogger("batchd.client.loader")
 
 SERVER_ID_KEY = "batchd-server-id"
 BATCHES_METHOD = "/batchd.v1.BatchLoader/Batches"
+REFUSAL_WAIT_S = 2.0  # a data connection that cannot be opened: how long the call's own error may take to come
 
 
 
@@ -67,6 +68,7 @@ class BatchesCall:
         except grpc.RpcError as e:
             raise batches_error(e, address) from None
         self.cancelled = False
+        self._in_band = False  # the call's Batch messages come on its data connection
 
     def server_id(self) -> str:
         """The server's ``batchd-server-id`` ("" if it sent none). Raises the call's error if it
@@ -85,25 +87,34 @@ class BatchesCall:
 
         On a call whose server offered a data connection (``data``, TRANSPORT_SOCKET), the
         connection is opened first, and each batch comes with its ``payload`` read from it right
-        after its message (the time and bytes count both). Raises ``batches_error`` of a failed
-        call; ConnectionError if the data connection cannot be opened or breaks, or once
-        ``cancel`` was called.
+        after its message (the time and bytes count both); where the server said its messages
+        come on that connection too (``batchd.datawire.messages``), batches are read from it
+        alone until the server closes it, and then the call's status. Raises ``batches_error``
+        of a failed call; ConnectionError if the data connection cannot be opened or breaks, or
+        once ``cancel`` was called.
         """
         it = iter(self.call)
-        ds = unopened = None
+        ds = None
         try:
             if self.data is not None:
                 try:
                     ds = self._open_data()
                 except ConnectionError as e:
                     # the call's own error first, when it has one (a server that refused the call
-                    # withdrew its token): raised by reading the call below
-                    unopened = e
+                    # withdrew its token)
+                    raise self._error_or(e) from None
             while True:
                 t0 = time.perf_counter()
+                if self._in_band:
+                    got = self.data.receive_next(ds, self.call.done)
+                    if got is not None:
+                        yield got[0], time.perf_counter() - t0, got[1]
+                        continue
+                    if next(it, None) is not None:  # (the server closed the data connection: its status follows)
+                        raise errors.ConnectionError(f"the batchd server at {self.address} sent a Batch message on "
+                                                     f"the call after saying they come on its data connection")
+                    return
                 data = next(it, None)
-                if unopened is not None:
-                    raise unopened
                 if data is None:
                     return
                 raw, nbytes = wire.decode_batch(data), len(data)
@@ -135,11 +146,21 @@ class BatchesCall:
         else:
             forks.keep(ds)
             self._data_socket = ds
+            self._in_band = datawire.messages(metadata)
             if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
                 ds.close()
             elif datawire.controls(metadata) and ds.controls:
                 self.outbox.direct(ds.send_control)
         return ds
+
+    def _error_or(self, e: ConnectionError) -> Exception:
+        """The call's own error if it ends with one within ``REFUSAL_WAIT_S`` (``batches_error``),
+        else ``e``."""
+        try:
+            failed = self.call.exception(timeout=REFUSAL_WAIT_S)
+        except Exception:  # (not over in time, or cancelled)
+            return e
+        return e if failed is None else batches_error(failed, self.address)
 
     def cancel(self) -> None:
         """Cancel the call (idempotent); the outbox stops. Nothing in a forked child."""

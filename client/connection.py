@@ -161,6 +161,7 @@ class ServerConnection:
             session=shm.session if shm is not None else "", compression=o.compression, stream_tag=tag,
             image_encoding=pb.IMAGE_ENCODING_JPEG if o.decode_on_client else pb.IMAGE_ENCODING_DECODED,
             start_position=start_position, expect_num_samples=info.num_samples,
+            data_messages=transport == pb.TRANSPORT_SOCKET,
             expect_fingerprint=info.fingerprint if o.strict else "",
             expect_build_fingerprint=info.build_fingerprint if o.strict else "",
         )

@@ -37,7 +37,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from batchd import datawire, errors, wire
 from batchd.client import addresses, buffers, fields, forks
@@ -176,6 +176,42 @@ class DataSocket(Closable):
         self.last_received = datawire.HEADER.size + length
         return buffers.tensors(batch, buf, length, pool.give_back)
 
+    def receive_next(self, pool: buffers.BufferPool, stopping: threading.Event | None = None,
+                     ended: Callable[[], bool] | None = None) -> tuple[wire.WireBatch, int] | None:
+        """The next batch of a call whose Batch messages come on this connection
+        (``datawire.MESSAGE_MAGIC``): its message and payload, the payload received into a buffer
+        of ``pool`` (``WireBatch.payload``: the fields as views of it), and the bytes read for it;
+        None once the server closed the connection between two batches (the call's status says
+        how it ended).
+
+        Waits for the next header as long as the call lasts (``ended()``: the call is over, then
+        at most ``timeout`` seconds more for the server's close). Raises ConnectionError naming
+        the server for a header or message that is not a frame's, a payload length other than
+        the message's, a connection that closed inside a frame, broke, or went silent inside one
+        for ``timeout`` seconds; ConnectionAbortedError once ``stopping`` is set or the
+        connection closed.
+        """
+        if not self._read_into(memoryview(self._header), stopping, ended):
+            return None
+        magic, size, index, length = datawire.unpack_frame(self._header)
+        if magic != datawire.MESSAGE_MAGIC or size > datawire.MAX_MESSAGE:
+            raise errors.ConnectionError(
+                f"the data connection of the batchd server at {self.address} sent a header with magic "
+                f"{bytes(magic)!r} and a message of {size} bytes where a frame (magic {datawire.MESSAGE_MAGIC!r}, "
+                f"a message of at most {datawire.MAX_MESSAGE} bytes) was due")
+        message = bytearray(size)
+        self._read_into(memoryview(message), stopping)
+        batch = framed_batch(bytes(message), index, length, self.address)
+        buf = pool.take(length)
+        try:
+            self._read_into(memoryview(buf.numpy())[:length], stopping)
+        except BaseException:
+            pool.give_back(buf)
+            raise
+        self.last_received = datawire.HEADER.size + size + length
+        return dataclasses.replace(batch, payload=buffers.tensors(batch, buf, length, pool.give_back)), \
+            self.last_received
+
     def send_control(self, frame: bytes) -> None:
         """Write one control frame (``batchd.datawire.pack_control``); one writer at a time (the
         call's ``Outbox`` holds its lock). Raises OSError (TimeoutError after ``SLICE_S`` seconds
@@ -189,7 +225,11 @@ class DataSocket(Closable):
             self.close()
             raise
 
-    def _read_into(self, view: memoryview, stopping: threading.Event | None) -> None:
+    def _read_into(self, view: memoryview, stopping: threading.Event | None,
+                   ended: Callable[[], bool] | None = None) -> bool:
+        """Fill ``view``; True. With ``ended`` (a frame's header: between batches), waits for the
+        first byte while ``ended()`` is false, then ``timeout`` seconds more, and returns False
+        if the connection closes before that byte."""
         got, total = 0, len(view)
         last = time.monotonic()
         while got < total:
@@ -200,6 +240,9 @@ class DataSocket(Closable):
                     raise ConnectionAbortedError(f"stopped reading from {self.address}") from None
                 if self._closed:
                     raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
+                if ended is not None and not got and not ended():
+                    last = time.monotonic()  # between batches while the call lasts: no limit
+                    continue
                 if time.monotonic() - last > self.timeout:
                     raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} brought "
                                                  f"no byte for {self.timeout:g} s") from None
@@ -212,11 +255,14 @@ class DataSocket(Closable):
             if not n:
                 if self._closed:
                     raise ConnectionAbortedError(f"the data connection to {self.address} was closed")
+                if ended is not None and not got:
+                    return False  # the server closed it between two batches
                 raise errors.ConnectionError(f"the batchd server at {self.address} closed its data connection "
                                              f"({got} of {total} bytes read)")
             got += n
             last = time.monotonic()
         self.bytes_received += total
+        return True
 
 
 class DataLink:
@@ -270,3 +316,24 @@ class DataLink:
     def receive(self, ds: DataSocket, batch: wire.WireBatch) -> wire.WireBatch:
         """``batch`` (its call's next message) with its ``payload``: the fields received on ``ds``."""
         return dataclasses.replace(batch, payload=ds.receive(batch, self.pool))
+
+    def receive_next(self, ds: DataSocket, ended: Callable[[], bool]) -> tuple[wire.WireBatch, int] | None:
+        """The next batch of a call whose messages come on ``ds`` (``DataSocket.receive_next``)."""
+        return ds.receive_next(self.pool, ended=ended)
+
+
+def framed_batch(message: bytes, index: int, length: int, address: str) -> wire.WireBatch:
+    """The ``Batch`` of an in-band frame whose header named batch ``index`` and ``length`` payload
+    bytes. Raises ConnectionError naming the server at ``address`` if it does not parse or does
+    not match the header."""
+    try:
+        batch = wire.decode_batch(message)
+        expected = buffers.payload_length(batch)
+    except ValueError as e:
+        raise errors.ConnectionError(f"the data connection of the batchd server at {address} sent a Batch message "
+                                     f"that does not parse: {e}") from None
+    if batch.batch_index != index or expected != length:
+        raise errors.ConnectionError(
+            f"the data connection of the batchd server at {address} sent a header for batch {index} of {length} "
+            f"bytes before the message of batch {batch.batch_index} of {expected} bytes")
+    return batch

@@ -30,6 +30,7 @@ counts). A buffer the relay may still be writing (a receive abandoned mid-read) 
 from __future__ import annotations
 
 import array
+import dataclasses
 import atexit
 import itertools
 import json
@@ -43,6 +44,7 @@ import sys
 import threading
 import time
 import weakref
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,7 +52,7 @@ import torch
 from batchd import datawire, errors, wire
 from batchd.client import buffers, dataplane, fields, forks
 from batchd.client.channel import TLS
-from batchd.client.relay_child import DONE, MAX_MESSAGE, REQUEST
+from batchd.client.relay_child import DONE, FRAME, MAX_MESSAGE, REQUEST
 
 log = logging.getLogger("batchd.client.loader")
 CHILD = pathlib.Path(__file__).with_name("relay_child.py")
@@ -135,6 +137,7 @@ class Relay:
             self._control.close()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         spec = {"header": datawire.HEADER.format, "magic": datawire.MAGIC.decode("latin-1"), "slice_s": SLICE_S,
+                "message_magic": datawire.MESSAGE_MAGIC.decode("latin-1"), "max_message": datawire.MAX_MESSAGE,
                 "control_fd": theirs.fileno()}
         try:
             self._proc = subprocess.Popen([sys.executable, "-I", str(CHILD), json.dumps(spec)],
@@ -214,6 +217,7 @@ class RelayedSocket(dataplane.Closable):
         self.bytes_received = 0
         self.last_received = 0
         self._sent: set[int] = set()  # buffer ids whose fd the relay has for this connection
+        self._frame_bytes = 0  # the last in-band frame's payload and message: the next one's buffer
         self._lock = threading.Lock()
         self._closed = False
         self._owner = forks.owner()
@@ -228,16 +232,7 @@ class RelayedSocket(dataplane.Closable):
         length = buffers.payload_length(batch)
         buf = pool.take(length)
         try:
-            buf_id, fd, size = self._relay.buffers.lookup(buf)
-            request = REQUEST.pack(b"R", buf_id, batch.batch_index, length, size)
-            try:
-                if buf_id in self._sent:
-                    self._sock.send(request)
-                else:
-                    _with_fd(self._sock, request, fd)
-                    self._sent.add(buf_id)
-            except OSError:
-                raise self._broken(batch.batch_index) from None
+            self._request(b"R", buf, batch.batch_index, length, f"batch {batch.batch_index}")
             reply = self.wait(stopping, None, f"receiving batch {batch.batch_index} from {self.address}")
         except _Gone:
             pool.give_back(buf)  # the relay is finished with it
@@ -253,6 +248,60 @@ class RelayedSocket(dataplane.Closable):
         self.bytes_received += length
         return buffers.tensors(batch, buf, length, pool.give_back)
 
+    def receive_next(self, pool: buffers.BufferPool, stopping: threading.Event | None = None,
+                     ended: Callable[[], bool] | None = None) -> tuple[wire.WireBatch, int] | None:
+        """As ``DataSocket.receive_next``: the next in-band frame (message and payload), read by the
+        relay into a buffer of ``pool`` sized as the last frame (``N``; a larger one after an
+        ``S`` answer: ``P``), the message after the payload. None once the server closed the
+        connection between batches (``F``). Raises as ``receive``; waits for the frame as long as
+        the call lasts (``ended()``), then ``timeout`` seconds more."""
+        doing = f"receiving the next batch from {self.address}"
+        buf = pool.take(self._frame_bytes)
+        try:
+            self._request(b"N", buf, 0, 0, "the next batch")
+            reply = self.wait(stopping, None, doing, ended)
+            if reply[:1] == b"S":
+                _, mlen, _, length = FRAME.unpack(reply)
+                pool.give_back(buf)  # (not written: the relay keeps the frame's message until P)
+                buf = pool.take(length + mlen)
+                self._request(b"P", buf, 0, 0, "the next batch")
+                reply = self.wait(stopping, None, doing)
+        except _Gone:
+            pool.give_back(buf)
+            raise
+        except BaseException:
+            pool.discard(buf)
+            raise
+        if reply[:1] != b"M":
+            pool.give_back(buf)
+            if reply[:1] == b"F":
+                return None
+            raise errors.ConnectionError(reply[1:].decode("utf-8", "replace"))
+        _, mlen, index, length = FRAME.unpack(reply)
+        try:
+            batch = dataplane.framed_batch(bytes(buf.numpy()[length:length + mlen]), index, length, self.address)
+        except BaseException:
+            pool.give_back(buf)
+            raise
+        self._frame_bytes = length + mlen
+        self.last_received = datawire.HEADER.size + mlen + length
+        self.bytes_received += mlen + length
+        return (dataclasses.replace(batch, payload=buffers.tensors(batch, buf, length, pool.give_back)),
+                self.last_received)
+
+    def _request(self, op: bytes, buf, index: int, length: int, what: str) -> None:
+        """Send op ``op`` (``REQUEST``) naming buffer ``buf`` (its fd the first time on this connection)."""
+        buf_id, fd, size = self._relay.buffers.lookup(buf)
+        request = REQUEST.pack(op, buf_id, index, length, size)
+        try:
+            if buf_id in self._sent:
+                self._sock.send(request)
+            else:
+                _with_fd(self._sock, request, fd)
+                self._sent.add(buf_id)
+        except OSError:
+            raise self._broken(what) from None
+
     def send_control(self, frame: bytes) -> None:
         """Have the relay write one control frame on the data connection (one message on the pair:
         atomic beside a ``receive`` in another thread). Raises OSError if it cannot, ValueError
@@ -263,15 +312,20 @@ class RelayedSocket(dataplane.Closable):
             raise ValueError(f"a control frame of {len(frame)} bytes: longer than the relay reads ({MAX_MESSAGE})")
         self._sock.send(b"C" + frame)
 
-    def wait(self, stopping: threading.Event | None, limit: float | None, doing: str) -> bytes:
+    def wait(self, stopping: threading.Event | None, limit: float | None, doing: str,
+             ended: Callable[[], bool] | None = None) -> bytes:
         """The relay's next message on this connection. Raises ConnectionAbortedError once
         ``stopping`` is set or the socket closed, ConnectionError if the relay ended or nothing
-        came for ``limit`` seconds (None: the relay's own timeout, plus a margin)."""
-        deadline = time.monotonic() + (limit if limit is not None else self.timeout + 10.0)
+        came for ``limit`` seconds (None: the relay's own timeout, plus a margin; counted from
+        when ``ended()`` turns true, if given: the call is over)."""
+        margin = limit if limit is not None else self.timeout + 10.0
+        deadline = time.monotonic() + margin
         while True:
             try:
                 data = self._sock.recv(65536)
             except TimeoutError:
+                if ended is not None and not ended():
+                    deadline = time.monotonic() + margin
                 if stopping is not None and stopping.is_set():
                     self.close()
                     raise ConnectionAbortedError(f"stopped reading from {self.address}") from None
@@ -290,11 +344,11 @@ class RelayedSocket(dataplane.Closable):
                 raise ConnectionAbortedError(f"the data connection to {self.address} was closed")
             raise _Gone(f"the receive relay (pid {self.pid}) ended {doing}; the next connection starts another")
 
-    def _broken(self, index: int) -> ConnectionError:
+    def _broken(self, what: str) -> ConnectionError:
         if self._closed:
             return ConnectionAbortedError(f"the data connection to {self.address} was closed")
-        return _Gone(f"the receive relay (pid {self.pid}) is gone (receiving batch {index} from "
-                                      f"{self.address}); the next connection starts another")
+        return _Gone(f"the receive relay (pid {self.pid}) is gone (receiving {what} from {self.address}); the next "
+                     f"connection starts another")
 
 
 _shared: Relay | None = None

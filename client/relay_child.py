@@ -47,6 +47,7 @@ import time
 
 REQUEST = struct.Struct("<cxxxIQQQ")  # op, buffer id, batch index, payload length, buffer size: 32 bytes
 DONE = struct.Struct("<cxxxxxxxQ")  # op, bytes read
+FRAME = struct.Struct("<cxxxIQQ")  # op (M, S), message length, batch index, payload length: 24 bytes
 MAX_MESSAGE = 4096  # bytes: a READ, or C + a control frame (a longer frame goes on the call instead)
 
 
@@ -57,12 +58,15 @@ class Failed(Exception):
 class Connection:
     """One data connection and its pair to the trainer (one thread)."""
 
-    def __init__(self, pair: socket.socket, spec: dict, header: struct.Struct, magic: bytes, slice_s: float):
+    def __init__(self, pair: socket.socket, spec: dict, header: struct.Struct, magic: bytes, slice_s: float,
+                 frame_magic: bytes = b"", max_message: int = 0):
         self.pair, self.spec, self.header, self.magic, self.slice_s = pair, spec, header, magic, slice_s
+        self.frame_magic, self.max_message = frame_magic, max_message  # an in-band frame's header (N)
         self.where = f"the data port {spec['port']} of the batchd server at {spec['address']}"
         self.sock: socket.socket | None = None
         self.maps: dict[int, mmap.mmap] = {}
         self.head = bytearray(header.size)
+        self.pending: tuple[int, int, int, bytearray] | None = None  # a frame read up to its payload (N, S)
 
     def run(self) -> None:
         try:
@@ -85,6 +89,19 @@ class Connection:
                         return
                     continue
                 op, buf_id, index, length, size = REQUEST.unpack(msg)
+                if op in (b"N", b"P"):
+                    try:
+                        if got:
+                            self.maps.setdefault(buf_id, mmap.mmap(got[0], size))
+                        if not self._frame(op, buf_id, size):
+                            return
+                    except Failed as e:
+                        self._send(b"E" + str(e).encode())
+                        return
+                    finally:
+                        for fd in got:
+                            os.close(fd)
+                    continue
                 try:
                     if got:
                         self.maps.setdefault(buf_id, mmap.mmap(got[0], size))
@@ -114,6 +131,40 @@ class Connection:
                 except BufferError:  # a view still held by an exception's frame: unmapped when collected
                     pass
 
+    def _frame(self, op: bytes, buf_id: int, size: int) -> bool:
+        """``N``: read the next frame's header and message (waiting as long as it takes: the
+        trainer watches the call), then its payload into buffer ``buf_id`` with the message after
+        it, and answer ``M``; or, when the buffer is smaller than both, keep the message and answer
+        ``S`` (the trainer sends ``P`` with a larger buffer). False once the server closed the
+        connection between frames (answered ``F``). Failed for a header that is not a frame's."""
+        if op == b"N":
+            if self.pending is not None:
+                raise Failed("a READ of the next frame before the last one's payload")
+            if not self._read(memoryview(self.head), idle=True):
+                self._send(b"F")
+                return False
+            magic, mlen, index, length = self.header.unpack(self.head)
+            if magic != self.frame_magic or mlen > self.max_message:
+                raise Failed(f"{self.where} sent a header with magic {bytes(magic)!r} and a message of {mlen} bytes "
+                             f"where a frame was due")
+            message = bytearray(mlen)
+            self._read(memoryview(message))
+            self.pending = (mlen, index, length, message)
+        elif self.pending is None:
+            raise Failed("a READ of a frame's payload with no frame begun")
+        mlen, index, length, message = self.pending
+        if length + mlen > size:
+            if op == b"P":
+                raise Failed(f"a buffer of {size} bytes for a frame of {length + mlen}")
+            self._send(FRAME.pack(b"S", mlen, index, length))
+            return True
+        with memoryview(self.maps[buf_id]) as whole:  # (released: the mapping can close)
+            self._read(whole[:length])
+            whole[length:length + mlen] = message
+        self.pending = None
+        self._send(FRAME.pack(b"M", mlen, index, length))
+        return True
+
     def _connect(self) -> socket.socket:
         spec = self.spec
         try:
@@ -138,9 +189,11 @@ class Connection:
         sock.settimeout(self.slice_s)
         return sock
 
-    def _read(self, view: memoryview) -> None:
-        """Fill ``view`` from the data connection; Failed on a silent (``timeout``), closed or
-        broken one; returns early (OSError) when the trainer closes the pair."""
+    def _read(self, view: memoryview, idle: bool = False) -> bool:
+        """Fill ``view`` from the data connection (True); Failed on a silent (``timeout``), closed
+        or broken one; raises OSError when the trainer closes the pair. ``idle`` (a frame's header,
+        between batches): no time limit before the first byte, and False if the connection
+        closes before it."""
         got, total, last = 0, len(view), time.monotonic()
         while got < total:
             try:
@@ -151,16 +204,21 @@ class Connection:
                     if msg[:1] != b"C":
                         raise OSError("the trainer closed the connection") from None
                     self._control(msg)
-                if time.monotonic() - last > self.spec["timeout"]:
+                if idle and not got:
+                    last = time.monotonic()
+                elif time.monotonic() - last > self.spec["timeout"]:
                     raise Failed(f"{self.where} brought no byte for {self.spec['timeout']:g} s") from None
                 continue
             except (OSError, ssl.SSLError) as e:
                 raise Failed(f"the data connection to {self.where} broke: "
                              f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
             if not n:
+                if idle and not got:
+                    return False
                 raise Failed(f"{self.where} closed its data connection ({got} of {total} bytes read)")
             got += n
             last = time.monotonic()
+        return True
 
     def _control(self, msg: bytes) -> None:
         """Write a control frame (``C`` + the frame) on the data connection; Failed if it broke."""
@@ -195,7 +253,8 @@ def main(argv: list[str]) -> int:
             return 0  # the trainer closed the relay, or died
         if not got:
             continue
-        conn = Connection(socket.socket(fileno=got[0]), json.loads(msg), header, magic, slice_s)
+        conn = Connection(socket.socket(fileno=got[0]), json.loads(msg), header, magic, slice_s,
+                          spec["message_magic"].encode("latin-1"), spec["max_message"])
         threading.Thread(target=conn.run, name="relay-connection", daemon=True).start()
 
 

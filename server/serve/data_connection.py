@@ -60,17 +60,21 @@ class DataConnection:
         self.bytes_sent = 0
 
     def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int,
-             cancelled: Callable[[], bool] = _never) -> None:
-        """Write batch ``batch_index``: its header, then ``length`` payload bytes, each piece's
+             cancelled: Callable[[], bool] = _never, message: bytes | None = None) -> int:
+        """Write batch ``batch_index``: its header, its serialized ``Batch`` ``message`` if given
+        (in band: ``datawire.MESSAGE_MAGIC``), then ``length`` payload bytes, each piece's
         ``nbytes`` from ``slot`` at ``source`` put at ``offset`` (``datawire.payload_layout``).
         When it returns, the bytes are in the kernel's socket buffer (copied): the slot may be
-        reused at once.
+        reused at once. Returns the bytes written.
 
         Raises ConnectionError (BrokenPipeError, ConnectionResetError...) if the client went
         away or the plane was closed, ConnectionAbortedError once ``cancelled()`` is true while
         the send waits for the client to read, ValueError if the pieces do not fit ``length``.
         """
-        out = bytearray(datawire.pack_header(batch_index, length))
+        out = bytearray(datawire.pack_header(batch_index, length, None if message is None else len(message)))
+        if message is not None:
+            out += message
+        total = len(out) + length
         at = 0
         self._cork(True)
         try:
@@ -95,8 +99,9 @@ class DataConnection:
             raise
         finally:
             self._cork(False)
-        self.bytes_sent += datawire.HEADER.size + length
-        self._plane._sent(datawire.HEADER.size + length)
+        self.bytes_sent += total
+        self._plane._sent(total)
+        return total
 
     def read_control(self, control: Any) -> None:
         """Read control frames until the connection closes (the call ended, the client went away)
@@ -198,12 +203,15 @@ class CallSender:
     cancelled(): whether the call ended (``not context.is_active()``): a wait for the client's
     connection, or a send to a client that stopped reading, ends then. control: the call's
     ``CallControl``, to read the client's control frames on the connection into (plain TCP
-    only: offered in ``metadata`` then), or None. Raises ConnectionAbortedError if the plane is
-    closed.
+    only: offered in ``metadata`` then), or None. messages: the client asked for its Batch
+    messages on the connection (``StreamBatchesRequest.data_messages``): offered in
+    ``metadata``, and each ``send`` then carries its message. Raises ConnectionAbortedError if
+    the plane is closed.
     """
 
-    def __init__(self, plane: DataPlane, cancelled: Callable[[], bool], control: Any = None):
+    def __init__(self, plane: DataPlane, cancelled: Callable[[], bool], control: Any = None, messages: bool = False):
         self.controls = control is not None and not plane.tls
+        self.messages = messages
         self.ticket = plane.expect(control if self.controls else None)
         self.port = plane.port
         self._cancelled = cancelled
@@ -211,18 +219,20 @@ class CallSender:
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """``batchd-data-port``, ``batchd-data-token`` and, where control frames are read,
-        ``batchd-data-control`` (``batchd.datawire.metadata``)."""
-        return datawire.metadata(self.port, self.ticket.token, control=self.controls)
+        ``batchd-data-control``; where Batch messages go on it, ``batchd-data-messages``
+        (``batchd.datawire.metadata``)."""
+        return datawire.metadata(self.port, self.ticket.token, control=self.controls, messages=self.messages)
 
-    def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int) -> int:
-        """Write one batch's payload (``DataConnection.send``), first waiting for the client's
-        connection (``Ticket.wait``); returns the bytes written (header included). Raises
+    def send(self, batch_index: int, slot: Segment, pieces: Sequence[datawire.Piece], length: int,
+             message: bytes | None = None) -> int:
+        """Write one batch's payload, after its ``message`` if given (``DataConnection.send``),
+        first waiting for the client's connection (``Ticket.wait``); returns the bytes written
+        (header and message included). Raises
         ConnectionError (the client did not connect in time, or went away),
         ConnectionAbortedError (the call ended, the plane closed)."""
         if self._connection is None:
             self._connection = self.ticket.wait(self._cancelled)
-        self._connection.send(batch_index, slot, pieces, length, self._cancelled)
-        return datawire.HEADER.size + length
+        return self._connection.send(batch_index, slot, pieces, length, self._cancelled, message)
 
     def close(self) -> None:
         """The call ended: withdraw the token, close the connection (the client reads its end)."""

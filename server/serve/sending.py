@@ -48,6 +48,8 @@ class BatchSending:
         data connection, written once gRPC has taken the message (the client reads the message,
         then the payload: written the other way round, a payload larger than the sockets' buffers
         would wait for a client that waits for its message). The batch's slot is held until then.
+        Where the client asked for its messages on the data connection (``sender.messages``),
+        each goes there, in front of its payload, and nothing is yielded on the call.
         A data connection that breaks ends the call UNAVAILABLE (the client resumes elsewhere).
         """
         end = _Ending()
@@ -128,13 +130,16 @@ class BatchSending:
     def _send_payload(self, stream: Stream, batch, data: bytes, sender: CallSender, context: grpc.ServicerContext,
                       end: _Ending):
         """Yield the batch's message ``data``, then write its payload on the call's data connection
-        (once gRPC has taken the message) and let go of the batch. Returns False if the call ends
+        (once gRPC has taken the message), or write both there (``sender.messages``: the
+        message in band, nothing yielded), and let go of the batch. Returns False if the call ends
         (``end.reason`` says why); a connection that broke while the client is still there ends
         the call UNAVAILABLE (the client resumes elsewhere)."""
         sent = False
         try:
-            yield data
-            stream.data_bytes_sent += sender.send(batch.batch_index, batch.slot, *socket_payload(batch))
+            if not sender.messages:
+                yield data
+            stream.data_bytes_sent += sender.send(batch.batch_index, batch.slot, *socket_payload(batch),
+                                                  message=data if sender.messages else None)
             sent = True
         except ConnectionAbortedError:
             end.reason = "cancelled by the client"

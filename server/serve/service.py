@@ -209,7 +209,8 @@ class BatchLoaderService(BatchSending):
             args = dataclasses.replace(args, start_batch=0, batch_stride=0, batch_offset=0, end_batch=0, prefetch=0,
                                        granted=True)
             if args.transport == "socket":
-                sender = self._data_sender(context, control) if args.compression == "none" else None
+                sender = (self._data_sender(context, control, request.data_messages)
+                          if args.compression == "none" else None)
                 if sender is None:  # no data plane here, or the client asked for compressed bytes: inline
                     args = dataclasses.replace(args, transport="inline")
             stream = self._open(request, args, context, sender.metadata() if sender is not None else ())
@@ -222,13 +223,15 @@ class BatchLoaderService(BatchSending):
                 control.detach()
             self._leave()
 
-    def _data_sender(self, context: grpc.ServicerContext, control: CallControl) -> CallSender | None:
-        """The call's side of the data plane (its token, then its connection), or None: the server
-        has none (``data_plane.enabled: false``, a unix:-only server) or it is closing."""
+    def _data_sender(self, context: grpc.ServicerContext, control: CallControl, messages: bool) -> CallSender | None:
+        """The call's side of the data plane (its token, then its connection; ``messages``: the
+        Batch messages go on it too), or None: the server has none (``data_plane.enabled:
+        false``, a unix:-only server) or it is closing."""
         if self.data_plane is None:
             return None
         try:
-            return CallSender(self.data_plane, cancelled=lambda: not context.is_active(), control=control)
+            return CallSender(self.data_plane, cancelled=lambda: not context.is_active(), control=control,
+                              messages=messages)
         except ConnectionAbortedError:
             return None
 

@@ -142,7 +142,7 @@ class Pipeline(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., albumentations_json: _Optional[str] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding", "start_position", "end_batch", "hedge", "expect_num_samples", "expect_fingerprint", "expect_build_fingerprint")
+    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding", "start_position", "end_batch", "hedge", "expect_num_samples", "expect_fingerprint", "expect_build_fingerprint", "data_messages")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class StreamBatchesRequest(_message.Message):
     EXPECT_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXPECT_BUILD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DATA_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     pipeline: Pipeline
     batch_size: int
@@ -191,7 +192,8 @@ class StreamBatchesRequest(_message.Message):
     expect_num_samples: int
     expect_fingerprint: str
     expect_build_fingerprint: str
-    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ..., expect_num_samples: _Optional[int] = ..., expect_fingerprint: _Optional[str] = ..., expect_build_fingerprint: _Optional[str] = ...) -> None: ...
+    data_messages: bool
+    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ..., expect_num_samples: _Optional[int] = ..., expect_fingerprint: _Optional[str] = ..., expect_build_fingerprint: _Optional[str] = ..., data_messages: _Optional[bool] = ...) -> None: ...
 
 class BatchesControl(_message.Message):
     __slots__ = ("open", "grant", "revoke", "release", "progress", "done")
