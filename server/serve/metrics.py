@@ -133,6 +133,8 @@ def _server_families(s: "stats.ServerStats"):
                    "included).", t.control_messages)
     yield _counter("batchd_control_frames", "Control frames (grants, revokes, progress) read on data connections "
                    "instead of Batches calls.", t.control_frames)
+    yield _counter("batchd_data_messages", "Batch messages sent on data connections in front of their payloads "
+                   "instead of on Batches calls.", t.data_messages)
     yield _counter("batchd_batches_granted", "Batch indices granted on Batches calls.", t.batches_granted)
     yield _counter("batchd_batches_revoked", "Batch indices revoked on Batches calls before they were sent.",
                    t.batches_revoked)

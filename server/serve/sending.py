@@ -140,6 +140,8 @@ class BatchSending:
                 yield data
             stream.data_bytes_sent += sender.send(batch.batch_index, batch.slot, *socket_payload(batch),
                                                   message=data if sender.messages else None)
+            if sender.messages:
+                self.loader.count("data_messages", 1)
             sent = True
         except ConnectionAbortedError:
             end.reason = "cancelled by the client"

@@ -55,14 +55,15 @@ def test_the_server_tells_the_client_the_datasets_on_error(server):
     assert describe_dataset(server.address, "skip").on_error == "skip"
 
 
+@pytest.mark.parametrize("transport", ["auto", "socket"])
 @pytest.mark.parametrize("decode_on_client", [False, True])
-def test_an_undecodable_file_fails_the_epoch_naming_the_sample(server, decode_on_client):
+def test_an_undecodable_file_fails_the_epoch_naming_the_sample(server, decode_on_client, transport):
     with pytest.raises(SampleError) as info:
-        _epoch(server, "raise", decode_on_client=decode_on_client)
+        _epoch(server, "raise", decode_on_client=decode_on_client, transport=transport)
     assert info.value.dataset == "raise" and info.value.index == BAD[0]
 
 
-@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("transport", ["shm", "inline", "socket"])
 def test_an_undecodable_file_is_skipped_as_the_server_skips_it(server, transport):
     served = _epoch(server, "skip", transport=transport)
     decoded_here = _epoch(server, "skip", transport=transport, decode_on_client=True)

@@ -85,6 +85,28 @@ def test_grants_and_progress_go_on_the_data_connection_not_on_the_call(server, r
     assert after.batches_granted - before.batches_granted == N_TEST // BATCH
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["in-the-trainer", "relay"])
+def test_batch_messages_come_on_the_data_connection_or_on_the_call_from_a_server_that_sends_them_there(
+        server, relay, monkeypatch):
+    """The client asks for its Batch messages on the data connection (``data_messages``): none
+    on the call; a server that does not do so (an older one: no ``batchd-data-messages`` in its
+    metadata) sends them on the call, and the client reads them there: the same bytes."""
+    want = read(server.address, "shm")
+    before = get_stats(server.address).totals
+    assert read(server.address, "socket", relay=relay) == want
+    middle = get_stats(server.address).totals
+    assert middle.data_messages - before.data_messages == N_TEST // BATCH
+    from batchd.server.serve import data_connection
+
+    real = data_connection.CallSender.__init__
+    monkeypatch.setattr(data_connection.CallSender, "__init__",
+                        lambda self, *a, messages=False, **k: real(self, *a, **k))
+    assert read(server.address, "socket", relay=relay) == want
+    after = get_stats(server.address).totals
+    assert after.data_messages == middle.data_messages
+    assert after.data_plane_bytes_sent > middle.data_plane_bytes_sent
+
+
 def test_auto_picks_the_data_plane_for_a_remote_server_and_shared_memory_on_this_host(server, monkeypatch):
     with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=BATCH) as ld:
         next(iter(ld))

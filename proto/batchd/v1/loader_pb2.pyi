@@ -438,7 +438,7 @@ class PoolStats(_message.Message):
     def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., cpu_quota: _Optional[float] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ..., worker_stats: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., scheduler_rounds: _Optional[int] = ..., scheduler_waits: _Optional[int] = ..., scheduler_timeouts: _Optional[int] = ..., scheduler_wakeups: _Optional[int] = ..., scheduler_dispatches: _Optional[int] = ..., scheduler_passes: _Optional[int] = ...) -> None: ...
 
 class StatsTotals(_message.Message):
-    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent", "describe_dataset_calls", "list_datasets_calls", "release_leases_calls", "stats_calls", "batches_calls_started", "control_messages", "batches_granted", "batches_revoked", "leases_released_on_calls", "leases_released_by_rpc", "control_frames", "bytes_copied_socket", "data_plane_bytes_sent", "data_connections_accepted", "data_connections_refused")
+    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent", "describe_dataset_calls", "list_datasets_calls", "release_leases_calls", "stats_calls", "batches_calls_started", "control_messages", "batches_granted", "batches_revoked", "leases_released_on_calls", "leases_released_by_rpc", "control_frames", "data_messages", "bytes_copied_socket", "data_plane_bytes_sent", "data_connections_accepted", "data_connections_refused")
     STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +463,7 @@ class StatsTotals(_message.Message):
     LEASES_RELEASED_ON_CALLS_FIELD_NUMBER: _ClassVar[int]
     LEASES_RELEASED_BY_RPC_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DATA_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_SOCKET_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     DATA_CONNECTIONS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -491,11 +492,12 @@ class StatsTotals(_message.Message):
     leases_released_on_calls: int
     leases_released_by_rpc: int
     control_frames: int
+    data_messages: int
     bytes_copied_socket: int
     data_plane_bytes_sent: int
     data_connections_accepted: int
     data_connections_refused: int
-    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ..., hedge_streams_started: _Optional[int] = ..., hedge_batches_built: _Optional[int] = ..., hedge_batches_sent: _Optional[int] = ..., describe_dataset_calls: _Optional[int] = ..., list_datasets_calls: _Optional[int] = ..., release_leases_calls: _Optional[int] = ..., stats_calls: _Optional[int] = ..., batches_calls_started: _Optional[int] = ..., control_messages: _Optional[int] = ..., batches_granted: _Optional[int] = ..., batches_revoked: _Optional[int] = ..., leases_released_on_calls: _Optional[int] = ..., leases_released_by_rpc: _Optional[int] = ..., control_frames: _Optional[int] = ..., bytes_copied_socket: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ..., data_connections_accepted: _Optional[int] = ..., data_connections_refused: _Optional[int] = ...) -> None: ...
+    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ..., hedge_streams_started: _Optional[int] = ..., hedge_batches_built: _Optional[int] = ..., hedge_batches_sent: _Optional[int] = ..., describe_dataset_calls: _Optional[int] = ..., list_datasets_calls: _Optional[int] = ..., release_leases_calls: _Optional[int] = ..., stats_calls: _Optional[int] = ..., batches_calls_started: _Optional[int] = ..., control_messages: _Optional[int] = ..., batches_granted: _Optional[int] = ..., batches_revoked: _Optional[int] = ..., leases_released_on_calls: _Optional[int] = ..., leases_released_by_rpc: _Optional[int] = ..., control_frames: _Optional[int] = ..., data_messages: _Optional[int] = ..., bytes_copied_socket: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ..., data_connections_accepted: _Optional[int] = ..., data_connections_refused: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("uptime_seconds", "version", "streams", "pool", "totals", "cache")
