@@ -16,8 +16,9 @@ TCP connection of its own beside the call (plain, or TLS when the gRPC port uses
   below), the client may write on the same connection, after its token, the call's grants and
   revokes: each a ``CONTROL`` header (8 bytes, little-endian: magic ``b"BDC1"``, length u32)
   and a serialized ``BatchesControl`` carrying ``grant``, ``revoke`` and ``progress`` only
-  (``open``, ``done`` and ``release`` stay on the call), applied as if they came on the call. A grant written there costs the client one ``send`` in the thread that grants, where
-  one on the call wakes gRPC's request thread and its channel thread (Table 18). Not with TLS:
+  (``open``, ``done`` and ``release`` stay on the call), applied as if they came on the call. A
+  grant written there costs the client one ``send`` in the thread that grants, where one on the
+  call wakes gRPC's request thread and its channel thread (Table 18). Not with TLS:
   the server's sends and reads would then share one ``SSLSocket`` from two threads, which
   OpenSSL does not allow.
 * where the client asked for it (``StreamBatchesRequest.data_messages``) and the server says so

@@ -12,7 +12,7 @@ The layout follows the flow of a measurement:
   slow storage (``fusefs``), a ready-made dataset (``synthetic``), the training loop (``trainer``);
 - ``cuda/``: the benchmarks that need a GPU;
 - ``probes/``: measurements outside the numbered tables (``control_path``,
-  ``dataplane_pieces``, ``control_frames``, ``soak``);
+  ``dataplane_pieces``, ``in_band``, ``soak``);
 - at the top: what every table shares: ``common``, ``measure`` (timing, /proc accounting),
   ``noise``, ``machine``, ``report`` (results.json -> results.md), ``chart``, ``fragments``
   (results.json -> the pieces the docs include), ``settings``.

@@ -9,7 +9,7 @@ a copy of ``headline.md`` between ``<!-- headline -->`` and ``<!-- /headline -->
 current).
 
 Probes outside the numbered tables that keep their figures in results.json too (``PROBES``:
-``python -m bench.probes.batch_rate``, ``python -m bench.probes.control_frames``) get a fragment the same way, named after the probe.
+``python -m bench.probes.batch_rate``, ``python -m bench.probes.in_band``) get a fragment the same way, named after the probe.
 
 Each table's fragment starts with its caption: the title, when and on which machine it ran, the
 script that measures it and how busy the shared machine was; the table follows as results.md
@@ -46,9 +46,9 @@ HEADLINE = (
 def probes() -> tuple:
     """The probes (bench/probes/) whose figures results.json keeps under their ``NAME``: each has
     ``NAME``, ``TITLE``, ``render(r)`` and ``targets(r)`` as a table module has."""
-    from bench.probes import batch_rate, control_frames
+    from bench.probes import batch_rate, in_band
 
-    return (batch_rate, control_frames)
+    return (batch_rate, in_band)
 
 
 def when(r: dict) -> str:

@@ -9,7 +9,10 @@ host; the client certificate presented if given) and sends the call's one-time t
 the payload with ``socket.recv_into`` straight into a buffer of a ``BufferPool``
 (client/buffers.py) and returns the batch's tensors as views of it. The kernel copies each byte
 once, into that buffer, and the wait releases the GIL (with TLS, the decryption runs here too,
-also off the GIL).
+also off the GIL). Where the call's Batch messages come on the connection too (in-band frames,
+``datawire.MESSAGE_MAGIC``), ``DataSocket.receive_next`` reads the next frame whole: header,
+message, payload; ``None`` once the server closed the connection between frames (the call's
+status follows on the call).
 
 Never hang: every read waits at most ``SLICE_S`` before looking at ``stopping``, and a
 connection that brings no byte for ``timeout`` seconds is a broken one. Every failure is a

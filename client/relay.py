@@ -15,8 +15,11 @@ for a batch, one to hear it arrived, and tensors that are views of a buffer it m
   shared memory, mapped here as a uint8 tensor; a buffer's fd goes to the relay once per
   connection, which maps it once, so a buffer reused batch after batch costs no page faults.
 * ``RelayedSocket`` is one connection, with ``DataSocket``'s interface (client/dataplane.py):
-  ``receive`` sends ``READ`` with the buffer and waits for ``DONE``; the header's checks and the
-  ``timeout`` run in the relay, and its errors come back with their text. ``send_control``
+  ``receive`` sends ``READ`` with the buffer and waits for ``DONE``; ``receive_next`` (the
+  call's messages in band) sends ``N`` with a buffer the size of the last frame and gets the
+  message after the payload (``M``; ``S`` then ``P`` when it does not fit; ``F`` at the
+  connection's end). The header's checks and the ``timeout`` run in the relay, and its errors
+  come back with their text. ``send_control``
   sends ``C`` + a control frame (the call's grants and revokes), which the relay writes on the
   data connection (plain TCP only, as ``DataSocket``).
 

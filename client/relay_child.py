@@ -22,7 +22,14 @@ Protocol (AF_UNIX SOCK_SEQPACKET: one message per send; fds by SCM_RIGHTS):
   buffer on this connection. The relay reads the 24-byte header, checks magic, index and length,
   reads the payload straight into the buffer (``recv_into``: one kernel copy, in this process)
   and answers ``D`` + the bytes read (``DONE``), or ``E`` + the error's text, after which the
-  connection is closed. The trainer may also send ``C`` + a control frame (the call's grants
+  connection is closed. Where the call's Batch messages come on the data connection (in-band
+  frames, ``BDM1``), the trainer sends ``N`` instead (``REQUEST`` with a buffer, the other
+  fields 0): the relay waits for the next frame's header with no time limit (the trainer watches
+  the call), reads its message, then its payload into the buffer with the message right after
+  it, and answers ``M`` (``FRAME``: message length, batch index, payload length); a buffer
+  smaller than both gets ``S`` (the same fields, nothing written), and the trainer sends ``P``
+  with a larger one; the server closing the connection between frames gets ``F``, after which
+  the connection is closed. The trainer may also send ``C`` + a control frame (the call's grants
   and revokes), which the relay writes on the data connection as it is (no answer). EOF on
   the pair (the trainer closed the connection) ends the thread and closes the data
   connection, also while a read waits (it looks every SLICE seconds; a control frame waiting

@@ -1,10 +1,12 @@
 """A data connection, server side: writing one batch's bytes on it (``DataConnection.send``),
 and a Batches call's side of the data plane (``CallSender``: its token, then its connection).
 
-``DataConnection.send`` writes one batch: the 24-byte header, then its tensors at the payload
-offsets ``batchd.datawire.payload_layout`` chose, zeros between them: large tensors straight from
-the mapped slot (``send``: the kernel copies them into the socket buffer, off the GIL), the
-header, small tensors and padding gathered into one ``send``, the whole batch under
+``DataConnection.send`` writes one batch: the 24-byte header (and, for a call whose client asked
+for its messages in band, the serialized ``Batch`` message: ``datawire.MESSAGE_MAGIC``), then its
+tensors at the payload offsets ``batchd.datawire.payload_layout`` chose, zeros between them:
+large tensors straight from the mapped slot (``send``: the kernel copies them into the socket
+buffer, off the GIL), the header, message, small tensors and padding gathered into one
+``send``, the whole batch under
 ``TCP_CORK``; with TLS through ``SSLSocket.send`` (encryption here, off the GIL too). Not
 ``os.sendfile`` from the slot's ``/dev/shm`` file: TCP's sendfile hands the file's pages to the
 socket by reference, so a slot reused once the send returned changed bytes not yet read by the

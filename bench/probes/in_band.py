@@ -1,15 +1,17 @@
-"""Control frames on and off: what writing grants on the data connection instead of the gRPC call
-saves the trainer, and costs the server and the relay.
+"""What the data connection takes off the gRPC call: Batch messages in band and control frames,
+on and off, for the trainer, the server and the relay.
 
-    python -m bench.probes.control_frames [--quick] [--repeats N]
+    python -m bench.probes.in_band [--quick] [--repeats N]
 
 Table 18's part 1 (``bench.tables.table_network._cost``: 9.6 MB batches of ready-made frames, a
-pure-Python step per batch, the relay's data plane) at 0.1 and 0.3 GB/s, the same build twice in
-alternation: as shipped (the server offers ``batchd-data-control``, so the loop's grants,
-revokes and progress go as frames on the data connection: docs/design/network-path.md) and with
-the offer ignored (``batchd.client.call``'s check of it replaced by one that says no, so every
-control message goes on the call, as before control frames). Medians of the rounds: trainer,
-server main process and relay CPU per GB, and the step's slowdown, as Table 18 counts them.
+pure-Python step per batch, the relay's data plane) at 0.1 and 0.3 GB/s, the same build three
+times in alternation: as shipped (each batch's message in front of its payload on the data
+connection, and the loop's grants, revokes and progress as frames there:
+docs/design/network-path.md); with the messages on the call (the client's ``open`` does not ask
+for ``data_messages``, as before in-band messages); and with the control frames' offer ignored
+too (``batchd.client.call``'s check of it replaced by one that says no: everything on the call,
+as before control frames). Medians of the rounds: trainer, server main process and relay CPU
+per GB, and the step's slowdown, as Table 18 counts them.
 """
 
 from __future__ import annotations
@@ -23,18 +25,24 @@ from bench.measure import median
 from bench.noise import measure
 from bench.report import md_table
 
-NAME = "control_frames"
-TITLE = "Control frames on and off: trainer, server and relay CPU per GB (the relay's data plane)"
+NAME = "in_band"
+TITLE = "Batch messages and control frames on the data connection, on and off: trainer, server and relay CPU per GB"
 RATES = (0.1, 0.3)
-MODES = ("frames", "call")
+MODES = ("in band", "frames", "call")  # messages and grants on the data connection; grants only; neither
 KEYS = ("trainer", "server", "relay", "slowdown")
 
 
 def run(s, log=print) -> dict:
-    from batchd.client import call
+    from batchd.client import call, connection
     from bench.tables import table_network as tn
 
-    offered = call.datawire.controls
+    offered, request = call.datawire.controls, connection.ServerConnection.request
+
+    def on_the_call(self, *a, **k):  # the messages on the call: the client does not ask for them in band
+        r = request(self, *a, **k)
+        r.data_messages = False
+        return r
+
     rounds = s.pick(max(3, s.repeats), 1)
     batches = {r: s.pick(max(40, int(60 * r / 0.3)), 12) for r in RATES}
     steps = {r: tn.PyStep(tn.BATCH_BYTES / (r * 1e9)) for r in RATES}
@@ -45,22 +53,25 @@ def run(s, log=print) -> dict:
         tn._cost(srv, "relay", steps[RATES[0]], 4, seed=1)  # workers warm, the relay started
         try:
             for rnd in range(rounds):
-                for k, mode in enumerate(MODES[rnd % 2:] + MODES[:rnd % 2]):
-                    call.datawire.controls = offered if mode == "frames" else (lambda metadata: False)
+                for k, mode in enumerate(MODES[rnd % 3:] + MODES[:rnd % 3]):
+                    call.datawire.controls = offered if mode != "call" else (lambda metadata: False)
+                    connection.ServerConnection.request = request if mode == "in band" else on_the_call
                     for r in RATES:
                         got.setdefault((r, mode), []).append(
                             measure(lambda: tn._cost(srv, "relay", steps[r], batches[r], seed=100 * rnd + k)))
-                log(f"  control_frames: round {rnd + 1}/{rounds} done")
+                log(f"  {NAME}: round {rnd + 1}/{rounds} done")
         finally:
-            call.datawire.controls = offered
+            call.datawire.controls, connection.ServerConnection.request = offered, request
     rows = {(r, m): {key: median(x[key] for x in got[(r, m)]) for key in KEYS} for r in RATES for m in MODES}
     return {"rows": [{"rate": r, "mode": m, **rows[(r, m)]} for r in RATES for m in MODES], "rounds": rounds,
             "batches": batches}
 
 
 def render(r: dict) -> str:
-    head = ["offered", "grants", "trainer CPU s/GB", "server main CPU s/GB", "relay CPU s/GB", "step vs alone"]
-    label = {"frames": "frames on the data connection", "call": "messages on the call"}
+    head = ["offered", "on the data connection", "trainer CPU s/GB", "server main CPU s/GB", "relay CPU s/GB",
+            "step vs alone"]
+    label = {"in band": "Batch messages and grants", "frames": "grants (messages on the call)",
+             "call": "nothing (all on the call)"}
     rows = [[f"{x['rate']:g} GB/s", label[x["mode"]], f"{x['trainer']:.3f}", f"{x['server']:.3f}",
              f"{x['relay']:.3f}", f"{x['slowdown']:.3f}x"] for x in r["rows"]]
     return md_table(head, rows) + (
@@ -73,15 +84,15 @@ def targets(r: dict) -> list[dict]:
     def row(rate, mode):
         return next(x for x in r["rows"] if x["rate"] == rate and x["mode"] == mode)
 
-    return [{"name": f"frames save the trainer CPU at {rate:g} GB/s", "passed":
-             row(rate, "frames")["trainer"] < row(rate, "call")["trainer"],
-             "detail": f"{row(rate, 'frames')['trainer']:.3f} vs {row(rate, 'call')['trainer']:.3f} s/GB"}
-            for rate in RATES]
+    return [{"name": f"in-band messages save the {who} CPU at {rate:g} GB/s", "passed":
+             row(rate, "in band")[key] < row(rate, "frames")[key],
+             "detail": f"{row(rate, 'in band')[key]:.3f} vs {row(rate, 'frames')[key]:.3f} s/GB"}
+            for rate in RATES for who, key in (("trainer", "trainer"), ("server's main", "server"))]
 
 
 def main(argv=None) -> int:
     """Run the probe, print the table, keep it in results.json and write its fragment
-    (``fragments/control_frames.md``, which docs/design/network-path.md includes)."""
+    (``fragments/in_band.md``, which docs/design/network-path.md includes)."""
     import argparse
     import pathlib
     import time
