@@ -170,14 +170,9 @@ class DataSocket(Closable):
                 f"the data connection of the batchd server at {self.address} sent a header for batch {index} of "
                 f"{sent} bytes (magic {bytes(magic)!r}) where batch {batch.batch_index} of {length} bytes "
                 f"(magic {datawire.MAGIC!r}) was due")
-        buf = pool.take(length)
-        try:
-            self._read_into(memoryview(buf.numpy())[:length], stopping)
-        except BaseException:
-            pool.give_back(buf)
-            raise
+        payload = self._payload(batch, length, pool, stopping)
         self.last_received = datawire.HEADER.size + length
-        return buffers.tensors(batch, buf, length, pool.give_back)
+        return payload
 
     def receive_next(self, pool: buffers.BufferPool, stopping: threading.Event | None = None,
                      ended: Callable[[], bool] | None = None) -> tuple[wire.WireBatch, int] | None:
@@ -205,15 +200,20 @@ class DataSocket(Closable):
         message = bytearray(size)
         self._read_into(memoryview(message), stopping)
         batch = framed_batch(bytes(message), index, length, self.address)
+        batch = dataclasses.replace(batch, payload=self._payload(batch, length, pool, stopping))
+        self.last_received = datawire.HEADER.size + size + length
+        return batch, self.last_received
+
+    def _payload(self, batch: wire.WireBatch, length: int, pool: buffers.BufferPool,
+                 stopping: threading.Event | None) -> dict[str, fields.Field]:
+        """``length`` payload bytes read into a buffer of ``pool``: ``batch``'s fields as views of it."""
         buf = pool.take(length)
         try:
             self._read_into(memoryview(buf.numpy())[:length], stopping)
         except BaseException:
             pool.give_back(buf)
             raise
-        self.last_received = datawire.HEADER.size + size + length
-        return dataclasses.replace(batch, payload=buffers.tensors(batch, buf, length, pool.give_back)), \
-            self.last_received
+        return buffers.tensors(batch, buf, length, pool.give_back)
 
     def send_control(self, frame: bytes) -> None:
         """Write one control frame (``batchd.datawire.pack_control``); one writer at a time (the

@@ -33,8 +33,8 @@ counts). A buffer the relay may still be writing (a receive abandoned mid-read) 
 from __future__ import annotations
 
 import array
-import dataclasses
 import atexit
+import dataclasses
 import itertools
 import json
 import logging

@@ -66,7 +66,7 @@ class Connection:
     """One data connection and its pair to the trainer (one thread)."""
 
     def __init__(self, pair: socket.socket, spec: dict, header: struct.Struct, magic: bytes, slice_s: float,
-                 frame_magic: bytes = b"", max_message: int = 0):
+                 frame_magic: bytes, max_message: int):
         self.pair, self.spec, self.header, self.magic, self.slice_s = pair, spec, header, magic, slice_s
         self.frame_magic, self.max_message = frame_magic, max_message  # an in-band frame's header (N)
         self.where = f"the data port {spec['port']} of the batchd server at {spec['address']}"
@@ -96,22 +96,13 @@ class Connection:
                         return
                     continue
                 op, buf_id, index, length, size = REQUEST.unpack(msg)
-                if op in (b"N", b"P"):
-                    try:
-                        if got:
-                            self.maps.setdefault(buf_id, mmap.mmap(got[0], size))
-                        if not self._frame(op, buf_id, size):
-                            return
-                    except Failed as e:
-                        self._send(b"E" + str(e).encode())
-                        return
-                    finally:
-                        for fd in got:
-                            os.close(fd)
-                    continue
                 try:
                     if got:
                         self.maps.setdefault(buf_id, mmap.mmap(got[0], size))
+                    if op in (b"N", b"P"):  # an in-band frame (answered in _frame)
+                        if not self._frame(op, buf_id, size):
+                            return
+                        continue
                     self._read(memoryview(self.head))
                     magic, _, sent_index, sent = self.header.unpack(self.head)
                     if magic != self.magic or sent_index != index or sent != length:
