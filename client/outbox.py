@@ -22,7 +22,8 @@ waits on its queue up to ``_DIRECT_POLL_S``: nothing but an abort, which wakes i
 look for). A grant that way costs one
 ``send``; on the call it wakes gRPC's request thread and its channel thread, which then take
 the GIL from the training loop (Table 18, issue 28). A send that fails puts the message back
-on the call (the connection broke: the call breaks with it and is resumed).
+on the call, the progress it carried included (the connection broke: the call breaks with it
+and is resumed).
 
 ``release(lease)`` may be called from anywhere, a ``weakref.finalize`` callback included (the
 outbox's lock is re-entrant, and it only appends). Once the outbox is closed it returns False and
@@ -82,6 +83,7 @@ class Outbox:
         self._last_progress = time.monotonic()
         self._pairs = False  # a release was queued: grants wait a little for the next one
         self._direct: Callable[[bytes], None] | None = None  # sends a control frame on the data connection
+        self._unsent_progress: pb.StreamProgress | None = None  # in a frame that could not be sent: on the call
         self.frames = 0  # control frames sent on the data connection
         self.recent_releases: collections.deque[int] = collections.deque(maxlen=_RECENT_RELEASES)
         self.messages = 0  # messages handed to gRPC (the open included)
@@ -128,6 +130,7 @@ class Outbox:
         except (OSError, ValueError) as e:
             log.debug("a control frame could not be sent on the data connection (%s): on the call instead", e)
             self._direct = None
+            self._unsent_progress = progress  # (counted reported: the call's next message carries it)
             return False
         self.frames += 1
         return True
@@ -177,6 +180,9 @@ class Outbox:
                 self._hand_back(releases)  # (abort took what was still queued)
                 return
             progress = self._due_progress(force=closing) if closing or self._direct is None else None
+            if progress is None and self._unsent_progress is not None:
+                progress = self._unsent_progress
+            self._unsent_progress = None
             if grants or revokes or releases or progress is not None or closing:
                 message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases, done=closing)
                 if progress is not None:
