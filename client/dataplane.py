@@ -15,7 +15,8 @@ message, payload; ``None`` once the server closed the connection between frames 
 status follows on the call).
 
 Never hang: every read waits at most ``SLICE_S`` before looking at ``stopping``, and a
-connection that brings no byte for ``timeout`` seconds is a broken one. Every failure is a
+connection that brings no byte for ``timeout`` seconds (between two in-band frames: as long as
+the call lasts, then ``ENDED_GRACE_S``) is a broken one. Every failure is a
 ConnectionError naming the server (a broken data connection is a broken call, resumed as one):
 the header's magic, batch index or length not those the call's message announced, the
 connection closed or reset, the handshake refused.
@@ -48,6 +49,7 @@ from batchd.client.channel import TLS
 
 log = logging.getLogger("batchd.client.loader")
 SLICE_S = 0.25  # a blocked read looks at ``stopping`` this often
+ENDED_GRACE_S = 10.0  # seconds without a byte, once the call is over, before a frame's wait gives up
 
 
 def data_host(address: str) -> str | None:
@@ -182,8 +184,9 @@ class DataSocket(Closable):
         None once the server closed the connection between two batches (the call's status says
         how it ended).
 
-        Waits for the next header as long as the call lasts (``ended()``: the call is over, then
-        at most ``timeout`` seconds more for the server's close). Raises ConnectionError naming
+        Waits for the next header as long as the call lasts (``ended()``: the call is over; then
+        until ``ENDED_GRACE_S`` or ``timeout`` seconds, the shorter, pass without a byte: a server
+        whose host vanished sends no close, and the call's status says why). Raises ConnectionError naming
         the server for a header or message that is not a frame's, a payload length other than
         the message's, a connection that closed inside a frame, broke, or went silent inside one
         for ``timeout`` seconds; ConnectionAbortedError once ``stopping`` is set or the
@@ -231,8 +234,8 @@ class DataSocket(Closable):
     def _read_into(self, view: memoryview, stopping: threading.Event | None,
                    ended: Callable[[], bool] | None = None) -> bool:
         """Fill ``view``; True. With ``ended`` (a frame's header: between batches), waits for the
-        first byte while ``ended()`` is false, then ``timeout`` seconds more, and returns False
-        if the connection closes before that byte."""
+        first byte while ``ended()`` is false, then at most ``ENDED_GRACE_S`` seconds without a
+        byte, and returns False if the connection closes before that byte."""
         got, total = 0, len(view)
         last = time.monotonic()
         while got < total:
@@ -243,12 +246,16 @@ class DataSocket(Closable):
                     raise ConnectionAbortedError(f"stopped reading from {self.address}") from None
                 if self._closed:
                     raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
-                if ended is not None and not got and not ended():
-                    last = time.monotonic()  # between batches while the call lasts: no limit
-                    continue
-                if time.monotonic() - last > self.timeout:
+                limit = self.timeout
+                if ended is not None and not got:
+                    if not ended():
+                        last = time.monotonic()  # between batches while the call lasts: no limit
+                        continue
+                    limit = min(limit, ENDED_GRACE_S)
+                if time.monotonic() - last > limit:
                     raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} brought "
-                                                 f"no byte for {self.timeout:g} s") from None
+                                                 f"no byte for {limit:g} s"
+                                                 f"{' after its call ended' if limit < self.timeout else ''}") from None
                 continue
             except (OSError, ssl.SSLError) as e:
                 if self._closed:

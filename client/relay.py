@@ -257,7 +257,7 @@ class RelayedSocket(dataplane.Closable):
         relay into a buffer of ``pool`` sized as the last frame (``N``; a larger one after an
         ``S`` answer: ``P``), the message after the payload. None once the server closed the
         connection between batches (``F``). Raises as ``receive``; waits for the frame as long as
-        the call lasts (``ended()``), then ``timeout`` seconds more."""
+        the call lasts (``ended()``), then ``dataplane.ENDED_GRACE_S`` seconds more."""
         doing = f"receiving the next batch from {self.address}"
         buf = pool.take(self._frame_bytes)
         try:
@@ -319,8 +319,9 @@ class RelayedSocket(dataplane.Closable):
              ended: Callable[[], bool] | None = None) -> bytes:
         """The relay's next message on this connection. Raises ConnectionAbortedError once
         ``stopping`` is set or the socket closed, ConnectionError if the relay ended or nothing
-        came for ``limit`` seconds (None: the relay's own timeout, plus a margin; counted from
-        when ``ended()`` turns true, if given: the call is over)."""
+        came for ``limit`` seconds (None: the relay's own timeout, plus a margin). With ``ended``
+        (an in-band frame, which may be long in coming), no limit while the call lasts, then
+        ``dataplane.ENDED_GRACE_S`` seconds once ``ended()`` says it is over."""
         margin = limit if limit is not None else self.timeout + 10.0
         deadline = time.monotonic() + margin
         while True:
@@ -328,7 +329,7 @@ class RelayedSocket(dataplane.Closable):
                 data = self._sock.recv(65536)
             except TimeoutError:
                 if ended is not None and not ended():
-                    deadline = time.monotonic() + margin
+                    deadline = time.monotonic() + dataplane.ENDED_GRACE_S
                 if stopping is not None and stopping.is_set():
                     self.close()
                     raise ConnectionAbortedError(f"stopped reading from {self.address}") from None

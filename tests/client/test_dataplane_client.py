@@ -180,6 +180,32 @@ def test_a_server_that_closes_mid_payload_or_goes_silent_is_a_connection_error()
         assert time.monotonic() - t0 < 2.5
 
 
+def test_between_in_band_frames_the_wait_lasts_as_long_as_the_call_then_a_grace(monkeypatch):
+    """A frame may be long in coming (a slow pipeline): no limit while the call lasts, even past
+    ``timeout``; once the call is over, a server whose host vanished (no close) is given up after
+    ``ENDED_GRACE_S`` without a byte; a close between frames is the end (None)."""
+    from batchd.client import dataplane
+
+    monkeypatch.setattr(dataplane, "ENDED_GRACE_S", 0.5)
+    message = wire.encode_batch(5, 0, 10, [wire.WireTensor("label", "int64", (4,), offset=0)])
+    frame = datawire.pack_header(5, 32, len(message)) + message + np.arange(4, dtype=np.int64).tobytes()
+    listener, t = fake_server(lambda conn: (time.sleep(1.5), conn.sendall(frame), time.sleep(0.2)))
+    with listener, DataSocket.connect(f"127.0.0.1:{listener.getsockname()[1]}", listener.getsockname()[1],
+                                      bytes(32), timeout=0.5) as ds:
+        batch, nbytes = ds.receive_next(buffers.BufferPool(), ended=lambda: False)
+        assert batch.batch_index == 5 and batch.payload["label"].tolist() == [0, 1, 2, 3]
+        assert nbytes == len(frame)
+        assert ds.receive_next(buffers.BufferPool(), ended=lambda: False) is None  # closed between frames
+    t.join(5)
+    listener, t = fake_server(lambda conn: time.sleep(3))
+    with listener, DataSocket.connect(f"127.0.0.1:{listener.getsockname()[1]}", listener.getsockname()[1],
+                                      bytes(32), timeout=30) as ds:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="no byte for 0.5 s after its call ended"):
+            ds.receive_next(buffers.BufferPool(), ended=lambda: time.monotonic() - t0 > 0.5)
+        assert 0.7 < time.monotonic() - t0 < 2.5  # (the call ended at 0.5 s; slices of 0.25 s)
+
+
 @pytest.mark.parametrize("how", ["stopping", "close"])
 def test_a_receive_stops_promptly_when_stopped_or_closed(how):
     listener, t = fake_server(lambda conn: time.sleep(3))

@@ -11,14 +11,17 @@ also while a read waits.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import albumentations as A
+import numpy as np
 import pytest
 
 import batchd
@@ -155,6 +158,39 @@ def test_the_relay_checks_the_header_and_its_error_gives_the_buffer_back():
             rs.receive(PAYLOAD_BATCH, pool)
     t.join(5)
     assert pool.outstanding == 0 and pool.bytes_free > 0  # the relay answered: the buffer is reusable
+
+
+def _frame(index: int, n: int) -> bytes:
+    """An in-band frame (datawire.MESSAGE_MAGIC) of batch ``index``: ``n`` int64 labels 0..n-1."""
+    message = wire.encode_batch(index, 0, 10, [wire.WireTensor("label", "int64", (n,), offset=0)])
+    return datawire.pack_header(index, 8 * n, len(message)) + message + np.arange(n, dtype=np.int64).tobytes()
+
+
+def test_in_band_frames_through_the_relay_a_larger_buffer_when_one_does_not_fit_and_the_end(monkeypatch):
+    """Frames read by the relay: the first into a buffer too small (answered S, then read into a
+    larger one), the next into the buffer of the last size; the server's close between frames
+    is the end (None); a server silent once the call is over is given up after the grace."""
+    monkeypatch.setattr(dataplane, "ENDED_GRACE_S", 0.5)
+    pool = buffers.BufferPool(relay.shared().buffers)
+    listener, t = fake_data_server(lambda conn: (conn.sendall(_frame(3, 20_000) + _frame(4, 100)), time.sleep(0.5)))
+    with listener, _open(listener) as rs:
+        first, n1 = rs.receive_next(pool, ended=lambda: False)
+        assert first.batch_index == 3 and first.payload["label"].tolist() == list(range(20_000))
+        del first  # its buffer goes back: the next frame is read into it (the last frame's size)
+        gc.collect()
+        second, n2 = rs.receive_next(pool, ended=lambda: False)
+        assert second.batch_index == 4 and second.payload["label"].tolist() == list(range(100))
+        assert (n1, n2) == (len(_frame(3, 20_000)), len(_frame(4, 100)))
+        assert pool.allocated == 2, "the second frame did not reuse a buffer of the first one's size"
+        assert rs.receive_next(pool, ended=lambda: False) is None
+    t.join(5)
+    listener, t = fake_data_server(lambda conn: time.sleep(3))
+    with listener, _open(listener) as rs:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="did not answer in time"):
+            rs.receive_next(pool, ended=lambda: time.monotonic() - t0 > 0.5)
+        assert time.monotonic() - t0 < 2.5
+    t.join(5)
 
 
 class _Spy:
