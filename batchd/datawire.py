@@ -28,8 +28,8 @@ TCP connection of its own beside the call (plain, or TLS when the gRPC port uses
   header, then the payload. The call's status still ends the call: the server closes the data
   connection after its last frame, and the client reads the status once it sees that end
   between two frames. This saves a gRPC message per batch on both sides (the server's sending
-  thread waits for gRPC to take each one; the client's gRPC threads wake for each): Table 18.
-  TLS or not.
+  thread waits for gRPC to take each one; the client's gRPC threads wake for each):
+  ``python -m bench.probes.in_band``. TLS or not.
 """
 
 from __future__ import annotations
