@@ -201,9 +201,9 @@ def test_between_in_band_frames_the_wait_lasts_as_long_as_the_call_then_a_grace(
     with listener, DataSocket.connect(f"127.0.0.1:{listener.getsockname()[1]}", listener.getsockname()[1],
                                       bytes(32), timeout=30) as ds:
         t0 = time.monotonic()
+        # (without the grace: "no byte for 30 s", the data timeout)
         with pytest.raises(ConnectionError, match="no byte for 0.5 s after its call ended"):
             ds.receive_next(buffers.BufferPool(), ended=lambda: time.monotonic() - t0 > 0.5)
-        assert 0.7 < time.monotonic() - t0 < 2.5  # (the call ended at 0.5 s; slices of 0.25 s)
 
 
 @pytest.mark.parametrize("how", ["stopping", "close"])

@@ -189,7 +189,7 @@ def test_in_band_frames_through_the_relay_a_larger_buffer_when_one_does_not_fit_
         t0 = time.monotonic()
         with pytest.raises(ConnectionError, match="did not answer in time"):
             rs.receive_next(pool, ended=lambda: time.monotonic() - t0 > 0.5)
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 15, "not the grace: the relay's timeout (30 s) and its margin"
     t.join(5)
 
 

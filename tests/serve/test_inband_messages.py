@@ -40,9 +40,9 @@ def stub(server):
         yield loader_pb2_grpc.BatchLoaderStub(channel)
 
 
-def read_frames(server, call: RawBatches) -> tuple[list[tuple[int, str]], int, DataSocket]:
+def read_frames(server, call: RawBatches) -> tuple[list[tuple[int, str]], int]:
     """[(batch index, digest)] of every frame of ``call`` until the server closes its data
-    connection, the bytes read, and the (closed) socket."""
+    connection, and the bytes read."""
     metadata = call.call.initial_metadata()
     assert datawire.messages(metadata), "the server did not say the messages come on the data connection"
     port, token = datawire.offered(metadata)
@@ -53,7 +53,7 @@ def read_frames(server, call: RawBatches) -> tuple[list[tuple[int, str]], int, D
             assert not any(t.data for t in batch.tensors) and not batch.segment
             got.append((batch.batch_index, digest({k: v.numpy() for k, v in batch.payload.items()})))
             nbytes += n
-    return got, nbytes, ds
+    return got, nbytes
 
 
 def test_messages_in_band_give_the_bytes_of_messages_on_the_call_and_nothing_goes_on_the_call(server, stub):
@@ -64,7 +64,7 @@ def test_messages_in_band_give_the_bytes_of_messages_on_the_call_and_nothing_goe
     assert before.data_messages == first.data_messages, "a client that did not ask got frames"
     call = RawBatches(stub, _open(transport=pb.TRANSPORT_SOCKET, seed=5, data_messages=True), grant=order)
     call.close()
-    got, nbytes, _ = read_frames(server, call)
+    got, nbytes = read_frames(server, call)
     assert list(call.call) == [], "a Batch message on the call"
     assert call.call.code() == grpc.StatusCode.OK
     assert dict(got) == dict(on_call) and len(got) == NUM_BATCHES
