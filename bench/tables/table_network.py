@@ -30,6 +30,15 @@ the GIL, calibrated alone to T) per batch, T chosen so that the loop asks for ab
 Part 2, images/s on real work: Table 1's L3 row (photos, pipeline L3, batch 64, 2 workers),
 each network transport against shared memory, medians of alternated rounds.
 
+Part 3, the step alone on its question: at 0.3 GB/s, within one open loader, alternated blocks of
+steps after receiving and reading a new batch and of steps after reading a batch held in memory
+(``_paired``): what batches arriving cost the step beyond reading them (the part-1 ratio also
+counts the reading, which an in-memory dataset pays too, and the drift of a shared VM between
+the steps alone and the loop). Twice: with the cores shared as the scheduler likes, and with the
+loop's thread on a core of its own and everything else, the relay and the server included, on
+the other (``bench.placement.loop_alone``; a remote server runs on another host, and a trainer's
+host has a spare core for its relay).
+
 Targets (issue 28), on the relayed data plane (the default for CPU batches): trainer <= 0.2 s/GB; a Python-bound step slowed <= 5% at
 0.3 GB/s; the data plane >= 0.9x shared memory's images/s on L3; the server's main process
 <= 0.3 s/GB sending.
@@ -37,13 +46,13 @@ Targets (issue 28), on the relayed data plane (the default for CPU batches): tra
 
 from __future__ import annotations
 
-import os
+import contextlib
 import sys
 import time
 
 from bench import ROOT
 
-from bench import common
+from bench import common, placement
 from bench.fixtures import data, pipelines
 from bench.fixtures.server_proc import ServerProcess
 from bench.measure import consume, cpu_seconds, median, time_stream, trainer_cpu_seconds
@@ -56,6 +65,9 @@ TRANSPORTS = ("relay", "socket", "inline", "shm")  # relay: transport="socket", 
 LABELS = {"relay": "data plane, relay", "socket": "data plane, in the trainer", "inline": "TCP inline (gRPC)",
           "shm": "shared memory"}
 RATES = (0.1, 0.3, 1.0)  # GB/s offered
+STEP_RATE = 0.3  # GB/s offered in part 3 (issue 28's step target)
+PLACEMENTS = ("shared", "alone")  # part 3: the scheduler's choice; the loop's thread on a CPU of its own
+PLACE_LABELS = {"shared": "cores shared (as parts 1 and 2)", "alone": "the loop's thread on a core of its own"}
 BS, SIZE = 64, 224
 BATCH_BYTES = BS * SIZE * SIZE * 3 + BS * 8 * 3  # image, label, index, position
 
@@ -149,6 +161,44 @@ def _cost(srv: ServerProcess, transport: str, step: PyStep, batches: int, seed: 
             "slowdown": median(inside) / median(alone), "gbps": gb / (t1 - t0), "allocated": allocated}
 
 
+def _paired(srv: ServerProcess, transport: str, step: PyStep, seed: int, alone_core: bool, blocks: int = 6,
+            k: int = 12, settle: int = 4) -> float:
+    """Part 3, one measurement: within one open loader, ``blocks`` alternated pairs of ``k`` steps,
+    each after receiving and reading (``consume``) a new batch, then ``k`` steps each after reading a
+    batch held in memory, nothing arriving (the first ``settle`` of those, while the loader refills
+    its lookahead, are not counted). Returns the median step of the first kind over the second's:
+    what batches arriving cost the step beyond reading them, drift of the machine cancelled by the
+    pairing. ``alone_core``: the loop's thread on a CPU of its own, the rest on the others
+    (``bench.placement.loop_alone``)."""
+    arriving, in_memory = [], []
+
+    def timed(into: list) -> None:
+        ts = time.perf_counter()
+        step()
+        into.append(time.perf_counter() - ts)
+
+    with _loader(srv.address, transport, seed) as loader:
+        it = iter(loader)
+        for _ in range(max(8, round(2.5 / step.alone))):  # warm-up, as in _cost
+            b = next(it)
+            consume(b)
+            step()
+            del b
+        with placement.loop_alone() if alone_core else contextlib.nullcontext():
+            for _ in range(blocks):
+                for _ in range(k):
+                    b = next(it)
+                    consume(b)
+                    del b
+                    timed(arriving)
+                held = next(it)
+                for j in range(settle + k):
+                    consume(held)
+                    timed(in_memory if j >= settle else [])
+                del held
+    return median(arriving) / median(in_memory)
+
+
 def _images(srv: ServerProcess, transport: str, seed: int, warmup: int, timed: int) -> float:
     with common.remote(srv.address, "photos", batch_size=BS, pipeline="L3", workers=2, seed=seed,
                        **_how(transport)) as rl:
@@ -161,6 +211,7 @@ def run(s, log=print) -> dict:
     steps = {r: PyStep(BATCH_BYTES / (r * 1e9)) for r in RATES}
     log("  table18: steps alone " + ", ".join(f"{steps[r].alone * 1e3:.1f} ms at {r:g} GB/s" for r in RATES))
     cost: dict[tuple[float, str], list[dict]] = {}
+    paired: dict[tuple[str, str], list[float]] = {}
     frames = {"frames": {"kind": "python", "factory": "bench.fixtures.synthetic:Frames"}}
     with ServerProcess(datasets=frames, workers=2, cache_dir=data.CACHE,
                        extra={"python_path": [str(ROOT)], "max_slots": 32}) as srv:
@@ -174,6 +225,14 @@ def run(s, log=print) -> dict:
                     cost.setdefault((r, t), []).append(
                         measure(lambda: _cost(srv, t, steps[r], batches[r], seed=100 * rnd + ri)))
             log(f"  table18: cost round {rnd + 1}/{rounds} done")
+        placements = PLACEMENTS if placement.possible() else PLACEMENTS[:1]
+        for rnd in range(rounds):  # part 3
+            for pi, where in enumerate(placements):
+                k = (rnd + pi) % len(TRANSPORTS)
+                for t in TRANSPORTS[k:] + TRANSPORTS[:k]:
+                    paired.setdefault((where, t), []).append(measure(
+                        lambda: _paired(srv, t, steps[STEP_RATE], 500 + rnd, alone_core=where == "alone")))
+            log(f"  table18: paired round {rnd + 1}/{rounds} done")
     rows = [{"rate": r, "transport": t, **{k: median(x[k] for x in cost[(r, t)])
                                            for k in ("trainer", "server", "relay", "slowdown", "gbps")},
              "allocated": sum(x["allocated"] for x in cost[(r, t)])}
@@ -194,7 +253,8 @@ def run(s, log=print) -> dict:
                 rates.setdefault(t, []).append(measure(lambda: _images(srv, t, 1000 + rnd, warmup, timed)))
             log(f"  table18: L3 round {rnd + 1}/{rounds} done")
     images = {t: median(v) for t, v in rates.items()}
-    return {"rows": rows, "images": images, "images_rounds": rates, "rounds": rounds, "batches": batches,
+    return {"rows": rows, "paired": {f"{w}/{t}": median(v) for (w, t), v in paired.items()},
+            "paired_rounds": {f"{w}/{t}": v for (w, t), v in paired.items()}, "images": images, "images_rounds": rates, "rounds": rounds, "batches": batches,
             "steps_alone": {r: steps[r].alone for r in RATES}, "l3_timed": timed * BS}
 
 
@@ -208,7 +268,11 @@ def render(r: dict) -> str:
     img = md_table(["transport (L3, 2 workers, batch 64)", "images/s", "vs shared memory"],
                    [[LABELS[t], f"{v:.0f}", f"{v / shm:.2f}x"] for t, v in r["images"].items()])
     steps = ", ".join(f"{v * 1e3:.1f} ms" for v in r["steps_alone"].values())
-    return (md_table(head, rows) + f"\n\n{img}\n\n"
+    paired = r.get("paired", {})
+    wheres = [w for w in PLACEMENTS if any(key.startswith(w + "/") for key in paired)]
+    step = md_table([f"step at {STEP_RATE:g} GB/s: batches arriving vs a batch in memory"] + [LABELS[t] for t in TRANSPORTS],
+                    [[PLACE_LABELS[w]] + [f"{paired[f'{w}/{t}']:.3f}x" for t in TRANSPORTS] for w in wheres])
+    return (md_table(head, rows) + f"\n\n{img}\n\n" + (f"{step}\n\n" if wheres else "") +
             f"Part 1: 9.6 MB batches (64 x 224 x 224 x 3 ready-made frames, 2 workers); a pure-Python step per batch "
             f"({steps} alone, for 0.1, 0.3 and 1 GB/s offered); trainer CPU is this process's beyond the steps' own "
             f"and the benchmark's noise meter's; "
@@ -216,6 +280,10 @@ def render(r: dict) -> str:
             f"2.5 s of warm-up, the data plane allocated "
             f"{sum(x['allocated'] for x in r['rows'] if x['transport'] in ('relay', 'socket'))} receive buffers in "
             f"the timed batches (0: all reused). Part 2: {r['l3_timed']} images timed per round. "
+            f"Part 3: within one open loader, alternated blocks of 12 steps after receiving and reading a new batch "
+            f"and 12 after reading a batch held in memory (nothing arriving), ratio of their median steps; a core "
+            f"of its own: the loop's thread on one CPU, everything else (the loader's threads, the relay, the "
+            f"server and its workers) on the other, as with a remote server and a spare core for the relay. "
             f"Medians of {r['rounds']} alternated rounds; loopback, one machine: the server's workers and the "
             f"trainer share its cores.")
 
@@ -242,6 +310,13 @@ def targets(r: dict) -> list[dict]:
                    + f" ({others('trainer', '{:.3f}')})"},
         {"name": "data plane (relay): a Python-bound step slowed <= 5% at 0.3 GB/s", "passed": at03["slowdown"] <= 1.05,
          "detail": f"{at03['slowdown']:.3f}x ({others('slowdown', '{:.3f}x', 0.3)})"},
+        *([{"name": "data plane (relay): the same step slowed <= 5% by batches arriving at 0.3 GB/s beyond reading "
+                    "them, the loop's thread on a core of its own (part 3)",
+            "passed": r["paired"]["alone/relay"] <= 1.05,
+            "detail": f"{r['paired']['alone/relay']:.3f}x (" + "; ".join(
+                f"{LABELS[t]}: {r['paired']['alone/' + t]:.3f}x" for t in TRANSPORTS[1:]) + "; cores shared: "
+                      + ", ".join(f"{LABELS[t]} {r['paired']['shared/' + t]:.3f}x" for t in TRANSPORTS) + ")"}]
+          if "alone/relay" in r.get("paired", {}) else []),
         {"name": "data plane (relay) >= 0.9x shared memory's images/s (L3, 2 workers)", "passed": ratio >= 0.9,
          "detail": f"{ratio:.2f}x ({r['images']['relay']:.0f} vs {r['images']['shm']:.0f} img/s; in the trainer "
                    f"{r['images']['socket'] / r['images']['shm']:.2f}x, inline "
