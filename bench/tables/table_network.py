@@ -254,7 +254,8 @@ def run(s, log=print) -> dict:
             log(f"  table18: L3 round {rnd + 1}/{rounds} done")
     images = {t: median(v) for t, v in rates.items()}
     return {"rows": rows, "paired": {f"{w}/{t}": median(v) for (w, t), v in paired.items()},
-            "paired_rounds": {f"{w}/{t}": v for (w, t), v in paired.items()}, "images": images, "images_rounds": rates, "rounds": rounds, "batches": batches,
+            "paired_rounds": {f"{w}/{t}": v for (w, t), v in paired.items()}, "images": images,
+            "images_rounds": rates, "rounds": rounds, "batches": batches,
             "steps_alone": {r: steps[r].alone for r in RATES}, "l3_timed": timed * BS}
 
 
@@ -270,7 +271,8 @@ def render(r: dict) -> str:
     steps = ", ".join(f"{v * 1e3:.1f} ms" for v in r["steps_alone"].values())
     paired = r.get("paired", {})
     wheres = [w for w in PLACEMENTS if any(key.startswith(w + "/") for key in paired)]
-    step = md_table([f"step at {STEP_RATE:g} GB/s: batches arriving vs a batch in memory"] + [LABELS[t] for t in TRANSPORTS],
+    step = md_table([f"step at {STEP_RATE:g} GB/s: batches arriving vs a batch in memory"]
+                    + [LABELS[t] for t in TRANSPORTS],
                     [[PLACE_LABELS[w]] + [f"{paired[f'{w}/{t}']:.3f}x" for t in TRANSPORTS] for w in wheres])
     return (md_table(head, rows) + f"\n\n{img}\n\n" + (f"{step}\n\n" if wheres else "") +
             f"Part 1: 9.6 MB batches (64 x 224 x 224 x 3 ready-made frames, 2 workers); a pure-Python step per batch "
