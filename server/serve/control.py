@@ -16,7 +16,8 @@ reads it: ``CallControl`` starts a thread per call that does.
   (``apply_frame``, from that connection's reader thread: ``batchd.datawire``), applied as
   these messages are; anything else in a frame (``open``, ``done``, ``release``),
   a frame that does not parse, or a refused grant ends the call with that error as well. A
-  frame's grant after ``done`` is ignored (the call is ending).
+  frame's grant after ``done`` is ignored (the call is ending): a frame's grant is applied wholly
+  before ``done`` is marked, or not at all (one lock orders the two).
 * A message with ``done`` (the client's last: it ends the call on purpose) marks the stream
   ``half_closed`` and ``done`` at once: the call ends once every grant was sent, counted
   finished. A grant after it is refused (ValueError, as above).
@@ -66,6 +67,9 @@ class CallControl:
         self._max_grants = max_grants
         self._count = count
         self._lock = threading.Lock()
+        # ``done`` and a control frame's grant, in one order: the reader marks done (and half-closes)
+        # under it, a frame checks done and applies its grant under it (check-then-act)
+        self._done_order = threading.Lock()
         self._opened = threading.Event()  # open arrived, or reading ended before it
         self._attached = threading.Event()  # the servicer handed over the stream (or gave up)
         self.open: pb.StreamBatchesRequest | None = None
@@ -121,8 +125,9 @@ class CallControl:
                 if not self.apply(msg):
                     return
                 if msg.done and not done:
-                    done = self._done = True
-                    self._half_close()
+                    with self._done_order:
+                        done = self._done = True
+                        self._half_close()
             half_closed = True
         except grpc.RpcError:  # the request iterator raises once the call is over
             self.gone = True
@@ -154,9 +159,10 @@ class CallControl:
                 raise ValueError("Batches: a control frame on the data connection may carry grant, revoke and "
                                  "progress only")
             self._count("control_frames", 1)
-            if self._done and msg.grant:
-                return True  # (the call is ending: the client granted before it said done)
-            return self.apply(msg)
+            with self._done_order:
+                if self._done and msg.grant:
+                    return True  # (the call is ending: the client granted before it said done)
+                return self.apply(msg)
         except Exception as e:
             self.fail(e)
             return False
