@@ -67,6 +67,7 @@ LABELS = {"relay": "data plane, relay", "socket": "data plane, in the trainer", 
 RATES = (0.1, 0.3, 1.0)  # GB/s offered
 STEP_RATE = 0.3  # GB/s offered in part 3 (issue 28's step target)
 PLACEMENTS = ("shared", "alone")  # part 3: the scheduler's choice; the loop's thread on a CPU of its own
+PAIRED_STEPS, PAIRED_SETTLE = 12, 4  # part 3: steps per block; in-memory steps not counted while the lookahead refills
 PLACE_LABELS = {"shared": "cores shared (as parts 1 and 2)", "alone": "the loop's thread on a core of its own"}
 BS, SIZE = 64, 224
 BATCH_BYTES = BS * SIZE * SIZE * 3 + BS * 8 * 3  # image, label, index, position
@@ -162,7 +163,7 @@ def _cost(srv: ServerProcess, transport: str, step: PyStep, batches: int, seed: 
 
 
 def _paired(srv: ServerProcess, transport: str, step: PyStep, seed: int, alone_core: bool, blocks: int = 6,
-            k: int = 12, settle: int = 4) -> float:
+            k: int = PAIRED_STEPS, settle: int = PAIRED_SETTLE) -> float:
     """Part 3, one measurement: within one open loader, ``blocks`` alternated pairs of ``k`` steps,
     each after receiving and reading (``consume``) a new batch, then ``k`` steps each after reading a
     batch held in memory, nothing arriving (the first ``settle`` of those, while the loader refills
@@ -282,8 +283,9 @@ def render(r: dict) -> str:
             f"2.5 s of warm-up, the data plane allocated "
             f"{sum(x['allocated'] for x in r['rows'] if x['transport'] in ('relay', 'socket'))} receive buffers in "
             f"the timed batches (0: all reused). Part 2: {r['l3_timed']} images timed per round. "
-            f"Part 3: within one open loader, alternated blocks of 12 steps after receiving and reading a new batch "
-            f"and 12 after reading a batch held in memory (nothing arriving), ratio of their median steps; a core "
+            f"Part 3: within one open loader, alternated blocks of {PAIRED_STEPS} steps after receiving and reading "
+            f"a new batch and {PAIRED_STEPS} after reading a batch held in memory (nothing arriving; the first "
+            f"{PAIRED_SETTLE} of those, while the lookahead refills, not counted), ratio of their median steps; a core "
             f"of its own: the loop's thread on one CPU, everything else (the loader's threads, the relay, the "
             f"server and its workers) on the other, as with a remote server and a spare core for the relay. "
             f"Medians of {r['rounds']} alternated rounds; loopback, one machine: the server's workers and the "

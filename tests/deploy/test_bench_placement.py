@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -30,9 +29,11 @@ def test_loop_alone_splits_the_tree_and_gives_it_back():
             assert os.sched_getaffinity(threading.get_native_id()) == {cpus[0]}
             assert os.sched_getaffinity(helper.native_id) == set(cpus[1:])
             assert os.sched_getaffinity(child.pid) == set(cpus[1:])
-            started = threading.Thread(target=time.sleep, args=(0,))  # made by the pinned loop thread
+            seen: list[set[int]] = []  # a thread the loop's thread starts inherits its CPU
+            started = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
             started.start()
             started.join()
+            assert seen == [{cpus[0]}]
         for tid in (threading.get_native_id(), helper.native_id, child.pid):
             assert os.sched_getaffinity(tid) == set(cpus)
     finally:

@@ -18,17 +18,20 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class RecordingStream:
-    """What CallControl calls on a stream, in order; a grant takes ``grant_s`` (a slow computation lock)."""
+    """What CallControl calls on a stream, in order. A grant, once begun, lasts until ``done`` is
+    marked (``interrupt(done=True)``) or ``hold_s`` pass: without one lock ordering the two, done
+    is marked while the grant is under way and the grant is recorded after it."""
 
-    def __init__(self, grant_s: float = 0.0):
+    def __init__(self, hold_s: float = 0.0):
         self.request = SimpleNamespace(session="")
         self.events: list[tuple] = []
         self.granting = threading.Event()
-        self.grant_s = grant_s
+        self.done_marked = threading.Event()
+        self.hold_s = hold_s
 
     def grant(self, indices, *, max_grants: int) -> None:
         self.granting.set()
-        time.sleep(self.grant_s)
+        self.done_marked.wait(self.hold_s)
         self.events.append(("grant", tuple(indices)))
 
     def revoke(self, indices) -> int:
@@ -36,6 +39,8 @@ class RecordingStream:
 
     def interrupt(self, *, half_closed: bool = False, done: bool = False) -> None:
         self.events.append(("interrupt", half_closed, done))
+        if done:
+            self.done_marked.set()
 
 
 def _control(stream: RecordingStream) -> tuple[CallControl, queue.Queue]:
@@ -56,7 +61,7 @@ def _wait_for(cond, timeout: float = 5.0) -> None:
 
 
 def test_a_frames_grant_under_way_when_done_arrives_is_applied_before_done_is_marked():
-    stream = RecordingStream(grant_s=0.3)
+    stream = RecordingStream(hold_s=2.0)
     ctl, requests = _control(stream)
     frame = threading.Thread(target=ctl.apply_frame, args=(pb.BatchesControl(grant=[3]).SerializeToString(),))
     frame.start()
