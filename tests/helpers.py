@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import random
 import socket
 import struct
 import time
@@ -12,9 +13,35 @@ import cv2
 import numpy as np
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out itself (outgoing connections, ``bind`` to port 0)."""
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+_given: set[int] = set()  # ports free_port returned in this process
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range: a
+    port chosen now and bound later by a server could otherwise be taken meanwhile as the source
+    port of an outgoing connection (SeaweedFS's filer once lost its port to its own master client)."""
+    low = _ephemeral_low()
+    pick = random.SystemRandom()  # (not the test's seeded generators)
+    for _ in range(200):
+        port = pick.randrange(max(1024, low - 12000), low)
+        if port in _given:  # (several ports for one server, taken before any is bound)
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # (that range is full: any free port)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
