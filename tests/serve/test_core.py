@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import signal
+import threading
 import time
 
 import albumentations as A
@@ -398,27 +399,44 @@ def test_killed_worker_epoch_still_complete_and_identical(make_server, fmnist_ro
 
     pool = server.loader.pool
     killed = []
-    digests, indices = [], []
-    with loader(server, **kw) as ld:
-        for i, b in enumerate(ld):
-            h = hashlib.sha256()
-            for name in ("image", "label", "index"):
-                t = b[name]
-                h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-                h.update(t.numpy().tobytes())
-            digests.append(h.hexdigest())
-            indices.append(b["index"].numpy().copy())
-            if i == 3:
-                # a worker holding two tasks: one running, one queued behind it that it cannot have
-                # finished yet, so at least one batch must be rebuilt on another worker
-                deadline = time.monotonic() + 30
-                while (pid := next((w.process.pid for w in list(pool._workers.values()) if len(w.tasks) >= 2),
-                                   None)) is None:
-                    assert time.monotonic() < deadline, "no worker held two batches for 30 s"
-                    time.sleep(0.002)
+    armed, stop = threading.Event(), threading.Event()
+
+    def kill_a_worker_holding_two():
+        # a worker holding two tasks: one running, one queued behind it that it cannot have finished
+        # yet, so at least one batch must be rebuilt on another worker. Watched while the loop keeps
+        # reading: a loop that waited here would stop granting, and the workers would drain.
+        armed.wait()
+        while not stop.is_set():
+            try:
+                pid = next((w.process.pid for w in list(pool._workers.values()) if len(w.tasks) >= 2), None)
+            except RuntimeError:  # the scheduler changed the dict while it was copied
+                continue
+            if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
-    assert killed
+                return
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=kill_a_worker_holding_two, daemon=True)
+    watcher.start()
+    digests, indices = [], []
+    try:
+        with loader(server, **kw) as ld:
+            for i, b in enumerate(ld):
+                h = hashlib.sha256()
+                for name in ("image", "label", "index"):
+                    t = b[name]
+                    h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                    h.update(t.numpy().tobytes())
+                digests.append(h.hexdigest())
+                indices.append(b["index"].numpy().copy())
+                if i == 3:
+                    armed.set()
+    finally:
+        armed.set()
+        stop.set()
+        watcher.join(5)
+    assert killed, "no worker held two batches while the epoch ran"
     assert len(digests) == len(clean) == 500
     got = np.concatenate(indices)
     assert (np.bincount(got, minlength=N_TEST) == 1).all()
