@@ -22,7 +22,7 @@ from rawclient import RawSession
 pytestmark = pytest.mark.timeout(300)
 
 ROUNDS = 200
-LOADER_ROUNDS = 60  # each opens and abandons a stream through the client (~0.4 s): a leak per round shows
+LOADER_ROUNDS = 30  # each opens and abandons a stream through the client (~0.4 s): a leak per round shows
 MAX_SLOTS = 16
 
 
