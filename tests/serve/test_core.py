@@ -59,17 +59,19 @@ def epoch_indices(ld) -> list[np.ndarray]:
     return [b["index"].numpy().copy() for b in ld]
 
 
+def batch_digest(b) -> str:
+    """A SHA-256 over a batch's image, label and index bytes (and their shapes and dtypes)."""
+    h = hashlib.sha256()
+    for name in ("image", "label", "index"):
+        t = b[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
 def batch_digests(ld) -> list[str]:
-    """A SHA-256 over image, label and index bytes (and shapes/dtypes) of every batch of one pass."""
-    out = []
-    for b in ld:
-        h = hashlib.sha256()
-        for name in ("image", "label", "index"):
-            t = b[name]
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.numpy().tobytes())
-        out.append(h.hexdigest())
-    return out
+    """``batch_digest`` of every batch of one pass."""
+    return [batch_digest(b) for b in ld]
 
 
 def rand_rgb(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
@@ -423,12 +425,7 @@ def test_killed_worker_epoch_still_complete_and_identical(make_server, fmnist_ro
     try:
         with loader(server, **kw) as ld:
             for i, b in enumerate(ld):
-                h = hashlib.sha256()
-                for name in ("image", "label", "index"):
-                    t = b[name]
-                    h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-                    h.update(t.numpy().tobytes())
-                digests.append(h.hexdigest())
+                digests.append(batch_digest(b))
                 indices.append(b["index"].numpy().copy())
                 if i == 3:
                     armed.set()
