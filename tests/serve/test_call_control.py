@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 
 from batchd.server.serve.control import CallControl
 from batchd.v1 import loader_pb2 as pb
+from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,13 +53,6 @@ def _control(stream: RecordingStream) -> tuple[CallControl, queue.Queue]:
     return ctl, requests
 
 
-def _wait_for(cond, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
-
-
 def test_a_frames_grant_under_way_when_done_arrives_is_applied_before_done_is_marked():
     stream = RecordingStream(hold_s=2.0)
     ctl, requests = _control(stream)
@@ -68,7 +61,7 @@ def test_a_frames_grant_under_way_when_done_arrives_is_applied_before_done_is_ma
     assert stream.granting.wait(5)  # the frame passed its check for done and is granting
     requests.put(pb.BatchesControl(done=True))
     frame.join(5)
-    _wait_for(lambda: ("interrupt", True, True) in stream.events)
+    assert wait_until(lambda: ("interrupt", True, True) in stream.events, 5.0, 0.01), stream.events
     assert stream.events.index(("grant", (3,))) < stream.events.index(("interrupt", True, True)), stream.events
     requests.put(None)
 
@@ -77,7 +70,7 @@ def test_a_frames_grant_after_done_is_not_applied():
     stream = RecordingStream()
     ctl, requests = _control(stream)
     requests.put(pb.BatchesControl(done=True))
-    _wait_for(lambda: ("interrupt", True, True) in stream.events)
+    assert wait_until(lambda: ("interrupt", True, True) in stream.events, 5.0, 0.01), stream.events
     assert ctl.apply_frame(pb.BatchesControl(grant=[4]).SerializeToString())  # ignored, the call goes on ending
     assert not any(e[0] == "grant" for e in stream.events)
     requests.put(None)
