@@ -91,7 +91,7 @@ class WireBatch:
     timings: WireTimings | None = None  # None: the server sent none (an older server)
     open_seq: int = 0  # which ``open`` of its Batches call it belongs to (0: the first; StreamBatches: 0)
     # client only: the batch's fields as received on its call's data connection (TRANSPORT_SOCKET;
-    # batchd.client.dataplane), views of a pooled buffer; None for a batch whose bytes came otherwise
+    # batchd.client.transport.dataplane), views of a pooled buffer; None for a batch whose bytes came otherwise
     payload: dict | None = None
 
 

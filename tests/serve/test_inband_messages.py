@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from batchd import datawire
-from batchd.client import buffers
-from batchd.client.dataplane import DataSocket
+from batchd.client.transport import buffers
+from batchd.client.transport.dataplane import DataSocket
 from batchd.v1 import loader_pb2 as pb
 from helpers import wait_until
 from rawclient import RawBatches, digest
