@@ -33,7 +33,7 @@ from batchd.server.serve.computation import Computation, _Moved
 __all__ = ["Computation", "ReadyBatch", "Stream"]
 
 _stream_ids = itertools.count(1)
-# what a client's profile may report (StreamProgress.verdict; batchd.client.profile.VERDICTS)
+# what a client's profile may report (StreamProgress.verdict; batchd.client.loader.profile.VERDICTS)
 VERDICTS = frozenset({"trainer-bound", "storage-bound", "cpu-bound", "transport-bound", "copy-bound"})
 
 

@@ -202,7 +202,7 @@ class Transport:
 def progress(stream: Stream, p: pb.StreamProgress) -> None:
     """What ``stream``'s client reports it took (StreamProgress; its stream_tag is not read)."""
     stream.took(p.batches_taken, p.samples_taken, reported=True)
-    if p.verdict:  # a client that profiles its loop (batchd.client.timings)
+    if p.verdict:  # a client that profiles its loop (batchd.client.loader.timings)
         stream.client_waits(p.wait_ratio, p.verdict)
 
 
