@@ -15,7 +15,6 @@ import torch
 
 from batchd.client.transport.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
 from batchd.client.loader.distributed import rank_and_world_size
-from batchd.client.hedge import HedgePolicy, hedge_policy
 from batchd.v1 import loader_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "socket", "inline")
@@ -77,11 +76,11 @@ def resolve_device(device: Any, current_index: Callable[[], int] | None = None) 
 class LoaderOptions:
     """A loader's settings, validated on construction (see ``RemoteDataLoader`` for their meaning).
 
-    Units: ``timeout``, ``connect_timeout``, ``reconnect_timeout``, ``failover_timeout``,
-    ``probe_interval`` in seconds; ``prefetch`` in batches; ``max_message_bytes`` in bytes.
-    ``pipeline`` is the wire form of ``transform``; ``compression`` a ``pb.Compression``;
-    ``device`` has its CUDA index resolved; ``hedge`` is the hedging policy of a several-servers
-    loader (None: no hedging). Raises ValueError naming the bad field.
+    Units: ``timeout``, ``connect_timeout``, ``reconnect_timeout``, ``probe_interval`` in
+    seconds; ``prefetch`` in batches; ``max_message_bytes`` in bytes. ``pipeline`` is the wire
+    form of ``transform``; ``compression`` a ``pb.Compression``; ``device`` has its CUDA index
+    resolved; ``hedge``: a stalled server's batches go to the other servers (several servers).
+    Raises ValueError naming the bad field.
     """
 
     dataset: str
@@ -101,7 +100,6 @@ class LoaderOptions:
     relay: bool | str = "auto"
     compression: int = pb.COMPRESSION_NONE
     reconnect_timeout: float = 60.0
-    failover_timeout: float = 5.0
     probe_interval: float = 5.0
     tls: TLS | None = None
     token: str | None = None
@@ -109,7 +107,7 @@ class LoaderOptions:
     gpu_transform: Callable[..., torch.Tensor] | None = None
     decode_on_client: bool = False
     collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None
-    hedge: HedgePolicy | None = None
+    hedge: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset:
@@ -137,17 +135,20 @@ class LoaderOptions:
         self.strict = bool(self.strict)
         if not isinstance(self.decode_on_client, bool):
             raise ValueError(f"decode_on_client must be True or False, got {self.decode_on_client!r}")
+        if not isinstance(self.hedge, bool):
+            raise ValueError(f"hedge must be True or False, got {self.hedge!r}")
+        if self.probe_interval <= 0:
+            raise ValueError(f"probe_interval must be positive seconds, got {self.probe_interval!r}")
 
     @classmethod
     def from_arguments(cls, dataset: str, *, transform: Any = None, rank: int | None = None,
                        world_size: int | None = None, device: Any = None, compression: str | None = None,
                        tls: Any = None, tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None,
-                       token: str | None = None, hedge: Any = True, **rest: Any) -> "LoaderOptions":
+                       token: str | None = None, **rest: Any) -> "LoaderOptions":
         """From ``RemoteDataLoader``'s keyword arguments (``rest``: the fields of the same name).
 
         Resolves rank and world size (``batchd.client.loader.distributed``), the device's CUDA index,
-        TLS, the token and the hedging policy (``hedge_policy``); raises ValueError (RuntimeError:
-        CUDA asked for but unavailable).
+        TLS and the token; raises ValueError (RuntimeError: CUDA asked for but unavailable).
         """
         if compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
@@ -155,8 +156,7 @@ class LoaderOptions:
         return cls(dataset, pipeline=pipeline_of(transform), rank=rank, world_size=world_size,
                    device=resolve_device(device),
                    compression=pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE,
-                   tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token),
-                   hedge=hedge_policy(hedge), **rest)
+                   tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token), **rest)
 
 
 class Setting(Generic[T]):
@@ -224,8 +224,6 @@ class LoaderSettings:
     """inline batches' compression, a ``pb.Compression`` (``COMPRESSION_NONE`` or ``COMPRESSION_LZ4``)"""
     reconnect_timeout = Setting[float]()
     """seconds to keep reconnecting a broken call (0: do not)"""
-    failover_timeout = Setting[float]()
-    """several servers: seconds a broken server may take to resume"""
     probe_interval = Setting[float]()
     """several servers: seconds between probes and readings of the address"""
     tls = Setting[TLS | None]()
@@ -240,7 +238,7 @@ class LoaderSettings:
     """JPEG files are decoded here, not on the server"""
     collate_fn = Setting[Callable[[list[dict[str, Any]]], Any] | None]()
     """the function making each batch from its samples, or None (the dict batch)"""
-    hedge = Setting[HedgePolicy | None]()
-    """several servers: the hedging policy (None: no hedging)"""
+    hedge = Setting[bool]()
+    """several servers: a stalled server's batches go to the others (the first copy wins)"""
     pipeline = Setting[pb.Pipeline | None]()
     """the wire form of ``transform`` (None: images as decoded)"""
