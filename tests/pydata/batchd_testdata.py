@@ -282,6 +282,32 @@ class BadField:
         return {"image": np.full((4, 4, 3), i % 256, np.uint8), "label": i, "extra": extra}
 
 
+class Boxes:
+    """Sample i: image uint8 [size, size, 3] filled with i, ``boxes`` (a list of [x_min, y_min,
+    x_max, y_max] pixels) as ``dtype``, labels int64 [N], ``keypoints`` as ``dtype`` [N, 2, 3]
+    (each box's top-left and bottom-right corners, visibility 2). At index ``bad_at`` the field
+    ``bad_field`` is ``np.array(bad, dtype)`` instead (any nested list; NaN allowed)."""
+
+    def __init__(self, n: int = 8, size: int = 10, boxes: list | None = None, dtype: str = "int64", bad_at: int = -1,
+                 bad_field: str = "boxes", bad: list | None = None):
+        self.n, self.size, self.dtype = n, size, np.dtype(dtype)
+        self.boxes = np.array(boxes if boxes is not None else [[0, 1, 6, 8], [2, 2, 9, 9]], self.dtype).reshape(-1, 4)
+        self.bad_at, self.bad_field, self.bad = bad_at, bad_field, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        boxes = self.boxes
+        corners = np.stack([boxes[:, :2], boxes[:, 2:]], 1)
+        keypoints = np.concatenate([corners, np.full((len(boxes), 2, 1), 2, self.dtype)], -1)
+        sample = {"image": np.full((self.size, self.size, 3), i % 256, np.uint8), "boxes": boxes,
+                  "labels": np.arange(len(boxes), dtype=np.int64), "keypoints": keypoints}
+        if i == self.bad_at:
+            sample[self.bad_field] = np.array(self.bad, self.dtype if self.bad_field != "labels" else np.int64)
+        return sample
+
+
 MODULE_NUMPY = np.random.default_rng()  # module-level generators a dataset may draw from (Unkeyable)
 MODULE_RANDOM = random.Random()
 MODULE_TORCH = None  # a torch.Generator, made on first use (torch imports lazily here)
