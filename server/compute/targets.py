@@ -47,8 +47,9 @@ nor, in the normalised formats, turned into zeros); masks keep their dtype (albu
 widen them).
 
 **A guide box.** ``RandomCropNearBBox`` crops near the box of the data key it names
-(``cropping_bbox_key``, "cropping_bbox" by default, [x_min, y_min, x_max, y_max] in pixels): the
-sample's field of that name is handed to the Compose under that key, and passes through as it is.
+(``cropping_bbox_key``, "cropping_bbox" by default, [x_min, y_min, x_max, y_max] in whole pixels,
+as albumentations takes it): the sample's field of that name is handed to the Compose under that
+key, and passes through as it is.
 
 **Params.** A Compose's own ``bbox_params`` / ``keypoint_params`` are used (a client's are
 allowlisted, ``allowlist_fields.bbox_params``). Without them, a sample with boxes gets
@@ -303,9 +304,18 @@ def _targets_out(out: dict, sample: dict, per_object: Callable[[str], bool],
     return result
 
 
-def _guide_values(sample: dict, guides: tuple[str, ...]) -> dict[str, list[float]]:
-    """The sample's ``guides`` fields as RandomCropNearBBox reads them: lists of floats."""
-    return {name: [float(v) for v in np.asarray(sample[name]).reshape(-1)] for name in guides if name in sample}
+def _guide_values(sample: dict, guides: tuple[str, ...]) -> dict[str, list[int]]:
+    """The sample's ``guides`` fields as RandomCropNearBBox reads them: lists of whole pixels.
+    Raises ValueError naming the field for one that is not 4 whole numbers."""
+    out = {}
+    for name in guides:
+        if name in sample:
+            values = np.asarray(sample[name], np.float64).reshape(-1)
+            if values.shape != (4,) or not np.all(np.isfinite(values) & (values == np.round(values))):
+                raise ValueError(f"RandomCropNearBBox reads field {name!r} as a box in whole pixels [x_min, y_min, "
+                                 f"x_max, y_max]; the sample's is {np.asarray(sample[name]).tolist()}")
+            out[name] = [int(v) for v in values]
+    return out
 
 
 def _guide_keys(node: Any) -> tuple[str, ...]:

@@ -285,12 +285,13 @@ class BadField:
 class Boxes:
     """Sample i: image uint8 [size, size, 3] filled with i, ``boxes`` (a list of [x_min, y_min,
     x_max, y_max] pixels) as ``dtype``, labels int64 [N], ``keypoints`` as ``dtype`` [N, 2, 3]
-    (each box's top-left and bottom-right corners, visibility 2). At index ``bad_at`` the field
-    ``bad_field`` is ``np.array(bad, dtype)`` instead (any nested list; NaN allowed)."""
+    (each box's top-left and bottom-right corners, visibility 2); with ``guide``, ``cropping_bbox``
+    float32 [4] (box i % N, for RandomCropNearBBox). At index ``bad_at`` the field ``bad_field``
+    is ``np.array(bad, dtype)`` instead (any nested list; NaN allowed)."""
 
     def __init__(self, n: int = 8, size: int = 10, boxes: list | None = None, dtype: str = "int64", bad_at: int = -1,
-                 bad_field: str = "boxes", bad: list | None = None):
-        self.n, self.size, self.dtype = n, size, np.dtype(dtype)
+                 bad_field: str = "boxes", bad: list | None = None, guide: bool = False):
+        self.n, self.size, self.dtype, self.guide = n, size, np.dtype(dtype), guide
         self.boxes = np.array(boxes if boxes is not None else [[0, 1, 6, 8], [2, 2, 9, 9]], self.dtype).reshape(-1, 4)
         self.bad_at, self.bad_field, self.bad = bad_at, bad_field, bad
 
@@ -303,6 +304,8 @@ class Boxes:
         keypoints = np.concatenate([corners, np.full((len(boxes), 2, 1), 2, self.dtype)], -1)
         sample = {"image": np.full((self.size, self.size, 3), i % 256, np.uint8), "boxes": boxes,
                   "labels": np.arange(len(boxes), dtype=np.int64), "keypoints": keypoints}
+        if self.guide:
+            sample["cropping_bbox"] = boxes[i % len(boxes)].astype(np.float32)
         if i == self.bad_at:
             sample[self.bad_field] = np.array(self.bad, self.dtype if self.bad_field != "labels" else np.int64)
         return sample
