@@ -311,6 +311,34 @@ class Boxes:
         return sample
 
 
+class Given:
+    """One sample, as the arguments say: image uint8 [h, w, 3] of noise (from ``seed``), boxes
+    ``np.array(boxes, box_dtype)`` [N, 4], labels int64 [N] (10, 11, ...), keypoints of
+    ``box_dtype`` [N, 2, 3] (each box's top-left and bottom-right corners, visibility 2), and
+    ``extra`` fields: name -> [kind, value], kind "int", "float", "bool", "str", "bytes" (a list of
+    ints) or a numpy dtype name (value: a nested list)."""
+
+    def __init__(self, h: int, w: int, seed: int, boxes: list, box_dtype: str, extra: dict | None = None):
+        self.h, self.w, self.seed, self.extra = h, w, seed, extra or {}
+        self.boxes = np.array(boxes, np.dtype(box_dtype)).reshape(-1, 4)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict:
+        if i != 0:
+            raise IndexError(i)
+        boxes = self.boxes
+        corners = np.stack([boxes[:, :2], boxes[:, 2:]], 1)
+        sample = {"image": np.random.default_rng(self.seed).integers(0, 256, (self.h, self.w, 3), np.uint8),
+                  "boxes": boxes, "labels": 10 + np.arange(len(boxes), dtype=np.int64),
+                  "keypoints": np.concatenate([corners, np.full((len(boxes), 2, 1), 2, boxes.dtype)], -1)}
+        for name, (kind, value) in self.extra.items():
+            sample[name] = {"int": int, "float": float, "bool": bool, "str": str, "bytes": bytes}.get(
+                kind, lambda v: np.array(v, np.dtype(kind)))(value)
+        return sample
+
+
 MODULE_NUMPY = np.random.default_rng()  # module-level generators a dataset may draw from (Unkeyable)
 MODULE_RANDOM = random.Random()
 MODULE_TORCH = None  # a torch.Generator, made on first use (torch imports lazily here)
