@@ -13,18 +13,24 @@ invariant rely on it). ``__getitem__`` may draw from Python's ``random``, ``nump
 torch's default generator: batchd seeds them for each sample from (seed, epoch, index) and
 restores them afterwards; and it may take a generator of its own, ``def __getitem__(self,
 index, rng=None)`` (a numpy Generator keyed the same way, as grain hands a random map its
-``rng``). See ``_keyed``. Randomness batchd cannot key (a generator built in ``__init__``, an
-albumentations Compose with its own generators) is caught when the server opens the dataset:
-the generators the dataset holds (``_keyed.held_generators``) must not move while it builds
-sample 0, twice under the same keys, and the two builds must be equal; else the server refuses
-the dataset, naming it and where the randomness must go, or only warns with ``deterministic:
-false`` (whose samples are then never cached). Samples whose ``__getitem__`` drew are never
-cached either (their bytes depend on the epoch).
+``rng``). See ``_keyed``. Randomness batchd cannot key is found by construction
+(``check_keyed``, ``_unkeyable``): a sample is built twice under the same key, and a generator
+reachable from the dataset (its attributes, class, closures, module globals) that moved between
+the two builds, the operating system's entropy read during the second, or a difference between
+them refuses the dataset (``UnkeyableRandomnessError``, naming it, what was found and where the
+randomness must go), or only warns with ``deterministic: false`` (whose samples are then never
+cached nor checked). The server checks sample 0 and ``KEYED_CHECKS - 1`` others at start-up;
+each worker checks a sample at random intervals while serving (``worker.RECHECK_EVERY``).
+Samples whose ``__getitem__`` drew are never cached either (their bytes depend on the epoch).
 
 Fields: ``fields`` on the dataset (an attribute or a method) mapping name -> (dtype, shape) or
 name -> {"dtype", "shape", "per_object"}, with -1 for a dimension that varies; else read from
-sample 0 (its dtypes and shapes; a per-object field's first dimension is -1). Per-object fields:
-the config's ``per_object_fields``, else the standard names (``PER_OBJECT_FIELDS``).
+sample 0 (its dtypes and shapes; a per-object field's first dimension is -1). Every sample is
+checked against them (``check_fields``: the same names, each field's dtype and number of
+dimensions, a declared field's fixed dimensions; ``boxes`` and ``keypoints`` of any number
+dtype): a sample that differs is its own SampleError. ``fields`` (what DescribeDataset reports)
+gives ``boxes`` and ``keypoints`` as float32, as they leave the worker. Per-object fields: the
+config's ``per_object_fields``, else the standard names (``PER_OBJECT_FIELDS``).
 
 Fingerprint: a hash of the factory's name, ``args``, ``len`` and the dataset's own
 ``fingerprint()`` when it has one (it names the data version); without it, the factory's source
@@ -35,7 +41,7 @@ Errors: a factory that cannot be imported or built raises its own error (the ser
 start-up); a raise in ``__getitem__`` is a SampleError naming dataset and index whose reason
 carries the exception and the user's traceback (``on_error: skip`` applies); so is a field that
 cannot become an array (a dict, a list, None, an object, a bfloat16 tensor: ``values.as_value``),
-naming the field.
+or one of another dtype or rank than the dataset's fields, naming the field.
 """
 
 from __future__ import annotations
