@@ -11,8 +11,8 @@ builds it once and calls it on each sample with ``rng`` the sample's own stream
 the randomness stays keyed per sample whatever the workers. Python's ``random``, numpy's global
 generator and torch's default one are seeded from (seed, epoch, position) around each call and
 restored afterwards (``run_keyed``; as around a ``kind: python`` ``__getitem__``), so a preset
-whose torchvision transforms draw from torch's global generator is keyed as well. The returned dict is the sample as
-it goes into the batch (any fields; README "Samples and targets").
+whose torchvision transforms draw from torch's global generator is keyed as well. The returned
+dict is the sample as it goes into the batch (any fields; README "Samples and targets").
 
 No client code runs on the server: a stream carries such a pipeline as ``preset_json`` (a JSON
 object whose only key is ``MARKER``), and a worker runs only the presets of the server's own

@@ -18,10 +18,10 @@ batchd cannot key (``recheck``).
 from __future__ import annotations
 
 from batchd.server.compute import prefix as prefixes
-from batchd.server.compute.sample_checks import check_targets
 from batchd.server.compute.build import build_fingerprint, build_parts
 from batchd.server.compute.plan import Plan
 from batchd.server.compute.protocol import Task
+from batchd.server.compute.sample_checks import check_targets
 from batchd.server.compute.stages import CACHE, DECODE, PIPELINE, READ
 from batchd.server.data.cache import sample_key
 from batchd.server.data.datasets import Dataset

@@ -238,8 +238,8 @@ def _targets_in(sample: dict, per_object: Callable[[str], bool], bbox_format: st
     """The sample's targets as a Compose takes them: image, mask, masks (unless there are none:
     albumentations cannot stack 0 masks), bboxes in ``bbox_format`` and keypoints [N*K, D] (both
     float32), each box and point with its object number as a last column, and the ``guides``
-    fields the sample has (RandomCropNearBBox's box, as a list of 4 floats). Raises ValueError for targets that do
-    not fit (per-object fields of different N, keypoints not [N, K, >= 2], boxes not [N, >= 4])."""
+    fields the sample has (RandomCropNearBBox's box: 4 whole pixels). Raises ValueError for targets
+    that do not fit (per-object fields of different N, keypoints not [N, K, >= 2], boxes not [N, >= 4])."""
     if "image" not in sample:
         raise ValueError(f"the pipeline needs an 'image' field; the sample has {sorted(sample)}")
     check_objects(sample, per_object)

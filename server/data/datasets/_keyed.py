@@ -54,7 +54,7 @@ def takes_rng(getitem: Callable) -> bool:
     return any(p.name == "rng" for p in params[1:])
 
 
-def sample_seeds(key: np.ndarray, index: int, tag: bytes = b"batchd-getitem") -> tuple[int, np.ndarray, int]:
+def sample_seeds(key: np.ndarray, index: int, tag: bytes = GETITEM) -> tuple[int, np.ndarray, int]:
     """(Python ``random`` seed, a 128-bit int; numpy's global seed, uint32 [4]; torch seed, 63
     bits) of sample ``index`` (a python pipeline: the sample's position) under ``key`` (uint64
     [2]): BLAKE2b (40 bytes, ``hashlib``) of the key, the number and a domain ``tag``
