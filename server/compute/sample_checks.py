@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from batchd.errors import SampleError
+from batchd.server.compute.targets import check_objects
 
 OUTSIDE_PX = 1.0  # pixels a box edge may lie outside the image (annotation tools' pixel-edge conventions)
 _NUMBERS = "biuf"  # numpy dtype kinds of numbers (bool, int, unsigned, float)
@@ -42,19 +43,10 @@ def check_targets(sample: dict, *, dataset: str, index: int, source: str, per_ob
     def bad(reason: str) -> SampleError:
         return SampleError(dataset, index, source, reason)
 
-    first = None
-    for name, value in sample.items():
-        if not per_object(name):
-            continue
-        shape = getattr(value, "shape", None)
-        if not shape:
-            raise bad(f"per-object field {name!r}: expected an array with one entry per object along its first "
-                      f"dimension, got {_describe(value)}")
-        if first is None:
-            first = (name, shape[0])
-        elif shape[0] != first[1]:
-            raise bad(f"per-object fields disagree on the number of objects: {first[0]!r} has {first[1]}, "
-                      f"{name!r} has {shape[0]} ({list(shape)}); expected one entry per object in each")
+    try:
+        check_objects(sample, per_object)
+    except ValueError as e:
+        raise bad(str(e)) from None
     boxes, keypoints = sample.get("boxes"), sample.get("keypoints")
     if boxes is None and keypoints is None:
         return sample

@@ -167,5 +167,5 @@ def test_per_object_fields_of_one_sample_must_agree_on_n(pydata_path, tmp_path):
     cfg = {"kind": "python", "factory": "batchd_testdata:Mixed", "args": {}, "per_object_fields": ["boxes", "vec"]}
     with InWorker({"m": cfg}, tmp_path) as w:
         with pytest.raises(batchd.SampleError, match=r"sample 4 \(#4\): per-object fields disagree on the number of "
-                                                     r"objects: 'vec' has 3, 'boxes' has 1"):
+                                                     r"objects: 'vec' has 3 \(\[3\]\), 'boxes' has 1"):
             w.batch("m", [4])

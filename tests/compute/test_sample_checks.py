@@ -75,8 +75,8 @@ FLIP = A.Compose([A.HorizontalFlip(p=0.5)], bbox_params=A.BboxParams(format="coc
 NAN = float("nan")
 BAD = {  # field, value at sample 3, what the SampleError says
     "count": ("boxes", [[0, 1, 6, 8], [2, 2, 9, 9], [1, 1, 3, 3]],
-              "per-object fields disagree on the number of objects: 'boxes' has 3, 'labels' has 2"),
-    "labels": ("labels", [0], "per-object fields disagree on the number of objects: 'boxes' has 2, 'labels' has 1"),
+              "per-object fields disagree on the number of objects: 'boxes' has 3 ([3, 4]), 'labels' has 2"),
+    "labels": ("labels", [0], "per-object fields disagree on the number of objects: 'boxes' has 2 ([2, 4]), 'labels' has 1"),
     "shape": ("boxes", [[0, 1, 6], [2, 2, 9]], "field 'boxes': expected a numeric array [N, 4] (x_min, y_min, x_max, "
                                               "y_max in pixels), got float32 [2, 3]"),
     "nan": ("boxes", [[0, 1, 6, 8], [2, NAN, 9, 9]], "field 'boxes': box 1 is [2, nan, 9, 9]: expected finite pixel "

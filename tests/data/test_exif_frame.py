@@ -62,6 +62,16 @@ def jpeg(rgb: np.ndarray, orientation: int) -> bytes:
     return data[:2] + exif_segment(orientation) + data[2:]
 
 
+def add_image(images: list, annotations: list, file_name: str, h: int, w: int, boxes) -> None:
+    """Append a COCO image entry and one rectangle annotation per box (category k + 1 for box k)."""
+    img_id = len(images) + 1
+    images.append({"id": img_id, "file_name": file_name, "height": h, "width": w})
+    for k, (x0, y0, x1, y1) in enumerate(boxes):
+        annotations.append({"id": len(annotations) + 1, "image_id": img_id, "category_id": k + 1,
+                            "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 0,
+                            "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]})
+
+
 def write_png_mask(path: pathlib.Path, mask: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(mask, mode="L").save(path)
@@ -84,12 +94,7 @@ def photos(tmp_path_factory) -> pathlib.Path:
             stem = f"{h}x{w}-o{o}"
             (images / f"{stem}.jpg").write_bytes(jpeg(image, o))
             write_png_mask(root / "masks" / f"{stem}.png", label_mask)
-            img_id = len(coco_images) + 1
-            coco_images.append({"id": img_id, "file_name": f"{stem}.jpg", "height": h, "width": w})
-            for k, (x0, y0, x1, y1) in enumerate(boxes):
-                annotations.append({"id": len(annotations) + 1, "image_id": img_id, "category_id": k + 1,
-                                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 0,
-                                    "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]})
+            add_image(coco_images, annotations, f"{stem}.jpg", h, w, boxes)
     categories = [{"id": k + 1, "name": f"colour{k}"} for k in range(len(COLOURS))]
     (root / "instances.json").write_text(json.dumps({"images": coco_images, "annotations": annotations,
                                                      "categories": categories}))
@@ -268,12 +273,7 @@ def upright_photos(tmp_path_factory) -> pathlib.Path:
             path = root / "images" / f"{h}x{w}-o{o}.jpg"
             path.write_bytes(jpeg(stored, o))
             assert (np.abs(pil_image(path, upright=True).astype(int) - upright).max() <= 8), (o, "not upright")
-            img_id = len(coco_images) + 1
-            coco_images.append({"id": img_id, "file_name": path.name, "height": h, "width": w})
-            for k, (x0, y0, x1, y1) in enumerate(boxes):
-                annotations.append({"id": len(annotations) + 1, "image_id": img_id, "category_id": k + 1,
-                                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 0,
-                                    "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]})
+            add_image(coco_images, annotations, path.name, h, w, boxes)
     categories = [{"id": k + 1, "name": f"colour{k}"} for k in range(len(COLOURS))]
     (root / "instances.json").write_text(json.dumps({"images": coco_images, "annotations": annotations,
                                                      "categories": categories}))
