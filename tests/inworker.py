@@ -68,12 +68,14 @@ class InWorker:
         self.task_ids = iter(range(1, 1 << 30))
 
     def batch(self, dataset: str, indices, transform=None, *, preset: str | None = None, seed: int = 0,
-              epoch: int = 0, positions=None, skip: bool = False, max_batch_bytes: int = 0) -> tuple[BatchDone, dict]:
+              epoch: int = 0, positions=None, skip: bool = False, max_batch_bytes: int = 0,
+              key=None) -> tuple[BatchDone, dict]:
+        """``key``: the task's random key (uint64 [2]) itself, instead of ``sample_key(seed, epoch)``."""
         text = python_pipeline.preset_json(preset, self.python[preset]) if preset else pipeline_json(transform)
         indices = np.asarray(indices, np.int64)
         positions = np.arange(len(indices), dtype=np.int64) if positions is None else np.asarray(positions, np.int64)
         task = Task(next(self.task_ids), dataset, pipelines.pipeline_key(text), text, indices,
-                    sample_key(seed=seed, epoch=epoch), positions, self.slot.name, self.slot.capacity,
+                    sample_key(seed=seed, epoch=epoch) if key is None else np.asarray(key, np.uint64), positions, self.slot.name, self.slot.capacity,
                     skip_bad_samples=skip, max_batch_bytes=max_batch_bytes)
         done = self.worker.run(task)
         if done.slot_name == self.slot.name:

@@ -20,9 +20,11 @@ B - K samples that were read.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 BATCH_FIELDS = ("skipped",)  # fields of the batch, not of its samples
+BBOX_FORMATS = ("pascal_voc", "coco", "yolo", "albumentations")  # albumentations' BboxParams formats
 
 
 def samples(batch: dict[str, Any]) -> list[dict[str, Any]]:
@@ -44,7 +46,8 @@ def collate(batch: dict[str, Any], collate_fn: Callable[[list[dict[str, Any]]], 
     return collate_fn(samples(batch))
 
 
-def detection_collate(samples: Sequence[dict[str, Any]], *, image: str = "image") -> tuple[tuple, tuple]:
+def detection_collate(samples: Sequence[dict[str, Any]], *, image: str = "image",
+                      bbox_format: str = "pascal_voc") -> tuple[tuple, tuple]:
     """``(images, targets)`` for torchvision's detection models, from B dict samples.
 
     ``images``: a tuple of the B samples' ``image`` tensors (as the server sends them: uint8
@@ -55,14 +58,23 @@ def detection_collate(samples: Sequence[dict[str, Any]], *, image: str = "image"
     ``image_id``...). This is exactly what ``DataLoader(..., collate_fn=lambda x: tuple(zip(*x)))``
     gives over a ``Dataset`` of ``(image, target)`` pairs, torchvision's detection references'
     convention, except that a batch whose every sample was skipped gives ``((), ())`` (a pair
-    still). The samples are not modified. ``image``: the name of the image field.
+    still). ``image``: the name of the image field.
+
+    ``boxes`` are torchvision's xyxy pixels whatever ``bbox_format`` the pipeline's ``BboxParams``
+    gave them in: ``bbox_format`` (pascal_voc, coco, yolo, albumentations) names it, and boxes of
+    another format are converted with the sample's image size (H_i, W_i; new float32 tensors). A
+    ``RemoteDataLoader`` whose transform carries ``bbox_params`` passes its format itself
+    (``bind_bbox_format``); give it here for a server preset (its format is the server's). The
+    samples are not modified.
 
     Use: ``RemoteDataLoader(..., collate_fn=batchd.detection_collate)``;
     ``for images, targets in loader: loss = sum(model(list(images), list(targets)).values())``.
 
     Raises ValueError naming the sample (its position in the batch and its ``index``) and its
-    fields if a sample has no ``image`` field.
+    fields if a sample has no ``image`` field, or for an unknown ``bbox_format``.
     """
+    if bbox_format not in BBOX_FORMATS:
+        raise ValueError(f"detection_collate: bbox_format must be one of {list(BBOX_FORMATS)}, got {bbox_format!r}")
     images, targets = [], []
     for i, sample in enumerate(samples):
         if image not in sample:
@@ -71,5 +83,57 @@ def detection_collate(samples: Sequence[dict[str, Any]], *, image: str = "image"
             raise ValueError(f"detection_collate: sample {i} of the batch{where} has no {image!r} field; "
                              f"its fields: {sorted(sample)}")
         images.append(sample[image])
-        targets.append({k: v for k, v in sample.items() if k != image})
+        target = {k: v for k, v in sample.items() if k != image}
+        if bbox_format != "pascal_voc" and "boxes" in target:
+            target["boxes"] = _xyxy(target["boxes"], bbox_format, *sample[image].shape[:2])
+        targets.append(target)
     return tuple(images), tuple(targets)
+
+
+def _xyxy(boxes: Any, bbox_format: str, height: int, width: int) -> Any:
+    """float32 [N, 4] boxes of ``bbox_format`` in an image ``height`` x ``width`` as xyxy pixels
+    (albumentations' definitions: coco [x, y, w, h] pixels; yolo [x_center, y_center, w, h] and
+    albumentations [x_min, y_min, x_max, y_max], both divided by W and H)."""
+    a, b, c, d = boxes[..., 0], boxes[..., 1], boxes[..., 2], boxes[..., 3]
+    if bbox_format == "coco":
+        columns = (a, b, a + c, b + d)
+    elif bbox_format == "yolo":
+        columns = ((a - c / 2) * width, (b - d / 2) * height, (a + c / 2) * width, (b + d / 2) * height)
+    else:
+        columns = (a * width, b * height, c * width, d * height)
+    if hasattr(boxes, "new_empty"):  # a torch tensor (what a loader's samples hold)
+        import torch
+
+        return torch.stack(columns, -1).to(boxes.dtype)
+    import numpy as np
+
+    return np.stack(columns, -1).astype(boxes.dtype, copy=False)
+
+
+def bind_bbox_format(collate_fn: Any, transform: Any) -> Any:
+    """``collate_fn``, or ``detection_collate`` told the bbox format of ``transform`` (an
+    albumentations Compose with ``bbox_params``): what ``RemoteDataLoader`` hands its batches
+    to, so its boxes come out as xyxy pixels whatever the format. A ``functools.partial`` of
+    ``detection_collate`` that names another format than the transform's raises ValueError;
+    other functions, and presets (the client cannot see their format), are left as they are."""
+    fmt = _transform_bbox_format(transform)
+    if fmt is None:
+        return collate_fn
+    if collate_fn is detection_collate:
+        return collate_fn if fmt == "pascal_voc" else functools.partial(detection_collate, bbox_format=fmt)
+    if isinstance(collate_fn, functools.partial) and collate_fn.func is detection_collate:
+        given = collate_fn.keywords.get("bbox_format", "pascal_voc")
+        if given != fmt:
+            raise ValueError(f"detection_collate was told bbox_format={given!r}, but the transform's bbox_params "
+                             f"give the boxes in {fmt!r}: pass collate_fn=batchd.detection_collate (it takes the "
+                             "transform's format), or ask for A.BboxParams(format='pascal_voc'), torchvision's xyxy")
+    return collate_fn
+
+
+def _transform_bbox_format(transform: Any) -> str | None:
+    """The ``bbox_params`` format of an albumentations transform (None: a preset name, no
+    transform, or no bbox_params: the server's default, pascal_voc, applies then)."""
+    if transform is None or isinstance(transform, str):
+        return None
+    params = getattr(transform, "processors", {}).get("bboxes")
+    return getattr(getattr(params, "params", None), "format", None)

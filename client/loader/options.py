@@ -15,6 +15,7 @@ import torch
 
 from batchd.client.transport.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
 from batchd.client.loader.distributed import rank_and_world_size
+from batchd.client.device.collate import bind_bbox_format
 from batchd.v1 import loader_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "socket", "inline")
@@ -153,6 +154,7 @@ class LoaderOptions:
         if compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
         rank, world_size = rank_and_world_size(rank, world_size)
+        rest["collate_fn"] = bind_bbox_format(rest.get("collate_fn"), transform)  # detection_collate: xyxy boxes
         return cls(dataset, pipeline=pipeline_of(transform), rank=rank, world_size=world_size,
                    device=resolve_device(device),
                    compression=pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE,

@@ -41,6 +41,8 @@ ALLOWED = COMPOSITIONS | frozenset({
     "LongestMaxSize", "PadIfNeeded", "HorizontalFlip", "VerticalFlip", "Transpose", "RandomRotate90", "D4",
     "SquareSymmetry", "Rotate", "Affine", "ShiftScaleRotate", "Perspective", "ElasticTransform", "GridDistortion",
     "OpticalDistortion",
+    # crops that keep boxes (RandomCropNearBBox crops near the box in the sample's field ``cropping_bbox``)
+    "RandomSizedBBoxSafeCrop", "BBoxSafeRandomCrop", "AtLeastOneBBoxRandomCrop", "RandomCropNearBBox",
     # colour and tone
     "RandomBrightnessContrast", "HueSaturationValue", "ColorJitter", "RGBShift", "ToGray", "ToSepia",
     "ChannelShuffle", "ChannelDropout", "CLAHE", "Equalize", "Posterize", "Solarize", "InvertImg", "RandomGamma",

@@ -249,6 +249,7 @@ _KINDS: dict[str, Callable[[Any, PipelineLimits], None]] = {
     "pad_position": enum, "position": enum, "rotate_method": enum, "method": enum, "mode": enum,
     "normalization": enum, "noise_distribution": enum, "keypoint_remapping_method": enum, "compression_type": enum,
     "dtype": enum, "noise_type": enum, "spatial_mode": enum, "area_for_downscale": enum,
+    "cropping_bbox_key": enum,  # RandomCropNearBBox: the name of the sample's field with the box to crop near
     # booleans
     "replace": boolean, "pad_if_needed": boolean, "crop_border": boolean, "keep_ratio": boolean,
     "balanced_scale": boolean, "keep_size": boolean, "approximate": boolean, "same_dxdy": boolean,
@@ -266,7 +267,7 @@ _KINDS: dict[str, Callable[[Any, PipelineLimits], None]] = {
         "noise_scale_factor", "color_shift", "intensity", "lightness", "strength", "mean", "std",
         "max_pixel_value", "max_value", "scale_range", "quality_range", "ratio", "w2h_ratio",
         "multiplier", "cutoff", "ignore", "alias_blur", "threshold", "dropout_prob", "drop_value",
-        "mask_drop_value", "shift_xy", "padding",
+        "mask_drop_value", "shift_xy", "padding", "erosion_rate", "erosion_factor", "max_part_shift",
     )},
     # Compose: targets (server/compute/targets.py); the sample's fields are its own, never renamed
     "bbox_params": bbox_params, "keypoint_params": keypoint_params, "additional_targets": null_only, "mask": null_only,
@@ -341,5 +342,6 @@ def _longest(node: dict, limits: PipelineLimits) -> None:
 
 WHOLE: dict[str, Callable[[dict, PipelineLimits], None]] = {
     "Resize": _height_width, "RandomCrop": _height_width, "CenterCrop": _height_width,
+    "RandomSizedBBoxSafeCrop": _height_width, "AtLeastOneBBoxRandomCrop": _height_width,
     "RandomResizedCrop": _size, "RandomSizedCrop": _size, "PadIfNeeded": _min_size, "LongestMaxSize": _longest,
 }

@@ -12,18 +12,25 @@ transforms pass on. In the installed albumentations (2.0.x):
   about 190 pairs of equal noise per 1.28 million samples (an ImageNet epoch).
 
 ``widen(compose)`` turns each such transform of a built pipeline into the subclass below, which
-keeps every parameter and the distribution but draws the noise from the sample's own stream:
-``GaussNoise`` draws its normal deviates from ``self.random_generator`` (numpy, not OpenCV); the
-others draw a 128-bit seed from it. ``pipeline.build`` widens every pipeline the server builds.
-Bytes differ from albumentations' own (its seeding is not the server's anyway); the statistics
-are albumentations' (tests/compute/test_noise_entropy.py compares them, and counts repeated
-noise over 3,000 samples for each transform here). The list is complete for the allowlist:
+keeps every parameter and the distribution but gives the noise 128 bits of seed: ``wide_seed``,
+a BLAKE2b hash of the sample's stream state at that point (its Philox key and counter: unique to
+the sample and to the draw) and of albumentations' own narrow seed. ``GaussNoise`` draws its normal
+deviates from a numpy generator of that seed (not OpenCV's); the others seed their generator
+with it. Each still makes exactly the draws albumentations' own makes from the shared stream
+(GaussNoise: its sigma, mean and ``integers(0, 2**16)``; the others their ``integers(0, 2**32 -
+1)``) and no more: so every transform after it draws what it draws in a plain Compose (before,
+the extra draws shifted them: a dropout then a flip flipped other samples than albumentations'),
+and only the noise or fill values themselves differ from albumentations' bytes (constant fills,
+the default, are the same bytes). ``pipeline.build`` widens every pipeline the server builds.
+The statistics are albumentations' (tests/compute/test_noise_entropy.py compares them, and
+counts repeated noise over 3,000 samples for each transform here). The list is complete for the allowlist:
 tests/compute/test_rng_audit.py finds every allowlisted transform that reaches OpenCV's
 generator or seeds a generator of its own, in the installed albumentations' source.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import albumentations as A
@@ -33,14 +40,32 @@ from albucore import MAX_VALUES_BY_DTYPE
 from albumentations.augmentations.geometric import functional as fgeometric
 
 
-def _wide_seed(generator: np.random.Generator) -> int:
-    """128 bits from ``generator``: a seed for ``np.random.default_rng`` with the stream's entropy."""
-    return int.from_bytes(generator.bytes(16), "little")
+def wide_seed(generator: np.random.Generator, narrow: int) -> int:
+    """A 128-bit seed for ``np.random.default_rng``, drawing nothing from ``generator``: BLAKE2b
+    (16 bytes) of its bit generator's state (for the sample's Philox: the epoch's key and the
+    counter, so distinct for every sample and every point of its stream) and of ``narrow``, the
+    seed albumentations drew. Cost: a few microseconds (the state dict)."""
+    digest = hashlib.blake2b(digest_size=16)
+    _feed(digest, generator.bit_generator.state)
+    digest.update(int(narrow).to_bytes(16, "little", signed=True))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Feed a bit generator's state (nested dicts of str, ints and uint64 arrays) to ``digest``."""
+    if isinstance(value, dict):
+        for k in sorted(value):
+            digest.update(str(k).encode() + b"=")
+            _feed(digest, value[k])
+    elif isinstance(value, np.ndarray):
+        digest.update(np.ascontiguousarray(value).tobytes())
+    else:
+        digest.update(repr(value).encode() + b";")
 
 
 class GaussNoise(A.GaussNoise):
-    """``A.GaussNoise`` with its noise drawn from ``random_generator`` (numpy), not OpenCV's
-    16-bit-seeded generator: ``(mean + sigma * N(0, 1)) * max_value`` per pixel and channel
+    """``A.GaussNoise`` with its noise drawn from a numpy generator seeded by ``wide_seed``, not
+    OpenCV's 16-bit-seeded generator: ``(mean + sigma * N(0, 1)) * max_value`` per pixel and channel
     (``per_channel``) or per pixel, shared by the channels; at ``noise_scale_factor < 1`` drawn
     at that fraction of the size and resized (bilinear), as albumentations does."""
 
@@ -55,7 +80,9 @@ class GaussNoise(A.GaussNoise):
             size = (max(1, int(height * self.noise_scale_factor)), max(1, int(width * self.noise_scale_factor)))
         else:
             size = (height, width)
-        noise = (mean + sigma * self.random_generator.standard_normal((*size, *channels), dtype=np.float32)) * max_value
+        narrow = self.random_generator.integers(0, 2**16)  # albumentations' draw (generate_noise): the same stream after
+        noise_rng = np.random.default_rng(wide_seed(self.random_generator, narrow))
+        noise = (mean + sigma * noise_rng.standard_normal((*size, *channels), dtype=np.float32)) * max_value
         if size != (height, width):
             noise = fgeometric.resize(noise, (height, width), interpolation=cv2.INTER_LINEAR)
         if image.ndim > 2 and not self.per_channel:
@@ -64,13 +91,14 @@ class GaussNoise(A.GaussNoise):
 
 
 class _WideSeed:
-    """Replaces the 32-bit seed albumentations puts in ``params[SEED]`` by 128 bits from the stream."""
+    """Replaces the 32-bit seed albumentations puts in ``params[SEED]`` (drawn from the stream)
+    by ``wide_seed``'s 128 bits (which draws nothing more)."""
 
     SEED = "seed"
 
     def get_params_dependent_on_data(self, params: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
         out = super().get_params_dependent_on_data(params, data)
-        out[self.SEED] = _wide_seed(self.random_generator)
+        out[self.SEED] = wide_seed(self.random_generator, out[self.SEED])
         return out
 
 

@@ -8,8 +8,11 @@ Config::
 ``make_train(**args)`` returns ``fn(sample: dict, rng: numpy.random.Generator) -> dict``; a worker
 builds it once and calls it on each sample with ``rng`` the sample's own stream
 (``pipeline.SampleRandom.generator``, re-keyed to (seed, epoch, position) before each sample), so
-the randomness stays keyed per sample whatever the workers. The returned dict is the sample as
-it goes into the batch (any fields; README "Samples and targets").
+the randomness stays keyed per sample whatever the workers. Python's ``random``, numpy's global
+generator and torch's default one are seeded from (seed, epoch, position) around each call and
+restored afterwards (``run_keyed``; as around a ``kind: python`` ``__getitem__``), so a preset
+whose torchvision transforms draw from torch's global generator is keyed as well. The returned
+dict is the sample as it goes into the batch (any fields; README "Samples and targets").
 
 No client code runs on the server: a stream carries such a pipeline as ``preset_json`` (a JSON
 object whose only key is ``MARKER``), and a worker runs only the presets of the server's own
@@ -25,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from batchd.server.data.datasets._keyed import PIPELINE, keyed_run
 from batchd.server.data.datasets.python import import_factory
 
 MARKER = "batchd_python"
@@ -76,3 +80,15 @@ def run(fn: SampleFn, sample: dict, rng: np.random.Generator) -> dict:
     if not isinstance(out, dict):
         raise TypeError(f"the python pipeline returned a {type(out).__name__}, not a dict of fields")
     return out
+
+
+def run_keyed(fn: SampleFn, sample: dict, random: Any, key: np.ndarray, position: int) -> dict:
+    """``run(fn, sample, rng)`` with ``rng`` the sample's stream (``random``, the worker's
+    ``pipeline.SampleRandom``, started at (``key``, ``position``)) and the global generators
+    seeded for the sample and restored (``_keyed.keyed_run``). Raises what ``run`` raises."""
+
+    def call() -> dict:
+        random.start(key, position)
+        return run(fn, sample, random.generator)
+
+    return keyed_run(call, key, position, PIPELINE)

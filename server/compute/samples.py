@@ -8,6 +8,11 @@ comes from the shared cache (``server/data/cache/``) or is computed and stored t
 the dataset's fingerprint, the sample, the prefix and the build (``sample_key``); the reader then
 skips the bytes of samples already cached. A sample for which the prefix would draw a random
 number (``prefix.RandomDrawn``) is built by the whole pipeline instead, and not cached.
+
+Every sample is checked as it comes from the dataset, before the prefix and the cache
+(``sample_checks.check_targets``: boxes, keypoints, per-object counts; a bad one is a SampleError),
+and a ``kind: python`` sample is, at random intervals, built a second time to catch randomness
+batchd cannot key (``recheck``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from batchd.server.compute import prefix as prefixes
 from batchd.server.compute.build import build_fingerprint, build_parts
 from batchd.server.compute.plan import Plan
 from batchd.server.compute.protocol import Task
+from batchd.server.compute.sample_checks import check_targets
 from batchd.server.compute.stages import CACHE, DECODE, PIPELINE, READ
 from batchd.server.data.cache import sample_key
 from batchd.server.data.datasets import Dataset
@@ -24,24 +30,31 @@ from batchd.server.data.datasets import Dataset
 class WorkerSamples:
     """Mixed into the worker (``worker._Worker``): needs its ``clock``, ``reader``,
     ``between_samples``, ``cache``, ``cache_lookups``, ``cache_misses``, ``builds``,
-    ``per_object`` and ``_plan``."""
+    ``per_object``, ``_plan`` and ``recheck``."""
 
-    def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> dict:
-        """Sample k of the task, decoded (a dict of fields): its bytes from the reader if they are read ahead."""
+    def _load(self, ds: Dataset, task: Task, k: int, index: int, plan: Plan, min_size) -> dict:
+        """Sample k of the task, decoded (a dict of fields) and checked (``check_targets``; boxes
+        and keypoints float32): its bytes from the reader if they are read ahead. Raises
+        SampleError for a sample that cannot be read or decoded, or whose targets are bad."""
         clock = self.clock  # (its enter calls only for timed samples: clock.on)
         if task.task_id not in self.reader:  # in memory: nothing to read
             if clock.on:
                 clock.enter(DECODE)
-            return ds.load_sample(index, min_size, key=task.random_key)
-        if clock.on:
-            clock.enter(READ)
-        self.between_samples()
-        data = self.reader.take(task.task_id, k, self.between_samples)
-        if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
-            data = ds.read_bytes(index)
-        if clock.on:
-            clock.enter(DECODE)
-        return ds.decode_sample(index, data, min_size)
+            sample = ds.load_sample(index, min_size, key=task.random_key)
+            self.recheck(ds, index, task.random_key, sample)
+        else:
+            if clock.on:
+                clock.enter(READ)
+            self.between_samples()
+            data = self.reader.take(task.task_id, k, self.between_samples)
+            if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
+                data = ds.read_bytes(index)
+            if clock.on:
+                clock.enter(DECODE)
+            sample = ds.decode_sample(index, data, min_size)
+        inside = plan.targets is not None and plan.targets.boxes_inside
+        return check_targets(sample, dataset=ds.name, index=index, source=ds.source(index),
+                             per_object=self.per_object[ds.name], inside=inside)
 
     def _reads(self, task: Task, ds: Dataset):
         """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that
@@ -75,11 +88,11 @@ class WorkerSamples:
         some to build it (``Dataset.last_sample_drew``: it depends on the epoch), the decoded
         sample goes through the whole pipeline instead, and nothing is stored."""
         if plan.split is None:
-            return self._load(ds, task, k, index, plan.min_size), False
+            return self._load(ds, task, k, index, plan, plan.min_size), False
         decoded = []
 
         def compute() -> dict:
-            decoded.append(self._load(ds, task, k, index, plan.split.min_size))
+            decoded.append(self._load(ds, task, k, index, plan, plan.split.min_size))
             if ds.last_sample_drew:  # (kind python) drew random numbers for (seed, epoch, index): not cached
                 raise prefixes.RandomDrawn(f"dataset {ds.name!r}: sample {index} drew random numbers")
             return self._prefix(plan, ds, decoded[0], index, then=CACHE if key is not None else PIPELINE)

@@ -41,8 +41,15 @@ dataset's own; ``FieldSpec.per_object``) is indexed with the surviving numbers. 
 never dropped on their own (``remove_invisible`` must be false; a transform that drops points
 anyway, such as ElasticTransform for points it moves out of the image, is an error naming it):
 an object keeps its K points, in or out of the image. Other fields (Python ints, floats, str,
-bytes, other arrays) pass through untouched; ``area`` is not recomputed. Targets keep their
-dtype (albumentations gives float32 boxes and may widen masks).
+bytes, other arrays) pass through untouched; ``area`` is not recomputed. Boxes and keypoints
+go in and come out as float32, whatever dtype the sample gave (int64 boxes are neither truncated
+nor, in the normalised formats, turned into zeros); masks keep their dtype (albumentations may
+widen them).
+
+**A guide box.** ``RandomCropNearBBox`` crops near the box of the data key it names
+(``cropping_bbox_key``, "cropping_bbox" by default, [x_min, y_min, x_max, y_max] in whole pixels,
+as albumentations takes it): the sample's field of that name is handed to the Compose under that
+key, and passes through as it is.
 
 **Params.** A Compose's own ``bbox_params`` / ``keypoint_params`` are used (a client's are
 allowlisted, ``allowlist_fields.bbox_params``). Without them, a sample with boxes gets
@@ -113,6 +120,7 @@ class TargetPipeline:
         self.bbox_params = top.get("bbox_params") or None
         self.keypoint_params = top.get("keypoint_params") or None
         self.prefix = prefix
+        self.guides = _guide_keys(top)  # RandomCropNearBBox's cropping_bbox_key(s): sample fields handed over
         self._attach = attach
         self._variants: dict[tuple[bool, bool], tuple[A.Compose, tuple[Any, ...]]] = {}
         if compose is not None and self.bbox_params is None and self.keypoint_params is None:
@@ -136,7 +144,7 @@ class TargetPipeline:
         if not self.prefix:
             return sample
         compose, sealed = self._variant(sample, per_object)
-        data = _targets_in(sample, per_object, self._format())
+        data = _targets_in(sample, per_object, self._format(), self.guides)
         compose.preprocess(data)
         for t in sealed:
             data = compose.check_data_post_transform(t(**data))
@@ -159,10 +167,11 @@ class TargetPipeline:
         (the whole Compose). Raises ValueError for targets that do not fit."""
         if not (prefixed and self.prefix):
             compose, _ = self._variant(state, per_object)
-            return _targets_out(compose(**_targets_in(state, per_object, self._format())), state, per_object)
+            return _targets_out(compose(**_targets_in(state, per_object, self._format(), self.guides)), state, per_object)
         compose, _ = self._variant(state, per_object)
         dtypes = dict(part.split("=") for part in str(state[STATE_DTYPES]).split(",")) if STATE_DTYPES in state else {}
         data = {name: state[name] for name in _TARGETS if name in state}
+        data.update(_guide_values(state, self.guides))
         if "masks" in data and not len(data["masks"]):
             del data["masks"]  # albumentations cannot stack 0 masks (_targets_in)
         if STATE_BOXES in state:
@@ -175,6 +184,12 @@ class TargetPipeline:
         out = compose.postprocess(data)
         sample = {k: v for k, v in state.items() if k not in (STATE_BOXES, STATE_KEYPOINTS, STATE_DTYPES)}
         return _targets_out(out, sample, per_object, {name: np.dtype(d) for name, d in dtypes.items()})
+
+    @property
+    def boxes_inside(self) -> bool:
+        """Whether a sample's boxes must lie inside its image: albumentations refuses others
+        unless the bbox params ``clip`` them (``sample_checks.check_targets``)."""
+        return not (self.bbox_params or {}).get("clip", False)
 
     def params_name(self) -> str:
         """The bbox and keypoint params ``begin``'s state depends on, as canonical text: part of
@@ -218,11 +233,13 @@ class TargetPipeline:
         return built
 
 
-def _targets_in(sample: dict, per_object: Callable[[str], bool], bbox_format: str) -> dict[str, Any]:
+def _targets_in(sample: dict, per_object: Callable[[str], bool], bbox_format: str,
+                guides: tuple[str, ...] = ()) -> dict[str, Any]:
     """The sample's targets as a Compose takes them: image, mask, masks (unless there are none:
-    albumentations cannot stack 0 masks), bboxes in ``bbox_format`` and keypoints [N*K, D], each
-    box and point with its object number as a last column. Raises ValueError for targets that do
-    not fit (per-object fields of different N, keypoints not [N, K, >= 2], boxes not [N, >= 4])."""
+    albumentations cannot stack 0 masks), bboxes in ``bbox_format`` and keypoints [N*K, D] (both
+    float32), each box and point with its object number as a last column, and the ``guides``
+    fields the sample has (RandomCropNearBBox's box: 4 whole pixels). Raises ValueError for targets
+    that do not fit (per-object fields of different N, keypoints not [N, K, >= 2], boxes not [N, >= 4])."""
     if "image" not in sample:
         raise ValueError(f"the pipeline needs an 'image' field; the sample has {sorted(sample)}")
     check_objects(sample, per_object)
@@ -232,7 +249,8 @@ def _targets_in(sample: dict, per_object: Callable[[str], bool], bbox_format: st
     masks = sample.get("masks")
     if masks is not None and len(masks):
         data["masks"] = masks
-    boxes, keypoints = sample.get("boxes"), sample.get("keypoints")
+    data.update(_guide_values(sample, guides))
+    boxes, keypoints = _float32(sample.get("boxes")), _float32(sample.get("keypoints"))
     if boxes is not None:
         if boxes.ndim != 2 or boxes.shape[1] < 4:
             raise ValueError(f"boxes must be [N, 4] (xyxy pixels), got {list(boxes.shape)}")
@@ -263,7 +281,7 @@ def _targets_out(out: dict, sample: dict, per_object: Callable[[str], bool],
     if boxes is not None:
         moved = np.asarray(out["bboxes"]).reshape(-1, boxes.shape[1] + 1)
         kept = moved[:, -1].astype(np.int64)
-        result["boxes"] = moved[:, :-1].astype(boxes.dtype, copy=False)
+        result["boxes"] = moved[:, :-1].astype(np.float32, copy=False)
     if keypoints is not None:
         n, k, d = keypoints.shape
         moved = np.asarray(out["keypoints"]).reshape(-1, d + 1)
@@ -272,7 +290,7 @@ def _targets_out(out: dict, sample: dict, per_object: Callable[[str], bool],
                              "(keypoint_params remove_invisible must be false, and transforms that drop the points "
                              "they move out of the image, such as ElasticTransform, GridDistortion and "
                              "OpticalDistortion, cannot run on samples with keypoints)")
-        result["keypoints"] = moved[:, :-1].reshape(keypoints.shape).astype(keypoints.dtype, copy=False)
+        result["keypoints"] = moved[:, :-1].reshape(keypoints.shape).astype(np.float32, copy=False)
     if masks is not None:
         dtype = dtypes.get("masks", masks.dtype)
         if len(masks):
@@ -284,6 +302,32 @@ def _targets_out(out: dict, sample: dict, per_object: Callable[[str], bool],
             if name != "boxes" and per_object(name):
                 result[name] = result[name][kept]
     return result
+
+
+def _guide_values(sample: dict, guides: tuple[str, ...]) -> dict[str, list[int]]:
+    """The sample's ``guides`` fields as RandomCropNearBBox reads them: lists of whole pixels.
+    Raises ValueError naming the field for one that is not 4 whole numbers."""
+    out = {}
+    for name in guides:
+        if name in sample:
+            values = np.asarray(sample[name], np.float64).reshape(-1)
+            if values.shape != (4,) or not np.all(np.isfinite(values) & (values == np.round(values))):
+                raise ValueError(f"RandomCropNearBBox reads field {name!r} as a box in whole pixels [x_min, y_min, "
+                                 f"x_max, y_max]; the sample's is {np.asarray(sample[name]).tolist()}")
+            out[name] = [int(v) for v in values]
+    return out
+
+
+def _guide_keys(node: Any) -> tuple[str, ...]:
+    """The ``cropping_bbox_key`` of every RandomCropNearBBox in a Compose's ``A.to_dict`` node."""
+    if not isinstance(node, dict):
+        return ()
+    keys: tuple[str, ...] = ()
+    if node.get("__class_fullname__") == "RandomCropNearBBox":
+        keys = (str(node.get("cropping_bbox_key") or "cropping_bbox"),)
+    for child in node.get("transforms") or ():
+        keys += tuple(k for k in _guide_keys(child) if k not in keys)
+    return keys
 
 
 def _bbox_params(given: dict | None) -> dict:
@@ -316,6 +360,11 @@ def _to_format(boxes: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarra
         return boxes
     out = bbox_utils.convert_bboxes_to_albumentations(boxes, "pascal_voc", shape)
     return out if fmt == "albumentations" else bbox_utils.convert_bboxes_from_albumentations(out, fmt, shape)
+
+
+def _float32(values: Any) -> np.ndarray | None:
+    """Boxes or keypoints as float32 (None stays None): what the pipeline works in and returns."""
+    return None if values is None else np.asarray(values, np.float32)
 
 
 def _same_dtype(out: np.ndarray, dtype: np.dtype) -> np.ndarray:

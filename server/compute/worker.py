@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import random
 import signal
 import traceback
 from multiprocessing.connection import Connection
@@ -48,6 +49,9 @@ from batchd.server.shm import Segment
 
 _CACHED_SEGMENTS = 16
 _CACHED_PIPELINES = 32
+# mean number of samples between two checks of a kind: python dataset's keying while serving
+# (``_Worker.recheck``: the sample built a second time, watched); the gaps are random
+RECHECK_EVERY = 256
 
 
 class _Worker(WorkerSamples):
@@ -80,6 +84,10 @@ class _Worker(WorkerSamples):
         # seconds per stage of the running batch (BatchDone.timings), and its stage on the server's board
         self.clock = StageClock(StageBoard.attach(new_segment_prefix), worker_id)
         self.cache_lookups = self.cache_misses = 0  # samples of the running batch looked up in the cache, computed
+        # when to check a kind: python sample's keying next (recheck): drawn by batchd's own
+        # generator, seeded by the OS, never one a dataset draws from (so the bytes do not depend on it)
+        self._gaps = random.Random()
+        self._until_recheck = self._gap()
 
     def prefetch(self, task: Task) -> None:
         """Start reading ``task``'s samples (after those of the tasks before it), if its dataset
@@ -98,6 +106,24 @@ class _Worker(WorkerSamples):
             declared = {f.name: f.per_object for f in ds.fields}
             self.per_object[name] = lambda field: declared.get(field, field in PER_OBJECT_FIELDS)
         return ds
+
+    def _gap(self) -> int:
+        """Samples until the next ``recheck``: 1 + exponential of mean ``RECHECK_EVERY`` - 1."""
+        return 1 + int(self._gaps.expovariate(1.0 / max(RECHECK_EVERY - 1, 1e-9))) if RECHECK_EVERY > 1 else 1
+
+    def recheck(self, ds: Dataset, index: int, key: np.ndarray, sample: dict) -> None:
+        """At random intervals (``RECHECK_EVERY`` samples on average), build a ``kind: python``
+        sample (just built: ``sample``) a second time under the same key and raise
+        ``UnkeyableRandomnessError`` naming the dataset if randomness batchd cannot key shows
+        (``PythonDataset.check_keyed``). Not for ``deterministic: false`` datasets."""
+        check = getattr(ds, "check_keyed", None)
+        if check is None or not getattr(ds, "deterministic", True):
+            return
+        self._until_recheck -= 1
+        if self._until_recheck > 0:
+            return
+        self._until_recheck = self._gap()
+        check(index, key, sample)
 
     def pipeline(self, key: str, text: str) -> tuple[Any, tuple[int, int] | None]:
         """(Compose or None, the size images may be decoded down to) for a pipeline, cached."""
@@ -201,16 +227,17 @@ class _Worker(WorkerSamples):
     def _pipeline(self, plan: Plan, ds: Dataset, task: Task, sample: dict, prefixed: bool, index: int,
                   position: int) -> dict:
         """The sample after the pipeline's rest (``TargetPipeline.end``) or the python pipeline,
-        under the sample's stream. Raises what the pipeline raises (with a note naming dataset
+        under the sample's stream (a python pipeline also under the global generators keyed to
+        the sample, ``python_pipeline.run_keyed``). Raises what the pipeline raises (with a note naming dataset
         and sample), or SampleError naming the field for a python pipeline's field that cannot
         become an array (``values.as_value``; ``on_error: skip`` applies)."""
         if plan.fn is None and plan.targets is None:
             return sample
-        self.random.start(task.random_key, position)
         try:
             if plan.fn is None:
+                self.random.start(task.random_key, position)
                 return plan.targets.end(sample, self.per_object[ds.name], prefixed)
-            sample = python_pipeline.run(plan.fn, sample, self.random.generator)
+            sample = python_pipeline.run_keyed(plan.fn, sample, self.random, task.random_key, position)
         except Exception as e:
             e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
             raise

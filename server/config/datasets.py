@@ -145,6 +145,11 @@ class CocoConfig(_DatasetBase):
     apply_exif_orientation: turn a JPEG by its EXIF orientation, and its boxes and masks with it;
         false (the default): the stored pixels, the frame of the annotations, pycocotools and
         torchvision's CocoDetection (as ``torchvision.io.decode_image``'s option of that name).
+    annotations_frame: "stored" (the default): the annotation file is in the stored pixels (COCO's
+        own tools, pycocotools); "upright": it was made on the photo as a viewer shows it, EXIF
+        orientation applied (what web annotation tools give for an EXIF-turned JPEG): the image
+        is turned upright and the boxes, masks and the JSON's width and height are taken as they
+        are (whatever ``apply_exif_orientation`` says: the image is served upright either way).
     Images are always decoded at full size (boxes and masks are in the full image's pixels).
     """
 
@@ -154,6 +159,7 @@ class CocoConfig(_DatasetBase):
     masks: bool = False
     skip_empty: bool = False
     apply_exif_orientation: bool = False
+    annotations_frame: Literal["stored", "upright"] = "stored"
     storage_options: StorageOptions = Field(default_factory=StorageOptions)
 
 

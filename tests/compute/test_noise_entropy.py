@@ -107,4 +107,7 @@ def test_gauss_noise_keeps_albumentations_statistics(kwargs):
         return np.array([means.mean(), means.std(), stds.mean(), stds.std(), channels, neighbours])
 
     ours, theirs_ = figures(ours_noise), figures(their_noise)
-    assert np.allclose(ours, theirs_, atol=0.01, rtol=0.1), f"ours {ours.round(4)} vs albumentations {theirs_.round(4)}"
+    # the correlations of 300 samples of 8x8 noise (noise_scale_factor 0.25) have a standard error
+    # of about 0.007 each, so two independent estimates differ by 0.01 one time in three: 0.03
+    atol = np.array([0.01, 0.01, 0.01, 0.01, 0.03, 0.03])
+    assert np.allclose(ours, theirs_, atol=atol, rtol=0.1), f"ours {ours.round(4)} vs albumentations {theirs_.round(4)}"

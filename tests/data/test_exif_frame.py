@@ -62,6 +62,16 @@ def jpeg(rgb: np.ndarray, orientation: int) -> bytes:
     return data[:2] + exif_segment(orientation) + data[2:]
 
 
+def add_image(images: list, annotations: list, file_name: str, h: int, w: int, boxes) -> None:
+    """Append a COCO image entry and one rectangle annotation per box (category k + 1 for box k)."""
+    img_id = len(images) + 1
+    images.append({"id": img_id, "file_name": file_name, "height": h, "width": w})
+    for k, (x0, y0, x1, y1) in enumerate(boxes):
+        annotations.append({"id": len(annotations) + 1, "image_id": img_id, "category_id": k + 1,
+                            "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 0,
+                            "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]})
+
+
 def write_png_mask(path: pathlib.Path, mask: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(mask, mode="L").save(path)
@@ -84,12 +94,7 @@ def photos(tmp_path_factory) -> pathlib.Path:
             stem = f"{h}x{w}-o{o}"
             (images / f"{stem}.jpg").write_bytes(jpeg(image, o))
             write_png_mask(root / "masks" / f"{stem}.png", label_mask)
-            img_id = len(coco_images) + 1
-            coco_images.append({"id": img_id, "file_name": f"{stem}.jpg", "height": h, "width": w})
-            for k, (x0, y0, x1, y1) in enumerate(boxes):
-                annotations.append({"id": len(annotations) + 1, "image_id": img_id, "category_id": k + 1,
-                                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 0,
-                                    "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]})
+            add_image(coco_images, annotations, f"{stem}.jpg", h, w, boxes)
     categories = [{"id": k + 1, "name": f"colour{k}"} for k in range(len(COLOURS))]
     (root / "instances.json").write_text(json.dumps({"images": coco_images, "annotations": annotations,
                                                      "categories": categories}))
@@ -244,3 +249,66 @@ def test_keypoints_and_label_masks_turn_with_the_pixels(orientation):
     label_pil = Image.fromarray(mask)
     label_pil.getexif()[0x0112] = orientation
     assert np.array_equal(out["mask"], np.asarray(ImageOps.exif_transpose(label_pil)))
+
+
+# how Pillow turns a stored image upright for each orientation (ImageOps.exif_transpose), undone
+TO_STORED = {1: None, 2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+             4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_90,
+             7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_270}
+
+
+@pytest.fixture(scope="module")
+def upright_photos(tmp_path_factory) -> pathlib.Path:
+    """A web annotation tool's output for EXIF-turned photos: for each shape and orientation, a
+    JPEG whose stored pixels Pillow turns upright (``exif_transpose``) into ``scene``, and a COCO
+    file whose boxes, polygons, width and height are the upright scene's."""
+    root = tmp_path_factory.mktemp("exif-upright")
+    (root / "images").mkdir()
+    coco_images, annotations = [], []
+    for h, w in SHAPES:
+        upright, boxes = scene(h, w)
+        for o in ORIENTATIONS:
+            stored = Image.fromarray(upright)
+            stored = np.asarray(stored if TO_STORED[o] is None else stored.transpose(TO_STORED[o]))
+            path = root / "images" / f"{h}x{w}-o{o}.jpg"
+            path.write_bytes(jpeg(stored, o))
+            assert (np.abs(pil_image(path, upright=True).astype(int) - upright).max() <= 8), (o, "not upright")
+            add_image(coco_images, annotations, path.name, h, w, boxes)
+    categories = [{"id": k + 1, "name": f"colour{k}"} for k in range(len(COLOURS))]
+    (root / "instances.json").write_text(json.dumps({"images": coco_images, "annotations": annotations,
+                                                     "categories": categories}))
+    return root
+
+
+def test_annotations_made_on_the_upright_photo_are_served_with_annotations_frame_upright(upright_photos, photos,
+                                                                                         tmp_path):
+    """``annotations_frame: upright``: the image Pillow shows upright, the boxes and masks
+    pycocotools reads from the file as they are, each over its object's pixels, for orientations
+    1-8, square included (before, a square photo was served misaligned without a word). The
+    default frame gives the non-square turned ones a SampleError naming the EXIF orientation and
+    the option; the option on a stored-frame file names the other."""
+    from pycocotools.coco import COCO
+
+    coco = {"kind": "coco", "images": str(upright_photos / "images"),
+            "annotations": str(upright_photos / "instances.json"), "masks": True}
+    stored = {"kind": "coco", "images": str(photos / "images"), "annotations": str(photos / "instances.json"),
+              "masks": True, "annotations_frame": "upright"}
+    datasets = {"upright": {**coco, "annotations_frame": "upright"}, "default": coco, "wrong": stored}
+    with running_server(workers=1, cache_dir=tmp_path, datasets=datasets) as s:
+        samples = served(s.address, "upright")
+        reference = COCO(str(upright_photos / "instances.json"))
+        assert len(samples) == len(SHAPES) * len(ORIENTATIONS)
+        for sample, img_id in zip(samples, sorted(reference.imgs)):
+            name = reference.imgs[img_id]["file_name"]
+            assert np.array_equal(sample["image"], pil_image(upright_photos / "images" / name, upright=True)), name
+            want, _ = coco_oracle.expected(reference, img_id, masks=True)
+            for field in ("boxes", "labels", "masks"):
+                assert np.array_equal(sample[field], want[field]), (name, field)
+            assert_targets_cover_their_pixels(sample["image"], sample["boxes"], sample["masks"], sample["labels"], name)
+        for dataset, says in (("default", r"the image is 96x144 pixels, but the annotation file says 144x96; its "
+                                          r"EXIF orientation is [5-8] .*set annotations_frame: upright on the dataset"),
+                              ("wrong", r"the image is 96x144 pixels once turned upright, but the annotation file "
+                                        r"says 144x96; annotations_frame: upright turned it by its EXIF orientation "
+                                        r"[5-8].*set annotations_frame: stored")):
+            with pytest.raises(batchd.SampleError, match=says):
+                served(s.address, dataset)

@@ -26,6 +26,7 @@ import batchd
 from batchd.sampler import sample_key
 from batchd.server.config import PythonConfig
 from batchd.server.data.datasets import open_dataset
+from batchd.server.data.datasets.python import UnkeyableRandomnessError
 from conftest import running_server
 from helpers import fields_digest
 
@@ -172,18 +173,66 @@ def test_getitem_is_keyed_to_seed_epoch_and_index_and_the_global_generators_are_
     assert not quiet.last_sample_drew
 
 
-@pytest.mark.parametrize("factory, where", [
-    ("OwnGenerator", "generator(s) it holds itself (self.rng)"),
-    ("OwnCompose", "it holds itself (self.transform.py_random, self.transform.transforms[0].py_random)"),
-    ("Urandom", "field 'image' of sample 0 differs between two builds"),
-])
-def test_randomness_batchd_cannot_key_is_refused_naming_the_dataset_and_where_it_must_go(testdata, tmp_path, factory,
-                                                                                         where):
-    with pytest.raises(ValueError) as e:
-        open_dataset("mine", PythonConfig(**python(factory)), tmp_path, build=True)
-    message = str(e.value)
-    assert f"dataset 'mine' (kind python, batchd_testdata:{factory})" in message and where in message, message
-    assert "def __getitem__(self, index, rng=None)" in message and "deterministic: false" in message
+UNKEYABLE = [
+    ("OwnGenerator", {}, "generator self.rng moved"),
+    ("OwnCompose", {}, "generator self.transform.py_random moved"),
+    ("Urandom", {}, "the operating system's entropy (os.urandom) (" + str(PYDATA / "batchd_testdata.py")),
+    ("Unkeyable", {"source": "default_rng"}, "a numpy generator made without a seed: np.random.default_rng()"),
+    ("Unkeyable", {"source": "random_instance"}, "a random.Random seeded from the operating system"),
+    ("Unkeyable", {"source": "random_seed"}, "a random.Random seeded from the operating system"),
+    ("Unkeyable", {"source": "module_numpy"}, "generator batchd_testdata.MODULE_NUMPY moved"),
+    ("Unkeyable", {"source": "module_random"}, "generator batchd_testdata.MODULE_RANDOM moved"),
+    ("Unkeyable", {"source": "module_torch"}, "generator batchd_testdata.MODULE_TORCH moved"),
+    ("Unkeyable", {"source": "closure"}, "generator self.draw (closure rng) moved"),
+]
+
+
+@pytest.mark.parametrize("factory, args, found", UNKEYABLE, ids=[f"{f}-{a.get('source', '')}" for f, a, _ in UNKEYABLE])
+def test_randomness_batchd_cannot_key_is_refused_every_time_naming_the_dataset_and_where_it_must_go(
+        testdata, tmp_path, factory, args, found):
+    """Found by construction, not by luck: a generator reachable from the dataset (its attributes,
+    its module's globals, a closure) that moves between two builds of a sample, or the OS's
+    entropy read while one is built. The Unkeyable datasets draw for every sample but never
+    change sample 0 (the old check, two builds of sample 0 and the attributes' generators,
+    passed them every time); refused at each of three openings."""
+    for _ in range(3):
+        with pytest.raises(UnkeyableRandomnessError) as e:
+            open_dataset("mine", PythonConfig(**python(factory, **args)), tmp_path, build=True)
+        message = str(e.value)
+        assert f"dataset 'mine' (kind python, batchd_testdata:{factory})" in message and found in message, message
+        assert "def __getitem__(self, index, rng=None)" in message and "deterministic: false" in message
+
+
+@pytest.mark.parametrize("args", [{}, {"declare": True}, {"build_in_getitem": True}],
+                         ids=["fields-from-sample-0", "fields-declared", "compose-built-in-getitem"])
+def test_the_remedy_the_refusal_recommends_is_accepted(testdata, tmp_path, args):
+    """A Compose reseeded from the sample's own rng (``compose.set_random_seed(int(rng.integers(2**32)))``)
+    is keyed: accepted whether or not the dataset declares its fields (before, the generators were
+    compared before any build when it declared them, and it was refused), and so is a Compose made
+    in __getitem__ with a seed from rng. Its flips are the sample's: the same under one key, and
+    both ways over the samples."""
+    ds = open_dataset("seeded", PythonConfig(**python("SeededCompose", **args)), tmp_path, build=True)
+    key = sample_key(seed=4, epoch=1)
+    images = [ds.load_sample(i, key=key)["image"] for i in range(40)]
+    assert all(np.array_equal(a, ds.load_sample(i, key=key)["image"]) for i, a in enumerate(images))
+    flipped = [not np.array_equal(a, testdata._pattern(i, 6)) for i, a in enumerate(images)]
+    assert 5 < sum(flipped) < 40
+
+
+def test_randomness_that_starts_while_serving_is_caught_by_a_workers_rechecks(testdata, tmp_path, monkeypatch):
+    """A dataset that draws from a module-level generator only after its first 30 samples passes
+    the start-up check; a worker building each sample a second time (RECHECK_EVERY 1) refuses the
+    batch, naming the dataset. With ``deterministic: false``, no check."""
+    from batchd.server.compute import worker
+    from inworker import InWorker
+
+    monkeypatch.setattr(worker, "RECHECK_EVERY", 1)
+    late = python("Unkeyable", source="module_numpy", after=30)
+    with InWorker({"late": late, "free": {**late, "deterministic": False}}, tmp_path) as w:
+        w.batch("late", list(range(10)))  # (the worker's own dataset object: 10 calls, 10 more to check them)
+        with pytest.raises(UnkeyableRandomnessError, match=r"dataset 'late' \(kind python.*MODULE_NUMPY moved"):
+            w.batch("late", list(range(10, 30)))
+        w.batch("free", list(range(40)))
 
 
 def test_a_server_refuses_an_unkeyable_dataset_at_start_or_warns_with_deterministic_false(testdata, tmp_path, caplog):

@@ -81,15 +81,17 @@ class Rectangles:
 
 class Mixed:
     """Fields of every kind: image uint8 [8, 8, 3] (or [8 + i % 3, 8, 3] with ``ragged_images``),
-    label int, weight float, flag bool, name str, raw bytes, vec float32 [3], boxes float32 [i % 3, 4],
+    label int, weight float, flag bool, name str, raw bytes, vec float32 [3], boxes float32 [i % 3, 4] (inside the
+    image, x_min < x_max),
     torch tensor ``t`` (float32 [2]) when torch imports, and ``odd`` int in even samples and float
     in odd ones when ``mixed_dtype``. ``only``: keep these fields alone. Sample ``fail_at`` raises
-    ZeroDivisionError in ``_broken``."""
+    ZeroDivisionError in ``_broken``. Sample ``drift_at`` has a field of another type than the
+    others: ``drift`` "label" (a str label), "image" (a float64 image) or "rank" (vec [1, 3])."""
 
     def __init__(self, n: int = 12, ragged_images: bool = False, mixed_dtype: bool = False, fail_at: int = -1,
-                 only: list | None = None):
+                 only: list | None = None, drift_at: int = -1, drift: str = "label"):
         self.n, self.ragged_images, self.mixed_dtype, self.fail_at = n, ragged_images, mixed_dtype, fail_at
-        self.only = only
+        self.only, self.drift_at, self.drift = only, drift_at, drift
 
     def __len__(self) -> int:
         return self.n
@@ -102,7 +104,7 @@ class Mixed:
         sample = {
             "image": image, "label": i % 4, "weight": i / 4, "flag": i % 2 == 0, "name": f"sample-{i}-é",
             "raw": bytes(range(i % 5)), "vec": np.arange(3, dtype=np.float32) + i,
-            "boxes": np.arange(4 * (i % 3), dtype=np.float32).reshape(-1, 4) + i,
+            "boxes": np.array([[0, 1, 2, 3], [1, 2, 5, 7]], np.float32)[:i % 3] + i % 2,
         }
         if self.only is None or "t" in self.only:
             try:
@@ -112,6 +114,9 @@ class Mixed:
                 pass
         if self.mixed_dtype:
             sample["odd"] = i if i % 2 == 0 else float(i)
+        if i == self.drift_at:
+            sample.update({"label": {"label": "cat"}, "image": {"image": image.astype(np.float64)},
+                           "rank": {"vec": sample["vec"][None]}}[self.drift])
         return sample if self.only is None else {k: v for k, v in sample.items() if k in self.only}
 
     def _broken(self, i: int) -> dict:
@@ -275,6 +280,157 @@ class BadField:
             else:
                 extra = {"dict": {"a": 1}, "object": object(), "list": [1, 2], "none": None}[self.what]
         return {"image": np.full((4, 4, 3), i % 256, np.uint8), "label": i, "extra": extra}
+
+
+class Boxes:
+    """Sample i: image uint8 [size, size, 3] filled with i, ``boxes`` (a list of [x_min, y_min,
+    x_max, y_max] pixels) as ``dtype``, labels int64 [N], ``keypoints`` as ``dtype`` [N, 2, 3]
+    (each box's top-left and bottom-right corners, visibility 2); with ``guide``, ``cropping_bbox``
+    float32 [4] (box i % N, for RandomCropNearBBox). At index ``bad_at`` the field ``bad_field``
+    is ``np.array(bad, dtype)`` instead (any nested list; NaN allowed)."""
+
+    def __init__(self, n: int = 8, size: int = 10, boxes: list | None = None, dtype: str = "int64", bad_at: int = -1,
+                 bad_field: str = "boxes", bad: list | None = None, guide: bool = False):
+        self.n, self.size, self.dtype, self.guide = n, size, np.dtype(dtype), guide
+        self.boxes = np.array(boxes if boxes is not None else [[0, 1, 6, 8], [2, 2, 9, 9]], self.dtype).reshape(-1, 4)
+        self.bad_at, self.bad_field, self.bad = bad_at, bad_field, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        boxes = self.boxes
+        corners = np.stack([boxes[:, :2], boxes[:, 2:]], 1)
+        keypoints = np.concatenate([corners, np.full((len(boxes), 2, 1), 2, self.dtype)], -1)
+        sample = {"image": np.full((self.size, self.size, 3), i % 256, np.uint8), "boxes": boxes,
+                  "labels": np.arange(len(boxes), dtype=np.int64), "keypoints": keypoints}
+        if self.guide:
+            sample["cropping_bbox"] = boxes[i % len(boxes)].astype(np.float32)
+        if i == self.bad_at:
+            sample[self.bad_field] = np.array(self.bad, self.dtype if self.bad_field != "labels" else np.int64)
+        return sample
+
+
+class Given:
+    """One sample, as the arguments say: image uint8 [h, w, 3] of noise (from ``seed``), boxes
+    ``np.array(boxes, box_dtype)`` [N, 4], labels int64 [N] (10, 11, ...), keypoints of
+    ``box_dtype`` [N, 2, 3] (each box's top-left and bottom-right corners, visibility 2), and
+    ``extra`` fields: name -> [kind, value], kind "int", "float", "bool", "str", "bytes" (a list of
+    ints) or a numpy dtype name (value: a nested list)."""
+
+    def __init__(self, h: int, w: int, seed: int, boxes: list, box_dtype: str, extra: dict | None = None):
+        self.h, self.w, self.seed, self.extra = h, w, seed, extra or {}
+        self.boxes = np.array(boxes, np.dtype(box_dtype)).reshape(-1, 4)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict:
+        if i != 0:
+            raise IndexError(i)
+        boxes = self.boxes
+        corners = np.stack([boxes[:, :2], boxes[:, 2:]], 1)
+        sample = {"image": np.random.default_rng(self.seed).integers(0, 256, (self.h, self.w, 3), np.uint8),
+                  "boxes": boxes, "labels": 10 + np.arange(len(boxes), dtype=np.int64),
+                  "keypoints": np.concatenate([corners, np.full((len(boxes), 2, 1), 2, boxes.dtype)], -1)}
+        for name, (kind, value) in self.extra.items():
+            sample[name] = {"int": int, "float": float, "bool": bool, "str": str, "bytes": bytes}.get(
+                kind, lambda v: np.array(v, np.dtype(kind)))(value)
+        return sample
+
+
+MODULE_NUMPY = np.random.default_rng()  # module-level generators a dataset may draw from (Unkeyable)
+MODULE_RANDOM = random.Random()
+MODULE_TORCH = None  # a torch.Generator, made on first use (torch imports lazily here)
+
+
+def _closure_draw():
+    rng = np.random.default_rng()
+    return lambda: float(rng.random())
+
+
+class Unkeyable(RngFlips):
+    """Draws one number per sample from ``source``, a generator batchd cannot key, and flips odd
+    samples by it (sample 0 never changes: a check of sample 0's bytes alone passes it):
+    "default_rng" (``np.random.default_rng()`` made in __getitem__), "random_instance"
+    (``random.Random()`` made in __getitem__), "random_seed" (``random.seed()`` then
+    ``random.random()``), "module_numpy", "module_random", "module_torch" (generators at module
+    level), "closure" (a generator in the closure of a function the dataset holds). Only after
+    ``after`` calls of __getitem__ (before: no draw at all)."""
+
+    def __init__(self, n: int = 40, size: int = 6, source: str = "default_rng", after: int = 0):
+        super().__init__(n, size)
+        self.source, self.after, self.calls = source, after, 0
+        self.draw = _closure_draw()
+
+    def _draw(self) -> float:
+        global MODULE_TORCH
+        if self.source == "default_rng":
+            return float(np.random.default_rng().random())
+        if self.source == "random_instance":
+            return random.Random().random()
+        if self.source == "random_seed":
+            random.seed()
+            return random.random()
+        if self.source == "module_numpy":
+            return float(MODULE_NUMPY.random())
+        if self.source == "module_random":
+            return MODULE_RANDOM.random()
+        if self.source == "module_torch":
+            import torch
+
+            MODULE_TORCH = MODULE_TORCH or torch.Generator()
+            return float(torch.rand((), generator=MODULE_TORCH))
+        return self.draw()
+
+    def __getitem__(self, i: int) -> dict:
+        self.calls += 1
+        flip = self.calls > self.after and self._draw() < 0.5 and i % 2 == 1
+        image = _pattern(i, self.size)
+        return {"image": np.ascontiguousarray(image[:, ::-1] if flip else image), "label": i % 3}
+
+
+class SeededCompose(RngFlips):
+    """The remedy the refusal recommends: an albumentations Compose made in __init__, reseeded
+    in __getitem__ from the sample's own ``rng`` (``compose.set_random_seed``); with ``declare``,
+    its fields declared (``fields``); with ``build_in_getitem``, the Compose made in __getitem__
+    with a seed drawn from ``rng`` instead (albumentations seeds a new transform from the OS first)."""
+
+    def __init__(self, n: int = 40, size: int = 6, declare: bool = False, build_in_getitem: bool = False):
+        import albumentations as A
+
+        super().__init__(n, size)
+        self.build_in_getitem = build_in_getitem
+        self.transform = A.Compose([A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)])
+        if declare:
+            self.fields = {"image": ("uint8", (size, size, 3)), "label": ("int64", ())}
+
+    def __getitem__(self, i: int, rng: np.random.Generator | None = None) -> dict:
+        import albumentations as A
+
+        rng = np.random.default_rng(i) if rng is None else rng
+        seed = int(rng.integers(2**32))
+        if self.build_in_getitem:
+            transform = A.Compose([A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)], seed=seed)
+        else:
+            transform = self.transform
+            transform.set_random_seed(seed)
+        return {"image": transform(image=_pattern(i, self.size))["image"], "label": i % 3}
+
+
+def global_draws():
+    """A python pipeline drawing from the global generators, as torchvision transforms inside a
+    preset do: ``draws`` float64 [3] from ``random.random()``, ``np.random.rand()`` and
+    ``torch.rand()``, and the image flipped when the first is below 1/2."""
+
+    def fn(sample: dict, rng: np.random.Generator) -> dict:
+        import torch
+
+        draws = np.array([random.random(), np.random.rand(), float(torch.rand(()))])
+        image = sample["image"][:, ::-1] if draws[0] < 0.5 else sample["image"]
+        return {**sample, "image": np.ascontiguousarray(image), "draws": draws}
+
+    return fn
 
 
 def build_failing(**args):

@@ -521,7 +521,8 @@ def _default_instances():
     required = {"Resize": dict(height=8, width=8), "RandomCrop": dict(height=8, width=8),
                 "CenterCrop": dict(height=8, width=8), "RandomResizedCrop": dict(size=(8, 8)),
                 "RandomSizedCrop": dict(min_max_height=(4, 8), size=(8, 8)), "SmallestMaxSize": dict(max_size=8),
-                "LongestMaxSize": dict(max_size=8)}
+                "LongestMaxSize": dict(max_size=8), "RandomSizedBBoxSafeCrop": dict(height=8, width=8),
+                "AtLeastOneBBoxRandomCrop": dict(height=8, width=8)}
     for name in sorted(allowlist.ALLOWED - allowlist.COMPOSITIONS):
         yield name, getattr(A, name)(**required.get(name, {}))
 
@@ -534,17 +535,22 @@ def test_every_allowlisted_transform_serializes_through_the_check_and_reads_no_f
     image = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     for name in allowlist.ALLOWED:
         assert name in SERIALIZABLE_REGISTRY, name
+    # the box-safe crops read the sample's boxes (RandomCropNearBBox its cropping_bbox field)
+    boxes = {"bboxes": np.array([[2, 2, 20, 20]], np.float32), "cropping_bbox": [2, 2, 20, 20]}
     for name, transform in _default_instances():
-        spec = json.loads(json.dumps(A.to_dict(A.Compose([transform]))))
+        with_boxes = "BBox" in name
+        params = {"bbox_params": A.BboxParams(format="pascal_voc")} if with_boxes else {}
+        data = {"image": image, **(boxes if with_boxes else {})}
+        spec = json.loads(json.dumps(A.to_dict(A.Compose([transform], **params))))
         allowlist.check(spec, limits)  # what A.to_dict writes for it is accepted
         compose = pipelines.build(pipelines.canonical_json(spec))
         compose.set_random_seed(0)
-        compose(image=image)  # warm up (lazy imports)
+        compose(**data)  # warm up (lazy imports)
         with _file_access_log() as opened:
             compose = pipelines.build(pipelines.canonical_json(spec))
             for seed in range(3):
                 compose.set_random_seed(seed)
-                compose(image=image)
+                compose(**data)
         assert not opened, (name, opened)
     for name in allowlist.DANGEROUS:
         assert name not in allowlist.ALLOWED

@@ -18,10 +18,12 @@ around each ``__getitem__(index)``, ``keyed_call``
    the saved states.
 
 So a sample's bytes are a function of (seed, epoch, index) whatever the worker, its history or the
-fork; the cache stores only samples whose ``__getitem__`` drew nothing (``Drawn.any``). What
-cannot be keyed (a generator the dataset made in ``__init__``, an albumentations Compose with its
-own generators) is caught at start by ``python.PythonDataset`` (``held_generators`` and two
-builds of sample 0).
+fork; the cache stores only samples whose ``__getitem__`` drew nothing (``Drawn.any``). A python
+pipeline (a preset ``{python: module:fn}``) is called under the same seed-and-restore
+(``keyed_run``), seeded from (seed, epoch, position) under another tag, so the torchvision
+transforms inside one (they draw from torch's default generator) are keyed too. What cannot be
+keyed (a generator the dataset made in ``__init__`` or at module level, one made in
+``__getitem__`` from the operating system's entropy...) is found by ``_unkeyable``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from batchd.sampler import sample_key, sample_stream_state
 
 DOMAIN = 1  # counter word 3 of the rng handed to __getitem__ (pipelines use 0, position)
 DEFAULT_KEY = sample_key(seed=0, epoch=0)  # outside a stream (the server reading sample 0's fields)
+GETITEM, PIPELINE = b"batchd-getitem", b"batchd-pipeline"  # sample_seeds' domain tags: __getitem__, python presets
 
 
 def takes_rng(getitem: Callable) -> bool:
@@ -51,13 +54,14 @@ def takes_rng(getitem: Callable) -> bool:
     return any(p.name == "rng" for p in params[1:])
 
 
-def sample_seeds(key: np.ndarray, index: int) -> tuple[int, np.ndarray, int]:
+def sample_seeds(key: np.ndarray, index: int, tag: bytes = GETITEM) -> tuple[int, np.ndarray, int]:
     """(Python ``random`` seed, a 128-bit int; numpy's global seed, uint32 [4]; torch seed, 63
-    bits) of sample ``index`` under ``key`` (uint64 [2]): BLAKE2b (40 bytes, ``hashlib``) of the
-    key, the index and a domain tag, cut in three (16, 16 and 8 bytes). A keyed hash as a seed
+    bits) of sample ``index`` (a python pipeline: the sample's position) under ``key`` (uint64
+    [2]): BLAKE2b (40 bytes, ``hashlib``) of the key, the number and a domain ``tag``
+    (``GETITEM``, ``PIPELINE``), cut in three (16, 16 and 8 bytes). A keyed hash as a seed
     derivation: independent seeds for the three generators, unrelated to every pipeline stream
     (Philox under the same key); 0.3 us where a Philox stream costs 15 us to set up."""
-    digest = hashlib.blake2b(np.asarray(key, "<u8").tobytes() + int(index).to_bytes(8, "little") + b"batchd-getitem",
+    digest = hashlib.blake2b(np.asarray(key, "<u8").tobytes() + int(index).to_bytes(8, "little") + tag,
                              digest_size=40).digest()
     return (int.from_bytes(digest[:16], "little"), np.frombuffer(digest[16:32], "<u4").copy(),
             int.from_bytes(digest[32:40], "little") >> 1)
@@ -68,7 +72,7 @@ def sample_rng(key: np.ndarray, index: int) -> np.random.Generator:
     ``[0, 0, index, DOMAIN]``, disjoint from the pipelines' ``[0, 0, position, 0]``."""
     state = sample_stream_state(key, index)
     state["state"]["counter"][3] = DOMAIN
-    bit_generator = np.random.Philox(key=np.asarray(key, np.uint64))
+    bit_generator = np.random.Philox(0)  # (a seed, so numpy reads no entropy from the OS; the state replaces it)
     bit_generator.state = state
     return np.random.Generator(bit_generator)
 
@@ -141,6 +145,43 @@ class Drawn:
         return self.python or self.numpy or self.torch or self.rng
 
 
+class _Seeded:
+    """Python's ``random``, numpy's global generator and torch's default generator (torch only
+    when the process has imported it) seeded from ``sample_seeds(key, number, tag)`` inside the
+    ``with`` block, and restored to their states before it on leaving (also on a raise);
+    ``drawn()`` says, inside the block, which of them were drawn from since."""
+
+    def __init__(self, key: np.ndarray, number: int, tag: bytes):
+        self.seeds = sample_seeds(key, number, tag)
+        self.torch = sys.modules.get("torch")
+
+    def __enter__(self) -> "_Seeded":
+        py_seed, np_seed, torch_seed = self.seeds
+        torch = self.torch
+        self.saved = random.getstate(), _NUMPY.save(), torch.default_generator.get_state() if torch is not None else None
+        random.seed(py_seed)
+        np.random.seed(np_seed)
+        self.python, self.numpy = None if _PYTHON_CHECKED else random.getstate(), _NUMPY.save()
+        if torch is not None:
+            torch.default_generator.manual_seed(torch_seed)
+            self.torch_state = torch.default_generator.get_state()
+        return self
+
+    def drawn(self) -> tuple[bool, bool, bool]:
+        """(python, numpy, torch): whether each was drawn from since the block began."""
+        after, torch = random.getstate(), self.torch
+        return (not _python_seeded(after) if self.python is None else after != self.python,
+                not _NUMPY.same(self.numpy),
+                torch is not None and not torch.equal(torch.default_generator.get_state(), self.torch_state))
+
+    def __exit__(self, *exc) -> None:
+        saved_python, saved_numpy, saved_torch = self.saved
+        random.setstate(saved_python)
+        _NUMPY.restore(saved_numpy)
+        if saved_torch is not None:
+            self.torch.default_generator.set_state(saved_torch)
+
+
 def keyed_call(getitem: Callable, index: int, key: np.ndarray | None, with_rng: bool) -> tuple[Any, Drawn]:
     """``getitem(index)`` (or ``getitem(index, rng=...)``) with the global generators seeded
     for sample ``index`` under ``key`` (None: ``DEFAULT_KEY``) and restored afterwards (also when
@@ -148,80 +189,25 @@ def keyed_call(getitem: Callable, index: int, key: np.ndarray | None, with_rng: 
     call imported torch, it is run again, torch seeded this time. Cost: about 40 us a call
     (Python's ``getstate`` most of it)."""
     key = DEFAULT_KEY if key is None else key
-    py_seed, np_seed, torch_seed = sample_seeds(key, index)
-    torch = sys.modules.get("torch")
-    saved_python, saved_numpy = random.getstate(), _NUMPY.save()
-    saved_torch = torch.default_generator.get_state() if torch is not None else None
-    try:
-        random.seed(py_seed)
-        np.random.seed(np_seed)
-        python, numpy = None if _PYTHON_CHECKED else random.getstate(), _NUMPY.save()
-        if torch is not None:
-            torch.default_generator.manual_seed(torch_seed)
-            torch_state = torch.default_generator.get_state()
+    had_torch = "torch" in sys.modules
+    with _Seeded(key, index, GETITEM) as seeded:
         rng = sample_rng(key, index) if with_rng else None
         rng_state = repr(rng.bit_generator.state) if rng is not None else None
         out = getitem(index, rng=rng) if with_rng else getitem(index)
-        after = random.getstate()
-        drawn = Drawn(python=not _python_seeded(after) if python is None else after != python,
-                      numpy=not _NUMPY.same(numpy),
-                      torch=torch is not None and not torch.equal(torch.default_generator.get_state(), torch_state),
-                      rng=rng is not None and repr(rng.bit_generator.state) != rng_state)
-    finally:
-        random.setstate(saved_python)
-        _NUMPY.restore(saved_numpy)
-        if saved_torch is not None:
-            torch.default_generator.set_state(saved_torch)
-    if torch is None and "torch" in sys.modules:  # imported by this very call: its draws were not keyed
+        drawn = Drawn(*seeded.drawn(), rng=rng is not None and repr(rng.bit_generator.state) != rng_state)
+    if not had_torch and "torch" in sys.modules:  # imported by this very call: its draws were not keyed
         return keyed_call(getitem, index, key, with_rng)
     return out, drawn
 
 
-# --- randomness the dataset holds itself (it cannot be keyed) ---------------------------------
-
-
-def _generator_state(obj: Any) -> Any:
-    """A comparable snapshot of a generator's state, or None if ``obj`` is not a generator."""
-    if isinstance(obj, np.random.Generator):
-        return repr(obj.bit_generator.state)
-    if isinstance(obj, np.random.RandomState):
-        state = obj.get_state()
-        return (state[0], state[1].tobytes(), *state[2:])
-    if isinstance(obj, random.Random):
-        try:
-            return obj.getstate()
-        except NotImplementedError:  # one that keeps its state elsewhere (pipeline._GeneratorRandom)
-            return None
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Generator):
-        return obj.get_state().numpy().tobytes()
-    return None
-
-
-def held_generators(obj: Any, where: str = "self", depth: int = 4, seen: set | None = None) -> dict[str, Any]:
-    """Generators reachable from ``obj``'s attributes (and the lists, tuples and dicts in them),
-    ``depth`` levels down: path (``self.transform.random_generator``) -> state snapshot. Numpy
-    Generators and RandomStates, ``random.Random`` and torch Generators are what albumentations,
-    numpy and torch draw from; a dataset that holds one draws from a stream batchd cannot key."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth < 0:
-        return {}
-    seen.add(id(obj))
-    state = _generator_state(obj)
-    if state is not None:
-        return {where: state}
-    found: dict[str, Any] = {}
-    if isinstance(obj, dict):
-        items = [(f"{where}[{k!r}]", v) for k, v in list(obj.items())[:64]]
-    elif isinstance(obj, (list, tuple)):
-        items = [(f"{where}[{i}]", v) for i, v in enumerate(obj[:64])]
-    elif isinstance(obj, (str, bytes, int, float, bool, np.ndarray)) or obj is None:
-        return {}
-    else:
-        attrs = getattr(obj, "__dict__", None)
-        if not isinstance(attrs, dict):
-            return {}
-        items = [(f"{where}.{k}", v) for k, v in attrs.items()]
-    for path, value in items:
-        found.update(held_generators(value, path, depth - 1, seen))
-    return found
+def keyed_run(fn: Callable[[], Any], key: np.ndarray, number: int, tag: bytes = PIPELINE) -> Any:
+    """``fn()`` under the same seed-and-restore as ``keyed_call``, the global generators seeded
+    from (``key``, ``number``, ``tag``): what a python pipeline (``tag`` ``PIPELINE``, ``number``
+    the sample's position) is called under. ``fn`` starts whatever stream of its own it uses
+    (it is called again, torch seeded, if the first call imported torch). Returns what it returns."""
+    had_torch = "torch" in sys.modules
+    with _Seeded(key, number, tag):
+        out = fn()
+    if not had_torch and "torch" in sys.modules:
+        return keyed_run(fn, key, number, tag)
+    return out

@@ -11,7 +11,7 @@ from ..decode import DEFAULT_MAX_PIXELS, exif_orientation
 from ..storage import Storage, StorageOptions, is_remote, local_copy, local_path, safe_url
 from ._cache import ArrayFile, cache_path, file_fingerprint, open_cached, remove_stale
 from ._files import FileDataset
-from ._orientation import orient_sample
+from ._orientation import orient_pixels, orient_sample
 from ._fingerprint import content_fingerprint, with_settings
 from .base import FieldSpec
 from .coco_index import build_index
@@ -47,9 +47,12 @@ class Coco(FileDataset):
         masks     uint8 [N, H, W]  0/1, pycocotools' ``annToMask`` (only with ``masks: true``)
 
     The frame is the stored pixels (EXIF orientation not applied), as pycocotools, torchvision's
-    ``CocoDetection`` (Pillow's ``Image.open``) and the annotation tools use it; with
+    ``CocoDetection`` (Pillow's ``Image.open``) and COCO's annotation tools use it; with
     ``apply_exif_orientation`` a JPEG's EXIF orientation turns image, boxes and masks together
-    (``_orientation``; H, W are then the turned image's). tests/data/test_exif_frame.py.
+    (``_orientation``; H, W are then the turned image's). With ``annotations_frame: upright`` the
+    annotation file is in the upright frame (made on the photo as viewers show it): the image is
+    turned by its EXIF orientation and the targets are served as the file has them.
+    tests/data/test_exif_frame.py.
 
     An image without annotations has N = 0 (``boxes`` [0, 4], ``masks`` [0, H, W]). Annotations
     of zero width or height, or wholly outside their image, are dropped at index build and
@@ -72,6 +75,7 @@ class Coco(FileDataset):
         options = getattr(cfg, "storage_options", None) or StorageOptions()
         super().__init__(name, max_pixels=max_pixels, reduced_decode=False, storage_options=options)
         self.apply_exif_orientation = bool(getattr(cfg, "apply_exif_orientation", False))
+        self.annotations_frame = str(getattr(cfg, "annotations_frame", "stored"))
         self.masks = bool(cfg.masks)
         self._mask = _mask_utils(name) if self.masks else None
         skip_empty = bool(cfg.skip_empty)
@@ -144,7 +148,9 @@ class Coco(FileDataset):
 
     @property
     def decode_settings(self) -> dict[str, str]:
-        return {**super().decode_settings, "exif_orientation": "applied" if self.apply_exif_orientation else "stored"}
+        applied = self.apply_exif_orientation or self.annotations_frame == "upright"
+        return {**super().decode_settings, "exif_orientation": "applied" if applied else "stored",
+                "annotations_frame": self.annotations_frame}
 
     def image_id(self, index: int) -> int:
         """The COCO id of sample ``index``'s image."""
@@ -158,15 +164,19 @@ class Coco(FileDataset):
     def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None) -> dict:
         """Sample ``index`` (fields in the class docstring) from its image file's bytes ``data``.
 
-        Raises SampleError naming the image file if it cannot be decoded or its stored size is not
-        the JSON's ``height`` x ``width``.
+        Raises SampleError naming the image file if it cannot be decoded or its size (stored, or
+        upright with ``annotations_frame: upright``) is not the JSON's ``height`` x ``width``; the
+        message names the image's EXIF orientation and the option that would fit.
         """
         index = self._check(index)
         image = self.decode(index, data)
+        upright = self.annotations_frame == "upright"
+        orientation = exif_orientation(data) if upright or self.apply_exif_orientation else 1
+        if upright:
+            image = orient_pixels(image, orientation)
         h, w = int(self._heights[index]), int(self._widths[index])
         if image.shape[:2] != (h, w):
-            raise self.sample_error(index, f"the image is {image.shape[1]}x{image.shape[0]} pixels, but the annotation "
-                                           f"file says {w}x{h} (image id {int(self._image_ids[index])})")
+            raise self.sample_error(index, self._size_mismatch(index, image.shape[:2], (h, w), data, upright))
         start, end = int(self._ann_offsets[index]), int(self._ann_offsets[index + 1])
         sample = {
             "image": image,
@@ -178,9 +188,25 @@ class Coco(FileDataset):
         }
         if self.masks:
             sample["masks"] = self._decode_masks(range(start, end), h, w)
-        if self.apply_exif_orientation:
-            sample = orient_sample(sample, exif_orientation(data))
+        if self.apply_exif_orientation and not upright:
+            sample = orient_sample(sample, orientation)
         return sample
+
+    def _size_mismatch(self, index: int, got: tuple[int, int], want: tuple[int, int], data, upright: bool) -> str:
+        """The reason of a size mismatch: both sizes, the EXIF orientation, and what to set."""
+        (gh, gw), (h, w), orientation = got, want, exif_orientation(data)
+        text = (f"the image is {gw}x{gh} pixels{' once turned upright' if upright else ''}, but the annotation file "
+                f"says {w}x{h}")
+        turned = orientation in (5, 6, 7, 8)
+        if turned and not upright:
+            text += (f"; its EXIF orientation is {orientation} (viewers show it turned, {gh}x{gw}): if the annotations "
+                     "were made on the photo as viewers show it, set annotations_frame: upright on the dataset")
+        elif turned:
+            text += (f"; annotations_frame: upright turned it by its EXIF orientation {orientation}: if the annotation "
+                     "file is in the stored pixels, set annotations_frame: stored (the default)")
+        else:
+            text += f" (EXIF orientation {orientation}: the same size turned or not)"
+        return f"{text} (image id {int(self._image_ids[index])})"
 
     def _decode_masks(self, rows: range, h: int, w: int) -> np.ndarray:
         """uint8 [len(rows), h, w]: pycocotools' ``annToRLE`` + ``decode`` of each annotation."""

@@ -13,18 +13,24 @@ invariant rely on it). ``__getitem__`` may draw from Python's ``random``, ``nump
 torch's default generator: batchd seeds them for each sample from (seed, epoch, index) and
 restores them afterwards; and it may take a generator of its own, ``def __getitem__(self,
 index, rng=None)`` (a numpy Generator keyed the same way, as grain hands a random map its
-``rng``). See ``_keyed``. Randomness batchd cannot key (a generator built in ``__init__``, an
-albumentations Compose with its own generators) is caught when the server opens the dataset:
-the generators the dataset holds (``_keyed.held_generators``) must not move while it builds
-sample 0, twice under the same keys, and the two builds must be equal; else the server refuses
-the dataset, naming it and where the randomness must go, or only warns with ``deterministic:
-false`` (whose samples are then never cached). Samples whose ``__getitem__`` drew are never
-cached either (their bytes depend on the epoch).
+``rng``). See ``_keyed``. Randomness batchd cannot key is found by construction
+(``check_keyed``, ``_unkeyable``): a sample is built twice under the same key, and a generator
+reachable from the dataset (its attributes, class, closures, module globals) that moved between
+the two builds, the operating system's entropy read during the second, or a difference between
+them refuses the dataset (``UnkeyableRandomnessError``, naming it, what was found and where the
+randomness must go), or only warns with ``deterministic: false`` (whose samples are then never
+cached nor checked). The server checks sample 0 and ``KEYED_CHECKS - 1`` others at start-up;
+each worker checks a sample at random intervals while serving (``worker.RECHECK_EVERY``).
+Samples whose ``__getitem__`` drew are never cached either (their bytes depend on the epoch).
 
 Fields: ``fields`` on the dataset (an attribute or a method) mapping name -> (dtype, shape) or
 name -> {"dtype", "shape", "per_object"}, with -1 for a dimension that varies; else read from
-sample 0 (its dtypes and shapes; a per-object field's first dimension is -1). Per-object fields:
-the config's ``per_object_fields``, else the standard names (``PER_OBJECT_FIELDS``).
+sample 0 (its dtypes and shapes; a per-object field's first dimension is -1). Every sample is
+checked against them (``check_fields``: the same names, each field's dtype and number of
+dimensions, a declared field's fixed dimensions; ``boxes`` and ``keypoints`` of any number
+dtype): a sample that differs is its own SampleError. ``fields`` (what DescribeDataset reports)
+gives ``boxes`` and ``keypoints`` as float32, as they leave the worker. Per-object fields: the
+config's ``per_object_fields``, else the standard names (``PER_OBJECT_FIELDS``).
 
 Fingerprint: a hash of the factory's name, ``args``, ``len`` and the dataset's own
 ``fingerprint()`` when it has one (it names the data version); without it, the factory's source
@@ -35,7 +41,7 @@ Errors: a factory that cannot be imported or built raises its own error (the ser
 start-up); a raise in ``__getitem__`` is a SampleError naming dataset and index whose reason
 carries the exception and the user's traceback (``on_error: skip`` applies); so is a field that
 cannot become an array (a dict, a list, None, an object, a bfloat16 tensor: ``values.as_value``),
-naming the field.
+or one of another dtype or rank than the dataset's fields, naming the field.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import importlib
 import inspect
 import json
 import os
+import random
 import sys
 import traceback
 from collections.abc import Mapping
@@ -56,11 +63,23 @@ import numpy as np
 
 from batchd.sampler import sample_key
 
-from ._keyed import held_generators, keyed_call, takes_rng
+from ._keyed import keyed_call, takes_rng
+from ._unkeyable import EntropyWatch, moved, reachable_generators
+from batchd.errors import SampleError
+
 from .base import Dataset, FieldSpec, SampleSpec
 from .values import as_value
 
 log = logging.getLogger(__name__)
+
+KEYED_CHECKS = 5  # samples the server builds twice at start-up (check_keyed); workers check more while serving
+GEOMETRIC = ("boxes", "keypoints")  # fields that leave the worker as float32 whatever their dtype
+_NUMBER_DTYPES = frozenset(np.dtype(c).name for c in "?bBhHiIlLqQefd")
+
+
+class UnkeyableRandomnessError(ValueError):
+    """A ``kind: python`` dataset draws randomness batchd cannot key to (seed, epoch, index): the
+    message names the dataset, what was found and where the randomness must go."""
 
 
 def add_python_path(dirs) -> None:
@@ -118,6 +137,8 @@ class PythonDataset(Dataset):
         self._len = int(len(self.obj))
         self._factory = factory
         self._fields: tuple[FieldSpec, ...] | None = None
+        self._raw: dict[str, FieldSpec] | None = None  # _raw_fields
+        self._declared_fields: Any = None
         self._fingerprint: str | None = None
         self._takes_rng = takes_rng(self.obj.__getitem__)
         self.deterministic = bool(getattr(cfg, "deterministic", True))
@@ -135,7 +156,14 @@ class PythonDataset(Dataset):
         ``sampler.sample_key(seed, epoch)``; None: seed 0, epoch 0); ``last_sample_drew`` says
         whether it drew. Raises IndexError out of range; SampleError if ``__getitem__`` raises
         (the reason carries its exception and traceback), returns something other than a dict
-        with str keys, or a field that cannot become an array (naming the field)."""
+        with str keys, a field that cannot become an array, or fields other than the dataset's
+        (``check_fields``), naming the field."""
+        out = self._build(index, key)
+        self.check_fields(index, out)
+        return out
+
+    def _build(self, index: int, key: np.ndarray | None) -> dict:
+        """``load_sample`` but ``check_fields``."""
         index = self._check(index)
         try:
             sample, drawn = keyed_call(self.obj.__getitem__, index, key, self._takes_rng)
@@ -162,41 +190,103 @@ class PythonDataset(Dataset):
                 raise self.sample_error(index, str(e)) from None
         return out
 
+    def check_fields(self, index: int, sample: dict) -> None:
+        """Raise SampleError (naming dataset, index, field, expected and got) unless ``sample``
+        has exactly the dataset's fields, each of its dtype and number of dimensions (and, for
+        declared fields, of its fixed dimensions): declared (``fields`` on the dataset) or as
+        sample 0 has them. ``boxes`` and ``keypoints`` may be of any number dtype (they leave
+        the worker as float32 whatever it is)."""
+        specs = self._raw_fields()
+        where = "as the dataset declares it" if self._declared_fields is not None else \
+            "as sample 0 has it (declare fields on the dataset to say otherwise)"
+        if sample.keys() != specs.keys():
+            lacks, extra = sorted(specs.keys() - sample.keys()), sorted(sample.keys() - specs.keys())
+            what = f"has no field {lacks[0]!r}" if lacks else f"has a field {extra[0]!r} that the dataset's fields lack"
+            raise self.sample_error(index, f"the sample {what}: expected the fields {sorted(specs)}, {where}; got "
+                                           f"{sorted(sample)}")
+        for name, value in sample.items():
+            spec = specs[name]
+            dtype, shape = _dtype_and_shape(value)
+            same_dtype = dtype == spec.dtype or (name in GEOMETRIC and dtype in _NUMBER_DTYPES)
+            fixed = all(want in (-1, got) for want, got in zip(spec.shape, shape)) \
+                if self._declared_fields is not None else True
+            if not same_dtype or len(shape) != len(spec.shape) or not fixed:
+                raise self.sample_error(index, f"field {name!r} is {dtype} {list(shape)}: expected "
+                                               f"{spec.dtype} {list(spec.shape)} (-1: any size), {where}")
+
+    def _raw_fields(self) -> dict[str, FieldSpec]:
+        """name -> FieldSpec of the samples as ``__getitem__`` gives them (before boxes and
+        keypoints become float32): declared, or read from sample 0."""
+        if self._raw is None:
+            declared = getattr(self.obj, "fields", None)
+            declared = declared() if callable(declared) else declared
+            self._declared_fields = declared
+            specs = self._declared(declared) if declared is not None else self._from_sample(0)
+            self._raw = {spec.name: spec for spec in specs}
+        return self._raw
+
+    def check_keyed(self, index: int, key: np.ndarray | None, first: dict) -> None:
+        """Build sample ``index`` a second time under ``key`` (``first``: its first build, just
+        made) and raise UnkeyableRandomnessError (a ValueError naming the dataset, what was found
+        and where the randomness must go) if a generator reachable from the dataset moved
+        between the two builds, the second read the operating system's entropy, or the two
+        differ (``_unkeyable``); with ``deterministic: false``, a warning instead."""
+        roots = (("self", self.obj), (self.cfg.factory, self._factory))
+        before = reachable_generators(*roots)
+        again: dict | SampleError
+        with EntropyWatch() as watch:
+            try:
+                again = self._build(index, key)
+            except SampleError as e:
+                again = e
+        found = [f"generator {path} moved between two builds of sample {index} under the same key"
+                 for path in moved(before, reachable_generators(*roots))]
+        found += [f"sample {index} drew from {what}" for what in watch.found]
+        differ = again.reason if isinstance(again, SampleError) else _first_difference(first, again)
+        if isinstance(again, SampleError):
+            found.append(f"sample {index} was built once, and the second build under the same key raised: {differ}")
+        elif differ is not None:
+            found.append(f"field {differ!r} of sample {index} differs between two builds under the same seed, epoch "
+                         "and index")
+        if found:
+            self._unkeyable(found)
+
     def _check_keyable(self) -> None:
-        """Build sample 0 twice under the same keys; refuse the dataset (ValueError naming it and
-        where its randomness must go) if the two differ or a generator it holds moved; only a
-        warning with ``deterministic: false``."""
+        """The server's check at start-up: ``check_keyed`` on sample 0 and on up to
+        ``KEYED_CHECKS - 1`` others drawn at random (by the operating system: the check
+        must not depend on the seed), each built twice under the same key."""
         if not self._len:
             return
         key = sample_key(seed=0, epoch=0)
-        held = held_generators(self.obj)
-        builds = [self.load_sample(0, key=key) for _ in range(2)]
-        moved = sorted(path for path, state in held_generators(self.obj).items() if held.get(path) != state)
-        differ = _first_difference(*builds)
-        if not moved and differ is None:
-            return
-        what = (f"it draws from generator(s) it holds itself ({', '.join(moved)})" if moved else
-                f"field {differ!r} of sample 0 differs between two builds under the same seed, epoch and index")
+        others = range(1, self._len)
+        indices = [0, *random.SystemRandom().sample(others, min(len(others), KEYED_CHECKS - 1))]
+        for index in indices:
+            try:
+                first = self._build(index, key)
+            except SampleError:  # a bad sample: on_error decides while serving; not this check's business
+                continue
+            self.check_keyed(index, key, first)
+
+    def _unkeyable(self, found: list[str]) -> None:
         message = (
-            f"dataset {self.name!r} (kind python, {self.cfg.factory}): {what}, randomness batchd cannot key to the "
-            "sample (a generator made in __init__, an albumentations Compose with its own generator...), so its "
-            "batches would differ from run to run, with the worker count and after a resume. Draw in __getitem__ "
-            "from Python's random, numpy.random or torch's default generator (batchd seeds them per sample from "
+            f"dataset {self.name!r} (kind python, {self.cfg.factory}) draws randomness batchd cannot key to the "
+            f"sample: {'; '.join(found)}. Its batches would differ from run to run, with the worker count and "
+            "after a resume (and a cache would freeze one draw into every epoch). Draw in __getitem__ from "
+            "Python's random, numpy.random or torch's default generator (batchd seeds them per sample from "
             "(seed, epoch, index)), or take the sample's own generator: def __getitem__(self, index, rng=None) "
             "(a numpy Generator); seed an albumentations Compose from it (compose.set_random_seed(int("
             "rng.integers(2**32)))) or make it the server's pipeline. Or set deterministic: false in the "
             "dataset's config (batches then differ run to run, and are never cached)")
         if self.deterministic:
-            raise ValueError(message)
+            raise UnkeyableRandomnessError(message)
         log.warning("%s (deterministic: false: serving it anyway)", message)
-
 
     @property
     def fields(self) -> tuple[FieldSpec, ...]:
+        """The fields as they leave the worker: ``_raw_fields``, boxes and keypoints float32."""
         if self._fields is None:
-            declared = getattr(self.obj, "fields", None)
-            declared = declared() if callable(declared) else declared
-            self._fields = self._declared(declared) if declared is not None else self._from_sample(0)
+            self._fields = tuple(FieldSpec(f.name, "float32", f.shape, f.per_object) if f.name in GEOMETRIC else f
+                                 for f in self._raw_fields().values())
         return self._fields
 
     def _per_object(self, name: str) -> bool | None:
@@ -214,14 +304,14 @@ class PythonDataset(Dataset):
                 (dtype, shape), per_object = spec, None
             if per_object is None:
                 per_object = self._per_object(name)
-            out.append(FieldSpec(str(name), str(dtype), tuple(shape), per_object))
+            out.append(FieldSpec(str(name), _dtype_name(dtype), tuple(shape), per_object))
         return tuple(out)
 
     def _from_sample(self, index: int) -> tuple[FieldSpec, ...]:
         if self._len == 0:
             return ()
         out = []
-        for name, value in self.load_sample(index).items():
+        for name, value in self._build(index, None).items():
             if isinstance(value, str):
                 dtype, shape = "str", ()
             elif isinstance(value, (bytes, bytearray)):
@@ -275,6 +365,22 @@ class PythonDataset(Dataset):
 
     def source(self, index: int) -> str:
         return f"#{index}"
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A declared dtype's canonical name: numpy's ("float" -> "float64"), or "str" / "bytes"."""
+    if str(dtype) in ("str", "bytes"):
+        return str(dtype)
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
+def _dtype_and_shape(value: Any) -> tuple[str, tuple[int, ...]]:
+    """A field's dtype name and shape as ``FieldSpec`` gives them (str and bytes: scalars)."""
+    dtype = as_value("", value)[1]
+    return dtype, tuple(np.shape(value)) if dtype not in ("str", "bytes") else ()
 
 
 def _first_difference(a: dict, b: dict) -> str | None:
