@@ -28,6 +28,8 @@ RUN pip install ".[coco]" && batchd --help >/dev/null
 # ---- runtime -------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# libjpeg-turbo's TurboJPEG library: scaled JPEG decoding (server/data/scaled_jpeg.py, through PyTurboJPEG)
+RUN apt-get update && apt-get install -y --no-install-recommends libturbojpeg0 && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --user-group --uid 10001 --create-home --home-dir /home/batchd \
         --shell /usr/sbin/nologin batchd \
     && mkdir -p /etc/batchd /run/batchd && chown batchd:batchd /run/batchd

@@ -52,9 +52,14 @@ class FashionMnistConfig(_DatasetBase):
 class _ImageFilesBase(_DatasetBase):
     """What dataset kinds of encoded image files accept, besides _DatasetBase's fields.
 
-    reduced_decode: decode a JPEG at 1/2, 1/4 or 1/8 size (in libjpeg, much faster) when the
-        pipeline starts by resizing it to at most that size anyway; off: always full size. The
-        pixels differ slightly, so it is part of the build fingerprint (DescribeDataset).
+    reduced_decode: decode a JPEG at a fraction m/8 of its size (in libjpeg-turbo, much faster)
+        when the pipeline's first transform downsizes it anyway: a resize (Resize, LongestMaxSize,
+        SmallestMaxSize) or a random crop then resize (RandomResizedCrop, RandomSizedCrop: the
+        crop is drawn first, from the sample's own stream, and the JPEG decoded at the scale that
+        crop needs; server/compute/region.py). Off: always full size, as OpenCV decodes it. The
+        pixels differ slightly (PSNR of the first transform's output against a full decode: mean
+        >= 32 dB, none under 20 dB, docs/pipelines.md), so it is part of the build fingerprint
+        (DescribeDataset).
     """
 
     reduced_decode: bool = True
@@ -145,7 +150,10 @@ class CocoConfig(_DatasetBase):
     apply_exif_orientation: turn a JPEG by its EXIF orientation, and its boxes and masks with it;
         false (the default): the stored pixels, the frame of the annotations, pycocotools and
         torchvision's CocoDetection (as ``torchvision.io.decode_image``'s option of that name).
-    Images are always decoded at full size (boxes and masks are in the full image's pixels).
+    reduced_decode: when the pipeline starts with a random crop or a resize (server/compute/region.py),
+        decode a JPEG at the smallest scale that crop still needs; boxes and masks move with the
+        full image's crop, equal to a full decode's. Off: always full size. A pipeline starting
+        otherwise always decodes at full size (boxes and masks are in the full image's pixels).
     """
 
     kind: Literal["coco"]
@@ -154,6 +162,7 @@ class CocoConfig(_DatasetBase):
     masks: bool = False
     skip_empty: bool = False
     apply_exif_orientation: bool = False
+    reduced_decode: bool = True
     storage_options: StorageOptions = Field(default_factory=StorageOptions)
 
 

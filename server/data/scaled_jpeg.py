@@ -15,8 +15,9 @@ decodes of the photo set compare equal byte for byte).
 
 **Which factors** (``EIGHTHS``, cheapest first for a given need): decode time per factor,
 relative to a full decode, of 1,000-1,600 px photos (4:2:0, quality 90), libjpeg-turbo 2.1.5,
-one core, median of 7 alternated rounds (``python -m bench.probes.scaled_decode``): 1/8 0.56,
-2/8 0.65, 3/8 0.87, 4/8 0.76, 5/8 1.42, 6/8 1.67, 7/8 2.14, 8/8 1.00. The factors that are not
+one core, median of 7 alternated rounds (``python -m bench.probes.scaled_decode``, 48 photos,
+a full decode 2.90 ms): 1/8 0.48, 2/8 0.58, 3/8 0.85, 4/8 0.70, 5/8 1.52, 6/8 1.83, 7/8 2.32;
+OpenCV's full decode and BGR -> RGB copy 1.15 (what ``reduced_decode: false`` costs). The factors that are not
 powers of two have no SIMD inverse DCT or upsampling in libjpeg-turbo: 3/8 costs more than 1/2,
 and 5/8-7/8 cost more than a full decode. So a need of at most m/8 is met by the cheapest factor
 >= m/8 (``cheapest``), which on this library is always 1/8, 1/4, 1/2 or 1/1; ``EIGHTHS`` keeps
@@ -34,7 +35,7 @@ import cv2
 import numpy as np
 
 # m (eighths) by the measured cost of a decode at m/8 (module docstring), cheapest first
-COST = {1: 0.56, 2: 0.65, 4: 0.76, 3: 0.87, 8: 1.00, 5: 1.42, 6: 1.67, 7: 2.14}
+COST = {1: 0.48, 2: 0.58, 4: 0.70, 3: 0.85, 8: 1.00, 5: 1.52, 6: 1.83, 7: 2.32}
 EIGHTHS = tuple(sorted(COST, key=COST.get))
 _CV2_REDUCED = {1: cv2.IMREAD_REDUCED_COLOR_8, 2: cv2.IMREAD_REDUCED_COLOR_4, 4: cv2.IMREAD_REDUCED_COLOR_2,
                 8: cv2.IMREAD_COLOR}

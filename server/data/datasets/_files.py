@@ -21,7 +21,7 @@ import numpy as np
 
 from batchd.errors import SampleError
 
-from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, decode_rgb
+from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, decode_rgb, upright_size
 from ..storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 from .base import Dataset, SampleSpec
 
@@ -108,6 +108,13 @@ class FileDataset(Dataset):
     def decode_settings(self) -> dict[str, str]:
         return {"reduced_decode": "on" if self.reduced_decode else "off"}
 
+    def decoded_size(self, index: int, data) -> tuple[int, int] | None:
+        """A JPEG's ``(height, width)`` from its headers (``upright_size``: EXIF orientation
+        applied if ``upright``) when ``reduced_decode`` is on; else None. Never raises."""
+        if not self.reduced_decode or not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
+            return None
+        return upright_size(data, self.upright)
+
     def source(self, index: int) -> str:
         """The path as stored in the index (relative to the root unless it was absolute or a URL;
         a URL without user info or query, so never a credential)."""
@@ -149,15 +156,17 @@ class FileDataset(Dataset):
             raise SampleError(dataset=self.name, index=index, path=shown,
                               reason=f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
 
-    def decode(self, index: int, data, min_size: tuple[int, int] | None = None) -> np.ndarray:
+    def decode(self, index: int, data, min_size: tuple[int, int] | None = None,
+               eighths: int | None = None) -> np.ndarray:
         """Decode ``data`` (what ``read_bytes(index)`` returned): uint8 [H, W, 3] RGB.
 
-        ``min_size``: see ``decode_rgb`` (reduced JPEG decoding; ignored with reduced_decode off).
-        EXIF orientation applied if ``upright``. Raises SampleError (see ``decode_rgb``'s reasons).
+        ``min_size``, ``eighths``: see ``decode_rgb`` (reduced JPEG decoding; both ignored with
+        reduced_decode off). EXIF orientation applied if ``upright``. Raises SampleError (see
+        ``decode_rgb``'s reasons).
         """
         if not self.reduced_decode:
-            min_size = None
+            min_size = eighths = None
         try:
-            return decode_rgb(data, self.max_pixels, min_size, self.upright)
+            return decode_rgb(data, self.max_pixels, min_size, self.upright, eighths)
         except ImageReadError as e:
             raise self.sample_error(index, e.reason) from None

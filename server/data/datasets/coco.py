@@ -7,7 +7,8 @@ import pathlib
 
 import numpy as np
 
-from ..decode import DEFAULT_MAX_PIXELS, exif_orientation
+from ..decode import DEFAULT_MAX_PIXELS, exif_orientation, upright_size
+from ..scaled_jpeg import scaled_size
 from ..storage import Storage, StorageOptions, is_remote, local_copy, local_path, safe_url
 from ._cache import ArrayFile, cache_path, file_fingerprint, open_cached, remove_stale
 from ._files import FileDataset
@@ -70,7 +71,10 @@ class Coco(FileDataset):
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
         options = getattr(cfg, "storage_options", None) or StorageOptions()
-        super().__init__(name, max_pixels=max_pixels, reduced_decode=False, storage_options=options)
+        # reduced_decode: only the region decoding of a first crop or resize (server/compute/region.py),
+        # whose targets move with the full frame's params; decode_sample never reduces for a min_size
+        super().__init__(name, max_pixels=max_pixels, reduced_decode=bool(getattr(cfg, "reduced_decode", True)),
+                         storage_options=options)
         self.apply_exif_orientation = bool(getattr(cfg, "apply_exif_orientation", False))
         self.masks = bool(cfg.masks)
         self._mask = _mask_utils(name) if self.masks else None
@@ -155,18 +159,32 @@ class Coco(FileDataset):
         index = self._check(index)
         return self._ann_ids[self._ann_offsets[index]:self._ann_offsets[index + 1]].tolist()
 
-    def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None) -> dict:
+    def decoded_size(self, index: int, data) -> tuple[int, int] | None:
+        """The image's ``(height, width)`` from its JPEG headers, turned by its EXIF orientation
+        when ``apply_exif_orientation`` (the frame ``decode_sample`` returns); None with
+        reduced_decode off or for another format."""
+        if not self.reduced_decode:
+            return None
+        return upright_size(data, self.apply_exif_orientation)
+
+    def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None,
+                      eighths: int | None = None) -> dict:
         """Sample ``index`` (fields in the class docstring) from its image file's bytes ``data``.
+        ``min_size`` is ignored (boxes and masks are in the full image's pixels); ``eighths``:
+        the image decoded at m/8 (server/compute/region.py), boxes and masks still those of the
+        full image.
 
         Raises SampleError naming the image file if it cannot be decoded or its stored size is not
         the JSON's ``height`` x ``width``.
         """
         index = self._check(index)
-        image = self.decode(index, data)
+        image = self.decode(index, data, eighths=eighths if self.reduced_decode else None)
         h, w = int(self._heights[index]), int(self._widths[index])
-        if image.shape[:2] != (h, w):
+        expected = (h, w) if eighths is None or not self.reduced_decode else scaled_size(h, w, eighths)
+        if image.shape[:2] != expected:
+            shown = "" if expected == (h, w) else f" ({expected[1]}x{expected[0]} at {eighths}/8)"
             raise self.sample_error(index, f"the image is {image.shape[1]}x{image.shape[0]} pixels, but the annotation "
-                                           f"file says {w}x{h} (image id {int(self._image_ids[index])})")
+                                           f"file says {w}x{h}{shown} (image id {int(self._image_ids[index])})")
         start, end = int(self._ann_offsets[index]), int(self._ann_offsets[index + 1])
         sample = {
             "image": image,
@@ -179,7 +197,7 @@ class Coco(FileDataset):
         if self.masks:
             sample["masks"] = self._decode_masks(range(start, end), h, w)
         if self.apply_exif_orientation:
-            sample = orient_sample(sample, exif_orientation(data))
+            sample = orient_sample(sample, exif_orientation(data), (h, w))
         return sample
 
     def _decode_masks(self, rows: range, h: int, w: int) -> np.ndarray:

@@ -1,0 +1,169 @@
+"""Decode only what the pipeline keeps: the first transform's draws first, then a JPEG decoded at the scale its window needs.
+
+A pipeline whose first transform downsizes (``FIRST_STEPS``: the crop-then-resize family
+``RandomResizedCrop`` and ``RandomSizedCrop``, and ``Resize``, ``LongestMaxSize``,
+``SmallestMaxSize``) keeps a window of the decoded image (a random crop, or all of it) at an
+output size. With ``reduced_decode`` on and no server cache, a worker builds such a sample
+(server/compute/worker.py) as DALI's ``decoders.image_random_crop`` does:
+
+1. **Draw first.** The sample's stream is started (``SampleRandom.start``) and the draws that
+   ``Compose.__call__`` and the first transform make are made here, in albumentations' own order
+   and with its own code (``draw``): the Compose's ``random() < p``, the transform's
+   ``should_apply``, ``get_params``, ``update_transform_params`` and
+   ``get_params_dependent_on_data``, on a stand-in image of the full decode's shape (read from
+   the JPEG's headers, ``Dataset.decoded_size``: EXIF orientation 5-8 swap it). The same
+   stream and the same shape give the same ``params`` (``crop_coords``) as a full decode, and
+   leave the stream where the full decode's first transform leaves it.
+2. **Decode at the scale the window needs**: the cheapest factor m/8 whose window is still at
+   least the output size (``scaled_jpeg.cheapest``; 1/8, 1/4, 1/2 or 1/1 on libjpeg-turbo 2.1,
+   whose other M/8 factors cost more than the next power of two above them). The whole JPEG is
+   decoded at that scale: libjpeg-turbo 2.1's TurboJPEG API has no partial decode (3.0's
+   ``tj3SetCroppingRegion``), and its lossless crop (``tjTransform``) alone costs 0.8 of a full
+   decode, more than a scaled decode of the whole image (bench/probes/scaled_decode.py).
+3. **The first transform, in two halves** (``TargetPipeline.end_first``): its image is the
+   window of the scaled image resampled to the output size with the transform's interpolation
+   (``resample``: one ``cv2.warpAffine`` with the exact sub-pixel map from output pixels to the
+   scaled image, so the window is neither shifted nor cut at the scaled image's pixel grid);
+   its masks, boxes and keypoints come from the transform's own ``apply_with_params`` with the
+   ``params`` of step 1 on the full frame: equal to a full decode's. At m = 8 the image too is
+   the transform's own ``apply``: a full decode's bytes.
+4. **The rest of the Compose** as one ``Compose.__call__`` runs it (``TargetPipeline``): every
+   later transform draws from the stream exactly as after a full decode.
+
+So only the decode's precision differs: a scaled decode averages each 8 x 8 block's pixels in the
+DCT domain before the bilinear resize, where a full decode's bilinear resize of a window 2-8x the
+output skips pixels (aliasing). ``PIXEL_BOUND``: the bound tests/compute/test_region.py holds
+it to (PSNR of the first transform's output against ``reduced_decode: false``, photos).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import albumentations as A
+import cv2
+import numpy as np
+
+from batchd.server.data import scaled_jpeg
+
+CROPS = (A.RandomResizedCrop, A.RandomSizedCrop)  # params["crop_coords"], output self.size
+RESIZES = (A.Resize, A.LongestMaxSize, A.SmallestMaxSize)  # the whole image; output from params
+FIRST_STEPS = CROPS + RESIZES
+# PSNR (dB) of a reduced decode's first-transform output against a full decode's, over photos
+PIXEL_BOUND = {"mean_psnr_db": 32.0, "min_psnr_db": 20.0}
+_WARPS = {cv2.INTER_NEAREST: cv2.INTER_NEAREST, cv2.INTER_NEAREST_EXACT: cv2.INTER_NEAREST,
+          cv2.INTER_LINEAR: cv2.INTER_LINEAR, cv2.INTER_LINEAR_EXACT: cv2.INTER_LINEAR, cv2.INTER_CUBIC: cv2.INTER_CUBIC}
+_STAND_IN = np.zeros((1, 1, 1), np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """What the first transform drew for one sample, and the decode it needs.
+
+    params: the transform's params as albumentations computes them on the full frame (with
+        ``shape``), or None when its own ``p`` draw skipped it.
+    shape: (height, width) of the full decode.
+    window: (x1, y1, x2, y2) it keeps, full-frame pixels; out: (height, width) it resizes it to.
+    interpolation: the OpenCV flag its ``apply`` would use for the image.
+    eighths: the m of the factor m/8 to decode at (8: full size).
+    """
+
+    params: dict[str, Any] | None
+    shape: tuple[int, int]
+    window: tuple[int, int, int, int]
+    out: tuple[int, int]
+    interpolation: int
+    eighths: int
+
+
+class FirstStep:
+    """The first transform of ``compose`` (a ``FIRST_STEPS`` type, the Compose at p = 1), drawn
+    ahead of decoding. ``of`` returns None for any other pipeline."""
+
+    def __init__(self, compose: A.Compose):
+        self.compose = compose
+        self.transform = compose.transforms[0]
+        self.crops = isinstance(self.transform, CROPS)  # a random window (else the whole image)
+
+    @classmethod
+    def of(cls, compose: A.Compose | None) -> "FirstStep | None":
+        if compose is None or not compose.transforms or getattr(compose, "p", 1.0) < 1.0:
+            return None
+        if type(compose.transforms[0]) not in FIRST_STEPS:  # exact types: a subclass may draw otherwise
+            return None
+        return cls(compose)
+
+    def draw(self, height: int, width: int) -> Drawn:
+        """Draw what ``Compose.__call__`` and its first transform draw for an image ``height`` x
+        ``width`` (RGB) from the stream the transforms are attached to (started for the sample),
+        and choose the decode scale."""
+        self.compose.py_random.random()  # Compose.__call__'s `random() < p` (p is 1)
+        t = self.transform
+        full = (height, width)
+        if not t.should_apply():
+            return Drawn(None, full, (0, 0, width, height), full, cv2.INTER_LINEAR, 8)
+        stand_in = {"image": np.broadcast_to(_STAND_IN, (height, width, 3))}
+        params = t.get_params()
+        params = t.update_transform_params(params=params, data=stand_in)
+        params.update(t.get_params_dependent_on_data(params=params, data=stand_in))
+        if isinstance(t, CROPS):
+            window = tuple(int(v) for v in params["crop_coords"])
+            out = (int(t.size[0]), int(t.size[1]))
+            crop = (window[3] - window[1], window[2] - window[0])
+            interpolation = t._get_interpolation_for_resize(crop, "image")
+        else:
+            window = (0, 0, width, height)
+            if isinstance(t, A.Resize):
+                out = (int(t.height), int(t.width))
+                down = out[0] < height or out[1] < width
+            else:  # LongestMaxSize, SmallestMaxSize: MaxSizeTransform.apply
+                scale = params["scale"]
+                out = (max(1, round(height * scale)), max(1, round(width * scale)))
+                down = scale < 1.0
+            interpolation = t.interpolation
+            if down and t.area_for_downscale in ("image", "image_mask"):
+                interpolation = cv2.INTER_AREA
+        h, w = window[3] - window[1], window[2] - window[0]
+        need = max(out[0] / max(h, 1), out[1] / max(w, 1))
+        return Drawn(params, full, window, out, interpolation, scaled_jpeg.cheapest(need))
+
+    def image(self, image: np.ndarray, drawn: Drawn) -> np.ndarray:
+        """The first transform's image output, from ``image`` decoded at ``drawn.eighths``/8 (the
+        transform's own ``apply`` on a full decode). Raises ValueError if ``image`` is not the
+        size that scale gives."""
+        if drawn.params is None:
+            return image
+        if drawn.eighths == 8 and image.shape[:2] == drawn.shape:
+            return self.transform.apply(image, **drawn.params)
+        expected = scaled_jpeg.scaled_size(*drawn.shape, drawn.eighths)
+        if image.shape[:2] != expected:
+            raise ValueError(f"an image decoded at {drawn.eighths}/8 of {drawn.shape[1]}x{drawn.shape[0]} should be "
+                             f"{expected[1]}x{expected[0]}, got {image.shape[1]}x{image.shape[0]}")
+        return resample(image, drawn.eighths / 8, drawn.window, drawn.out, drawn.interpolation)
+
+
+def resample(scaled: np.ndarray, factor: float, window: tuple[int, int, int, int], out: tuple[int, int],
+             interpolation: int) -> np.ndarray:
+    """The window ``(x1, y1, x2, y2)`` (full-frame pixels) of an image decoded at ``factor`` of its
+    size, resized to ``out`` (height, width): uint8 [out_h, out_w, C].
+
+    Pixel centres as OpenCV's ``resize`` places them on the full frame's window, x_full = x1 +
+    (u + 0.5) * w / out_w - 0.5, mapped to the scaled image as libjpeg's scaled inverse DCT
+    places its pixels (each the mean of 1/factor full pixels): x_scaled = (x_full + 0.5) *
+    factor - 0.5. Nearest, linear and cubic interpolations warp with that map
+    (``cv2.warpAffine``, borders replicated); area and Lanczos resize the window's covering
+    pixels (the window rounded to the scaled grid, ``cv2.resize``)."""
+    x1, y1, x2, y2 = window
+    out_h, out_w = out
+    sx, sy = (x2 - x1) / out_w, (y2 - y1) / out_h
+    warp = _WARPS.get(interpolation)
+    if warp is None:
+        h, w = scaled.shape[:2]
+        cx1, cy1 = min(w - 1, int(round(x1 * factor))), min(h - 1, int(round(y1 * factor)))
+        cx2, cy2 = max(cx1 + 1, min(w, int(round(x2 * factor)))), max(cy1 + 1, min(h, int(round(y2 * factor))))
+        return cv2.resize(scaled[cy1:cy2, cx1:cx2], (out_w, out_h), interpolation=interpolation)
+    matrix = np.array([[sx * factor, 0.0, (x1 + 0.5 * sx) * factor - 0.5],
+                       [0.0, sy * factor, (y1 + 0.5 * sy) * factor - 0.5]])
+    return cv2.warpAffine(scaled, matrix, (out_w, out_h), flags=warp | cv2.WARP_INVERSE_MAP,
+                          borderMode=cv2.BORDER_REPLICATE)
