@@ -1,10 +1,12 @@
-"""Decode only what the pipeline keeps: the first transform's draws first, then a JPEG decoded at the scale its window needs.
+"""Decode only what the pipeline keeps: a first random crop drawn first, then a JPEG decoded at the scale its window needs.
 
-A pipeline whose first transform downsizes (``FIRST_STEPS``: the crop-then-resize family
-``RandomResizedCrop`` and ``RandomSizedCrop``, and ``Resize``, ``LongestMaxSize``,
-``SmallestMaxSize``) keeps a window of the decoded image (a random crop, or all of it) at an
-output size. With ``reduced_decode`` on and no server cache, a worker builds such a sample
-(server/compute/worker.py) as DALI's ``decoders.image_random_crop`` does:
+A pipeline whose first transform is of the crop-then-resize family (``FIRST_STEPS``:
+``RandomResizedCrop``, ``RandomSizedCrop``) keeps a random window of the decoded image, resized
+to an output size. (A first resize, ``Resize``, ``LongestMaxSize`` or ``SmallestMaxSize``, draws
+nothing and keeps the whole image: the image is decoded at the cheapest M/8 that still gives its
+output size, ``pipeline.decode_min_size``, and that decode may be cached with the resize.) With
+``reduced_decode`` on, a worker builds such a sample (server/compute/worker.py) as DALI's
+``decoders.image_random_crop`` does:
 
 1. **Draw first.** The sample's stream is started (``SampleRandom.start``) and the draws that
    ``Compose.__call__`` and the first transform make are made here, in albumentations' own order
@@ -13,9 +15,11 @@ output size. With ``reduced_decode`` on and no server cache, a worker builds suc
    ``get_params_dependent_on_data``, on a stand-in image of the full decode's shape (read from
    the JPEG's headers, ``Dataset.decoded_size``: EXIF orientation 5-8 swap it). The same
    stream and the same shape give the same ``params`` (``crop_coords``) as a full decode, and
-   leave the stream where the full decode's first transform leaves it.
-2. **Decode at the scale the window needs**: the cheapest factor m/8 whose window is still at
-   least the output size (``scaled_jpeg.cheapest``; 1/8, 1/4, 1/2 or 1/1 on libjpeg-turbo 2.1,
+   leave the stream where the full decode's first transform leaves it. Since the decode depends
+   on the draw, such a sample is never served from the decoded-sample cache (cache or not, the
+   same bytes); ``reduced_decode: false`` caches full decodes instead.
+2. **Decode at the scale the window needs**: the cheapest factor m/8 at which the window is
+   still at least the output size (``scaled_jpeg.cheapest``; 1/8, 1/4, 1/2 or 1/1 on libjpeg-turbo 2.1,
    whose other M/8 factors cost more than the next power of two above them). The whole JPEG is
    decoded at that scale: libjpeg-turbo 2.1's TurboJPEG API has no partial decode (3.0's
    ``tj3SetCroppingRegion``), and its lossless crop (``tjTransform``) alone costs 0.8 of a full
@@ -26,7 +30,8 @@ output size. With ``reduced_decode`` on and no server cache, a worker builds suc
    scaled image, so the window is neither shifted nor cut at the scaled image's pixel grid);
    its masks, boxes and keypoints come from the transform's own ``apply_with_params`` with the
    ``params`` of step 1 on the full frame: equal to a full decode's. At m = 8 the image too is
-   the transform's own ``apply``: a full decode's bytes.
+   the transform's own ``apply``: a full decode's bytes. A sample whose size cannot be read
+   without decoding it (not a JPEG) is built as without reduced decoding.
 4. **The rest of the Compose** as one ``Compose.__call__`` runs it (``TargetPipeline``): every
    later transform draws from the stream exactly as after a full decode.
 
@@ -47,9 +52,7 @@ import numpy as np
 
 from batchd.server.data import scaled_jpeg
 
-CROPS = (A.RandomResizedCrop, A.RandomSizedCrop)  # params["crop_coords"], output self.size
-RESIZES = (A.Resize, A.LongestMaxSize, A.SmallestMaxSize)  # the whole image; output from params
-FIRST_STEPS = CROPS + RESIZES
+FIRST_STEPS = (A.RandomResizedCrop, A.RandomSizedCrop)  # params["crop_coords"], output self.size
 # PSNR (dB) of a reduced decode's first-transform output against a full decode's, over photos
 PIXEL_BOUND = {"mean_psnr_db": 32.0, "min_psnr_db": 20.0}
 _WARPS = {cv2.INTER_NEAREST: cv2.INTER_NEAREST, cv2.INTER_NEAREST_EXACT: cv2.INTER_NEAREST,
@@ -84,7 +87,6 @@ class FirstStep:
     def __init__(self, compose: A.Compose):
         self.compose = compose
         self.transform = compose.transforms[0]
-        self.crops = isinstance(self.transform, CROPS)  # a random window (else the whole image)
 
     @classmethod
     def of(cls, compose: A.Compose | None) -> "FirstStep | None":
@@ -107,23 +109,10 @@ class FirstStep:
         params = t.get_params()
         params = t.update_transform_params(params=params, data=stand_in)
         params.update(t.get_params_dependent_on_data(params=params, data=stand_in))
-        if isinstance(t, CROPS):
-            window = tuple(int(v) for v in params["crop_coords"])
-            out = (int(t.size[0]), int(t.size[1]))
-            crop = (window[3] - window[1], window[2] - window[0])
-            interpolation = t._get_interpolation_for_resize(crop, "image")
-        else:
-            window = (0, 0, width, height)
-            if isinstance(t, A.Resize):
-                out = (int(t.height), int(t.width))
-                down = out[0] < height or out[1] < width
-            else:  # LongestMaxSize, SmallestMaxSize: MaxSizeTransform.apply
-                scale = params["scale"]
-                out = (max(1, round(height * scale)), max(1, round(width * scale)))
-                down = scale < 1.0
-            interpolation = t.interpolation
-            if down and t.area_for_downscale in ("image", "image_mask"):
-                interpolation = cv2.INTER_AREA
+        window = tuple(int(v) for v in params["crop_coords"])
+        out = (int(t.size[0]), int(t.size[1]))
+        crop = (window[3] - window[1], window[2] - window[0])
+        interpolation = t._get_interpolation_for_resize(crop, "image")
         h, w = window[3] - window[1], window[2] - window[0]
         need = max(out[0] / max(h, 1), out[1] / max(w, 1))
         return Drawn(params, full, window, out, interpolation, scaled_jpeg.cheapest(need))

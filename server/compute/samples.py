@@ -86,7 +86,7 @@ class WorkerSamples:
         if clock.on:
             clock.enter(DECODE)
         sample = ds.decode_sample(index, data, None, eighths=drawn.eighths)
-        self._decoded("full" if drawn.eighths == 8 else "region" if first.crops else "scaled", sample.get("image"))
+        self._decoded("full" if drawn.eighths == 8 else "region", sample.get("image"))
         if clock.on:
             clock.enter(PIPELINE)
         try:
@@ -109,9 +109,12 @@ class WorkerSamples:
 
     def _cache_key(self, ds: Dataset, plan: Plan, index: int) -> bytes | None:
         """The cache key of sample ``index``'s prefix output; None when it is not cached (no cache,
-        no dataset fingerprint, or a pipeline that cannot be split)."""
+        no dataset fingerprint, a pipeline that cannot be split, or one whose first random crop is
+        drawn ahead of decoding, region.py)."""
         if self.cache is None or plan.split is None or not ds.fingerprint or not getattr(ds, "deterministic", True):
             return None
+        if plan.first is not None and getattr(ds, "reduced_decode", False):
+            return None  # a first random crop decoded at the scale of its draw (region.py): never cached
         build = self.builds.get(ds.name)
         if build is None:
             build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))

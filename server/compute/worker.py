@@ -179,11 +179,9 @@ class _Worker(WorkerSamples):
         self.prefetch(task)  # no-op if it came ahead of time
         clock, self.cache_lookups, self.cache_misses = self.clock, 0, 0
         self.decodes, self.decoded_pixels = dict.fromkeys(DECODE_KINDS, 0), 0
-        # the first transform drawn ahead of a decode at the scale it needs (region.py): reduced
-        # decoding on, samples read from storage, none served by the cache (whose entries are
-        # the pipeline's deterministic prefix of a decode that drew nothing)
-        region = (plan.first is not None and task.task_id in self.reader and getattr(ds, "reduced_decode", False)
-                  and self._cache_key(ds, plan, 0) is None)
+        # a first random crop drawn ahead of a decode at the scale it needs (region.py): reduced
+        # decoding on, samples read from storage (such a pipeline is never cached: _cache_key)
+        region = plan.first is not None and task.task_id in self.reader and getattr(ds, "reduced_decode", False)
         indices, positions = task.indices.tolist(), task.positions.tolist()
         for k in clock.samples(len(indices), WRITE):  # timed one in clock.every (the rest: their share)
             index, position, on = indices[k], positions[k], clock.on

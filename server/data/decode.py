@@ -169,7 +169,7 @@ _REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2
 def decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[int, int] | None,
                  upright: bool = True) -> int:
     """IMREAD_COLOR, or the largest JPEG DCT-domain reduction (1/2, 1/4, 1/8) whose output is
-    still at least ``min_size`` (height, width) once turned upright (EXIF orientation 5-8 swap
+    still at least ``min_size`` (height, width, or ``(side,)``: ``min_dims``) once turned upright (EXIF orientation 5-8 swap
     the stored width and height): libjpeg then skips most of the work. ``upright`` False: with
     IMREAD_IGNORE_ORIENTATION (the stored pixels, not turned)."""
     keep = 0 if upright else cv2.IMREAD_IGNORE_ORIENTATION
@@ -178,6 +178,7 @@ def decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[i
     w, h = size
     if upright and jpeg_orientation(memoryview(buf).cast("B")) >= 5:
         w, h = h, w
+    min_size = min_dims(min_size, h, w)
     for factor, flag in _REDUCED:
         if -(-h // factor) >= min_size[0] and -(-w // factor) >= min_size[1]:  # libjpeg rounds up
             return flag | keep
@@ -200,13 +201,24 @@ def upright_size(data, upright: bool = True) -> tuple[int, int] | None:
     return h, w
 
 
-def _eighths_for(buf: np.ndarray, size: tuple[int, int], min_size: tuple[int, int], upright: bool) -> int:
+def min_dims(min_size: tuple[int, ...], height: int, width: int) -> tuple[int, int]:
+    """``min_size`` as (height, width) for an image ``height`` x ``width`` (upright): a 2-tuple
+    as it is; a 1-tuple ``(side,)`` (``LongestMaxSize(side)`` first) the size that resize gives,
+    its longest side ``side`` and the other in proportion."""
+    if len(min_size) == 2:
+        return min_size[0], min_size[1]
+    scale = min_size[0] / max(height, width, 1)
+    return max(1, round(height * scale)), max(1, round(width * scale))
+
+
+def _eighths_for(buf: np.ndarray, size: tuple[int, int], min_size: tuple[int, ...], upright: bool) -> int:
     """The m of the cheapest factor m/8 (``scaled_jpeg.EIGHTHS``) whose output is at least
     ``min_size`` (height, width) once upright; 8 if none is smaller. libjpeg rounds up, so with
     1/2, 1/4 and 1/8 this is ``decode_flag``'s choice."""
     w, h = size
     if upright and jpeg_orientation(memoryview(buf).cast("B")) >= 5:
         w, h = h, w
+    min_size = min_dims(min_size, h, w)
     for m in scaled_jpeg.factors():
         if m == 8:
             return 8

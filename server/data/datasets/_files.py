@@ -25,6 +25,12 @@ from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, decode_rgb, upright_siz
 from ..storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 from .base import Dataset, SampleSpec
 
+# the rule that picks a reduced decode's scale, in the build fingerprint: 2 = the cheapest M/8 for a
+# first resize, and a first random crop drawn ahead of a decode at its window's scale
+# (server/compute/region.py); 1 (unnamed) was 1/2, 1/4, 1/8 for a first resize only
+REDUCED_RULE = "2"
+
+
 class PackedStrings:
     """A read-only sequence of strings stored as ``data`` uint8 [total] + ``offsets`` int64 [n + 1]."""
 
@@ -106,7 +112,11 @@ class FileDataset(Dataset):
 
     @property
     def decode_settings(self) -> dict[str, str]:
-        return {"reduced_decode": "on" if self.reduced_decode else "off"}
+        """``reduced_decode`` on/off and, when on, the rule that picks the scale (``REDUCED_RULE``):
+        servers that decode a first random crop otherwise give other bytes."""
+        if not self.reduced_decode:
+            return {"reduced_decode": "off"}
+        return {"reduced_decode": "on", "reduced_decode_rule": REDUCED_RULE}
 
     def decoded_size(self, index: int, data) -> tuple[int, int] | None:
         """A JPEG's ``(height, width)`` from its headers (``upright_size``: EXIF orientation
