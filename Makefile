@@ -1,8 +1,8 @@
 # batchd: the single entry point for developers and CI.
 #
 #   make install   create .venv, install torch, then batchd (editable) with its client and test extras;
-#                  installs the libturbojpeg0, Fashion-MNIST and prometheus (promtool) Debian packages when
-#                  missing (root + apt)
+#                  installs the libturbojpeg0, Fashion-MNIST, mate-backgrounds (photos) and prometheus
+#                  (promtool) Debian packages when missing (root + apt)
 #   make test      run the test suite            (PYTEST_ARGS='-k deploy -x' to pass options)
 #   make demo      train a small CNN on Fashion-MNIST through a local batchd server (ARGS=...)
 #   make bench     run the benchmarks (ARGS=...); installs the bench extra (tensorflow-cpu) and photos
@@ -89,6 +89,7 @@ $(STAMP): pyproject.toml | $(PY)
 datasets:
 	$(call apt_provide,libturbojpeg0,$(TURBOJPEG_LIB),scaled JPEG decoding (server/data/scaled_jpeg.py; OpenCV decodes without it))
 	$(call apt_provide,dataset-fashion-mnist,$(FMNIST_FILE),the Fashion-MNIST demo and tests)
+	$(call apt_provide,mate-backgrounds,$(MATE_PHOTOS),tests/compute/test_region.py and the photo benchmarks)
 	$(call apt_provide,prometheus,/usr/bin/promtool,tests/serve/test_metrics_names.py (promtool check metrics))
 
 demo: install
