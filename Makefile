@@ -1,8 +1,8 @@
 # batchd: the single entry point for developers and CI.
 #
-#   make install   create .venv, install torch, then batchd (editable) with its client and test extras;
-#                  installs the libturbojpeg0, Fashion-MNIST, mate-backgrounds (photos) and prometheus
-#                  (promtool) Debian packages when missing (root + apt)
+#   make install   create .venv, install torch, then batchd (editable, its C region decoder built) with its
+#                  client and test extras; installs the libjpeg62-turbo-dev, libturbojpeg0, Fashion-MNIST,
+#                  mate-backgrounds (photos) and prometheus (promtool) Debian packages when missing (root + apt)
 #   make test      run the test suite            (PYTEST_ARGS='-k deploy -x' to pass options)
 #   make demo      train a small CNN on Fashion-MNIST through a local batchd server (ARGS=...)
 #   make bench     run the benchmarks (ARGS=...); installs the bench extra (tensorflow-cpu) and photos
@@ -82,6 +82,7 @@ $(PY):
 
 # torch first, so that the dependency `torch>=2.1` of batchd[client] is already met by the right build.
 $(STAMP): pyproject.toml | $(PY)
+	$(call apt_provide,libjpeg62-turbo-dev,/usr/include/jpeglib.h,the region JPEG decoder (server/data/_jpeg_region.c; whole images are decoded without it))
 	$(PY) -m pip install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
 	$(PY) -m pip install -e '.[client,test]'
 	@touch $@

@@ -18,19 +18,21 @@ output size, ``pipeline.decode_min_size``, and that decode may be cached with th
    leave the stream where the full decode's first transform leaves it. Since the decode depends
    on the draw, such a sample is never served from the decoded-sample cache (cache or not, the
    same bytes); ``reduced_decode: false`` caches full decodes instead.
-2. **Decode at the scale the window needs**: the cheapest factor m/8 at which the window is
-   still at least the output size (``scaled_jpeg.cheapest``; 1/8, 1/4, 1/2 or 1/1 on libjpeg-turbo 2.1,
-   whose other M/8 factors cost more than the next power of two above them). The whole JPEG is
-   decoded at that scale: libjpeg-turbo 2.1's TurboJPEG API has no partial decode (3.0's
-   ``tj3SetCroppingRegion``), and its lossless crop (``tjTransform``) alone costs 0.8 of a full
-   decode, more than a scaled decode of the whole image (bench/probes/scaled_decode.py).
+2. **Decode only the window, at the scale it needs**: the cheapest factor m/8 at which the window
+   is still at least the output size (``scaled_jpeg.cheapest``; 1/8, 1/4, 1/2 or 1/1 on
+   libjpeg-turbo 2.1, whose other M/8 factors cost more than the next power of two above them),
+   and of the image at that scale only the MCUs covering the window and 2 pixels around it
+   (``Drawn.rect``; ``scaled_jpeg.decode_region``: rows above skipped, columns cut, nothing
+   below decoded). A turned JPEG (EXIF orientation 2-8), or a server built without the region
+   decoder, decodes the whole image at m/8 and cuts the rectangle from it.
 3. **The first transform, in two halves** (``TargetPipeline.end_first``): its image is the
    window of the scaled image resampled to the output size with the transform's interpolation
    (``resample``: one ``cv2.warpAffine`` with the exact sub-pixel map from output pixels to the
    scaled image, so the window is neither shifted nor cut at the scaled image's pixel grid);
    its masks, boxes and keypoints come from the transform's own ``apply_with_params`` with the
-   ``params`` of step 1 on the full frame: equal to a full decode's. At m = 8 the image too is
-   the transform's own ``apply``: a full decode's bytes. A sample whose size cannot be read
+   ``params`` of step 1 on the full frame: equal to a full decode's. At m = 8 the image is the
+   transform's own ``apply`` on the rectangle (its pixels a full decode's but at the rectangle's
+   edges, where libjpeg upsamples chroma without the next block: a few levels at most). A sample whose size cannot be read
    without decoding it (not a JPEG) is built as without reduced decoding.
 4. **The rest of the Compose** as one ``Compose.__call__`` runs it (``TargetPipeline``): every
    later transform draws from the stream exactly as after a full decode.
@@ -70,6 +72,8 @@ class Drawn:
     window: (x1, y1, x2, y2) it keeps, full-frame pixels; out: (height, width) it resizes it to.
     interpolation: the OpenCV flag its ``apply`` would use for the image.
     eighths: the m of the factor m/8 to decode at (8: full size).
+    rect: (x, y, w, h), the rectangle of the image decoded at m/8 that is decoded
+        (``scaled_jpeg.scaled_window``: the window and 2 pixels around it).
     """
 
     params: dict[str, Any] | None
@@ -78,6 +82,7 @@ class Drawn:
     out: tuple[int, int]
     interpolation: int
     eighths: int
+    rect: tuple[int, int, int, int]
 
 
 class FirstStep:
@@ -104,7 +109,7 @@ class FirstStep:
         t = self.transform
         full = (height, width)
         if not t.should_apply():
-            return Drawn(None, full, (0, 0, width, height), full, cv2.INTER_LINEAR, 8)
+            return Drawn(None, full, (0, 0, width, height), full, cv2.INTER_LINEAR, 8, (0, 0, width, height))
         stand_in = {"image": np.broadcast_to(_STAND_IN, (height, width, 3))}
         params = t.get_params()
         params = t.update_transform_params(params=params, data=stand_in)
@@ -115,27 +120,31 @@ class FirstStep:
         interpolation = t._get_interpolation_for_resize(crop, "image")
         h, w = window[3] - window[1], window[2] - window[0]
         need = max(out[0] / max(h, 1), out[1] / max(w, 1))
-        return Drawn(params, full, window, out, interpolation, scaled_jpeg.cheapest(need))
+        m = scaled_jpeg.cheapest(need)
+        return Drawn(params, full, window, out, interpolation, m, scaled_jpeg.scaled_window(window, m, height, width))
 
     def image(self, image: np.ndarray, drawn: Drawn) -> np.ndarray:
-        """The first transform's image output, from ``image`` decoded at ``drawn.eighths``/8 (the
-        transform's own ``apply`` on a full decode). Raises ValueError if ``image`` is not the
-        size that scale gives."""
+        """The first transform's image output, from ``image``: the rectangle ``drawn.rect`` of the
+        image decoded at ``drawn.eighths``/8 (the whole image when the transform's own p skipped
+        it). At full size, the transform's own ``apply`` on it (its window moved by the
+        rectangle's corner). Raises ValueError if ``image`` is not the rectangle's size."""
         if drawn.params is None:
             return image
-        if drawn.eighths == 8 and image.shape[:2] == drawn.shape:
-            return self.transform.apply(image, **drawn.params)
-        expected = scaled_jpeg.scaled_size(*drawn.shape, drawn.eighths)
-        if image.shape[:2] != expected:
-            raise ValueError(f"an image decoded at {drawn.eighths}/8 of {drawn.shape[1]}x{drawn.shape[0]} should be "
-                             f"{expected[1]}x{expected[0]}, got {image.shape[1]}x{image.shape[0]}")
-        return resample(image, drawn.eighths / 8, drawn.window, drawn.out, drawn.interpolation)
+        x, y, w, h = drawn.rect
+        if image.shape[:2] != (h, w):
+            raise ValueError(f"the {w}x{h} rectangle at ({x}, {y}) of an image decoded at {drawn.eighths}/8 of "
+                             f"{drawn.shape[1]}x{drawn.shape[0]} was expected, got {image.shape[1]}x{image.shape[0]}")
+        if drawn.eighths == 8:
+            x1, y1, x2, y2 = drawn.window
+            return self.transform.apply(image, **{**drawn.params, "crop_coords": (x1 - x, y1 - y, x2 - x, y2 - y)})
+        return resample(image, drawn.eighths / 8, drawn.window, drawn.out, drawn.interpolation, (x, y))
 
 
 def resample(scaled: np.ndarray, factor: float, window: tuple[int, int, int, int], out: tuple[int, int],
-             interpolation: int) -> np.ndarray:
+             interpolation: int, origin: tuple[int, int] = (0, 0)) -> np.ndarray:
     """The window ``(x1, y1, x2, y2)`` (full-frame pixels) of an image decoded at ``factor`` of its
-    size, resized to ``out`` (height, width): uint8 [out_h, out_w, C].
+    size, resized to ``out`` (height, width): uint8 [out_h, out_w, C]. ``scaled`` holds the
+    scaled image's pixels from ``origin`` (x, y) on (a rectangle of it).
 
     Pixel centres as OpenCV's ``resize`` places them on the full frame's window, x_full = x1 +
     (u + 0.5) * w / out_w - 0.5, mapped to the scaled image as libjpeg's scaled inverse DCT
@@ -144,15 +153,17 @@ def resample(scaled: np.ndarray, factor: float, window: tuple[int, int, int, int
     (``cv2.warpAffine``, borders replicated); area and Lanczos resize the window's covering
     pixels (the window rounded to the scaled grid, ``cv2.resize``)."""
     x1, y1, x2, y2 = window
+    ox, oy = origin
     out_h, out_w = out
     sx, sy = (x2 - x1) / out_w, (y2 - y1) / out_h
     warp = _WARPS.get(interpolation)
     if warp is None:
         h, w = scaled.shape[:2]
-        cx1, cy1 = min(w - 1, int(round(x1 * factor))), min(h - 1, int(round(y1 * factor)))
-        cx2, cy2 = max(cx1 + 1, min(w, int(round(x2 * factor)))), max(cy1 + 1, min(h, int(round(y2 * factor))))
-        return cv2.resize(scaled[cy1:cy2, cx1:cx2], (out_w, out_h), interpolation=interpolation)
-    matrix = np.array([[sx * factor, 0.0, (x1 + 0.5 * sx) * factor - 0.5],
-                       [0.0, sy * factor, (y1 + 0.5 * sy) * factor - 0.5]])
+        cx1, cy1 = min(w - 1, int(round(x1 * factor)) - ox), min(h - 1, int(round(y1 * factor)) - oy)
+        cx2 = max(cx1 + 1, min(w, int(round(x2 * factor)) - ox))
+        cy2 = max(cy1 + 1, min(h, int(round(y2 * factor)) - oy))
+        return cv2.resize(scaled[max(0, cy1):cy2, max(0, cx1):cx2], (out_w, out_h), interpolation=interpolation)
+    matrix = np.array([[sx * factor, 0.0, (x1 + 0.5 * sx) * factor - 0.5 - ox],
+                       [0.0, sy * factor, (y1 + 0.5 * sy) * factor - 0.5 - oy]])
     return cv2.warpAffine(scaled, matrix, (out_w, out_h), flags=warp | cv2.WARP_INVERSE_MAP,
                           borderMode=cv2.BORDER_REPLICATE)

@@ -85,7 +85,8 @@ class WorkerSamples:
             raise
         if clock.on:
             clock.enter(DECODE)
-        sample = ds.decode_sample(index, data, None, eighths=drawn.eighths)
+        sample = ds.decode_sample(index, data, None, eighths=drawn.eighths,
+                                  window=None if drawn.params is None else drawn.window)
         self._decoded("full" if drawn.eighths == 8 else "region", sample.get("image"))
         if clock.on:
             clock.enter(PIPELINE)

@@ -242,6 +242,18 @@ def _decode_scaled(buf: np.ndarray, m: int, upright: bool) -> np.ndarray | None:
     return orient_pixels(image, orientation)
 
 
+def _decode_window(buf: np.ndarray, m: int, window: tuple[int, int, int, int], upright: bool) -> np.ndarray | None:
+    """The rectangle of a JPEG at m/8 that covers ``window`` (``decode_rgb``), its MCUs alone
+    decoded; None when the JPEG is turned (EXIF orientation 2-8 and ``upright``), its header
+    cannot be read, or the region decoder cannot decode it."""
+    if upright and jpeg_orientation(memoryview(buf).cast("B")) != 1:
+        return None
+    size = upright_size(buf, upright=False)
+    if size is None:
+        return None
+    return scaled_jpeg.decode_region(buf, m, scaled_jpeg.scaled_window(window, m, *size))
+
+
 def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
     """Read and decode an image file: uint8 [H, W, 3], RGB (``decode_rgb`` of its bytes).
 
@@ -256,7 +268,8 @@ def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[in
 
 
 def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None,
-               upright: bool = True, eighths: int | None = None) -> np.ndarray:
+               upright: bool = True, eighths: int | None = None,
+               window: tuple[int, int, int, int] | None = None) -> np.ndarray:
     """Decode an encoded image (bytes-like or uint8 array): uint8 [H, W, 3], RGB.
 
     Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
@@ -267,7 +280,11 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
     cheapest factor m/8 whose output is still at least that size once upright (``scaled_jpeg``:
     1/8, 1/4, 1/2 or 1/1 on libjpeg-turbo 2.1; the pipeline downsizes it anyway; a 1000x750 JPEG
     decodes about 2x faster at 1/2). ``eighths`` (1-8): a JPEG decoded at exactly that m/8 of its
-    size (an m ``scaled_jpeg.factors()`` offers), [ceil(H*m/8), ceil(W*m/8), 3] once upright.
+    size (an m ``scaled_jpeg.factors()`` offers), [ceil(H*m/8), ceil(W*m/8), 3] once upright;
+    with ``window`` (x1, y1, x2, y2; full-size pixels once upright) only the rectangle
+    ``scaled_jpeg.scaled_window(window, m, H, W)`` of that image, [h, w, 3] (a view): its MCUs
+    alone decoded (``scaled_jpeg.decode_region``) when the JPEG is not turned (EXIF orientation
+    1, or ``upright`` False), else cut from the whole image at m/8.
     Neither: OpenCV at full size, as always (``reduced_decode: false``). Pixels are the same
     whichever library decodes a given size.
 
@@ -285,7 +302,14 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
         raise ImageReadError(f"truncated JPEG: no end-of-image marker after the last scan ({buf.size} bytes)")
     if (eighths is not None or (min_size is not None and size is not None)) and buf[:2].tobytes() == b"\xff\xd8":
         m = eighths if eighths is not None else _eighths_for(buf, size, min_size, upright)
-        image = _decode_scaled(buf, m, upright)
+        image = None if window is None else _decode_window(buf, m, window, upright)
+        if image is None:
+            image = _decode_scaled(buf, m, upright)
+            if image is not None and window is not None:
+                h, w = image.shape[:2]
+                full = (h, w) if m == 8 else upright_size(buf, upright)
+                x, y, rw, rh = scaled_jpeg.scaled_window(window, m, *full)
+                image = image[y:y + rh, x:x + rw]
         if image is not None:
             h, w = image.shape[:2]
             if h * w > max_pixels:

@@ -23,6 +23,18 @@ and 5/8-7/8 cost more than a full decode. So a need of at most m/8 is met by the
 >= m/8 (``cheapest``), which on this library is always 1/8, 1/4, 1/2 or 1/1; ``EIGHTHS`` keeps
 the measured order so that a library with faster M/8 kernels needs only a new row.
 
+**Regions** (``decode_region``): only the MCUs that cover a rectangle of the scaled image, with
+libjpeg-turbo's libjpeg API (``jpeg_skip_scanlines`` over the rows above it, ``jpeg_crop_scanline``
+to its iMCU columns, and no row below it), in ``_jpeg_region.c``, a small C extension built
+against Debian's ``libjpeg62-turbo-dev`` (optional: without it ``region_available()`` is False
+and callers decode the whole image at m/8). The TurboJPEG API of libjpeg-turbo 2.1 has no such
+call (3.0's ``tj3SetCroppingRegion``), and its lossless crop (``tjTransform``) reads every
+coefficient and writes the crop again before a decode of it, more work than a whole scaled
+decode. Measured as the ``COST`` figures, random windows of RandomResizedCrop's default
+distribution, each at the cheapest m/8 that keeps 224 px (``python -m bench.probes.scaled_decode``):
+see ``REGION_COST``. A region's pixels may differ from the same pixels of a whole decode at
+its edges (libjpeg's upsampling of chroma there has no neighbour block; at most a few levels).
+
 Errors: anything the binding raises (a CMYK or 12-bit JPEG it cannot turn into RGB, corrupt
 data) falls back to OpenCV, whose errors the caller (``decode.decode_rgb``) reports as today.
 """
@@ -110,6 +122,50 @@ def decode_eighths(buf: np.ndarray, m: int) -> np.ndarray | None:
     except cv2.error:
         return None
     return None if bgr is None else cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+
+@functools.cache
+def _region():
+    """The C extension (``_jpeg_region.c``), or None when it was not built."""
+    try:
+        from batchd.server.data import _jpeg_region
+
+        return _jpeg_region
+    except ImportError:
+        return None
+
+
+def region_available() -> bool:
+    """Whether regions are decoded alone (``decode_region``); else callers decode whole images."""
+    return _region() is not None
+
+
+def scaled_window(window: tuple[int, int, int, int], m: int, height: int, width: int,
+                  margin: int = 2) -> tuple[int, int, int, int]:
+    """The rectangle ``(x, y, w, h)`` of an image ``height`` x ``width`` decoded at m/8 that
+    covers ``window`` ``(x1, y1, x2, y2)`` (full-size pixels) with ``margin`` scaled pixels more
+    on each side (an interpolation reads its neighbours), clipped to the scaled image."""
+    sh, sw = scaled_size(height, width, m)
+    x1, y1, x2, y2 = window
+    x, y = max(0, x1 * m // 8 - margin), max(0, y1 * m // 8 - margin)
+    ex, ey = min(sw, -(-x2 * m // 8) + margin), min(sh, -(-y2 * m // 8) + margin)
+    return x, y, max(1, ex - x), max(1, ey - y)
+
+
+def decode_region(buf: np.ndarray, m: int, rect: tuple[int, int, int, int]) -> np.ndarray | None:
+    """The rectangle ``rect`` = (x, y, w, h) of the JPEG ``buf`` decoded at m/8 (stored frame):
+    uint8 [h, w, 3] RGB (a view), only its MCUs decoded; None without the extension or if libjpeg
+    cannot decode it so (the caller decodes the whole image)."""
+    ext = _region()
+    if ext is None:
+        return None
+    x, y, w, h = rect
+    try:
+        pixels, x0, width = ext.decode(buf, m, x, y, w, h)
+    except (RuntimeError, ValueError):
+        return None
+    image = np.frombuffer(pixels, np.uint8).reshape(h, width, 3)
+    return image[:, x - x0:x - x0 + w]
 
 
 def _fraction(m: int) -> tuple[int, int]:

@@ -124,7 +124,9 @@ def test_a_region_decode_draws_and_moves_targets_as_a_full_decode(photos, first,
         after_full = random.generator.bit_generator.random_raw(4).tolist()  # where the stream stands now
         random.start(KEY, position)
         drawn = step.draw(*upright_size(data))
-        got = tp.end_first({**sample, "image": decode_rgb(data, eighths=drawn.eighths)}, per_object, step, drawn)
+        window = None if drawn.params is None else drawn.window
+        got = tp.end_first({**sample, "image": decode_rgb(data, eighths=drawn.eighths, window=window)}, per_object,
+                           step, drawn)
         assert random.generator.bit_generator.random_raw(4).tolist() == after_full, \
             "the stream was not consumed as by a full decode"
         eighths.append(drawn.eighths)
@@ -133,8 +135,8 @@ def test_a_region_decode_draws_and_moves_targets_as_a_full_decode(photos, first,
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{first} {fmt} sample {position}: {name}")
         assert got["image"].shape == want["image"].shape
         scores.append(psnr(got["image"], want["image"]))
-        if drawn.eighths == 8:
-            assert np.array_equal(got["image"], want["image"]), "decoded at full size: a full decode's bytes"
+        if drawn.params is None:
+            assert np.array_equal(got["image"], want["image"]), "the crop skipped (its p): a full decode's bytes"
     finite = [min(s, 99.0) for s in scores]
     assert min(scores) >= region.PIXEL_BOUND["min_psnr_db"], (first, fmt, sorted(scores)[:3])
     assert np.mean(finite) >= region.PIXEL_BOUND["mean_psnr_db"], (first, fmt, np.mean(finite))
@@ -231,3 +233,28 @@ def test_a_served_region_decode_equals_reduced_decode_off(photos, make_server, t
     assert all(n > 0 for n in region_counts[0::2]), region_counts  # the "on" streams
     assert region_counts[1::2] == [0] * len(FORMATS) and full_counts[1::2] == [len(photos)] * len(FORMATS)
     assert snapshot(server.loader).decoded_pixels > 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_a_decoded_region_is_that_rectangle_of_a_whole_decode(photos, m):
+    """``scaled_jpeg.decode_region`` (libjpeg's crop and skip of scanlines) gives the rectangle of
+    the whole image at m/8, up to libjpeg's chroma upsampling at the rectangle's edges; and
+    ``decode_rgb`` with a window gives that rectangle whether the region decoder runs or not."""
+    from batchd.server.data import scaled_jpeg
+
+    if not scaled_jpeg.region_available():
+        pytest.skip("the region decoder (server/data/_jpeg_region.c) is not built: no jpeglib.h or C compiler")
+    rng = np.random.default_rng(m)
+    for data in photos:
+        buf = np.frombuffer(data, np.uint8)
+        whole = scaled_jpeg.decode_eighths(buf, m)
+        h, w = upright_size(buf)
+        for _ in range(4):
+            x1, y1 = int(rng.integers(0, w - 64)), int(rng.integers(0, h - 64))
+            window = (x1, y1, int(rng.integers(x1 + 32, w + 1)), int(rng.integers(y1 + 32, h + 1)))
+            x, y, rw, rh = scaled_jpeg.scaled_window(window, m, h, w)
+            region = scaled_jpeg.decode_region(buf, m, (x, y, rw, rh))
+            want = whole[y:y + rh, x:x + rw]
+            assert region.shape == want.shape == decode_rgb(buf, eighths=m, window=window).shape
+            diff = np.abs(region.astype(int) - want)
+            assert diff.max() <= 16 and diff.mean() < 0.1, (m, window, diff.max(), diff.mean())

@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 
 from ..decode import DEFAULT_MAX_PIXELS, exif_orientation, upright_size
-from ..scaled_jpeg import scaled_size
+from ..scaled_jpeg import scaled_size, scaled_window
 from ..storage import Storage, StorageOptions, is_remote, local_copy, local_path, safe_url
 from ._cache import ArrayFile, cache_path, file_fingerprint, open_cached, remove_stale
 from ._files import FileDataset
@@ -168,19 +168,27 @@ class Coco(FileDataset):
         return upright_size(data, self.apply_exif_orientation)
 
     def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None,
-                      eighths: int | None = None) -> dict:
+                      eighths: int | None = None, window: tuple[int, int, int, int] | None = None) -> dict:
         """Sample ``index`` (fields in the class docstring) from its image file's bytes ``data``.
-        ``min_size`` is ignored (boxes and masks are in the full image's pixels); ``eighths``:
-        the image decoded at m/8 (server/compute/region.py), boxes and masks still those of the
-        full image.
+        ``min_size`` is ignored (boxes and masks are in the full image's pixels); ``eighths``,
+        ``window``: the image decoded at m/8, or only a rectangle of it (``Dataset.decode_sample``;
+        server/compute/region.py), boxes and masks still those of the full image.
 
         Raises SampleError naming the image file if it cannot be decoded or its stored size is not
         the JSON's ``height`` x ``width``.
         """
         index = self._check(index)
-        image = self.decode(index, data, eighths=eighths if self.reduced_decode else None)
+        reduced = eighths is not None and self.reduced_decode
+        orientation = exif_orientation(data) if self.apply_exif_orientation else 1
+        # a window is in the turned frame: a turned image is decoded whole (at m/8) and cut once turned
+        cut_here = reduced and window is not None and orientation == 1
+        image = self.decode(index, data, eighths=eighths, window=window if cut_here else None) if reduced \
+            else self.decode(index, data)
         h, w = int(self._heights[index]), int(self._widths[index])
-        expected = (h, w) if eighths is None or not self.reduced_decode else scaled_size(h, w, eighths)
+        expected = (h, w) if not reduced else scaled_size(h, w, eighths)
+        if cut_here:
+            _, _, rw, rh = scaled_window(window, eighths, h, w)
+            expected = (rh, rw)
         if image.shape[:2] != expected:
             shown = "" if expected == (h, w) else f" ({expected[1]}x{expected[0]} at {eighths}/8)"
             raise self.sample_error(index, f"the image is {image.shape[1]}x{image.shape[0]} pixels, but the annotation "
@@ -196,8 +204,11 @@ class Coco(FileDataset):
         }
         if self.masks:
             sample["masks"] = self._decode_masks(range(start, end), h, w)
-        if self.apply_exif_orientation:
-            sample = orient_sample(sample, exif_orientation(data), (h, w))
+        if orientation != 1:
+            sample = orient_sample(sample, orientation, (h, w))
+            if reduced and window is not None:
+                x, y, rw, rh = scaled_window(window, eighths, *((w, h) if orientation >= 5 else (h, w)))
+                sample["image"] = sample["image"][y:y + rh, x:x + rw]
         return sample
 
     def _decode_masks(self, rows: range, h: int, w: int) -> np.ndarray:
