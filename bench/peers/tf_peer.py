@@ -199,6 +199,13 @@ def _pipeline(tf, paths, labels, order, seed: int, workers: int, batch_size: int
         image = tf.image.flip_up_down(image)
         return tf.cast(tf.clip_by_value(image, 0.0, 255.0), tf.uint8), label
 
+    return _batched(tf, load, paths, labels, order, workers, batch_size)
+
+
+def _batched(tf, load, paths, labels, order, workers: int, batch_size: int):
+    """``load(path, label, position)`` mapped over the files in ``order`` with ``workers``
+    parallel calls on a private pool of as many threads (one intra-op thread, no autotuning),
+    batched (``drop_remainder``), ``prefetch`` 2 x workers batches."""
     positions = tf.range(len(order), dtype=tf.int64)
     ds = tf.data.Dataset.from_tensor_slices((tf.gather(paths, order), tf.gather(labels, order), positions))
     ds = ds.map(load, num_parallel_calls=workers, deterministic=True)
@@ -216,7 +223,7 @@ def _crop_pipeline(tf, paths, labels, order, seed: int, workers: int, batch_size
     (8-100% of the area, aspect 3:4-4:3, 10 attempts, else the whole image) from the JPEG's
     header shape, ``decode_and_crop_jpeg`` (libjpeg decodes only the crop's rows and columns), a
     bilinear resize to 224 x 224, a left-right flip with p = 0.5, uint8. Threads and prefetch as
-    ``_pipeline``. Yields (image uint8 [B, 224, 224, 3], label int64 [B])."""
+    ``_pipeline`` (``_batched``). Yields (image uint8 [B, 224, 224, 3], label int64 [B])."""
     whole = tf.constant([[[0.0, 0.0, 1.0, 1.0]]])
 
     def load(path, label, position):
@@ -233,15 +240,7 @@ def _crop_pipeline(tf, paths, labels, order, seed: int, workers: int, batch_size
         image = tf.image.stateless_random_flip_left_right(image, seed=keys[1])
         return tf.cast(tf.clip_by_value(image, 0.0, 255.0), tf.uint8), label
 
-    positions = tf.range(len(order), dtype=tf.int64)
-    ds = tf.data.Dataset.from_tensor_slices((tf.gather(paths, order), tf.gather(labels, order), positions))
-    ds = ds.map(load, num_parallel_calls=workers, deterministic=True)
-    ds = ds.batch(batch_size, drop_remainder=True).prefetch(max(2, 2 * workers))
-    options = tf.data.Options()
-    options.threading.private_threadpool_size = workers
-    options.threading.max_intra_op_parallelism = 1
-    options.autotune.enabled = False
-    return ds.with_options(options)
+    return _batched(tf, load, paths, labels, order, workers, batch_size)
 
 
 class _Services:

@@ -183,8 +183,8 @@ def render(r: dict) -> str:
              "shared with other engineers' processes: rounds alternate so that their load hits every method alike). "
              "Decoded Mpx/image: the server's batchd_decoded_pixels_total over batchd_decodes_total during the "
              f"measurements. Region decoding against `reduced_decode: false`, one batch under one seed: mean PSNR "
-             f"{p['mean']:.1f} dB, lowest {p['min']:.1f} dB ({p['identical']} of {p['images']} images decoded at "
-             "full size, byte for byte equal).")
+             f"{p['mean']:.1f} dB, lowest {p['min']:.1f} dB ({p['identical']} of {p['images']} images byte for byte "
+             "equal).")
     if r.get("peers") != "measured":
         notes += f" tf.data: {r.get('peers')}."
     else:
