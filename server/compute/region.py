@@ -32,8 +32,9 @@ output size, ``pipeline.decode_min_size``, and that decode may be cached with th
    its masks, boxes and keypoints come from the transform's own ``apply_with_params`` with the
    ``params`` of step 1 on the full frame: equal to a full decode's. At m = 8 the image is the
    transform's own ``apply`` on the rectangle (its pixels a full decode's but at the rectangle's
-   edges, where libjpeg upsamples chroma without the next block: a few levels at most). A sample whose size cannot be read
-   without decoding it (not a JPEG) is built as without reduced decoding.
+   edges, where libjpeg upsamples chroma without the next block: a few levels at most). A
+   sample whose size cannot be read without decoding it (not a JPEG) is built as without
+   reduced decoding.
 4. **The rest of the Compose** as one ``Compose.__call__`` runs it (``TargetPipeline``): every
    later transform draws from the stream exactly as after a full decode.
 

@@ -258,3 +258,57 @@ def test_a_decoded_region_is_that_rectangle_of_a_whole_decode(photos, m):
             assert region.shape == want.shape == decode_rgb(buf, eighths=m, window=window).shape
             diff = np.abs(region.astype(int) - want)
             assert diff.max() <= 16 and diff.mean() < 0.1, (m, window, diff.max(), diff.mean())
+
+
+def _write_folder(root: pathlib.Path, jpegs: list[bytes]) -> pathlib.Path:
+    for i, data in enumerate(jpegs):
+        (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        (root / f"c{i % 2}" / f"{i}.jpg").write_bytes(data)
+    return root
+
+
+def test_reduced_decode_off_is_a_full_opencv_decode_bit_for_bit(photos, make_server, tmp_path):
+    """``reduced_decode: false`` under a first RandomResizedCrop: every image is what OpenCV's full
+    decode and one albumentations Compose under the sample's stream give, byte for byte."""
+    import batchd
+    from batchd.sampler import sample_key
+
+    root = _write_folder(tmp_path / "photos", photos)
+    compose = A.Compose([FIRSTS["RandomResizedCrop"], *REST])
+    server = make_server(workers=2, datasets={"off": {"kind": "imagefolder", "root": str(root), "reduced_decode": False}})
+    files = sorted(root.glob("c*/*.jpg"), key=lambda p: (p.parent.name, p.name))
+    with batchd.RemoteDataLoader(server.address, "off", batch_size=len(photos), shuffle=True, seed=5,
+                                 transform=compose, timeout=60) as loader:
+        batch = next(iter(loader))
+    oracle = A.from_dict(A.to_dict(compose))
+    random = pipelines.SampleRandom()
+    random.attach(oracle)
+    for j, (index, position) in enumerate(zip(batch["index"].tolist(), batch["position"].tolist())):
+        rgb = cv2.cvtColor(cv2.imdecode(np.fromfile(files[index], np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+        random.start(sample_key(seed=5, epoch=0), position)
+        np.testing.assert_array_equal(batch["image"][j].numpy(), oracle(image=rgb)["image"], err_msg=f"sample {index}")
+
+
+def test_a_first_random_crop_gives_the_same_bytes_with_and_without_the_cache(photos, tmp_path):
+    """Region decoding depends on each sample's draw, so such a pipeline is not cached: a server
+    with a cache gives the bytes of one without it (two epochs), and its cache stays empty."""
+    import batchd
+    from conftest import running_server
+
+    root = _write_folder(tmp_path / "photos", photos)
+    compose = A.Compose([FIRSTS["RandomSizedCrop"], *REST])
+    folder = {"pics": {"kind": "imagefolder", "root": str(root)}}
+    digests = []
+    for cache in (None, {"memory_bytes": "64MiB"}):
+        with running_server(workers=2, cache_dir=tmp_path / "index", datasets=folder,
+                            **({"cache": cache} if cache else {})) as server:
+            with batchd.RemoteDataLoader(server.address, "pics", batch_size=3, shuffle=True, seed=9, transform=compose,
+                                         timeout=60) as loader:
+                got = []
+                for epoch in (0, 1):
+                    loader.set_epoch(epoch)
+                    got += [b["image"].numpy().tobytes() for b in loader]
+            digests.append(got)
+            if cache:
+                assert server.loader.cache.stats()["pics"]["misses"] == 0, server.loader.cache.stats()
+    assert digests[0] == digests[1]
