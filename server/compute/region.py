@@ -1,4 +1,4 @@
-"""Decode only what the pipeline keeps: a first random crop drawn first, then a JPEG decoded at the scale its window needs.
+"""Decode only what the pipeline keeps: a first random crop drawn, then only its window decoded, at its scale.
 
 A pipeline whose first transform is of the crop-then-resize family (``FIRST_STEPS``:
 ``RandomResizedCrop``, ``RandomSizedCrop``) keeps a random window of the decoded image, resized
@@ -59,7 +59,8 @@ FIRST_STEPS = (A.RandomResizedCrop, A.RandomSizedCrop)  # params["crop_coords"],
 # PSNR (dB) of a reduced decode's first-transform output against a full decode's, over photos
 PIXEL_BOUND = {"mean_psnr_db": 32.0, "min_psnr_db": 20.0}
 _WARPS = {cv2.INTER_NEAREST: cv2.INTER_NEAREST, cv2.INTER_NEAREST_EXACT: cv2.INTER_NEAREST,
-          cv2.INTER_LINEAR: cv2.INTER_LINEAR, cv2.INTER_LINEAR_EXACT: cv2.INTER_LINEAR, cv2.INTER_CUBIC: cv2.INTER_CUBIC}
+          cv2.INTER_LINEAR: cv2.INTER_LINEAR, cv2.INTER_LINEAR_EXACT: cv2.INTER_LINEAR,
+          cv2.INTER_CUBIC: cv2.INTER_CUBIC}
 _STAND_IN = np.zeros((1, 1, 1), np.uint8)
 
 

@@ -193,7 +193,8 @@ class TargetPipeline:
         if drawn.params is None:  # the first transform's own p skipped it: the image is a full decode
             data["image"] = image
         else:
-            data = compose.transforms[0].apply_with_params(drawn.params, **{k: v for k, v in data.items() if k != "image"})
+            others = {k: v for k, v in data.items() if k != "image"}
+            data = compose.transforms[0].apply_with_params(drawn.params, **others)
             data["image"] = first.image(image, drawn)
         data = compose.check_data_post_transform(data)
         for t in compose.transforms[1:]:

@@ -169,9 +169,9 @@ _REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2
 def decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[int, int] | None,
                  upright: bool = True) -> int:
     """IMREAD_COLOR, or the largest JPEG DCT-domain reduction (1/2, 1/4, 1/8) whose output is
-    still at least ``min_size`` (height, width, or ``(side,)``: ``min_dims``) once turned upright (EXIF orientation 5-8 swap
-    the stored width and height): libjpeg then skips most of the work. ``upright`` False: with
-    IMREAD_IGNORE_ORIENTATION (the stored pixels, not turned)."""
+    still at least ``min_size`` (height, width, or ``(side,)``: ``min_dims``) once turned
+    upright (EXIF orientation 5-8 swap the stored width and height): libjpeg then skips most of
+    the work. ``upright`` False: with IMREAD_IGNORE_ORIENTATION (the stored pixels, not turned)."""
     keep = 0 if upright else cv2.IMREAD_IGNORE_ORIENTATION
     if min_size is None or size is None or buf[:2].tobytes() != b"\xff\xd8":
         return cv2.IMREAD_COLOR | keep

@@ -33,8 +33,8 @@ coefficient and writes the crop again before a decode of it, more work than a wh
 decode. Measured as the ``COST`` figures, on one RandomResizedCrop(224) window per photo
 (albumentations' defaults), each at the cheapest m/8 that keeps 224 px: the window's region 0.50
 of a full decode's time, the whole image at the same m/8 0.72, OpenCV's full decode and BGR -> RGB
-copy 1.20 (a second run, the machine busier: a full decode 5.2 ms). A region's pixels may differ from the same pixels of a whole decode at
-its edges (libjpeg's upsampling of chroma there has no neighbour block; at most a few levels).
+copy 1.20 (a second run, the machine busier: a full decode 5.2 ms). A region's pixels may differ
+from the same pixels of a whole decode at its edges (libjpeg's upsampling of chroma there has no neighbour block; at most a few levels).
 
 Errors: anything the binding raises (a CMYK or 12-bit JPEG it cannot turn into RGB, corrupt
 data) falls back to OpenCV, whose errors the caller (``decode.decode_rgb``) reports as today.
