@@ -312,3 +312,26 @@ def test_a_first_random_crop_gives_the_same_bytes_with_and_without_the_cache(pho
             if cache:
                 assert server.loader.cache.stats()["pics"]["misses"] == 0, server.loader.cache.stats()
     assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("orientation", [2, 3, 6, 8])
+def test_a_turned_jpegs_window_is_cut_from_the_turned_image(photos, orientation):
+    """A JPEG with an EXIF orientation: the window (in the turned frame, as albumentations sees
+    the image) is cut from the whole image decoded at m/8 and turned, as OpenCV turns it."""
+    from batchd.server.data import scaled_jpeg
+
+    data = photos[0][:2] + exif_segment(orientation) + photos[0][2:]
+    buf = np.frombuffer(data, np.uint8)
+    full = decode_rgb(buf)  # OpenCV: turned
+    h, w = upright_size(buf)
+    assert full.shape[:2] == (h, w)
+    window = (w // 5, h // 7, w - w // 9, h - h // 3)
+    x, y, rw, rh = scaled_jpeg.scaled_window(window, 8, h, w)
+    np.testing.assert_array_equal(decode_rgb(buf, eighths=8, window=window), full[y:y + rh, x:x + rw])
+    for m in (1, 2, 4):
+        x, y, rw, rh = scaled_jpeg.scaled_window(window, m, h, w)
+        whole = decode_rgb(buf, eighths=m)
+        assert whole.shape[:2] == scaled_jpeg.scaled_size(h, w, m)
+        np.testing.assert_array_equal(decode_rgb(buf, eighths=m, window=window), whole[y:y + rh, x:x + rw])
+        small = cv2.resize(full, (whole.shape[1], whole.shape[0]), interpolation=cv2.INTER_AREA)
+        assert psnr(whole, small) > 30, (orientation, m)  # turned the same way as OpenCV's full decode
