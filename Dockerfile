@@ -17,6 +17,9 @@ ARG PYTHON_IMAGE=python:3.11-slim
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
+# a C compiler and jpeglib.h: the region JPEG decoder (server/data/_jpeg_region.c, an optional extension)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libjpeg62-turbo-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY batchd/ batchd/
@@ -28,6 +31,10 @@ RUN pip install ".[coco]" && batchd --help >/dev/null
 # ---- runtime -------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# libjpeg-turbo: its TurboJPEG library (scaled decoding through PyTurboJPEG) and its libjpeg (the region
+# decoder built above); server/data/scaled_jpeg.py
+RUN apt-get update && apt-get install -y --no-install-recommends libturbojpeg0 libjpeg62-turbo \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --user-group --uid 10001 --create-home --home-dir /home/batchd \
         --shell /usr/sbin/nologin batchd \
     && mkdir -p /etc/batchd /run/batchd && chown batchd:batchd /run/batchd

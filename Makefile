@@ -1,7 +1,8 @@
 # batchd: the single entry point for developers and CI.
 #
-#   make install   create .venv, install torch, then batchd (editable) with its client and test extras;
-#                  installs the Fashion-MNIST and prometheus (promtool) Debian packages when missing (root + apt)
+#   make install   create .venv, install torch, then batchd (editable, its C region decoder built) with its
+#                  client and test extras; installs the libjpeg62-turbo-dev, libturbojpeg0, Fashion-MNIST,
+#                  mate-backgrounds (photos) and prometheus (promtool) Debian packages when missing (root + apt)
 #   make test      run the test suite            (PYTEST_ARGS='-k deploy -x' to pass options)
 #   make demo      train a small CNN on Fashion-MNIST through a local batchd server (ARGS=...)
 #   make bench     run the benchmarks (ARGS=...); installs the bench extra (tensorflow-cpu) and photos
@@ -41,6 +42,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 FMNIST_FILE := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+# libjpeg-turbo's TurboJPEG library (server/data/scaled_jpeg.py), wherever ldconfig finds it
+TURBOJPEG_LIB := $(or $(shell /sbin/ldconfig -p 2>/dev/null | grep -o '/[^ ]*/libturbojpeg\.so\.0$$' | head -1),/usr/lib/libturbojpeg.so.0)
 MATE_PHOTOS := /usr/share/backgrounds/mate/nature
 
 export PIP_NO_INPUT := 1
@@ -70,7 +73,7 @@ endef
 .PHONY: help install datasets demo test docs proto bench bench-deps clean
 
 help:
-	@sed -n '3,10p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 install: $(STAMP) datasets
 
@@ -79,12 +82,15 @@ $(PY):
 
 # torch first, so that the dependency `torch>=2.1` of batchd[client] is already met by the right build.
 $(STAMP): pyproject.toml | $(PY)
+	$(call apt_provide,libjpeg62-turbo-dev,/usr/include/jpeglib.h,the region JPEG decoder (server/data/_jpeg_region.c; whole images are decoded without it))
 	$(PY) -m pip install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
 	$(PY) -m pip install -e '.[client,test]'
 	@touch $@
 
 datasets:
+	$(call apt_provide,libturbojpeg0,$(TURBOJPEG_LIB),scaled JPEG decoding (server/data/scaled_jpeg.py; OpenCV decodes without it))
 	$(call apt_provide,dataset-fashion-mnist,$(FMNIST_FILE),the Fashion-MNIST demo and tests)
+	$(call apt_provide,mate-backgrounds,$(MATE_PHOTOS),tests/compute/test_region.py and the photo benchmarks)
 	$(call apt_provide,prometheus,/usr/bin/promtool,tests/serve/test_metrics_names.py (promtool check metrics))
 
 demo: install

@@ -16,6 +16,10 @@ def photos_config() -> ImageFolderConfig:
     return ImageFolderConfig(kind="imagefolder", root=data.PHOTOS)
 
 
+def imagefolder_config(root) -> ImageFolderConfig:
+    return ImageFolderConfig(kind="imagefolder", root=root)
+
+
 def photos_x4_config() -> ManifestConfig:
     return ManifestConfig(kind="manifest", path=data.ensure_repeated_manifest(4))
 

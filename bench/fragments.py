@@ -39,6 +39,8 @@ HEADLINE = (
     ("table6", "2 servers (1 worker each)", "one loader over 2 servers vs 1 (1 worker each)"),
     ("table17", "3 servers (128 + 47 + 80 img/s): dynamic", "servers of unequal speed in one loader vs the sum of each alone"),
     ("table18", "data plane (relay): trainer CPU", "a remote trainer's CPU per GB received (relay; others in brackets)"),
+    ("table20", "batchd >= 1.3x a DataLoader running the same albumentations pipeline (large photos",
+     "large photos, RandomResizedCrop(224) + flip, 2 workers: batchd vs PyTorch DataLoader"),
     ("table16", "server main process <= 1 ms", "server main process CPU per batch (shared memory, batch 64 / 256)"),
 )
 

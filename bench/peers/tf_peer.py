@@ -53,7 +53,10 @@ from bench import module_argv, module_env
 from bench.measure import StreamTiming
 
 METHODS = ("tf_data", "tf_service")
-LABELS = {"tf_data": "tf.data (in-process)", "tf_service": "tf.data service (1 worker)"}
+CROP_METHOD = "tf_data_crop"  # Table 20: RandomResizedCrop(224) + flip with decode_and_crop_jpeg (_crop_pipeline)
+LABELS = {"tf_data": "tf.data (in-process)", "tf_service": "tf.data service (1 worker)",
+          CROP_METHOD: "tf.data decode_and_crop_jpeg"}
+CROP_SIZE, CROP_AREA, CROP_RATIO = 224, (0.08, 1.0), (3 / 4, 4 / 3)  # albumentations' RandomResizedCrop defaults
 PIPELINE = "L3"  # the pipeline the peers implement
 SKIPPED = "skipped: tensorflow not installed (pip install -e '.[bench]', as make bench does)"
 RESIZE, CROP = 256, 200
@@ -118,8 +121,8 @@ class TFPeer:
 
     def measure(self, method: str, seed: int, warmup: int, timed: int) -> StreamTiming:
         """Time ``timed`` batches of ``method`` after ``warmup`` untimed ones (a new epoch order from ``seed``)."""
-        if method not in METHODS:
-            raise ValueError(f"TFPeer.measure: unknown method {method!r}; expected one of {METHODS}")
+        if method not in (*METHODS, CROP_METHOD):
+            raise ValueError(f"TFPeer.measure: unknown method {method!r}; expected one of {(*METHODS, CROP_METHOD)}")
         self.proc.stdin.write(json.dumps({"method": method, "seed": seed, "warmup": warmup, "timed": timed}) + "\n")
         self.proc.stdin.flush()
         r = self._reply(_START_S)
@@ -196,6 +199,13 @@ def _pipeline(tf, paths, labels, order, seed: int, workers: int, batch_size: int
         image = tf.image.flip_up_down(image)
         return tf.cast(tf.clip_by_value(image, 0.0, 255.0), tf.uint8), label
 
+    return _batched(tf, load, paths, labels, order, workers, batch_size)
+
+
+def _batched(tf, load, paths, labels, order, workers: int, batch_size: int):
+    """``load(path, label, position)`` mapped over the files in ``order`` with ``workers``
+    parallel calls on a private pool of as many threads (one intra-op thread, no autotuning),
+    batched (``drop_remainder``), ``prefetch`` 2 x workers batches."""
     positions = tf.range(len(order), dtype=tf.int64)
     ds = tf.data.Dataset.from_tensor_slices((tf.gather(paths, order), tf.gather(labels, order), positions))
     ds = ds.map(load, num_parallel_calls=workers, deterministic=True)
@@ -205,6 +215,32 @@ def _pipeline(tf, paths, labels, order, seed: int, workers: int, batch_size: int
     options.threading.max_intra_op_parallelism = 1
     options.autotune.enabled = False  # exactly `workers` threads, as the other methods get
     return ds.with_options(options)
+
+
+def _crop_pipeline(tf, paths, labels, order, seed: int, workers: int, batch_size: int):
+    """RandomResizedCrop(224) + HorizontalFlip(p=0.5) as tf.data users write it (TensorFlow's
+    ImageNet ``preprocess_for_train``): a crop drawn with ``stateless_sample_distorted_bounding_box``
+    (8-100% of the area, aspect 3:4-4:3, 10 attempts, else the whole image) from the JPEG's
+    header shape, ``decode_and_crop_jpeg`` (libjpeg decodes only the crop's rows and columns), a
+    bilinear resize to 224 x 224, a left-right flip with p = 0.5, uint8. Threads and prefetch as
+    ``_pipeline`` (``_batched``). Yields (image uint8 [B, 224, 224, 3], label int64 [B])."""
+    whole = tf.constant([[[0.0, 0.0, 1.0, 1.0]]])
+
+    def load(path, label, position):
+        key = tf.stack([tf.constant(seed, tf.int64), position])
+        keys = tf.random.experimental.stateless_split(key, num=2)
+        raw = tf.io.read_file(path)
+        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+            tf.io.extract_jpeg_shape(raw), bounding_boxes=whole, seed=keys[0], min_object_covered=0.0,
+            aspect_ratio_range=CROP_RATIO, area_range=CROP_AREA, max_attempts=10, use_image_if_no_bounding_boxes=True)
+        y, x, _ = tf.unstack(begin)
+        h, w, _ = tf.unstack(size)
+        image = tf.image.decode_and_crop_jpeg(raw, tf.stack([y, x, h, w]), channels=3)
+        image = tf.image.resize(image, (CROP_SIZE, CROP_SIZE))  # bilinear, float32
+        image = tf.image.stateless_random_flip_left_right(image, seed=keys[1])
+        return tf.cast(tf.clip_by_value(image, 0.0, 255.0), tf.uint8), label
+
+    return _batched(tf, load, paths, labels, order, workers, batch_size)
 
 
 class _Services:
@@ -270,7 +306,8 @@ def _serve(args: argparse.Namespace) -> int:
                 rng = np.random.default_rng(cmd["seed"])  # a fresh shuffled order, as bench.peers.torch_loader.Plan
                 n = len(plan["files"])
                 order = np.concatenate([rng.permutation(n) for _ in range(-(-need // n))])[:need]
-                ds = _pipeline(tf, paths, labels, order, cmd["seed"], args.workers, args.batch_size)
+                build = _crop_pipeline if cmd["method"] == CROP_METHOD else _pipeline
+                ds = build(tf, paths, labels, order, cmd["seed"], args.workers, args.batch_size)
                 if cmd["method"] == "tf_service":
                     ds = ds.apply(tf.data.experimental.service.distribute(
                         "parallel_epochs", services.target(), compression=None))

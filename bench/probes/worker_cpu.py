@@ -1,6 +1,6 @@
 """CPU per image by process: batchd (shared memory) against PyTorch DataLoader on the same work.
 
-    python -m bench.probes.worker_cpu [--rounds R] [--batches N]
+    python -m bench.probes.worker_cpu [--rounds R] [--batches N] [--large] [--full-decode]
 
 About a minute on a 2-core machine; prints a table (nothing written). Table 16's same-work rows
 give the images/s of each; this splits the CPU behind them, so that a change to the workers'
@@ -34,16 +34,32 @@ BATCH = 64
 PARTS = ("trainer", "server main", "server workers", "DataLoader workers")
 
 
-def run(rounds: int, batches: int) -> dict[str, list[tuple[float, list[float]]]]:
-    """``{"batchd" | "DataLoader": [(images/s, [ms of CPU per image for each of PARTS]), ...]}``."""
-    from bench.peers.torch_loader import PhotoDataset, make_loader, time_loader, worker_pids
+def run(rounds: int, batches: int, large: bool = False,
+        reduced_decode: bool = True) -> dict[str, list[tuple[float, list[float]]]]:
+    """``{"batchd" | "DataLoader": [(images/s, [ms of CPU per image for each of PARTS]), ...]}``.
+    large: Table 20's work instead (large photos, RandomResizedCrop(224) + flip; the DataLoader
+    with ``cv2.imread`` + Compose), under the preset name "L3". reduced_decode: the server's
+    dataset setting."""
+    from bench.peers.torch_loader import ImreadDataset, PhotoDataset, make_loader, time_loader, worker_pids
 
-    cfg = common.photos_config()
-    presets = {"L3": pipelines.preset("L3")}
-    torch_ds = PhotoDataset("photos", cfg, data.LOCAL_CACHE, presets)
+    if large:
+        import albumentations as A
+
+        from bench.tables import table_decode
+
+        folder = data.ensure_large_photos()
+        cfg = common.imagefolder_config(folder)
+        presets = {"L3": A.to_dict(table_decode.compose())}
+        files = data.photo_files(folder)
+        torch_ds = ImreadDataset([str(folder / f) for f in files], [0] * len(files), presets)
+    else:
+        cfg = common.photos_config()
+        presets = {"L3": pipelines.preset("L3")}
+        torch_ds = PhotoDataset("photos", cfg, data.LOCAL_CACHE, presets)
     dl, plan = make_loader(torch_ds, WORKERS)
-    srv = ServerProcess(datasets=common.server_datasets(photos=cfg), pipelines=presets, workers=WORKERS,
-                        cache_dir=data.CACHE).start()
+    datasets = common.server_datasets(photos=cfg)
+    datasets["photos"]["reduced_decode"] = reduced_decode
+    srv = ServerProcess(datasets=datasets, pipelines=presets, workers=WORKERS, cache_dir=data.CACHE).start()
     out: dict[str, list] = {"batchd": [], "DataLoader": []}
     try:
         with common.remote(srv.address, "photos", batch_size=BATCH, pipeline="L3", workers=WORKERS,
@@ -93,8 +109,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--batches", type=int, default=40, help="timed batches per round (at most 40: one epoch of 46)")
+    ap.add_argument("--large", action="store_true", help="Table 20's work: large photos, RandomResizedCrop(224) + flip")
+    ap.add_argument("--full-decode", action="store_true", help="the server's dataset with reduced_decode: false")
     args = ap.parse_args(argv)
-    print(render(run(args.rounds, min(args.batches, 40)), args.rounds, min(args.batches, 40)))
+    batches = min(args.batches, 20 if args.large else 40)
+    print(render(run(args.rounds, batches, args.large, not args.full_decode), args.rounds, batches))
 
 
 if __name__ == "__main__":

@@ -74,8 +74,10 @@ def build(pipeline_json: str) -> A.Compose | None:
 def decode_min_size(compose: A.Compose | None) -> tuple[int, int] | None:
     """(height, width) an image may be decoded down to, if the pipeline starts by resizing.
 
-    ``Resize(h, w)`` -> (h, w); ``SmallestMaxSize(s)`` -> (s, s). Anything else (crops first,
-    ``LongestMaxSize``, no pipeline) -> None: decode at full size.
+    ``Resize(h, w)`` -> (h, w); ``SmallestMaxSize(s)`` -> (s, s); ``LongestMaxSize(s)`` -> (s,):
+    at least the size that resize gives (``decode.min_dims``). Anything else (no pipeline, a
+    list of sizes to draw from, ``max_size_hw``; a random crop first: decoded at the scale its
+    drawn window needs, ``region.py``) -> None: decode at full size.
     """
     if compose is None or not compose.transforms:
         return None
@@ -86,6 +88,8 @@ def decode_min_size(compose: A.Compose | None) -> tuple[int, int] | None:
         return int(first.height), int(first.width)
     if isinstance(first, A.SmallestMaxSize) and isinstance(first.max_size, int):
         return int(first.max_size), int(first.max_size)
+    if isinstance(first, A.LongestMaxSize) and isinstance(first.max_size, int):
+        return (int(first.max_size),)
     return None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.compute import prefix as prefixes
-from batchd.server.compute import python_pipeline, targets
+from batchd.server.compute import python_pipeline, region, targets
 
 
 @dataclass(slots=True)
@@ -22,7 +22,9 @@ class Plan:
     """How a worker runs one pipeline: an albumentations ``compose`` (decoded at ``min_size``) run
     as ``targets`` in two stages (its cacheable prefix, ``split``, then the rest), or an
     operator's python ``fn``. ``split`` None: the pipeline cannot be split, ``targets`` runs all
-    of it on each sample and nothing is cached."""
+    of it on each sample and nothing is cached. ``first``: its first transform, drawn ahead of a
+    region decode (``region.py``; None: the pipeline does not start with one, or reduced
+    decoding is off)."""
 
     compose: Any = None
     min_size: tuple[int, int] | None = None
@@ -30,6 +32,7 @@ class Plan:
     split: prefixes.Split | None = None
     targets: targets.TargetPipeline | None = None
     cache_name: str = ""  # what the prefix's output depends on: its canonical text (+ target params)
+    first: region.FirstStep | None = None
 
 
 def make_plan(text: str, python_pipelines: dict[str, dict[str, Any]], *, reduced_decode: bool,
@@ -55,6 +58,7 @@ def make_plan(text: str, python_pipelines: dict[str, dict[str, Any]], *, reduced
         prefix = len(plan.split.prefix) if plan.split is not None else 0
         plan.targets = targets.TargetPipeline.of(compose, attach=random.attach, prefix=prefix)
         random.attach(compose)
+        plan.first = region.FirstStep.of(compose) if reduced_decode else None
     if plan.split is not None:
         plan.cache_name = plan.split.canonical + (plan.targets.params_name() if plan.targets else "")
     return plan

@@ -1,8 +1,8 @@
 """The targets of a sample, checked in the worker before its pipeline: bad boxes are bad samples.
 
 Every sample of every kind, as the dataset gives it (``kind: python``'s ``__getitem__``, a
-built-in kind's decode; before the pipeline's prefix, so before the cache), goes through
-``check_targets``:
+built-in kind's decode; before the pipeline's prefix, so before the cache; a region decode's,
+server/compute/region.py, on the full frame its targets are in), goes through ``check_targets``:
 
 * per-object fields (``FieldSpec.per_object``: ``boxes``, ``labels``, ``masks``, ``keypoints``,
   ``iscrowd``, ``area``, the dataset's own) are arrays with a first dimension, and agree on N;
@@ -35,10 +35,13 @@ _NUMBERS = "biuf"  # numpy dtype kinds of numbers (bool, int, unsigned, float)
 
 
 def check_targets(sample: dict, *, dataset: str, index: int, source: str, per_object: Callable[[str], bool],
-                  inside: bool = False) -> dict:
+                  inside: bool = False, size: tuple[int, int] | None = None) -> dict:
     """``sample`` with ``boxes`` and ``keypoints`` as float32 (a new dict if either is present),
     after the checks of the module docstring. ``inside``: the pipeline moves boxes without
-    ``clip``, so a box must lie inside the image (albumentations' tolerance). Raises SampleError."""
+    ``clip``, so a box must lie inside the image (albumentations' tolerance). ``size``: the
+    image's (height, width) when ``sample["image"]`` is not the whole frame its targets are in
+    (a region decode, server/compute/region.py: only a window of it, at m/8); default the
+    image's own. Raises SampleError."""
 
     def bad(reason: str) -> SampleError:
         return SampleError(dataset, index, source, reason)
@@ -50,8 +53,9 @@ def check_targets(sample: dict, *, dataset: str, index: int, source: str, per_ob
     boxes, keypoints = sample.get("boxes"), sample.get("keypoints")
     if boxes is None and keypoints is None:
         return sample
-    image = sample.get("image")
-    size = tuple(image.shape[:2]) if getattr(image, "ndim", 0) >= 2 else None
+    if size is None:
+        image = sample.get("image")
+        size = tuple(image.shape[:2]) if getattr(image, "ndim", 0) >= 2 else None
     out = dict(sample)
     if boxes is not None:
         out["boxes"] = _boxes(boxes, size, inside, bad)

@@ -27,34 +27,95 @@ from batchd.server.data.cache import sample_key
 from batchd.server.data.datasets import Dataset
 
 
+DECODE_KINDS = ("full", "scaled", "region")  # decodes counted in BatchDone.timings ("decode_<kind>")
+
+
 class WorkerSamples:
     """Mixed into the worker (``worker._Worker``): needs its ``clock``, ``reader``,
     ``between_samples``, ``cache``, ``cache_lookups``, ``cache_misses``, ``builds``,
-    ``per_object``, ``_plan`` and ``recheck``."""
+    ``per_object``, ``random``, ``decodes`` (kind -> count), ``decoded_pixels``, ``_plan`` and
+    ``recheck``."""
 
-    def _load(self, ds: Dataset, task: Task, k: int, index: int, plan: Plan, min_size) -> dict:
-        """Sample k of the task, decoded (a dict of fields) and checked (``check_targets``; boxes
-        and keypoints float32): its bytes from the reader if they are read ahead. Raises
-        SampleError for a sample that cannot be read or decoded, or whose targets are bad."""
+    def _load(self, ds: Dataset, task: Task, k: int, index: int, plan: Plan, min_size, data=None) -> dict:
+        """Sample k of the task, decoded (a dict of fields) and checked (``_checked``; boxes and
+        keypoints float32): its bytes ``data`` if already taken, else from the reader if they are
+        read ahead. Raises SampleError for a sample that cannot be read or decoded, or whose
+        targets are bad."""
         clock = self.clock  # (its enter calls only for timed samples: clock.on)
-        if task.task_id not in self.reader:  # in memory: nothing to read
+        if data is None and task.task_id not in self.reader:  # in memory: nothing to read
             if clock.on:
                 clock.enter(DECODE)
             sample = ds.load_sample(index, min_size, key=task.random_key)
             self.recheck(ds, index, task.random_key, sample)
+            return self._checked(ds, index, plan, sample)
+        if data is None:
+            data = self._take(ds, task, k, index)
+        if clock.on:
+            clock.enter(DECODE)
+        sample = ds.decode_sample(index, data, min_size)
+        image = sample.get("image")
+        if min_size is not None and image is not None and ds.decoded_size(index, data) not in (None, image.shape[:2]):
+            self._decoded("scaled", image)
         else:
-            if clock.on:
-                clock.enter(READ)
-            self.between_samples()
-            data = self.reader.take(task.task_id, k, self.between_samples)
-            if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
-                data = ds.read_bytes(index)
-            if clock.on:
-                clock.enter(DECODE)
-            sample = ds.decode_sample(index, data, min_size)
+            self._decoded("full", image)
+        return self._checked(ds, index, plan, sample)
+
+    def _checked(self, ds: Dataset, index: int, plan: Plan, sample: dict, size: tuple[int, int] | None = None) -> dict:
+        """``sample_checks.check_targets`` on a sample as the dataset gave it, before the pipeline
+        (``size``: the full frame's (height, width) when its image is a region decode's)."""
         inside = plan.targets is not None and plan.targets.boxes_inside
         return check_targets(sample, dataset=ds.name, index=index, source=ds.source(index),
-                             per_object=self.per_object[ds.name], inside=inside)
+                             per_object=self.per_object[ds.name], inside=inside, size=size)
+
+    def _take(self, ds: Dataset, task: Task, k: int, index: int):
+        """Sample k's bytes, read ahead by the reader (or read now)."""
+        if self.clock.on:
+            self.clock.enter(READ)
+        self.between_samples()
+        data = self.reader.take(task.task_id, k, self.between_samples)
+        if data is None:  # in the cache when read ahead (so not read), but gone since (found corrupt)
+            data = ds.read_bytes(index)
+        return data
+
+    def _decoded(self, kind: str, image) -> None:
+        """Count a decode of ``kind`` (``DECODE_KINDS``) and its pixels (BatchDone.timings)."""
+        self.decodes[kind] += 1
+        shape = getattr(image, "shape", None)
+        if shape is not None and len(shape) >= 2:
+            self.decoded_pixels += int(shape[0]) * int(shape[1])
+
+    def _region(self, ds: Dataset, task: Task, k: int, index: int, position: int, plan: Plan):
+        """(sample k of the task through the whole pipeline, its first transform drawn ahead of a
+        decode at the scale its window needs (server/compute/region.py), or None when the
+        dataset cannot tell this sample's size without decoding it (not a JPEG); the sample's
+        bytes). The decoded sample goes through the same checks as a full decode's
+        (``_checked``, on the full frame ``drawn.shape``: its targets are the full image's).
+        Raises what decoding or the checks (SampleError) or the pipeline raises, the latter with
+        a note naming dataset and sample."""
+        data = self._take(ds, task, k, index)
+        shape = ds.decoded_size(index, data)
+        if shape is None:
+            return None, data
+        clock, first = self.clock, plan.first
+        self.random.start(task.random_key, position)
+        try:
+            drawn = first.draw(*shape)
+        except Exception as e:
+            e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
+            raise
+        if clock.on:
+            clock.enter(DECODE)
+        sample = ds.decode_sample(index, data, None, eighths=drawn.eighths,
+                                  window=None if drawn.params is None else drawn.window)
+        self._decoded("full" if drawn.eighths == 8 else "region", sample.get("image"))
+        sample = self._checked(ds, index, plan, sample, size=drawn.shape)
+        if clock.on:
+            clock.enter(PIPELINE)
+        try:
+            return plan.targets.end_first(sample, self.per_object[ds.name], first, drawn), data
+        except Exception as e:
+            e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
+            raise
 
     def _reads(self, task: Task, ds: Dataset):
         """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that
@@ -70,15 +131,18 @@ class WorkerSamples:
 
     def _cache_key(self, ds: Dataset, plan: Plan, index: int) -> bytes | None:
         """The cache key of sample ``index``'s prefix output; None when it is not cached (no cache,
-        no dataset fingerprint, or a pipeline that cannot be split)."""
+        no dataset fingerprint, a pipeline that cannot be split, or one whose first random crop is
+        drawn ahead of decoding, region.py)."""
         if self.cache is None or plan.split is None or not ds.fingerprint or not getattr(ds, "deterministic", True):
             return None
+        if plan.first is not None and getattr(ds, "reduced_decode", False):
+            return None  # a first random crop decoded at the scale of its draw (region.py): never cached
         build = self.builds.get(ds.name)
         if build is None:
             build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
         return sample_key(ds.fingerprint, index, plan.cache_name, build)
 
-    def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: Plan) -> tuple[dict, bool]:
+    def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: Plan, data=None) -> tuple[dict, bool]:
         """(sample k of the task decoded, or its state after the pipeline's deterministic prefix;
         whether it is that state). The state (``targets.TargetPipeline.begin``) comes from the
         cache, else is computed (and stored there), and ``TargetPipeline.end`` then runs the
@@ -86,13 +150,14 @@ class WorkerSamples:
         it. If a prefix transform would draw a random number for this sample
         (``prefix.RandomDrawn``: the prefix runs with generators that raise), or the dataset drew
         some to build it (``Dataset.last_sample_drew``: it depends on the epoch), the decoded
-        sample goes through the whole pipeline instead, and nothing is stored."""
+        sample goes through the whole pipeline instead, and nothing is stored. ``data``: the
+        sample's bytes when already taken from the reader."""
         if plan.split is None:
-            return self._load(ds, task, k, index, plan, plan.min_size), False
+            return self._load(ds, task, k, index, plan, plan.min_size, data), False
         decoded = []
 
         def compute() -> dict:
-            decoded.append(self._load(ds, task, k, index, plan, plan.split.min_size))
+            decoded.append(self._load(ds, task, k, index, plan, plan.split.min_size, data))
             if ds.last_sample_drew:  # (kind python) drew random numbers for (seed, epoch, index): not cached
                 raise prefixes.RandomDrawn(f"dataset {ds.name!r}: sample {index} drew random numbers")
             return self._prefix(plan, ds, decoded[0], index, then=CACHE if key is not None else PIPELINE)

@@ -191,6 +191,31 @@ class TargetPipeline:
         unless the bbox params ``clip`` them (``sample_checks.check_targets``)."""
         return not (self.bbox_params or {}).get("clip", False)
 
+    def end_first(self, sample: dict, per_object: Callable[[str], bool], first: Any, drawn: Any) -> dict:
+        """The sample after the pipeline, its first transform drawn ahead of decoding
+        (server/compute/region.py: ``first`` a ``FirstStep``, ``drawn`` its ``Drawn`` for this
+        sample; the stream stands after those draws). ``sample``'s image is decoded at
+        ``drawn.eighths``/8 of the full frame ``drawn.shape``; every other field is the full
+        decode's. As ``Compose.__call__`` runs it: ``preprocess`` on the full frame (a stand-in
+        image of its shape: boxes are converted with it), the first transform (its image from
+        ``first.image``, its other targets from its own ``apply_with_params``), each later
+        transform with its checks, ``postprocess``. Raises ValueError for targets that do not fit."""
+        compose, _ = self._variant(sample, per_object)
+        image = sample["image"]
+        stand_in = np.broadcast_to(np.zeros((1, 1, 1), image.dtype), (*drawn.shape, image.shape[2]))
+        data = _targets_in({**sample, "image": stand_in}, per_object, self._format(), self.guides)
+        compose.preprocess(data)
+        if drawn.params is None:  # the first transform's own p skipped it: the image is a full decode
+            data["image"] = image
+        else:
+            others = {k: v for k, v in data.items() if k != "image"}
+            data = compose.transforms[0].apply_with_params(drawn.params, **others)
+            data["image"] = first.image(image, drawn)
+        data = compose.check_data_post_transform(data)
+        for t in compose.transforms[1:]:
+            data = compose.check_data_post_transform(t(**data))
+        return _targets_out(compose.postprocess(data), sample, per_object)
+
     def params_name(self) -> str:
         """The bbox and keypoint params ``begin``'s state depends on, as canonical text: part of
         a cache entry's name, since a crop under ``min_visibility`` keeps other boxes than one

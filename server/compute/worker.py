@@ -38,7 +38,7 @@ from batchd.server.compute import pipeline as pipelines
 from batchd.server.compute.collate import BatchWriter
 from batchd.server.compute.plan import Plan, make_plan
 from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
-from batchd.server.compute.samples import WorkerSamples
+from batchd.server.compute.samples import DECODE_KINDS, WorkerSamples
 from batchd.server.compute.stages import IDLE, PIPELINE, WRITE, StageBoard, StageClock
 from batchd.server.data.cache import SharedCache
 from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, open_dataset
@@ -88,6 +88,8 @@ class _Worker(WorkerSamples):
         # generator, seeded by the OS, never one a dataset draws from (so the bytes do not depend on it)
         self._gaps = random.Random()
         self._until_recheck = self._gap()
+        self.decodes = dict.fromkeys(DECODE_KINDS, 0)  # the running batch's decodes by kind (samples.py)
+        self.decoded_pixels = 0  # ... and the pixels they decoded
 
     def prefetch(self, task: Task) -> None:
         """Start reading ``task``'s samples (after those of the tasks before it), if its dataset
@@ -181,7 +183,9 @@ class _Worker(WorkerSamples):
     def timings(self, task: Task) -> dict[str, float]:
         """``BatchDone.timings`` of the batch ending now (see ``server/compute/stages.py``)."""
         return {**self.clock.stop(), "read_io": self.reader.io_seconds(task.task_id), "started": self.clock.started,
-                "cache_hits": float(self.cache_lookups - self.cache_misses)}
+                "cache_hits": float(self.cache_lookups - self.cache_misses),
+                **{f"decode_{kind}": float(n) for kind, n in self.decodes.items()},
+                "decoded_pixels": float(self.decoded_pixels)}
 
     def _run(self, task: Task) -> BatchDone:
         if task.encoding == "jpeg":  # the files as they are, for the client to decode
@@ -200,14 +204,20 @@ class _Worker(WorkerSamples):
                              describe=lambda i: f"sample {i} ({ds.source(i)})", specs=ds.fields, dataset=ds.name)
         self.prefetch(task)  # no-op if it came ahead of time
         clock, self.cache_lookups, self.cache_misses = self.clock, 0, 0
+        self.decodes, self.decoded_pixels = dict.fromkeys(DECODE_KINDS, 0), 0
+        # a first random crop drawn ahead of a decode at the scale it needs (region.py): reduced
+        # decoding on, samples read from storage (such a pipeline is never cached: _cache_key)
+        region = plan.first is not None and task.task_id in self.reader and getattr(ds, "reduced_decode", False)
         indices, positions = task.indices.tolist(), task.positions.tolist()
         for k in clock.samples(len(indices), WRITE):  # timed one in clock.every (the rest: their share)
             index, position, on = indices[k], positions[k], clock.on
             try:
-                sample, prefixed = self._sample(ds, task, k, index, plan)
-                if on:
-                    clock.enter(PIPELINE)
-                sample = self._pipeline(plan, ds, task, sample, prefixed, index, position)
+                sample, data = self._region(ds, task, k, index, position, plan) if region else (None, None)
+                if sample is None:
+                    sample, prefixed = self._sample(ds, task, k, index, plan, data)
+                    if on:
+                        clock.enter(PIPELINE)
+                    sample = self._pipeline(plan, ds, task, sample, prefixed, index, position)
             except SampleError as e:
                 if not task.skip_bad_samples:
                     raise

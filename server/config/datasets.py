@@ -52,9 +52,14 @@ class FashionMnistConfig(_DatasetBase):
 class _ImageFilesBase(_DatasetBase):
     """What dataset kinds of encoded image files accept, besides _DatasetBase's fields.
 
-    reduced_decode: decode a JPEG at 1/2, 1/4 or 1/8 size (in libjpeg, much faster) when the
-        pipeline starts by resizing it to at most that size anyway; off: always full size. The
-        pixels differ slightly, so it is part of the build fingerprint (DescribeDataset).
+    reduced_decode: decode a JPEG at a fraction m/8 of its size (in libjpeg-turbo, much faster)
+        when the pipeline's first transform downsizes it anyway: a resize (Resize, LongestMaxSize,
+        SmallestMaxSize) or a random crop then resize (RandomResizedCrop, RandomSizedCrop: the
+        crop is drawn first, from the sample's own stream, and the JPEG decoded at the scale that
+        crop needs; server/compute/region.py). Off: always full size, as OpenCV decodes it. The
+        pixels differ slightly (PSNR of the first transform's output against a full decode: mean
+        >= 32 dB, none under 20 dB, docs/pipelines.md), so it is part of the build fingerprint
+        (DescribeDataset).
     """
 
     reduced_decode: bool = True
@@ -150,7 +155,12 @@ class CocoConfig(_DatasetBase):
         orientation applied (what web annotation tools give for an EXIF-turned JPEG): the image
         is turned upright and the boxes, masks and the JSON's width and height are taken as they
         are (whatever ``apply_exif_orientation`` says: the image is served upright either way).
-    Images are always decoded at full size (boxes and masks are in the full image's pixels).
+    reduced_decode: when the pipeline starts with a random crop (RandomResizedCrop, RandomSizedCrop;
+        server/compute/region.py), decode only that crop's window of a JPEG, at the smallest scale
+        it still needs (drawn on the frame served: upright when either option above turns it);
+        boxes and masks move with the full image's crop, equal to a full decode's, and are checked
+        on the full frame. Off, or a pipeline starting otherwise (a first resize too): always full
+        size (boxes and masks are in the full image's pixels).
     """
 
     kind: Literal["coco"]
@@ -160,6 +170,7 @@ class CocoConfig(_DatasetBase):
     skip_empty: bool = False
     apply_exif_orientation: bool = False
     annotations_frame: Literal["stored", "upright"] = "stored"
+    reduced_decode: bool = True
     storage_options: StorageOptions = Field(default_factory=StorageOptions)
 
 

@@ -3,8 +3,11 @@
 * ``decode_rgb`` (``read_rgb`` for a local file): ``cv2.imdecode`` to uint8 [H, W, 3] RGB, with
   the checks that make a bad file a ``SampleError`` reason instead of a crash or a wrong image
   (``ImageReadError``: empty, truncated JPEG, not decodable, over ``max_pixels``);
-* reduced decoding: a JPEG at least twice the size the pipeline needs is decoded at 1/2, 1/4 or
-  1/8 in libjpeg's DCT domain (``decode_flag``), most of the work skipped;
+* reduced decoding: a JPEG larger than the pipeline needs is decoded at the cheapest M/8 of its
+  size that still gives those pixels (``min_size``), or at the m/8 the caller chose (``eighths``;
+  the region decoding of random crops, server/compute/region.py), in libjpeg-turbo's DCT domain
+  (``scaled_jpeg.py``), most of the work skipped; ``decode_flag`` is the 1/2-1/4-1/8 rule that
+  JPEG batches sent undecoded follow (a client's decoder offers only these);
 * EXIF orientation: read from a JPEG's APP1 segment (``jpeg_orientation``, ``exif_orientation``),
   applied by OpenCV unless the stored frame is wanted (``upright`` False); turning targets with
   the image is the datasets' (``datasets/_orientation.py``);
@@ -19,6 +22,8 @@ import struct
 
 import cv2
 import numpy as np
+
+from batchd.server.data import scaled_jpeg
 
 DEFAULT_MAX_PIXELS = 1 << 28
 
@@ -164,19 +169,89 @@ _REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2
 def decode_flag(buf: np.ndarray, size: tuple[int, int] | None, min_size: tuple[int, int] | None,
                  upright: bool = True) -> int:
     """IMREAD_COLOR, or the largest JPEG DCT-domain reduction (1/2, 1/4, 1/8) whose output is
-    still at least ``min_size`` (height, width) once turned upright (EXIF orientation 5-8 swap
-    the stored width and height): libjpeg then skips most of the work. ``upright`` False: with
-    IMREAD_IGNORE_ORIENTATION (the stored pixels, not turned)."""
+    still at least ``min_size`` (height, width, or ``(side,)``: ``min_dims``) once turned
+    upright (EXIF orientation 5-8 swap the stored width and height): libjpeg then skips most of
+    the work. ``upright`` False: with IMREAD_IGNORE_ORIENTATION (the stored pixels, not turned)."""
     keep = 0 if upright else cv2.IMREAD_IGNORE_ORIENTATION
     if min_size is None or size is None or buf[:2].tobytes() != b"\xff\xd8":
         return cv2.IMREAD_COLOR | keep
     w, h = size
     if upright and jpeg_orientation(memoryview(buf).cast("B")) >= 5:
         w, h = h, w
+    min_size = min_dims(min_size, h, w)
     for factor, flag in _REDUCED:
         if -(-h // factor) >= min_size[0] and -(-w // factor) >= min_size[1]:  # libjpeg rounds up
             return flag | keep
     return cv2.IMREAD_COLOR | keep
+
+
+def upright_size(data, upright: bool = True) -> tuple[int, int] | None:
+    """``(height, width)`` of a JPEG as ``decode_rgb`` returns it at full size (EXIF orientation
+    5-8 swap them when ``upright``), read from its headers; None for any other format, or a
+    header that cannot be read. Never raises, never decodes."""
+    buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    if buf[:2].tobytes() != b"\xff\xd8":
+        return None
+    size = image_size(buf)
+    if size is None:
+        return None
+    w, h = size
+    if upright and jpeg_orientation(memoryview(buf).cast("B")) >= 5:
+        w, h = h, w
+    return h, w
+
+
+def min_dims(min_size: tuple[int, ...], height: int, width: int) -> tuple[int, int]:
+    """``min_size`` as (height, width) for an image ``height`` x ``width`` (upright): a 2-tuple
+    as it is; a 1-tuple ``(side,)`` (``LongestMaxSize(side)`` first) the size that resize gives,
+    its longest side ``side`` and the other in proportion."""
+    if len(min_size) == 2:
+        return min_size[0], min_size[1]
+    scale = min_size[0] / max(height, width, 1)
+    return max(1, round(height * scale)), max(1, round(width * scale))
+
+
+def _eighths_for(buf: np.ndarray, size: tuple[int, int], min_size: tuple[int, ...], upright: bool) -> int:
+    """The m of the cheapest factor m/8 (``scaled_jpeg.EIGHTHS``) whose output is at least
+    ``min_size`` (height, width) once upright; 8 if none is smaller. libjpeg rounds up, so with
+    1/2, 1/4 and 1/8 this is ``decode_flag``'s choice."""
+    w, h = size
+    if upright and jpeg_orientation(memoryview(buf).cast("B")) >= 5:
+        w, h = h, w
+    min_size = min_dims(min_size, h, w)
+    for m in scaled_jpeg.factors():
+        if m == 8:
+            return 8
+        sh, sw = scaled_jpeg.scaled_size(h, w, m)
+        if sh >= min_size[0] and sw >= min_size[1]:
+            return m
+    return 8
+
+
+def _decode_scaled(buf: np.ndarray, m: int, upright: bool) -> np.ndarray | None:
+    """A JPEG decoded at m/8 (``scaled_jpeg.decode_eighths``), turned by its EXIF orientation when
+    ``upright`` (as OpenCV turns it); None if it cannot be decoded that way."""
+    image = scaled_jpeg.decode_eighths(buf, m)
+    if image is None or not upright:
+        return image
+    orientation = jpeg_orientation(memoryview(buf).cast("B"))
+    if orientation == 1:
+        return image
+    from batchd.server.data.datasets._orientation import orient_pixels  # (datasets import this module)
+
+    return orient_pixels(image, orientation)
+
+
+def _decode_window(buf: np.ndarray, m: int, window: tuple[int, int, int, int], upright: bool) -> np.ndarray | None:
+    """The rectangle of a JPEG at m/8 that covers ``window`` (``decode_rgb``), its MCUs alone
+    decoded; None when the JPEG is turned (EXIF orientation 2-8 and ``upright``), its header
+    cannot be read, or the region decoder cannot decode it."""
+    if upright and jpeg_orientation(memoryview(buf).cast("B")) != 1:
+        return None
+    size = upright_size(buf, upright=False)
+    if size is None:
+        return None
+    return scaled_jpeg.decode_region(buf, m, scaled_jpeg.scaled_window(window, m, *size))
 
 
 def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
@@ -193,16 +268,25 @@ def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[in
 
 
 def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None,
-               upright: bool = True) -> np.ndarray:
+               upright: bool = True, eighths: int | None = None,
+               window: tuple[int, int, int, int] | None = None) -> np.ndarray:
     """Decode an encoded image (bytes-like or uint8 array): uint8 [H, W, 3], RGB.
 
     Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
     alpha is dropped, 16-bit images are scaled to 8 bits, and EXIF orientation is applied
     (``upright`` False: not applied, ``IMREAD_IGNORE_ORIENTATION``: the stored pixels, the frame
     Pillow's ``Image.open`` and pycocotools' annotations use; tests/data/test_exif_frame.py).
-    With ``min_size`` (height, width), a JPEG at least twice that size in both dimensions (once
-    upright: ``jpeg_orientation``) is decoded reduced by 2, 4 or 8 (the pipeline downsizes it
-    anyway; measured here: a 1000x750 JPEG decodes about 2x faster at 1/2).
+    With ``min_size`` (height, width), a JPEG is decoded by libjpeg-turbo straight to RGB at the
+    cheapest factor m/8 whose output is still at least that size once upright (``scaled_jpeg``:
+    1/8, 1/4, 1/2 or 1/1 on libjpeg-turbo 2.1; the pipeline downsizes it anyway; a 1000x750 JPEG
+    decodes about 2x faster at 1/2). ``eighths`` (1-8): a JPEG decoded at exactly that m/8 of its
+    size (an m ``scaled_jpeg.factors()`` offers), [ceil(H*m/8), ceil(W*m/8), 3] once upright;
+    with ``window`` (x1, y1, x2, y2; full-size pixels once upright) only the rectangle
+    ``scaled_jpeg.scaled_window(window, m, H, W)`` of that image, [h, w, 3] (a view): its MCUs
+    alone decoded (``scaled_jpeg.decode_region``) when the JPEG is not turned (EXIF orientation
+    1, or ``upright`` False), else cut from the whole image at m/8.
+    Neither: OpenCV at full size, as always (``reduced_decode: false``). Pixels are the same
+    whichever library decodes a given size.
 
     Raises ImageReadError whose reason is one of: ``empty file (0 bytes)``, ``truncated JPEG:
     ...``, ``not a decodable image (N bytes)``, ``image too large: WxH = P pixels > max_pixels M``.
@@ -216,6 +300,21 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
     if buf[:2].tobytes() == b"\xff\xd8" and jpeg_truncated(buf):
         # OpenCV >= 5 rejects these; 4.x returns the decoded part with grey below it.
         raise ImageReadError(f"truncated JPEG: no end-of-image marker after the last scan ({buf.size} bytes)")
+    if (eighths is not None or (min_size is not None and size is not None)) and buf[:2].tobytes() == b"\xff\xd8":
+        m = eighths if eighths is not None else _eighths_for(buf, size, min_size, upright)
+        image = None if window is None else _decode_window(buf, m, window, upright)
+        if image is None:
+            image = _decode_scaled(buf, m, upright)
+            if image is not None and window is not None:
+                h, w = image.shape[:2]
+                full = (h, w) if m == 8 else upright_size(buf, upright)
+                x, y, rw, rh = scaled_jpeg.scaled_window(window, m, *full)
+                image = image[y:y + rh, x:x + rw]
+        if image is not None:
+            h, w = image.shape[:2]
+            if h * w > max_pixels:
+                raise ImageReadError(f"image too large: {w}x{h} = {w * h} pixels > max_pixels {max_pixels}")
+            return image
     try:
         bgr = cv2.imdecode(buf, decode_flag(buf, size, min_size, upright))
     except cv2.error:

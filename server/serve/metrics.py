@@ -191,6 +191,14 @@ def _pool_families(s: "stats.ServerStats"):
     for stage, seconds in (s.stage_seconds or {}).items():
         stages.add_metric([stage], seconds)
     yield stages
+    decodes = CounterMetricFamily("batchd_decodes", "Images decoded for the batches sent, by kind: full (full size), "
+                                  "scaled (whole, at m/8 for a first resize), region (at the m/8 a first random "
+                                  "crop's window needs).", labels=["kind"])
+    for kind, n in (s.decodes or {}).items():
+        decodes.add_metric([kind], n)
+    yield decodes
+    yield _counter("batchd_decoded_pixels", "Pixels decoded for the batches sent (width x height of each decode).",
+                   s.decoded_pixels)
     yield _gauge("batchd_tasks_in_flight", "Batches sent to workers and not back yet (the work queue).",
                  p.tasks_in_flight)
     yield _gauge("batchd_shm_slots_in_use", "Shared-memory slots holding a batch (lent slots not included).",

@@ -189,6 +189,11 @@ class ServerStats:
     cache: tuple[CacheStats, ...] = ()  # per dataset; empty without a cache
     stage_seconds: dict[str, float] | None = None  # BatchTimings stage -> seconds over all batches sent; not in the proto
     scaling: dict[tuple[str, str], int] | None = None  # (direction, reason) -> workers started/retired; not in the proto
+    # images decoded by kind over all batches sent (server/compute/samples.py DECODE_KINDS: "full" size,
+    # "scaled" whole at m/8 for a first resize, "region": at the m/8 a first random crop's window
+    # needs, server/compute/region.py), and the pixels decoded; not in the proto
+    decodes: dict[str, int] | None = None
+    decoded_pixels: int = 0
 
     @property
     def trainer_data_wait_ratio(self) -> float:
@@ -327,6 +332,7 @@ def snapshot(loader: "Loader") -> ServerStats:
         uptime_seconds=max(0.0, now - loader.started), version=_version(), streams=streams, pool=pool_stats, totals=totals,
         computations=computations, computations_started=counters.get("computations_started", 0),
         cache=_cache_stats(loader), stage_seconds=dict(loader.transport.stage_seconds), scaling=scaling,
+        decodes=dict(loader.transport.decodes), decoded_pixels=loader.transport.decoded_pixels,
     )
 
 

@@ -50,6 +50,7 @@ import lz4.frame as lz4_frame
 
 from batchd import datawire, wire
 from batchd.server.compute.protocol import TensorLayout
+from batchd.server.compute.samples import DECODE_KINDS
 from batchd.server.serve.leases import LeaseTable
 from batchd.server.shm import SlotPool
 from batchd.server.serve.stream import ReadyBatch, Stream
@@ -76,6 +77,10 @@ class Transport:
         self.bytes_copied = {"shm": 0, "inline": 0, "socket": 0}
         # seconds per BatchTimings stage, summed over every batch sent (batchd_batch_stage_seconds_total)
         self.stage_seconds = dict.fromkeys(STAGE_FIELDS, 0.0)
+        # images decoded by kind and pixels decoded, over every batch sent (batchd_decodes_total,
+        # batchd_decoded_pixels_total; the workers count them, server/compute/samples.py)
+        self.decodes = dict.fromkeys(DECODE_KINDS, 0)
+        self.decoded_pixels = 0
 
     def open(self, stream: Stream) -> None:
         """Start accounting for ``stream`` (its progress reports and released leases count as taken)."""
@@ -169,6 +174,9 @@ class Transport:
         with self._lock:
             for stage, name in STAGE_FIELDS.items():
                 self.stage_seconds[stage] += getattr(timings, name)
+            for kind in DECODE_KINDS:
+                self.decodes[kind] += int(t.get(f"decode_{kind}", 0))
+            self.decoded_pixels += int(t.get("decoded_pixels", 0))
         return timings
 
     def release(self, request: pb.ReleaseLeasesRequest) -> int:

@@ -46,7 +46,9 @@ def test_other_formats_are_decoded_in_full(photo):
         (A.Compose([A.SmallestMaxSize(max_size=224), A.CenterCrop(224, 224)]), (224, 224)),
         (A.Compose([A.RandomCrop(200, 200), A.Resize(100, 100)]), None),  # crops first: needs full size
         (A.Compose([A.Resize(256, 256, p=0.5)]), None),  # not always applied
-        (A.Compose([A.LongestMaxSize(max_size=256)]), None),
+        (A.Compose([A.LongestMaxSize(max_size=256)]), (256,)),  # its longest side (decode.min_dims)
+        (A.Compose([A.LongestMaxSize(max_size=[256, 320])]), None),  # drawn: needs full size
+        (A.Compose([A.RandomResizedCrop(size=(64, 64))]), None),  # decoded at its drawn window's scale (region.py)
         (None, None),
     ],
 )

@@ -21,9 +21,15 @@ import numpy as np
 
 from batchd.errors import SampleError
 
-from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, decode_rgb
+from ..decode import DEFAULT_MAX_PIXELS, ImageReadError, decode_rgb, upright_size
 from ..storage import Storage, StorageError, StorageOptions, is_remote, join, local_path, safe_url
 from .base import Dataset, SampleSpec
+
+# the rule that picks a reduced decode's scale, in the build fingerprint: 2 = the cheapest M/8 for a
+# first resize, and a first random crop drawn ahead of a decode at its window's scale
+# (server/compute/region.py); 1 (unnamed) was 1/2, 1/4, 1/8 for a first resize only
+REDUCED_RULE = "2"
+
 
 class PackedStrings:
     """A read-only sequence of strings stored as ``data`` uint8 [total] + ``offsets`` int64 [n + 1]."""
@@ -106,7 +112,18 @@ class FileDataset(Dataset):
 
     @property
     def decode_settings(self) -> dict[str, str]:
-        return {"reduced_decode": "on" if self.reduced_decode else "off"}
+        """``reduced_decode`` on/off and, when on, the rule that picks the scale (``REDUCED_RULE``):
+        servers that decode a first random crop otherwise give other bytes."""
+        if not self.reduced_decode:
+            return {"reduced_decode": "off"}
+        return {"reduced_decode": "on", "reduced_decode_rule": REDUCED_RULE}
+
+    def decoded_size(self, index: int, data) -> tuple[int, int] | None:
+        """A JPEG's ``(height, width)`` from its headers (``upright_size``: EXIF orientation
+        applied if ``upright``) when ``reduced_decode`` is on; else None. Never raises."""
+        if not self.reduced_decode or not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
+            return None
+        return upright_size(data, self.upright)
 
     def source(self, index: int) -> str:
         """The path as stored in the index (relative to the root unless it was absolute or a URL;
@@ -149,15 +166,17 @@ class FileDataset(Dataset):
             raise SampleError(dataset=self.name, index=index, path=shown,
                               reason=f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
 
-    def decode(self, index: int, data, min_size: tuple[int, int] | None = None) -> np.ndarray:
+    def decode(self, index: int, data, min_size: tuple[int, int] | None = None,
+               eighths: int | None = None, window: tuple[int, int, int, int] | None = None) -> np.ndarray:
         """Decode ``data`` (what ``read_bytes(index)`` returned): uint8 [H, W, 3] RGB.
 
-        ``min_size``: see ``decode_rgb`` (reduced JPEG decoding; ignored with reduced_decode off).
-        EXIF orientation applied if ``upright``. Raises SampleError (see ``decode_rgb``'s reasons).
+        ``min_size``, ``eighths``, ``window``: see ``decode_rgb`` (reduced JPEG decoding; all
+        ignored with reduced_decode off). EXIF orientation applied if ``upright``. Raises
+        SampleError (see ``decode_rgb``'s reasons).
         """
         if not self.reduced_decode:
-            min_size = None
+            min_size = eighths = window = None
         try:
-            return decode_rgb(data, self.max_pixels, min_size, self.upright)
+            return decode_rgb(data, self.max_pixels, min_size, self.upright, eighths, window)
         except ImageReadError as e:
             raise self.sample_error(index, e.reason) from None

@@ -67,13 +67,14 @@ def orient_keypoints(keypoints: np.ndarray, orientation: int, height: int, width
     return out
 
 
-def orient_sample(sample: dict, orientation: int) -> dict:
+def orient_sample(sample: dict, orientation: int, shape: tuple[int, int] | None = None) -> dict:
     """A new sample dict with ``image``, ``mask``, ``masks``, ``boxes`` and ``keypoints`` (those
-    present) turned as EXIF ``orientation`` (1-8) says; the image's [H, W] is the stored frame's.
-    Raises KeyError for an orientation outside 1-8."""
+    present) turned as EXIF ``orientation`` (1-8) says; ``shape`` (height, width) is the stored
+    frame's, the image's [H, W] by default (an image decoded at m/8 is turned as its targets,
+    which stay in the full frame's pixels). Raises KeyError for an orientation outside 1-8."""
     if orientation == 1:
         return sample
-    height, width = sample["image"].shape[:2]
+    height, width = sample["image"].shape[:2] if shape is None else shape
     out = dict(sample)
     out["image"] = orient_pixels(sample["image"], orientation)
     if "mask" in sample:

@@ -114,13 +114,26 @@ class Dataset(abc.ABC):
             return self.decode_sample(index, self.read_bytes(index), min_size)
         return {"image": self.load_image(index, min_size), "label": self.label(index)}
 
-    def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None) -> dict:
+    def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None,
+                      eighths: int | None = None, window: tuple[int, int, int, int] | None = None) -> dict:
         """CPU only: sample ``index`` as a dict of fields from ``data`` (what ``read_bytes(index)``
         returned). Default: ``{"image": decode(index, data, min_size), "label": label(index)}``.
+        ``eighths`` (1-8, only for a sample whose ``decoded_size`` is known): the image decoded at
+        that m/8 of that size; with ``window`` (x1, y1, x2, y2, full-size pixels) only the
+        rectangle ``scaled_jpeg.scaled_window`` gives (every other field as at full size).
 
         Raises SampleError (naming dataset, index and file) if it cannot be decoded.
         """
-        return {"image": self.decode(index, data, min_size), "label": self.label(index)}
+        if eighths is None:
+            return {"image": self.decode(index, data, min_size), "label": self.label(index)}
+        return {"image": self.decode(index, data, min_size, eighths=eighths, window=window), "label": self.label(index)}
+
+    def decoded_size(self, index: int, data) -> tuple[int, int] | None:
+        """``(height, width)`` of sample ``index``'s image as ``decode_sample`` returns it at full
+        size, read from the headers of ``data`` without decoding, when the kind can also decode it
+        at m/8 of that size (``decode_sample``'s ``eighths``; server/compute/region.py); None
+        otherwise (the default; not a JPEG; ``reduced_decode`` off). Never raises."""
+        return None
 
     def read_bytes(self, index: int) -> bytes:
         """I/O only: the encoded bytes of sample ``index`` (a file's or an object's content).

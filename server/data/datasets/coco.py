@@ -7,7 +7,8 @@ import pathlib
 
 import numpy as np
 
-from ..decode import DEFAULT_MAX_PIXELS, exif_orientation
+from ..decode import DEFAULT_MAX_PIXELS, exif_orientation, upright_size
+from ..scaled_jpeg import scaled_size, scaled_window
 from ..storage import Storage, StorageOptions, is_remote, local_copy, local_path, safe_url
 from ._cache import ArrayFile, cache_path, file_fingerprint, open_cached, remove_stale
 from ._files import FileDataset
@@ -73,7 +74,10 @@ class Coco(FileDataset):
 
     def __init__(self, name: str, cfg, cache_dir: pathlib.Path, *, build: bool, max_pixels: int = DEFAULT_MAX_PIXELS):
         options = getattr(cfg, "storage_options", None) or StorageOptions()
-        super().__init__(name, max_pixels=max_pixels, reduced_decode=False, storage_options=options)
+        # reduced_decode: only the region decoding of a first crop or resize (server/compute/region.py),
+        # whose targets move with the full frame's params; decode_sample never reduces for a min_size
+        super().__init__(name, max_pixels=max_pixels, reduced_decode=bool(getattr(cfg, "reduced_decode", True)),
+                         storage_options=options)
         self.apply_exif_orientation = bool(getattr(cfg, "apply_exif_orientation", False))
         self.annotations_frame = str(getattr(cfg, "annotations_frame", "stored"))
         self.masks = bool(cfg.masks)
@@ -161,22 +165,52 @@ class Coco(FileDataset):
         index = self._check(index)
         return self._ann_ids[self._ann_offsets[index]:self._ann_offsets[index + 1]].tolist()
 
-    def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None) -> dict:
+    def decoded_size(self, index: int, data) -> tuple[int, int] | None:
+        """The image's ``(height, width)`` from its JPEG headers, in the frame ``decode_sample``
+        returns (turned by its EXIF orientation with ``apply_exif_orientation`` or
+        ``annotations_frame: upright``); None with reduced_decode off, for another format, or
+        when the headers disagree with the annotation file's size (the full decode then raises
+        ``decode_sample``'s size mismatch, so a region decode is never drawn on another frame
+        than the targets'). Never raises."""
+        index = int(index)
+        if not self.reduced_decode or not 0 <= index < len(self):
+            return None  # (an index out of range: decode_sample raises IndexError)
+        upright = self.annotations_frame == "upright"
+        frame = upright_size(data, upright)  # the annotation file's frame
+        if frame is None or frame != (int(self._heights[index]), int(self._widths[index])):
+            return None
+        return upright_size(data, True) if self.apply_exif_orientation and not upright else frame
+
+    def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None,
+                      eighths: int | None = None, window: tuple[int, int, int, int] | None = None) -> dict:
         """Sample ``index`` (fields in the class docstring) from its image file's bytes ``data``.
+        ``min_size`` is ignored (boxes and masks are in the full image's pixels); ``eighths``,
+        ``window``: the image decoded at m/8, or only a rectangle of it (``Dataset.decode_sample``;
+        server/compute/region.py; ``window`` in the frame served, ``decoded_size``), boxes and
+        masks still those of the full image.
 
         Raises SampleError naming the image file if it cannot be decoded or its size (stored, or
         upright with ``annotations_frame: upright``) is not the JSON's ``height`` x ``width``; the
         message names the image's EXIF orientation and the option that would fit.
         """
         index = self._check(index)
-        image = self.decode(index, data)
+        reduced = eighths is not None and self.reduced_decode
         upright = self.annotations_frame == "upright"
         orientation = exif_orientation(data) if upright or self.apply_exif_orientation else 1
+        # a window is in the frame served: a turned image is decoded whole (at m/8) and cut once turned
+        cut_here = reduced and window is not None and orientation == 1
+        image = self.decode(index, data, eighths=eighths, window=window if cut_here else None) if reduced \
+            else self.decode(index, data)
         if upright:
             image = orient_pixels(image, orientation)
         h, w = int(self._heights[index]), int(self._widths[index])
-        if image.shape[:2] != (h, w):
-            raise self.sample_error(index, self._size_mismatch(index, image.shape[:2], (h, w), data, upright))
+        expected = (h, w) if not reduced else scaled_size(h, w, eighths)
+        if cut_here:
+            _, _, rw, rh = scaled_window(window, eighths, h, w)
+            expected = (rh, rw)
+        if image.shape[:2] != expected:
+            raise self.sample_error(index, self._size_mismatch(index, image.shape[:2], (h, w), data, upright,
+                                                               None if expected == (h, w) else (expected, eighths)))
         start, end = int(self._ann_offsets[index]), int(self._ann_offsets[index + 1])
         sample = {
             "image": image,
@@ -189,14 +223,21 @@ class Coco(FileDataset):
         if self.masks:
             sample["masks"] = self._decode_masks(range(start, end), h, w)
         if self.apply_exif_orientation and not upright:
-            sample = orient_sample(sample, orientation)
+            sample = orient_sample(sample, orientation, (h, w))
+        if orientation != 1 and reduced and window is not None:  # the window, cut from the whole image turned
+            frame = (w, h) if orientation >= 5 and not upright else (h, w)  # the served frame (upright's is the JSON's)
+            x, y, rw, rh = scaled_window(window, eighths, *frame)
+            sample["image"] = sample["image"][y:y + rh, x:x + rw]
         return sample
 
-    def _size_mismatch(self, index: int, got: tuple[int, int], want: tuple[int, int], data, upright: bool) -> str:
-        """The reason of a size mismatch: both sizes, the EXIF orientation, and what to set."""
+    def _size_mismatch(self, index: int, got: tuple[int, int], want: tuple[int, int], data, upright: bool,
+                       scaled: tuple[tuple[int, int], int] | None = None) -> str:
+        """The reason of a size mismatch: both sizes, the EXIF orientation, and what to set.
+        ``scaled``: ((height, width) expected, m) for an image decoded at m/8 (or a rectangle of it)."""
         (gh, gw), (h, w), orientation = got, want, exif_orientation(data)
+        shown = "" if scaled is None else f" ({scaled[0][1]}x{scaled[0][0]} at {scaled[1]}/8)"
         text = (f"the image is {gw}x{gh} pixels{' once turned upright' if upright else ''}, but the annotation file "
-                f"says {w}x{h}")
+                f"says {w}x{h}{shown}")
         turned = orientation in (5, 6, 7, 8)
         if turned and not upright:
             text += (f"; its EXIF orientation is {orientation} (viewers show it turned, {gh}x{gw}): if the annotations "
