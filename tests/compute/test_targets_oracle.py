@@ -125,12 +125,15 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(data, tmp_path_factory):
-    """(a worker without a cache, a worker with one, the cache)."""
+    """(a worker without a cache, a worker with one, the cache). The cached worker's dataset has
+    ``reduced_decode: false``: with it on, a pipeline starting with a random crop is never cached
+    (its decode depends on the draw, server/compute/region.py), and the grid's crops should be."""
     tmp = tmp_path_factory.mktemp("oracle-workers")
     prefix = f"batchd-test-oracle-{tmp.name[-6:]}-"
     cache = SharedCache.create(f"{prefix}cache", memory_bytes=64 << 20, datasets=["det"], workers=1, build="b")
+    full = {**data[0], "reduced_decode": False}
     try:
-        with InWorker({"det": data[0]}, tmp) as plain, InWorker({"det": data[0]}, tmp, cache_prefix=prefix) as cached:
+        with InWorker({"det": data[0]}, tmp) as plain, InWorker({"det": full}, tmp, cache_prefix=prefix) as cached:
             assert cached.worker.cache is not None
             yield plain, cached, cache
     finally:
