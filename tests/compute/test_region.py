@@ -174,14 +174,19 @@ def test_other_pipelines_are_not_drawn_ahead():
 # --- through a server ------------------------------------------------------------------------------
 
 
-def write_coco(root: pathlib.Path, jpegs: list[bytes], orientations: list[int]) -> tuple[pathlib.Path, pathlib.Path]:
-    """A COCO dataset of ``jpegs`` (stored frame; an EXIF orientation added where not 1): per image
-    a whole-image box and two rectangles, each with its polygon."""
+def write_coco(root: pathlib.Path, jpegs: list[bytes], orientations: list[int],
+               upright: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
+    """A COCO dataset of ``jpegs`` (an EXIF orientation added where not 1): per image a
+    whole-image box and two rectangles, each with its polygon, in the stored frame (``upright``:
+    in the frame viewers show, as web annotation tools save them: width and height swapped for
+    orientations 5-8)."""
     images, annotations, rng = [], [], np.random.default_rng(3)
     folder = root / "images"
     folder.mkdir(parents=True)
     for i, (data, orientation) in enumerate(zip(jpegs, orientations)):
         h, w = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_GRAYSCALE | cv2.IMREAD_IGNORE_ORIENTATION).shape
+        if upright and orientation >= 5:
+            h, w = w, h
         if orientation != 1:
             data = data[:2] + exif_segment(orientation) + data[2:]
         (folder / f"{i}.jpg").write_bytes(data)
@@ -335,3 +340,64 @@ def test_a_turned_jpegs_window_is_cut_from_the_turned_image(photos, orientation)
         np.testing.assert_array_equal(decode_rgb(buf, eighths=m, window=window), whole[y:y + rh, x:x + rw])
         small = cv2.resize(full, (whole.shape[1], whole.shape[0]), interpolation=cv2.INTER_AREA)
         assert psnr(whole, small) > 30, (orientation, m)  # turned the same way as OpenCV's full decode
+
+
+# Region decoding with the targets checks of issue 38 (server/compute/sample_checks.py): a region
+# decode's sample is checked on the full frame its targets are in, in the frame annotations_frame
+# names, and a JPEG of another size than its annotation file is the same SampleError either way.
+TURNED = [1, 6, 3, 8, 1, 1]  # EXIF orientations of the 6 photos
+
+
+def test_a_region_decode_under_annotations_frame_upright_equals_reduced_decode_off(photos, tmp_path):
+    """Annotations made on the upright photo (``annotations_frame: upright``, orientations 6, 3
+    and 8 among them): a first random crop drawn ahead of a decode at m/8 gives the targets of
+    ``reduced_decode: false`` bit for bit (the whole-image box, which lies outside any window, is
+    checked on the full frame and moved with the crop), images within ``region.PIXEL_BOUND``,
+    and the windows were decoded at m/8 < 1."""
+    from inworker import InWorker
+
+    folder, annotations = write_coco(tmp_path, photos, TURNED, upright=True)
+    det = {"kind": "coco", "images": str(folder), "annotations": str(annotations), "masks": True,
+           "annotations_frame": "upright"}
+    indices = list(range(len(photos)))
+    with InWorker({"on": det, "off": {**det, "reduced_decode": False}}, tmp_path / "cache") as w:
+        for fmt in ("pascal_voc", "yolo"):
+            compose = A.Compose([FIRSTS["RandomResizedCrop"], *REST], bbox_params=A.BboxParams(format=fmt))
+            (done_on, on), (done_off, off) = (w.batch(name, indices, compose, seed=7) for name in ("on", "off"))
+            assert done_on.timings["decode_region"] > 0 and done_off.timings["decode_region"] == 0
+            assert done_off.timings["decode_full"] == len(photos)
+            scores = []
+            for j in indices:
+                for name in ("boxes", "labels", "masks", "iscrowd", "area"):
+                    np.testing.assert_array_equal(on[name][j], off[name][j], err_msg=f"{fmt} {j} {name}")
+                assert on["boxes"][j].dtype == np.float32
+                scores.append(psnr(on["image"][j], off["image"][j]))
+            assert min(scores) >= region.PIXEL_BOUND["min_psnr_db"], (fmt, scores)
+            assert np.mean([min(s, 99.0) for s in scores]) >= region.PIXEL_BOUND["mean_psnr_db"], (fmt, scores)
+
+
+def test_a_jpeg_of_another_size_than_its_annotations_is_the_same_sample_error_with_region_decoding(photos, tmp_path):
+    """Annotations made on the upright photo but served as stored (the default frame): the
+    turned photos (orientations 6, 8) are SampleErrors naming the option that fits, with region
+    decoding as without it (their window is never drawn on the JPEG's frame: ``decoded_size`` is
+    None), and ``on_error: skip`` leaves out those samples alone."""
+    import batchd
+    from batchd.server.config import ServerConfig
+    from batchd.server.data.datasets import open_dataset
+    from inworker import InWorker
+
+    folder, annotations = write_coco(tmp_path, photos, TURNED, upright=True)
+    det = {"kind": "coco", "images": str(folder), "annotations": str(annotations), "on_error": "skip"}
+    cfg = ServerConfig.model_validate({"datasets": {"on": det}, "cache_dir": str(tmp_path / "cache")})
+    ds = open_dataset("on", cfg.datasets["on"], cfg.cache_dir, build=True)
+    sizes = [ds.decoded_size(i, ds.read_bytes(i)) for i in range(len(photos))]
+    assert [s is None for s in sizes] == [o >= 5 for o in TURNED], sizes
+    compose = A.Compose([A.RandomResizedCrop(size=(64, 64), scale=(0.01, 0.05)), A.HorizontalFlip()],
+                        bbox_params=A.BboxParams(format="pascal_voc"))
+    with InWorker({"on": det, "off": {**det, "reduced_decode": False}}, tmp_path / "cache") as w:
+        for name in ("on", "off"):
+            with pytest.raises(batchd.SampleError) as e:
+                w.batch(name, [0, 1], compose)
+            assert e.value.index == 1 and "set annotations_frame: upright" in e.value.reason, str(e.value)
+            done, got = w.batch(name, list(range(len(photos))), compose, skip=True)
+            assert [s[0] for s in done.skipped] == [1, 3] and got["index"].tolist() == [0, 2, 4, 5], name

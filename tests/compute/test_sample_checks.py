@@ -149,3 +149,22 @@ def test_the_box_safe_crops_are_allowed_and_random_crop_near_bbox_crops_near_the
         assert np.array_equal(got["cropping_bbox"][i], s["cropping_bbox"])
         sizes.add(want["image"].shape)
     assert len(sizes) > 3, "the crops should differ from sample to sample"
+
+
+def test_a_region_decodes_targets_are_checked_on_the_full_frame():
+    """A region decode's image is only its window (server/compute/region.py): ``size`` gives the
+    full frame the targets are in. A box outside the window but inside the frame passes (as float32);
+    one outside the frame is refused naming the frame's size, as for a full decode."""
+    from batchd.server.compute.sample_checks import check_targets
+
+    window = np.zeros((6, 5, 3), np.uint8)  # a 5x6 rectangle of a 100x80 frame
+    where = {"dataset": "d", "index": 4, "source": "4.jpg", "per_object": lambda f: f in ("boxes", "labels")}
+    sample = {"image": window, "boxes": np.array([[0, 0, 100, 80], [40, 10, 60, 70]], np.int64),
+              "labels": np.array([1, 2])}
+    checked = check_targets(sample, **where, inside=True, size=(80, 100))
+    assert checked["boxes"].dtype == np.float32 and checked["boxes"].tolist() == sample["boxes"].tolist()
+    with pytest.raises(batchd.SampleError, match=r"outside the image of 5x6 pixels"):
+        check_targets(sample, **where)  # (the window's own size: what a check without size= would refuse)
+    sample["boxes"][1, 2] = 103
+    with pytest.raises(batchd.SampleError, match=r"box 1 is \[40, 10, 103, 70\], 3 px outside the image of 100x80"):
+        check_targets(sample, **where, size=(80, 100))
