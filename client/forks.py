@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from batchd import _grpc_fork
 
-log = logging.getLogger("batchd.client.loader.loader")
+log = logging.getLogger("batchd.client.loader")
 
 _pid = os.getpid()  # this process; reset in each child
 _grpc_pid: int | None = None  # the process (this one or an ancestor) whose channel started gRPC

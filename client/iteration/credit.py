@@ -18,9 +18,11 @@ it, any number of times, and the first copy to arrive is the one the loop gets. 
   (b mod n)-th server by address, the same in every loader, so identical loaders ask the same
   server for it and it is built once) when the home would deliver it at most ``HOME_SLACK`` of
   the soonest server's batches later.
-  Grants run at most ``lookahead`` batches past the one the loop takes next (the servers'
-  credits together, or as far as a slow server's batches are needed; at most ``MAX_LOOKAHEAD``
-  and about ``MAX_LOOKAHEAD_BYTES``).
+  Grants run at most ``lookahead`` batches past the one the loop takes next: the servers'
+  credits together and as far as a slow server's batches are needed, but no more than about two
+  horizons of the loop's own pace (a loop slower than the servers does not make them build far
+  ahead; before its first step, ``prefetch`` per server), at most ``MAX_LOOKAHEAD`` and about
+  ``MAX_LOOKAHEAD_BYTES``.
 * **Stalls.** A server whose oldest grant is older than its deadline, ``STALL_FACTOR x
   (ceil(credit / W) + 1) x t + STALL_SLACK_S`` (its own capacity: never other servers' pace, never
   a budget), is stalled: every batch it holds is granted to the others at once; it keeps its
@@ -39,97 +41,23 @@ Thread-safety: none; ``batchd.client.iteration.epoch.Epoch`` calls it under its 
 
 from __future__ import annotations
 
-import collections
 import heapq
 import math
-import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable
+
+from batchd.client.iteration.loop_pace import LoopPace
+from batchd.client.iteration.holder import DEFAULT_BUILD_S, LEASE_RESERVE, STALL_FACTOR, STALL_SLACK_S, Capacity, Holder
+
+__all__ = ["Arrival", "Capacity", "Credit", "Holder", "DEFAULT_BUILD_S", "LEASE_RESERVE", "STALL_FACTOR",
+           "STALL_SLACK_S"]
 
 MIN_HORIZON_S = 0.1  # the shortest horizon credit is sized to (seconds)
 HEADROOM_S = 0.05  # beyond the slowest server's build time: the round trip and this loader's reaction (seconds)
-DEFAULT_BUILD_S = 0.1  # a server's seconds per batch while none is measured (seconds)
 MAX_CREDIT = 32  # grants one server may hold (batches)
 MAX_LOOKAHEAD = 128  # batches granted past the one the loop takes next, at most
 MAX_LOOKAHEAD_BYTES = 1 << 30  # ... and at most about this many bytes of them
 HOME_SLACK = 4.0  # a batch goes home if the home delivers it at most this many of the other's batches later
-LEASE_RESERVE = 2  # leases of a shared-memory session left to the loop (the batch it holds, the next)
-STALL_FACTOR = 2.0  # a grant is late past this many times the latency its server's capacity implies
-STALL_SLACK_S = 0.1  # ... plus this (scheduling, a garbage collection, the network; seconds)
-_BUILD_WINDOW = 32  # recent batches whose build times make a server's median
-
-
-class Capacity:
-    """What one server can build, as it says: ``workers`` (its worker processes) and the median
-    worker seconds per batch of its recent batches (``build_time``, None before its first);
-    ``max_leases`` over shared memory (None otherwise). Kept by its link across passes."""
-
-    __slots__ = ("workers", "max_leases", "_builds", "_median")
-
-    def __init__(self, workers: int = 1, max_leases: int | None = None):
-        self.workers = max(1, workers)
-        self.max_leases = max_leases
-        self._builds: collections.deque[float] = collections.deque(maxlen=_BUILD_WINDOW)
-        self._median: float | None = None
-
-    def record(self, seconds: float, workers: int = 0) -> None:
-        """A batch of this server arrived: its worker ``seconds`` (read + decode + pipeline + cache
-        + write, 0: unknown) and the server's ``workers`` when it was sent (0: unknown)."""
-        if workers > 0:
-            self.workers = workers
-        if seconds > 0:
-            self._builds.append(seconds)
-            self._median = statistics.median(self._builds)
-
-    @property
-    def build_time(self) -> float | None:
-        return self._median
-
-
-@dataclass(eq=False)
-class Holder:
-    """One server in one pass: the batches granted to it and not arrived (``outstanding``: batch
-    -> when granted, monotonic s), its batches waiting to be taken (``held``), its state."""
-
-    key: Hashable
-    capacity: Capacity
-    home: str
-    open: bool = False  # its call is up for this pass: it may be granted batches
-    stalled: bool = False
-    probe: int | None = None  # a stalled server's one grant left
-    outstanding: dict[int, float] = field(default_factory=dict)
-    held: int = 0
-    credit: int = 1
-    # this pass's counts (``Credit.figures``)
-    delivered: int = 0  # batches it sent first
-    duplicates: int = 0  # copies it sent after another (dropped)
-    stalls: int = 0  # times it was found stalled
-    regranted: int = 0  # its batches granted to another server when it stalled or went
-
-    def build_time(self, default: float) -> float:
-        t = self.capacity.build_time
-        return t if t is not None else default
-
-    def delivery(self, default: float) -> float:
-        """Seconds until it would deliver one more batch granted now (its queue, then that one)."""
-        return (len(self.outstanding) // self.capacity.workers + 1) * self.build_time(default)
-
-    def deadline(self, default: float) -> float:
-        """Seconds after which its oldest grant is late (module docstring, *Stalls*); a server not
-        measured yet gets at least ``DEFAULT_BUILD_S`` per batch."""
-        rounds = math.ceil(self.credit / self.capacity.workers) + 1
-        t = self.capacity.build_time
-        return STALL_FACTOR * rounds * (t if t is not None else max(default, DEFAULT_BUILD_S)) + STALL_SLACK_S
-
-    def room(self, b: int, base: int) -> bool:
-        """Whether batch b may be granted to it now: free credit, and over shared memory free
-        leases, but for the batch the loop waits for (``base``: the batches it holds wait for it)."""
-        if self.stalled or not self.open or len(self.outstanding) >= self.credit:
-            return False
-        leases = self.capacity.max_leases
-        if leases is None or b == base:
-            return True
-        return len(self.outstanding) + self.held < max(1, leases - LEASE_RESERVE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +87,7 @@ class Credit:
         self._arrived: dict[int, Hashable] = {}  # batch (>= base) -> the server whose copy is kept
         self.batch_bytes = 0.0  # a batch's size, moving (bytes)
         self.granted_at: dict[int, float] = {}  # batch -> when it was last granted (the loop's deadline moves then)
+        self.loop = LoopPace()  # the training loop's own pace (the pass tells it when it asks and gets)
 
     # --- servers ---------------------------------------------------------------------------------
 
@@ -241,12 +170,17 @@ class Credit:
         credits, or as far as the slowest one's batches are needed, if further."""
         working = [h for h in self.holders.values() if h.open and not h.stalled]
         default = self._default_build()
-        granted = self.next_new - self.base  # (what is granted is delivered before a new grant's lead)
-        ahead = max(sum(h.credit for h in working) + len(working),
-                    max((granted + self._lead(h, working, default) + h.credit for h in working), default=0))
+        ahead = (sum(h.credit for h in working) + len(working)
+                 + max((self._lead(h, working, default) for h in working), default=0))
+        least = self.prefetch * max(1, len(working))  # (each server prefetch ahead, as one alone would be)
+        step = self.loop.step()
+        if step is None:
+            ahead = least  # (no step of the loop seen yet: it may be slow)
+        elif step > 0:  # a loop slower than the servers needs about 2 horizons of its own pace, no more
+            ahead = min(ahead, math.ceil(2 * self.horizon() / step) + len(working))
         if self.batch_bytes > 0:
             ahead = min(ahead, int(MAX_LOOKAHEAD_BYTES // self.batch_bytes))
-        return max(self.prefetch, min(MAX_LOOKAHEAD, ahead))
+        return max(least, min(MAX_LOOKAHEAD, ahead))
 
     def plan(self, now: float) -> dict[Hashable, list[int]]:
         """New grants: server key -> batches, in order. Records them."""

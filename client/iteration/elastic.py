@@ -28,7 +28,7 @@ from typing import Any
 from batchd.client.transport.datasets import mismatches
 from batchd.sampler import num_batches
 
-log = logging.getLogger("batchd.client.loader.loader")
+log = logging.getLogger("batchd.client.loader")
 
 STATE_VERSION = 2
 TOPOLOGY = ("batch_size", "world_size", "rank")  # may differ between the saved state and the loader

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from batchd import errors
-from batchd.client.device.convert import convert, deliver, inline
+from batchd.client.device.convert import deliver, inline
+from batchd.client.iteration.conversion import Conversion, _Failed
 from batchd.client.iteration.credit import Credit
 from batchd.client.transport import fields
 from batchd.client.transport.progress import Progress
@@ -52,11 +53,6 @@ SILENT_AFTER_MIN_S = 2.0  # a stalled server silent this long (or timeout / 4, i
 _MAX_WAIT_S = 0.25  # the longest the consumer sleeps before it looks at its deadline again
 
 
-@dataclass(frozen=True, slots=True)
-class _Failed:
-    error: BaseException  # what converting the next batch raised: the consumer raises it in its place
-
-
 @dataclass(slots=True)
 class _Arrived:
     raw: Any  # the WireBatch
@@ -65,7 +61,7 @@ class _Arrived:
     received: float  # seconds its message took to come
 
 
-class Epoch:
+class Epoch(Conversion):
     """Batches ``start .. total - 1`` of ``epoch`` (its remainder from global position
     ``start_position``) from ``servers``' links (``Servers``), in order. ``batches()`` is the
     consumer's iterator."""
@@ -87,11 +83,16 @@ class Epoch:
         self._fatal: BaseException | None = None
         self._down_since: float | None = None  # no server has sent a batch since its call broke (None: some did)
         self.closed = False
+        self.finished = False  # every batch was taken (not let go of)
         self._abandoned = False  # let go of (set without the lock: ``abandon``)
         self.stopping = threading.Event()  # set when the pass ends (a device copy is then refused)
         self.silent_after = max(SILENT_AFTER_MIN_S, o.timeout / 4)
 
     # --- from the links' threads ---------------------------------------------------------------------
+
+    def where(self) -> str:
+        """``epoch E, batch B``: where the pass is (the next batch the loop takes), for logs."""
+        return f"epoch {self.epoch}, batch {self.credit.base}"
 
     def progress(self, link: Any) -> Progress:
         """What the loop took of ``link``'s batches in this pass (reported on its call)."""
@@ -121,14 +122,15 @@ class Epoch:
             self._plan()
             self._cond.notify_all()
 
-    def link_down(self, link: Any, error: BaseException) -> None:
-        """``link``'s call broke (it reconnects): its batches go to the others now. With no server
-        open, the pass fails once none sent a batch for ``reconnect_timeout`` seconds."""
+    def link_down(self, link: Any, error: BaseException | None) -> None:
+        """``link``'s call broke (it reconnects; ``error``), or its server left the address (None):
+        its batches go to the others now (a failover, if they are up and it broke). With no
+        server open, the pass fails once none sent a batch for ``reconnect_timeout`` seconds."""
         with self._lock:
             if self.closed:
                 return
             self._seqs.pop(link, None)
-            if self._seqs:  # (its batches go to the others)
+            if self._seqs and error is not None:
                 self.servers.count("failovers")
             self.credit.closed(link, time.monotonic())
             self._requeue_shared(link)
@@ -136,8 +138,9 @@ class Epoch:
                 self._down_since = time.monotonic()
             self._plan()
             self._cond.notify_all()
-        log.warning("lost the stream from %s at epoch %d, batch %d (%s); its batches go to the other servers, if any, "
-                    "while it reconnects", link.address, self.epoch, self.credit.base, error)
+        if error is not None:
+            log.warning("lost the stream from %s at epoch %d, batch %d (%s); its batches go to the other servers, if "
+                        "any, while it reconnects", link.address, self.epoch, self.credit.base, error)
 
     def link_down_all(self) -> None:
         """No server is connected as the pass begins: it fails unless one sends a batch within
@@ -268,60 +271,6 @@ class Epoch:
             f"lost every batchd server ({names}) at epoch {self.epoch}, batch {self.credit.base}, and none came back "
             f"within reconnect_timeout={self.options.reconnect_timeout:g} s ({why or 'no answer'})")
 
-    def convert_next(self) -> bool:
-        """The loader's thread (not inline): convert the next batch in order if it arrived and the
-        consumer has room (one converted ahead). True if it did (look again)."""
-        with self._lock:
-            if self.closed or self._ready or self._converting is not None or self._fatal_due():
-                return False
-            b = self.credit.base
-            if not self.credit.has(b):
-                return False
-            self._converting = b
-            entry = self._raw[b]
-        try:
-            item = self._convert(b, entry)
-        except BaseException as e:  # (raised to the consumer in its place, after the batches before it)
-            with self._lock:
-                self._converting = None
-                self._ready.append(_Failed(e))
-                self._cond.notify_all()
-            return False
-        with self._lock:
-            self._converting = None
-            if item is not None and not self.closed:
-                self._took(b)
-                self._ready.append(item)
-                self._cond.notify_all()
-        return item is not None
-
-    def _fatal_due(self) -> bool:  # (under the lock)
-        return self._fatal is not None and not self.credit.has(self.credit.base)
-
-    def _convert(self, b: int, entry: _Arrived) -> Any:
-        """Batch b converted (outside the lock); None if its shared-memory slot was gone (granted again)."""
-        try:
-            item = convert(entry.raw, entry.shm, options=self.options, transfer=self.transfer, stopping=self.stopping,
-                           on_error=self.servers.info.on_error, address=entry.link.address,
-                           record=self.progress(entry.link))
-        except ConnectionError as e:
-            if not entry.raw.segment:
-                raise
-            log.info("batch %d is gone from %s's shared memory (%s); asking for it again", b, entry.link.address, e)
-            with self._lock:
-                self._raw.pop(b, None)
-                self.credit.requeue(b)
-                self._plan()
-            return None
-        item.times.receive = entry.received
-        return item
-
-    def _took(self, b: int) -> None:  # (under the lock)
-        link = self.credit.take(b)
-        self._raw.pop(b, None)
-        link.batches += 1
-        self._plan()
-
     # --- the consumer --------------------------------------------------------------------------------
 
     def batches(self) -> Iterator[Any]:
@@ -334,6 +283,7 @@ class Epoch:
                 item = None
                 yield batch
                 batch = None  # (not kept by this frame once the loop has it)
+            self.finished = True
             self.close()
         finally:
             self.abandon()
@@ -342,41 +292,35 @@ class Epoch:
         asked = time.monotonic()
         timeout = self.options.timeout
         with self._lock:
-            while True:
-                if self._ready:
-                    item = self._ready.popleft()
-                    if isinstance(item, _Failed):
-                        raise item.error
-                    self.servers.wake()  # (room for the next conversion)
-                    return item
-                if self.inline and self._converting is None and self.credit.has(self.credit.base):
-                    item = self._convert_here(b)
-                    if item is not None:
-                        return item
-                    continue
-                if self._fatal_due():
-                    raise self._fatal
-                if self.closed:
-                    raise RuntimeError(f"the loader was closed ({what}, batch {b})")
-                now = time.monotonic()
-                deadline = max(asked, self.credit.granted_at.get(b, asked)) + timeout
-                if now >= deadline:
-                    names = ", ".join(link.address for link in self._seqs) or ", ".join(self.servers.addresses)
-                    raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
-                self._cond.wait(min(_MAX_WAIT_S, deadline - now))
+            self.credit.loop.asked(asked)
+            item = self._wait_for(b, what, asked, timeout)
+            self.credit.loop.handed(time.monotonic())  # (the batch's taking planned the next grants)
+            return item
 
-    def _convert_here(self, b: int) -> Any:  # (under the lock; released while converting)
-        entry = self._raw[b]
-        self._converting = b
-        self._lock.release()
-        try:
-            item = self._convert(b, entry)
-        finally:
-            self._lock.acquire()
-            self._converting = None
-        if item is not None:
-            self._took(b)
-        return item
+    def _wait_for(self, b: int, what: str, asked: float, timeout: float) -> Any:  # (under the lock)
+        """Batch b, converted: waits for it, at most ``timeout`` s from ``asked`` or from its last grant."""
+        while True:
+            if self._ready:
+                item = self._ready.popleft()
+                if isinstance(item, _Failed):
+                    raise item.error
+                self.servers.wake()  # (room for the next conversion)
+                return item
+            if self.inline and self._converting is None and self.credit.has(self.credit.base):
+                item = self._convert_here(b)
+                if item is not None:
+                    return item
+                continue
+            if self._fatal_due():
+                raise self._fatal
+            if self.closed:
+                raise RuntimeError(f"the loader was closed ({what}, batch {b})")
+            now = time.monotonic()
+            deadline = max(asked, self.credit.granted_at.get(b, asked)) + timeout
+            if now >= deadline:
+                names = ", ".join(link.address for link in self._seqs) or ", ".join(self.servers.addresses)
+                raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
+            self._cond.wait(min(_MAX_WAIT_S, deadline - now))
 
     # --- the end -------------------------------------------------------------------------------------
 
@@ -402,8 +346,9 @@ class Epoch:
             dropped = [entry for b, entry in self._raw.items() if b != self._converting]
             self._raw.clear()
             self._ready.clear()
-            self.servers.passed(self)
+            figures = self.credit.figures()
             self._cond.notify_all()
+        self.servers.passed(self, figures)  # (outside the lock: it tells the links)
         for entry in dropped:
             _release(entry.raw, entry.shm)
 

@@ -65,6 +65,7 @@ class Servers:
         self._stalled: set = set()  # links stalled at the end of the last pass
         self._passes: list[Epoch] = []  # passes not closed yet (the last one is the current one)
         self._last_figures: dict = {}
+        self._last_finished = True  # the last pass closed had every batch taken
         self._swept = 0.0
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # wakes the loader's thread (no lock: finalizers)
         self._closed = False
@@ -175,14 +176,18 @@ class Servers:
         """Wake the loader's thread (no lock: safe in a finalizer)."""
         self._events.put(None)
 
-    def passed(self, pass_: Epoch) -> None:
-        """``pass_`` closed: remember who was stalled and its figures (under the pass's lock)."""
-        figures = pass_.credit.figures()
+    def passed(self, pass_: Epoch, figures: dict) -> None:
+        """``pass_`` closed: remember who was stalled and its ``figures`` (``Credit.figures``); its
+        links let go of it."""
         with self._lock:
             self._stalled = {link for link, f in figures.items() if f["stalled"]}
             self._last_figures = figures
+            self._last_finished = pass_.finished
             if pass_ in self._passes:
                 self._passes.remove(pass_)
+            links = list(self.links)
+        for link in links:  # (a closed pass is not kept alive by its links: its error, its batches)
+            link.let_go(pass_)
 
     # --- a pass ------------------------------------------------------------------------------------
 
@@ -252,8 +257,11 @@ class Servers:
         self._stop.set()
         for pass_ in passes:
             pass_.close()
+        # a pass let go of or in progress: the calls are cancelled (the servers count them
+        # cancelled and release what they sent that never came); else ended with `done`
+        cancel = not self._last_finished
         for link in self.links:
-            link.close()
+            link.close(cancel=cancel)
         self.wake()
         deadline = time.monotonic() + _CLOSE_GRACE_S
         for link in self.links:  # (a call the server does not end, a hung server's, is cancelled)
@@ -300,8 +308,8 @@ class Servers:
         for link in gone:
             log.info("%s no longer names %s; it gets no more work", self.address, link.address)
             if pass_ is not None:
-                pass_.link_down(link, errors.ConnectionError(f"{link.address} is no longer named by {self.address}"))
-            link.close()
+                pass_.link_down(link, None)  # (not a failure: its batches go to the others)
+            link.close(cancel=True)
         for a in new:
             log.info("%s now also names %s", self.address, a)
             link = ServerLink(a, self.options, self.transfer, reference=self._info, count=self.stats.count,

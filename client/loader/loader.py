@@ -291,6 +291,7 @@ class RemoteDataLoader(LoaderSettings):
                 b += 1
                 self._position = (epoch, start_position, b)
                 yield batch
+                batch = None  # (not kept alive by this frame, e.g. in the traceback of the next one's error)
                 forks.check(self._owner)  # an iterator resumed in a forked child
         finally:
             if forks.forked(self._owner):

@@ -196,5 +196,6 @@ def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Ca
             if record is not None:
                 record.loop_waited(wait, step, verdict(handed))
             yield batch
+            batch = None  # (an error raised by the next one must not keep this one alive in its traceback)
     finally:
         batches.close()

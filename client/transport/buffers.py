@@ -29,7 +29,7 @@ import torch
 from batchd import wire
 from batchd.client.transport import fields
 
-log = logging.getLogger("batchd.client.loader.loader")
+log = logging.getLogger("batchd.client.loader")
 GRAIN = 1 << 16  # capacities are multiples of 64 KiB, with an eighth to spare: a slightly larger batch still fits
 
 

@@ -28,7 +28,7 @@ from batchd.client.transport.dataplane import DataLink, DataSocket
 from batchd.errors import BatchdError
 from batchd.v1 import loader_pb2 as pb
 
-log = logging.getLogger("batchd.client.loader.loader")
+log = logging.getLogger("batchd.client.loader")
 
 SERVER_ID_KEY = "batchd-server-id"
 WORKERS_KEY = "batchd-workers"  # the server's worker processes (what it can build at once)

@@ -16,6 +16,7 @@ import the facade).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 import weakref
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import grpc
 import tenacity
 
+from batchd import errors
 from batchd.client import forks
 from batchd.client.transport import buffers, relay
 from batchd.client.transport.call import BatchesCall
@@ -32,7 +34,7 @@ from batchd.client.transport.dataplane import DataLink
 from batchd.client.transport.datasets import DatasetInfo, Difference, describe, difference
 from batchd.client.transport.outbox import Outbox
 from batchd.client.transport.shm import SharedMemorySession, SharedMemoryUnavailable
-from batchd.errors import DatasetChangedError
+from batchd.errors import DatasetChangedError, DatasetNotFoundError
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
@@ -166,15 +168,17 @@ class ServerConnection:
             expect_build_fingerprint=info.build_fingerprint if o.strict else "",
         )
 
-    def open_call(self, request: pb.StreamBatchesRequest, progress: Any,
-                  take_releases: Callable[[], list[int]]) -> BatchesCall:
+    def open_call(self, request: pb.StreamBatchesRequest, progress: Any, take_releases: Callable[[], list[int]],
+                  pending: Callable[[], bool]) -> BatchesCall:
         """The Batches call for ``request`` (its first ``open``; nothing granted yet: ``call.outbox``).
-        The session's freed leases ride on it (``take_releases``). Raises ConnectionError and the
-        errors of ``batches_error``."""
+        The session's freed leases ride on it (``take_releases``; ``pending``: whether any is
+        queued). Raises ConnectionError and the errors of ``batches_error``."""
         shm = self._shm if request.session else None
         outbox = Outbox(request, progress=progress, take_releases=take_releases if shm is not None else None,
-                        pending=(lambda: shm.outstanding > 0) if shm is not None else None,
-                        sent=shm.forget if shm is not None else None)
+                        pending=pending if shm is not None else None,
+                        sent=shm.forget if shm is not None else None,
+                        unsent=(lambda leases: [self.freed(shm.session, lease) for lease in leases])
+                        if shm is not None else None)
         return BatchesCall(self._channel, self.address, outbox,
                            data=self.data if request.transport == pb.TRANSPORT_SOCKET else None)
 
@@ -235,6 +239,16 @@ class ServerConnection:
         self.info = now
         return changed
 
+    def refusal(self, refused: Exception, timeout: float) -> BaseException:
+        """The DatasetChangedError behind a call the server ``refused`` (``ServerRefused``): the
+        dataset described again and compared (``check_unchanged`` raises it, naming what changed);
+        the server's words if that shows nothing."""
+        try:
+            self.check_unchanged(timeout)
+        except (DatasetChangedError, DatasetNotFoundError, ConnectionError, TimeoutError) as changed:
+            return changed
+        return DatasetChangedError(self.options.dataset, self.address, [str(refused)])
+
     def wait_ready(self, timeout: float) -> bool:
         """Whether the channel is (again) connected within ``timeout`` seconds."""
         return wait_for_server(self._channel, timeout)
@@ -258,3 +272,30 @@ class ServerConnection:
             self._shm.close()
         if self._finalizer.alive:
             self._finalizer()
+
+
+def probe(address: str, options: Any, transfer: Any, freed: Callable[[str, int], None], warned: set,
+          reference: DatasetInfo | None, timeout: float) -> ServerConnection:
+    """A fresh connection to a server that was down (or never answered), checked: its health
+    service says SERVING and it serves ``reference``'s dataset (under ``options.strict`` the same
+    fingerprints; else a warning where they differ). ``timeout``: seconds to connect and ask.
+
+    Raises ConnectionError or TimeoutError (not there, or not SERVING), DatasetChangedError (a
+    ValueError: it serves another dataset), and what a first description raises.
+    """
+    fresh = ServerConnection(address, dataclasses.replace(options, connect_timeout=timeout), transfer, freed,
+                             warned=warned)
+    try:
+        if not fresh.serving(timeout):
+            raise errors.ConnectionError(f"batchd server {address}: its health service does not say SERVING")
+        if reference is not None:
+            changed = difference(reference, fresh.info)
+            if changed.refused(options.strict):
+                raise DatasetChangedError(options.dataset, address, changed.fingerprints, changed.num_samples)
+            if changed:
+                log.warning("dataset %r at %s changed since the loader last read it: %s (before vs now); going on "
+                            "with the new data (strict=False)", options.dataset, address, changed)
+    except BaseException:
+        fresh.close()
+        raise
+    return fresh

@@ -50,7 +50,7 @@ from batchd.client.transport import fields
 from batchd.client import forks
 from batchd.client.transport.channel import TLS
 
-log = logging.getLogger("batchd.client.loader.loader")
+log = logging.getLogger("batchd.client.loader")
 SLICE_S = 0.25  # a blocked read looks at ``stopping`` this often
 ENDED_GRACE_S = 10.0  # seconds without a byte, once the call is over, before a frame's wait gives up
 

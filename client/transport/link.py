@@ -1,36 +1,29 @@
 """One server of a loader, for the loader's life: ``ServerLink``, its connection, its one call, its thread.
 
-A link holds a ``ServerConnection`` (channel, dataset description, shared-memory session, data
-plane) and one ``Batches`` call that serves every pass of the loader: the first pass opens it,
-each later one switches it (``serve``: a later ``open``, ``Outbox.reopen``). Its thread
-(``batchd-server``) does everything that blocks for this server, so nothing else waits on it:
+A link holds a ``ServerConnection`` (channel, description, shared-memory session, data plane)
+and one ``Batches`` call that serves every pass of the loader: the first pass opens it, each
+later one switches it (``serve``: a later ``open``). Its thread (``batchd-server``) does
+everything that blocks for this server:
 
-* it connects (at construction the loader connects every server at once; a server that did not
-  answer, or went down, is tried again every ``probe_interval`` seconds with a fresh connection:
-  a new channel, the dataset described, health SERVING, the same dataset as the loader's),
-* opens the call for the pass it serves, waits for the server's metadata (its id: a restarted
-  server's dataset is described again and compared, ``check_server``; its capacity:
-  ``batchd-workers``, ``batchd-max-leases``), then tells the pass it is up (``link_up``),
-* reads the call: each batch goes to the pass whose ``open`` it belongs to (``Batch.open_seq``);
-  a batch of an earlier pass is dropped (its lease released),
-* when the call breaks (a restart, a lost connection, or ``restart`` from the pass: a server
-  silent too long), tells the pass (``link_down``: its batches go to the others at once) and
-  reconnects: the same channel if it comes back within a second (reporting the broken call's
-  leases, ``ReleaseLeases.abandoned_stream``, so the server releases those it sent that never
-  came), else fresh connections as above,
-* a server that refuses the loader's dataset (it changed: ``DatasetChangedError``) is down for
-  good unless it serves the loader's dataset again; a server's error for a pass (a sample that
-  cannot be read, a worker that died) goes to that pass (``fail``), and the next pass opens a
-  new call,
-* after ``close``: the call ends (``done``, the pass's grants revoked first), then the thread
-  sends the releases of batches the caller still holds by ``ReleaseLeases`` as they are freed,
-  ends the shared-memory session once none is held, closes the channel, and ends.
+* connects: a server that did not answer at construction, or went down, is tried again with a
+  fresh connection (``connection.probe``) at growing intervals up to ``probe_interval``;
+* opens the call for the pass it serves, reads the server's metadata (its id: a restarted
+  server's dataset is described again, ``check_server``; its capacity: ``batchd-workers``,
+  ``batchd-max-leases``; no metadata within ``connect_timeout``: the call is cancelled) and tells
+  the pass it is up (``link_up``);
+* reads the call: each batch goes to the pass of its ``open`` (``Batch.open_seq``); one of an
+  earlier pass is dropped (its lease released);
+* when the call breaks (a restart, a lost connection, ``restart`` from the pass), tells the pass
+  (``link_down``: its batches go to the others at once) and reconnects: on the same channel if it
+  is ready within ``RECONNECT_S`` (the dataset described again; the broken call reported,
+  ``ReleaseLeases.abandoned_stream``, so the server releases what it sent that never came), else
+  with fresh connections; a server that serves another dataset is left out (``link_failed``); a
+  server's error for a pass goes to that pass (``fail``);
+* after ``close``: ends the call (``done``, or cancelled mid-pass), then releases what the
+  caller still holds (``Releases.drain``) and closes the connection.
 
-Freed leases (tensors' finalizers) are queued without a lock (``freed``) and ride on the call's
-next message (``Outbox``: ``take_releases``). The pass (``batchd.client.iteration.epoch.Epoch``)
-is a sink with ``link_up(link, seq)``, ``link_down(link, error)``, ``link_failed(link, error)``,
-``arrived(link, raw, received_seconds, nbytes, shm)``, ``fail(error)``, ``progress(link)`` and
-``epoch``, ``start_position``.
+The pass (``batchd.client.iteration.epoch.Epoch``) is a sink with ``link_up``, ``link_down``,
+``link_failed``, ``arrived``, ``fail``, ``progress``, ``where``, ``epoch``, ``start_position``.
 """
 
 from __future__ import annotations
@@ -44,16 +37,15 @@ from typing import Any
 
 from batchd.client import forks
 from batchd.client.transport.call import BatchesCall, ServerRefused
-from batchd.client.transport.connection import ServerConnection
-from batchd.client.transport.datasets import DatasetInfo, difference
+from batchd.client.transport.connection import ServerConnection, probe
+from batchd.client.transport.datasets import DatasetInfo
+from batchd.client.transport.releases import Releases
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
 log = logging.getLogger("batchd.client.loader")
 
 PROBE_CONNECT_S = 2.0  # connect timeout of a fresh connection to a server that was down (seconds)
 RECONNECT_S = 1.0  # how long a broken call's channel may take to be ready again before a fresh one
-_CLOSE_GRACE_S = 1.0  # a call told ``done`` that has not ended by then is cancelled (seconds)
-_DRAIN_POLL_S = 0.25  # after the call: how often the thread looks for freed leases and sweeps mappings
 
 
 class ServerLink:
@@ -65,8 +57,6 @@ class ServerLink:
     the reference). conn: a connection made already (None: the thread connects). count(name):
     the loader's counters (``reconnects``). warned: what the loader said once (shared by its links).
     """
-
-    _ids = itertools.count()
 
     def __init__(self, address: str, options: Any, transfer: Any = None, *, reference: DatasetInfo | None = None,
                  conn: ServerConnection | None = None, count: Any = None, warned: set | None = None):
@@ -95,7 +85,7 @@ class ServerLink:
         self._backoff = 0.0  # seconds before the next fresh connection (doubles up to probe_interval)
         self._described = 0  # DescribeDataset calls of its connections before the current one
         self._tags = itertools.count()
-        self._freed: queue.SimpleQueue = queue.SimpleQueue()  # (session, lease): freed, not yet told
+        self._released = Releases()  # leases freed, not yet told to the server
         self._owner = forks.owner()
         self._thread = threading.Thread(target=self._run, name="batchd-server", daemon=True)
         self._thread.start()
@@ -126,14 +116,18 @@ class ServerLink:
         return up
 
     def grant(self, batches: list[int], seq: int) -> None:
-        call = self._call
-        if call is not None:
+        if (call := self._call) is not None:
             call.outbox.grant(batches, seq)
 
     def revoke(self, batches: list[int], seq: int) -> None:
-        call = self._call
-        if call is not None:
+        if (call := self._call) is not None:
             call.outbox.revoke(batches, seq)
+
+    def let_go(self, pass_: Any) -> None:
+        """``pass_`` is over: batches of its ``open`` still coming are dropped (its leases released)."""
+        with self._lock:
+            if self._pass is pass_:
+                self._pass = None
 
     def restart(self, why: str) -> None:
         """Cancel the call (the server is silent too long): the thread handles it as a broken call."""
@@ -145,11 +139,14 @@ class ServerLink:
     def freed(self, session: str, lease: int) -> None:
         """A lease's batch was freed or dropped (any thread; finalizers too: no lock)."""
         if not forks.forked(self._owner):
-            self._freed.put((session, lease))
+            self._released.put(session, lease)
 
-    def close(self) -> None:
-        """End the call (``done``), then the thread releases what the caller still holds and ends
-        (module docstring). Idempotent; nothing in a forked child."""
+    def close(self, cancel: bool = False) -> None:
+        """End the call: ``done`` (the server counts it finished), or cancel it (``cancel``: the
+        loader closed in the middle of a pass: counted cancelled, and reported with the leases
+        still held here, so the server releases those it sent that never came); then the thread
+        releases what the caller still holds and ends (module docstring). Idempotent; nothing in
+        a forked child."""
         if forks.forked(self._owner):
             return
         with self._lock:
@@ -158,17 +155,17 @@ class ServerLink:
             self._closing = True
             call = self._call
             self._wake.notify_all()
-        if call is not None:
+        if call is None:
+            return
+        if cancel:
+            call.cancel()
+        else:
             call.outbox.close()
 
     def ending(self) -> BatchesCall | None:
         """The call being ended by ``close`` (None once over): the loader cancels what is left of
         it after a grace."""
         return self._call
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
 
     @property
     def describes(self) -> int:
@@ -182,13 +179,6 @@ class ServerLink:
         shm = conn.shm if conn is not None else None
         if shm is not None:
             shm.sweep()
-
-    @property
-    def outstanding(self) -> int:
-        """Leases of its shared-memory session still held by tensors."""
-        conn = self.conn
-        shm = conn.shm if conn is not None else None
-        return shm.outstanding if shm is not None else 0
 
     # --- the thread --------------------------------------------------------------------------------
 
@@ -218,40 +208,24 @@ class ServerLink:
                 self._wake.wait(seconds)
 
     def _connect(self) -> bool:
-        """A fresh connection (a new channel, the dataset described and checked): True once up."""
-        o = self.options
-        timeout = min(o.connect_timeout, PROBE_CONNECT_S)
+        """A fresh connection (``connection.probe``: a new channel, the dataset described and
+        checked against the loader's): True once up. A server serving another dataset is left
+        out (the pass hears ``link_failed`` once)."""
         try:
-            fresh = ServerConnection(self.address, _with_connect_timeout(o, timeout), self.transfer, self.freed,
-                                     warned=self._warned)
+            fresh = probe(self.address, self.options, self.transfer, self.freed, self._warned, self.reference,
+                          min(self.options.connect_timeout, PROBE_CONNECT_S))
         except (ConnectionError, TimeoutError) as e:
             self.error = str(e)
             return False
-        except Exception as e:  # the server is up but cannot serve this dataset
+        except Exception as e:  # the server is up but cannot serve this loader
             if self.error != str(e):
-                log.warning("batchd server %s answers but cannot serve this loader: %s", self.address, e)
+                log.warning("batchd server %s is left out: %s", self.address, e)
+                with self._lock:
+                    sink = self._pass
+                if sink is not None and isinstance(e, DatasetChangedError):
+                    sink.link_failed(self, e)
             self.error = str(e)
             return False
-        if not fresh.serving(timeout):
-            self.error = "its health service does not say SERVING"
-            fresh.close()
-            return False
-        if self.reference is not None:
-            changed = difference(self.reference, fresh.info)
-            if changed.refused(o.strict):
-                error = DatasetChangedError(o.dataset, self.address, changed.fingerprints, changed.num_samples)
-                if self.error != str(error):
-                    log.warning("batchd server %s is left out: %s", self.address, error)
-                    with self._lock:
-                        sink = self._pass
-                    if sink is not None:
-                        sink.link_failed(self, error)
-                self.error = str(error)
-                fresh.close()
-                return False
-            if changed:
-                log.warning("dataset %r at %s changed since the loader last read it: %s (before vs now); going on "
-                            "with the new data (strict=False)", o.dataset, self.address, changed)
         with self._lock:
             if self._closing:
                 fresh.close()
@@ -283,7 +257,7 @@ class ServerLink:
             self._ended(None)
         except ServerRefused as e:
             self._ended(e)
-            self._left_out(_refused(conn, e, self.options.connect_timeout))
+            self._left_out(conn.refusal(e, self.options.connect_timeout))
         except ConnectionError as e:
             self._ended(e)
             if not self._closing:
@@ -310,7 +284,8 @@ class ServerLink:
             if self._closing or pass_ is None:
                 return None
             request = conn.request(pass_.epoch, start_position=pass_.start_position, tag=tag)
-            call = conn.open_call(request, pass_.progress(self), self._take_releases)
+            call = conn.open_call(request, pass_.progress(self), self._take_releases,
+                                  pending=self._released.pending)
             call.tag, call.transport = tag, request.transport
             with self._lock:
                 if not self._closing and self._pass is pass_:  # (else serve() moved on meanwhile: again)
@@ -334,7 +309,7 @@ class ServerLink:
             conn.release(broken[0], abandoned=broken[1], received=shm.held())
         if broken is not None:
             self._count("reconnects")
-            log.info("resumed the call to %s", self.address)
+            log.info("resumed the stream from %s at %s", self.address, pass_.where())
         with self._lock:
             self.up, self._backoff = True, 0.0
             sink, seq = self._pass, self._seq
@@ -343,8 +318,9 @@ class ServerLink:
         return call
 
     def _ended(self, error: BaseException | None, down: bool = True) -> None:
-        """The call is over (``error`` None: it ended OK, after ``close``) or broke; the pass
-        hears ``link_down`` unless the error was the pass's own (``down`` False)."""
+        """The call is over (``error`` None: it ended OK, after ``close``) or broke (or was
+        cancelled by ``close``); the pass hears ``link_down`` unless the error was the pass's own
+        (``down`` False)."""
         with self._lock:
             call, self._call = self._call, None
             was_up, self.up = self.up, False
@@ -366,20 +342,24 @@ class ServerLink:
         log.warning("lost the call to %s (%s); reconnecting", self.address, error)
         conn = self.conn
         if conn is not None and conn.wait_ready(RECONNECT_S):
-            if self._restarted(conn):
+            if conn.shm is not None and conn.shm.gone:  # (a restart ends the session)
                 conn.new_session()
-            return
+            idle = self._pass is None or self._pass.closed  # (else the next call's server id is checked)
+            try:
+                if idle:
+                    conn.check_unchanged(self.options.connect_timeout)  # (a restart over other data: left out now)
+            except (DatasetChangedError, DatasetNotFoundError) as e:
+                self._left_out(e)
+                return
+            except (ConnectionError, TimeoutError):
+                pass  # (not answering after all: a fresh connection below)
+            else:
+                return
         with self._lock:
             self.conn = None
             self._described += conn.describes if conn is not None else 0
         if conn is not None:
             conn.close()
-
-    @staticmethod
-    def _restarted(conn: ServerConnection) -> bool:
-        """Whether the server's shared-memory session is gone (a restart ends it)."""
-        shm = conn.shm
-        return shm is not None and shm.gone
 
     def _left_out(self, error: BaseException) -> None:
         """The server serves another dataset now: down until a fresh connection finds the loader's."""
@@ -395,42 +375,21 @@ class ServerLink:
         self._sleep(self.options.probe_interval)
 
     def _take_releases(self) -> list[int]:
-        """The call's share of the freed leases (gRPC's request thread): those of the current
-        session; those of a session that ended (a restart) are dropped."""
+        """The call's share of the freed leases (gRPC's request thread)."""
         conn = self.conn
-        shm = conn.shm if conn is not None else None
-        out = []
-        while True:
-            try:
-                session, lease = self._freed.get_nowait()
-            except queue.Empty:
-                return out
-            if shm is not None and session == shm.session:
-                out.append(lease)
+        return self._released.take(conn.shm if conn is not None else None)
 
     def _drain(self) -> None:
-        """After the last call: release what the caller frees, by ReleaseLeases, until nothing is
-        held; then end the session and close the channel."""
+        """After the last call: report a call ``close`` cancelled, release what the caller frees
+        until nothing is held (``Releases.drain``), then close the connection."""
         conn = self.conn
         if conn is None or forks.forked(self._owner):
             return
         shm = conn.shm
-        while shm is not None and shm.outstanding and not shm.gone:
-            try:
-                first = self._freed.get(timeout=_DRAIN_POLL_S)
-            except queue.Empty:
-                shm.sweep()
-                continue
-            leases = [first]
-            while True:
-                try:
-                    leases.append(self._freed.get_nowait())
-                except queue.Empty:
-                    break
-            mine = [lease for session, lease in leases if session == shm.session]
-            if mine and not conn.release(shm.session, mine):
-                break
-            shm.forget(mine)
+        broken, self._broken = self._broken, None
+        if broken is not None and shm is not None and shm.session == broken[0] and not shm.gone:
+            conn.release(broken[0], abandoned=broken[1], received=shm.held())
+        self._released.drain(conn)
         conn.close()
 
 
@@ -438,19 +397,3 @@ def _drop(raw: Any, conn: ServerConnection) -> None:
     """A batch nobody takes: its shared-memory lease goes back."""
     if raw.segment and conn.shm is not None:
         conn.shm.release_unused(raw.lease)
-
-
-def _refused(conn: ServerConnection, e: ServerRefused, timeout: float) -> BaseException:
-    """The DatasetChangedError behind a refused call: the dataset described again and compared
-    (``check_unchanged`` raises it, naming what changed); the server's words if that shows nothing."""
-    try:
-        conn.check_unchanged(timeout)
-    except (DatasetChangedError, DatasetNotFoundError, ConnectionError, TimeoutError) as changed:
-        return changed
-    return DatasetChangedError(conn.options.dataset, conn.address, [str(e)])
-
-
-def _with_connect_timeout(options: Any, seconds: float) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(options, connect_timeout=seconds)

@@ -58,11 +58,13 @@ class Outbox:
 
     def __init__(self, open_request: pb.StreamBatchesRequest, *, progress: Any = None,
                  take_releases: Callable[[], list[int]] | None = None, pending: Callable[[], bool] | None = None,
-                 sent: Callable[[list[int]], None] | None = None, release_delay: float = 0.005,
+                 sent: Callable[[list[int]], None] | None = None,
+                 unsent: Callable[[list[int]], None] | None = None, release_delay: float = 0.005,
                  progress_every: float = 0.5):
         self._take_releases = take_releases
         self._pending = pending or (lambda: False)
         self._sent = sent
+        self._unsent = unsent
         self.release_delay = release_delay
         self.progress_every = progress_every
         self._cond = threading.Condition(threading.Lock())
@@ -176,6 +178,8 @@ class Outbox:
         while not self._aborted:
             grants, revokes, releases, opening, closing = self._collect()
             if self._aborted:
+                if releases and self._unsent is not None:
+                    self._unsent(releases)  # (taken, never sent: released another way)
                 return
             progress = None
             if opening is not None or closing or self._direct is None:

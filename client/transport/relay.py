@@ -60,7 +60,7 @@ from batchd.client import forks
 from batchd.client.transport.channel import TLS
 from batchd.client.transport.relay_child import DONE, FRAME, MAX_MESSAGE, REQUEST
 
-log = logging.getLogger("batchd.client.loader.loader")
+log = logging.getLogger("batchd.client.loader")
 CHILD = pathlib.Path(__file__).with_name("relay_child.py")
 SLICE_S = 0.25  # a blocked wait looks at ``stopping`` and at the relay this often
 AVAILABLE = sys.platform.startswith("linux") and hasattr(os, "memfd_create")

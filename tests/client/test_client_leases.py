@@ -150,7 +150,7 @@ def test_a_failed_release_is_retried(make_server, fmnist_root, release_requests)
     session = ld._shm.session
     ld.close()
     assert wait_until(lambda: not server.loader.streams, 10)
-    assert leases.held(session) == 1  # the session stays while a batch on it is held
+    assert wait_until(lambda: leases.held(session) == 1, 10)  # the session stays while a batch on it is held
     del batch
     gc.collect()
     assert wait_until(lambda: leases.held(session) == 0, 15), "the lease was dropped, not retried"

@@ -104,8 +104,10 @@ def simulate(servers, total, *, step=0.0, prefetch=2, regrant=True, until=None, 
         elif kind == "resume":
             dispatch(by[data], t)
         while c.has(c.base) and t >= free_at:
+            c.loop.asked(asked_at)
             taken.append(c.base)
             c.take(c.base)
+            c.loop.handed(t)
             waits.append(max(0.0, t - asked_at))
             free_at = asked_at = t + step
             if step:

@@ -118,9 +118,12 @@ def test_a_field_is_stacked_in_a_batch_where_shapes_agree():
 
 def test_several_servers_send_the_same_lists(server):
     with BatchServer(batches.detection_samples, N) as other:
-        # both unmeasured as the pass begins: each is granted its home batches (b mod 2, by
-        # address), so a batch of each server is compared
+        # a second pass begins with both servers up: each is granted its home batches (b mod 2,
+        # by address), so a batch of each server is compared
         with _loader([server.address, other.address]) as both, _loader(server.address) as one:
+            list(both)
+            other.layouts.clear()
+            both.set_epoch(0)
             pairs = list(zip(both, one, strict=True))
         assert other.layouts, "the second server sent nothing"
     for b, (x, y) in enumerate(pairs):

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(120)
 
 MAX_SLOTS = 2
 MAX_LEASES = 4  # per session
-HELD = 2  # batches the loop keeps alive (a loop that keeps its last outputs, as a metric's window does)
+HELD = 3  # batches the loop keeps alive (a loop that keeps its last outputs, as a metric's window does)
 BATCHES = 200
 DELETED = " (deleted)"  # /proc/self/maps: the mapped file was unlinked
 

@@ -132,7 +132,7 @@ def test_a_data_connection_killed_mid_epoch_is_resumed_with_nothing_lost_or_repe
     with batchd.RemoteDataLoader(server.address, "fmnist-test", transport="socket", batch_size=BATCH, shuffle=True,
                                  seed=11, transform="aug", timeout=60, reconnect_timeout=30) as ld:
         got = []
-        with caplog.at_level(logging.WARNING, logger="batchd.client.loader.loader"):
+        with caplog.at_level(logging.WARNING, logger="batchd.client.loader"):
             for k, batch in enumerate(ld):
                 got.append(digest(batch))
                 if k in (3, 17, 30):
@@ -287,7 +287,7 @@ def test_an_unreachable_data_port_sends_auto_inline_and_fails_socket(make_server
 
     monkeypatch.setattr(shm.SharedMemorySession, "open", classmethod(
         lambda cls, *a, **k: (_ for _ in ()).throw(shm.SharedMemoryUnavailable("another host (test)"))))
-    with caplog.at_level(logging.WARNING, logger="batchd.client.loader.loader"):
+    with caplog.at_level(logging.WARNING, logger="batchd.client.loader"):
         with batchd.RemoteDataLoader(srv.address, "fmnist-test", batch_size=BATCH, shuffle=True, seed=11,
                                      transform="aug", transport="auto", reconnect_timeout=10) as ld:
             got = [digest(b) for b in ld]

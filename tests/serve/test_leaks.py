@@ -61,9 +61,12 @@ def _footprint(server) -> dict[str, int]:
             "segments": _segments(server)}
 
 
-def _settled(server, before: dict[str, int]) -> bool:
+def _settled(server, before: dict[str, int], live: int = 0) -> bool:
+    """Nothing left but what ``before`` had, and ``live`` calls a loader still has open (each one
+    stream; a loader keeps one call per server for its life)."""
     now = _footprint(server)
-    return (now["leases"] == 0 and now["calls"] == 0 and now["streams"] == 0 and now["sessions"] == before["sessions"]
+    return (now["leases"] == 0 and now["calls"] <= live and now["streams"] <= live
+            and now["sessions"] == before["sessions"]
             and now["long_calls"] == before["long_calls"] and now["threads"] <= before["threads"]
             and now["fds"] <= before["fds"] + 2
             and now["segments"] <= MAX_SLOTS + 3)  # slots (lent ones beyond the cap are unlinked), probe, lock,
@@ -210,11 +213,12 @@ def test_early_breaks_through_the_loader_leak_nothing(server):
 
         for i in range(10):
             one_round(i)
-        assert wait_until(lambda: loader.leases.held_total == 0 and not loader.streams, timeout=30)
+        # (the loader's one call lives on between its passes: one stream)
+        assert wait_until(lambda: loader.leases.held_total == 0 and len(loader.streams) <= 1, timeout=30)
         before = _footprint(server)
         for i in range(LOADER_ROUNDS):
             one_round(i)
-        assert wait_until(lambda: _settled(server, before), timeout=30), f"{before} -> {_footprint(server)}"
+        assert wait_until(lambda: _settled(server, before, live=1), timeout=30), f"{before} -> {_footprint(server)}"
         copied = loader.transport.bytes_copied["shm"]
         assert sum(b["image"].shape[0] for b in ld) == 10_000
         assert loader.transport.bytes_copied["shm"] == copied  # the last epoch still came in shared memory

@@ -1,0 +1,95 @@
+"""One server as the several-servers rule sees it: what it can build (``Capacity``, as it says,
+kept across passes) and its state in one pass (``Holder``: its grants, its batches waiting, its
+credit, whether it is stalled). ``batchd.client.iteration.credit`` has the rule; this file the
+questions it asks of one server: room for a batch, when it would deliver one more, when its
+oldest grant is late.
+
+Thread-safety: none; the pass calls them under its one lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Hashable
+
+DEFAULT_BUILD_S = 0.1  # a server's seconds per batch while none is measured (seconds)
+LEASE_RESERVE = 2  # leases of a shared-memory session left to the loop (the batch it holds, the next)
+STALL_FACTOR = 2.0  # a grant is late past this many times the latency its server's capacity implies
+STALL_SLACK_S = 0.1  # ... plus this (scheduling, a garbage collection, the network; seconds)
+_BUILD_WINDOW = 32  # recent batches whose build times make a server's median
+
+
+class Capacity:
+    """What one server can build, as it says: ``workers`` (its worker processes) and the median
+    worker seconds per batch of its recent batches (``build_time``, None before its first);
+    ``max_leases`` over shared memory (None otherwise). Kept by its link across passes."""
+
+    __slots__ = ("workers", "max_leases", "_builds", "_median")
+
+    def __init__(self, workers: int = 1, max_leases: int | None = None):
+        self.workers = max(1, workers)
+        self.max_leases = max_leases
+        self._builds: collections.deque[float] = collections.deque(maxlen=_BUILD_WINDOW)
+        self._median: float | None = None
+
+    def record(self, seconds: float, workers: int = 0) -> None:
+        """A batch of this server arrived: its worker ``seconds`` (read + decode + pipeline + cache
+        + write, 0: unknown) and the server's ``workers`` when it was sent (0: unknown)."""
+        if workers > 0:
+            self.workers = workers
+        if seconds > 0:
+            self._builds.append(seconds)
+            self._median = statistics.median(self._builds)
+
+    @property
+    def build_time(self) -> float | None:
+        return self._median
+
+
+@dataclass(eq=False)
+class Holder:
+    """One server in one pass: the batches granted to it and not arrived (``outstanding``: batch
+    -> when granted, monotonic s), its batches waiting to be taken (``held``), its state."""
+
+    key: Hashable
+    capacity: Capacity
+    home: str
+    open: bool = False  # its call is up for this pass: it may be granted batches
+    stalled: bool = False
+    probe: int | None = None  # a stalled server's one grant left
+    outstanding: dict[int, float] = field(default_factory=dict)
+    held: int = 0
+    credit: int = 1
+    # this pass's counts (``Credit.figures``)
+    delivered: int = 0  # batches it sent first
+    duplicates: int = 0  # copies it sent after another (dropped)
+    stalls: int = 0  # times it was found stalled
+    regranted: int = 0  # its batches granted to another server when it stalled or went
+
+    def build_time(self, default: float) -> float:
+        t = self.capacity.build_time
+        return t if t is not None else default
+
+    def delivery(self, default: float) -> float:
+        """Seconds until it would deliver one more batch granted now (its queue, then that one)."""
+        return (len(self.outstanding) // self.capacity.workers + 1) * self.build_time(default)
+
+    def deadline(self, default: float) -> float:
+        """Seconds after which its oldest grant is late (module docstring, *Stalls*); a server not
+        measured yet gets at least ``DEFAULT_BUILD_S`` per batch."""
+        rounds = math.ceil(self.credit / self.capacity.workers) + 1
+        t = self.capacity.build_time
+        return STALL_FACTOR * rounds * (t if t is not None else max(default, DEFAULT_BUILD_S)) + STALL_SLACK_S
+
+    def room(self, b: int, base: int) -> bool:
+        """Whether batch b may be granted to it now: free credit, and over shared memory free
+        leases, but for the batch the loop waits for (``base``: the batches it holds wait for it)."""
+        if self.stalled or not self.open or len(self.outstanding) >= self.credit:
+            return False
+        leases = self.capacity.max_leases
+        if leases is None or b == base:
+            return True
+        return len(self.outstanding) + self.held < max(1, leases - LEASE_RESERVE)
