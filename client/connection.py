@@ -82,7 +82,8 @@ class ServerConnection:
         pool = buffers.BufferPool(link_relay.buffers if link_relay is not None else
                                   buffers.PinnedPool() if transfer is not None else buffers.pageable)
         self.data = DataLink(address, options.tls, pool, connect_timeout=options.connect_timeout,
-                             timeout=options.timeout, optional=options.transport == "auto", relay=link_relay)
+                             timeout=options.timeout, optional=options.transport == "auto", relay=link_relay,
+                             max_message=options.max_message_bytes)
         self._tag_prefix = new_tag_prefix()
         self._tags = itertools.count()
         self.calls: weakref.WeakSet = weakref.WeakSet()  # Batches calls open (cancelled by close)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from batchd import errors
 from batchd.client.call import BatchesCall, ServerRefused
+from batchd.client.redial import FellBack
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class LaneRunner:
                 self._end_call(abandoned=True)
                 if self._stopping.is_set() or feed.stopping.is_set():
                     return
+                if isinstance(e, FellBack):  # (warned once by the DataLink: the next call goes inline)
+                    feed.owner.loader_stats.count("data_plane_fallbacks")
                 if not self._reconnect(e):
                     return
             except (DatasetChangedError, DatasetNotFoundError) as e:
@@ -209,8 +212,9 @@ class LaneRunner:
         now = time.monotonic()
         if self.failing_since is None:
             self.failing_since = now
-            log.warning("lost the stream from %s at epoch %d, batch %d (%s); reconnecting for up to %g s",
-                        server.address, feed.epoch, b, error, feed.owner.reconnect_window())
+            (log.info if isinstance(error, FellBack) else log.warning)(
+                "lost the stream from %s at epoch %d, batch %d (%s); reconnecting for up to %g s",
+                server.address, feed.epoch, b, error, feed.owner.reconnect_window())
         else:  # a new call failed too: not at once again
             self._stopping.wait(min(0.5, max(0.0, self.failing_since + feed.owner.reconnect_window() - now)))
         deadline = self.failing_since + feed.owner.reconnect_window()

@@ -27,7 +27,10 @@ they do into it (reconnects, failovers, hedges). ``snapshot()`` is a plain dict,
   messages' bytes;
 * ``reconnects`` (a broken call resumed on its server), ``failovers`` (a server given up, its
   batches given to the others), ``hedges_issued``, ``hedges_won`` (the hedge's copy came
-  first), ``hedges_wasted`` (the other copy came first: the hedge was revoked).
+  first), ``hedges_wasted`` (the other copy came first: the hedge was revoked),
+  ``data_plane_fallbacks`` (a server whose data port could not be used, or refused every dial
+  of a call's data connection, with ``transport="auto"``: its calls go inline from then on;
+  ``batchd.client.redial``).
 
 Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
 counters are bumped from the prober and the consumer's thread.
@@ -42,7 +45,7 @@ from typing import Any, Callable
 import numpy as np
 
 WAIT_WINDOW = 10_000  # per-batch waits kept for the percentiles
-COUNTERS = ("reconnects", "failovers", "hedges_issued", "hedges_won", "hedges_wasted")
+COUNTERS = ("reconnects", "failovers", "hedges_issued", "hedges_won", "hedges_wasted", "data_plane_fallbacks")
 TRANSPORTS = ("shm", "socket", "inline")
 _SERVER_KEYS = ("batches", "share", "window", "rate", "up", "stalled", "hedges_issued", "hedges_won", "hedges_wasted")
 

@@ -97,7 +97,13 @@ def read_all(s: socket.socket, limit: int, timeout: float = 5.0) -> bytes:
 
 
 def test_the_config_block(tmp_path):
-    assert ServerConfig().data_plane == DataPlaneConfig(enabled=True, port=0, token_ttl_s=10.0)
+    assert ServerConfig().data_plane == DataPlaneConfig(enabled=True, port=None, token_ttl_s=10.0, first_byte_timeout_s=2.0,
+                                                        handshake_timeout_s=5.0, max_handshakes=1024,
+                                                        max_handshakes_per_source=64)
+    assert DataPlaneConfig().port_for(50051) == 50052 and DataPlaneConfig().port_for(0) == 0
+    assert DataPlaneConfig(port=0).port_for(50051) == 0 and DataPlaneConfig(port=7).port_for(50051) == 7
+    with pytest.raises(ValueError, match="65535"):
+        DataPlaneConfig().port_for(65535)
     path = tmp_path / "c.yaml"
     path.write_text("datasets: {}\ndata_plane: {port: 50052}\n")
     assert load_config(path).data_plane.port == 50052
@@ -106,6 +112,9 @@ def test_the_config_block(tmp_path):
         load_config(path)
     path.write_text("datasets: {}\ndata_plane: {prot: 1}\n")
     with pytest.raises(ConfigError, match=r"data_plane\.prot"):
+        load_config(path)
+    path.write_text("datasets: {}\ndata_plane: {first_byte_timeout_s: 9, handshake_timeout_s: 3}\n")
+    with pytest.raises(ConfigError, match="first_byte_timeout_s"):
         load_config(path)
 
 
