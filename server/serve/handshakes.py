@@ -23,8 +23,8 @@ Clients send their token at once, so the limits (``Limits``) are short:
 
 A connection dropped (evicted, late, closed, a failed handshake, an error of any kind while it
 is read) is closed without a byte written and reported (``refused``). No error of one connection,
-nor a failed accept (``EMFILE``: the oldest pending connection is evicted and accepts pause for
-``PAUSE_S``), ends the loop. ``close`` wakes it at once; it closes every pending connection and
+nor a failed accept (``EMFILE``: the oldest pending connection is evicted to make room; with
+none pending, or another error, accepts pause for ``PAUSE_S``), ends the loop. ``close`` wakes it at once; it closes every pending connection and
 the listener, and returns once the thread ended.
 """
 
@@ -199,10 +199,12 @@ class Handshakes:
             except ConnectionAbortedError:  # reset before it was accepted
                 continue
             except OSError as e:
-                # EMFILE / ENFILE (out of descriptors), ENOBUFS, ENOMEM: free one and pause, never spin
                 if e.errno in (errno.EMFILE, errno.ENFILE) and self._pending:
-                    self._drop(next(iter(self._pending.values())), "evicted: out of file descriptors")
+                    # out of descriptors: the oldest pending connection makes room for the new one
                     self.evicted += 1
+                    self._drop(next(iter(self._pending.values())), "evicted: out of file descriptors")
+                    continue
+                # (ENOBUFS, ENOMEM, out of descriptors with none pending): pause, never spin
                 self._listen(False)
                 self._paused_until = time.monotonic() + PAUSE_S
                 log.warning("data plane: accept failed (%s); accepting again in %g s", e.strerror or e, PAUSE_S)
