@@ -168,7 +168,7 @@ class DataPlane:
         self.bytes_sent = 0
         self.connections_accepted = 0
         self.connections_refused = 0
-        limits = Limits(first_byte_s=first_byte_timeout_s, handshake_s=handshake_timeout_s,
+        limits = Limits(first_byte_s=min(first_byte_timeout_s, handshake_timeout_s), handshake_s=handshake_timeout_s,
                         max_pending=max_handshakes, max_per_source=max_handshakes_per_source)
         try:
             self._handshakes = Handshakes(self._listener, ssl_context, limits, self._token_read, self._refused)
