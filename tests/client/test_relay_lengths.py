@@ -1,6 +1,6 @@
 """A data connection's lengths are checked before a buffer is taken, and no error path leaks a
-descriptor or a buffer (issue 37): through the receive relay (client/relay.py, relay_child.py)
-and in the trainer (client/dataplane.py).
+descriptor or a buffer (issue 37): through the receive relay (client/transport/relay.py, relay_child.py)
+and in the trainer (client/transport/dataplane.py).
 
 An in-band frame's header names its payload length; the relay used to take a buffer of that
 length (plus the message) before anyone read the message: an 8 GiB header made a 9 GiB memfd, a
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from batchd import datawire, wire
-from batchd.client import buffers, relay
-from batchd.client.dataplane import DataSocket
+from batchd.client.transport import buffers, relay
+from batchd.client.transport.dataplane import DataSocket
 from helpers import fake_data_server
 
 pytestmark = [pytest.mark.timeout(120),

@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 
 from batchd import datawire, wire
-from batchd.client import buffers
+from batchd.client.transport import buffers
 from batchd.client.channel import TLS
-from batchd.client.dataplane import DataSocket
+from batchd.client.transport.dataplane import DataSocket
 from batchd.server.config import TlsConfig
 from batchd.server.serve.dataplane import DataPlane, tls_context
 from batchd.server.shm import Owner, SlotPool

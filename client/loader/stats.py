@@ -1,7 +1,7 @@
 """The client's own figures: how long the training loop waited for batches, and what the loader
 did meanwhile (``RemoteDataLoader.stats()``).
 
-``batchd.client.timings.timed`` wraps the iterator a loader hands to the training loop: the time
+``batchd.client.loader.timings.timed`` wraps the iterator a loader hands to the training loop: the time
 each ``__next__`` takes is the time the loop waited for that batch (nothing else runs there); it
 reports each wait here and to the loader's ``LoopTimings`` (``loader.profile()``), one
 measurement for both. ``LoaderStats`` keeps those waits and the loader's counters; the servers' loaders count what
@@ -30,7 +30,7 @@ they do into it (reconnects, failovers, hedges). ``snapshot()`` is a plain dict,
   first), ``hedges_wasted`` (the other copy came first: the hedge was revoked),
   ``data_plane_fallbacks`` (a server whose data port could not be used, or refused every dial
   of a call's data connection, with ``transport="auto"``: its calls go inline from then on;
-  ``batchd.client.redial``).
+  ``batchd.client.transport.redial``).
 
 Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
 counters are bumped from the prober and the consumer's thread.

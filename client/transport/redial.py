@@ -16,7 +16,7 @@ then on; the loader counts it in ``stats()["data_plane_fallbacks"]``); with ``tr
 the error stays a broken call, reconnected as any.
 
 ``RedialingSocket`` has the interface of ``DataSocket`` and ``RelayedSocket``
-(client/dataplane.py, client/relay.py); both say whether the server sent a byte (``first_byte``).
+(client/transport/dataplane.py, client/transport/relay.py); both say whether the server sent a byte (``first_byte``).
 """
 
 from __future__ import annotations
