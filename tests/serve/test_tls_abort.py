@@ -32,7 +32,7 @@ import pytest
 
 from batchd import datawire, wire
 from batchd.client.transport import buffers
-from batchd.client.channel import TLS
+from batchd.client.transport.channel import TLS
 from batchd.client.transport.dataplane import DataSocket
 from batchd.server.config import TlsConfig
 from batchd.server.serve.dataplane import DataPlane, tls_context
