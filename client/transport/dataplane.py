@@ -335,6 +335,7 @@ class DataLink:
             return None
         port, token = offer
         return redial.RedialingSocket(lambda: self._dial(port, token), ended, lambda e: self._unusable(e, port),
+                                      where=f"the data port {port} of the batchd server at {self.address}",
                                       window=min(redial.WINDOW_S, self.connect_timeout))
 
     def _dial(self, port: int, token: bytes) -> DataSocket:

@@ -40,14 +40,16 @@ class FellBack(errors.ConnectionError):
 class RedialingSocket:
     """One call's data connection (module docstring). dial() -> a ``DataSocket`` or
     ``RelayedSocket`` with the call's token presented (raises ConnectionError). ended(): whether
-    the call is over. unusable(error) -> the error to raise once the dials are spent. window:
-    seconds a failed dial may have taken and still be repeated (``WINDOW_S``). Raises (at
-    construction) what the last dial raised, through ``unusable``. ``receive`` /
-    ``receive_next`` run in one thread; ``close`` from any."""
+    the call is over. unusable(error) -> the error to raise once the dials are spent. where: the
+    data port, named in errors. window: seconds a failed dial may have taken and still be
+    repeated (``WINDOW_S``). Raises (at construction) what the last dial raised, through
+    ``unusable``. ``receive`` / ``receive_next`` run in one thread; ``close`` from any."""
 
     def __init__(self, dial: Callable[[], Any], ended: Callable[[], bool],
-                 unusable: Callable[[ConnectionError], ConnectionError], *, window: float = WINDOW_S):
+                 unusable: Callable[[ConnectionError], ConnectionError], *, where: str = "the data port",
+                 window: float = WINDOW_S):
         self._dial, self._ended, self._unusable, self._window = dial, ended, unusable, window
+        self.where = where
         self._lock = threading.Lock()
         self._closed = False
         self._confirmed = False  # the server sent a byte: no more dials
@@ -125,8 +127,9 @@ class RedialingSocket:
                     self._confirmed = True
                     return result
                 clean = True
-                error = errors.ConnectionError("the batchd server closed the data connection before its first byte "
-                                               "each time it was dialed")
+                error = errors.ConnectionError(f"{self.where} closed the data connection before its first byte "
+                                               f"each time it was dialed (it refused it: too many connections "
+                                               f"waiting there, or a handshake it gave up on)")
             sock.close()
             try:
                 fresh = self._open(error)
