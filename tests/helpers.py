@@ -7,6 +7,7 @@ import pathlib
 import random
 import socket
 import struct
+import subprocess
 import time
 
 import cv2
@@ -318,3 +319,19 @@ def fake_data_server(script):
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return listener, t
+
+
+def private_shm_prefix() -> list[str] | None:
+    """An argv prefix that runs a command with a /dev/shm of its own (a mount namespace, as a
+    container without the trainer's IPC namespace): this process cannot read a server's shared
+    memory there and gets its batches over TCP, as from another host. None where ``unshare`` may
+    not mount (not root and no user namespaces)."""
+    for unshare in (["unshare", "-m"], ["unshare", "-r", "-m"]):
+        try:
+            ok = subprocess.run([*unshare, "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True,
+                                timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if ok:
+            return [*unshare, "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+    return None
