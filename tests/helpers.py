@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pathlib
 import random
@@ -335,3 +336,15 @@ def private_shm_prefix() -> list[str] | None:
         if ok:
             return [*unshare, "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
     return None
+
+
+@contextlib.contextmanager
+def data_plane(**kw):
+    """A ``DataPlane`` on 127.0.0.1:0 (``kw``: its options), closed on exit."""
+    from batchd.server.serve.dataplane import DataPlane
+
+    p = DataPlane("127.0.0.1", 0, **kw)
+    try:
+        yield p
+    finally:
+        p.close()

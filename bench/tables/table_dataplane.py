@@ -7,8 +7,8 @@ loader here cannot read its shared memory and reads over the data plane, as a tr
 host), serving ``bench.fixtures.synthetic.Frames`` (ready-made 224 x 224 frames, 9.6 MB batches
 of 64: the transport is what is measured, the workers only copy). A ``RemoteDataLoader`` with
 the defaults (``transport="auto"``: the data plane, through the relay) reads as fast as it can
-while an attacker process (``python -m tests.adversary``, its own open-file limit raised for its
-connections) holds 0, 64, 500 or 5,000 connections to the data port that never send a byte,
+while an attacker process (``python -m tests.adversary`` at ``nice 19``: from another host it
+would take none of this host's CPU; its own open-file limit raised for its connections) holds 0, 64, 500 or 5,000 connections to the data port that never send a byte,
 opening a new one as soon as the server closes one (its first-byte deadline, an eviction), at
 most 1,000 a second, from 100 source addresses (127.0.0.2-101: a spread attacker that the
 per-source cap alone does not stop; the server's table holds ``max_handshakes`` = 1,024 pending
@@ -55,9 +55,11 @@ TIMEOUT_S = 1800
 def _attacker(port: int, n: int) -> subprocess.Popen | None:
     if n == 0:
         return None
-    return subprocess.Popen([sys.executable, "-m", "tests.adversary", str(port), str(n), "--rate", str(RATE),
-                             "--sources", SOURCES], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    # (at the lowest priority: from another host it would take none of this one's CPU; its loopback
+    # connections' kernel work still lands here)
+    return subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "tests.adversary", str(port), str(n),
+                             "--rate", str(RATE), "--sources", SOURCES], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
 
 
 def _stop(proc: subprocess.Popen | None) -> dict:

@@ -49,6 +49,7 @@ ACCEPT_BATCH = 16  # connections accepted per wake-up (after the ready ones were
 PAUSE_S = 0.25  # accepting pauses this long after a failed accept (EMFILE, ENOBUFS...)
 TICK_S = 0.05  # while connections are pending, deadlines are looked at this often
 FIRST, TLS, TOKEN = range(3)  # a pending connection's state: its first byte, the TLS handshake, the token
+_WAITING = object()  # (``Handshakes._io``: the operation cannot go on now)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ class Handshakes:
         self._wake_w.setblocking(False)
         self._closing = False
         self._paused_until = 0.0  # accepts pause until then (time.monotonic())
+        self._next_expiry = 0.0  # deadlines are looked at again then
         self._listening = False
         self.evicted = 0
         self.timed_out = 0
@@ -239,9 +241,8 @@ class Handshakes:
         """Take ``entry`` as far as it can go now: its first byte, TLS handshake, token."""
         try:
             if entry.state == FIRST:  # TLS: wrap only once a byte came (an idle connection costs no TLS state)
-                try:
-                    first = entry.sock.recv(1, socket.MSG_PEEK)
-                except (BlockingIOError, InterruptedError):
+                first = self._io(entry, lambda: entry.sock.recv(1, socket.MSG_PEEK), "no first byte")
+                if first is _WAITING:
                     return
                 if not first:
                     self._drop(entry, "closed before its first byte")
@@ -250,30 +251,13 @@ class Handshakes:
                 entry.sock = self._ssl.wrap_socket(entry.sock, server_side=True, do_handshake_on_connect=False)
                 entry.state = TLS
             if entry.state == TLS:
-                try:
-                    entry.sock.do_handshake()
-                except ssl.SSLWantReadError:
-                    self._want(entry, selectors.EVENT_READ)
-                    return
-                except ssl.SSLWantWriteError:
-                    self._want(entry, selectors.EVENT_WRITE)
-                    return
-                except (ssl.SSLError, OSError) as e:
-                    self._drop(entry, f"TLS handshake failed ({type(e).__name__}: {e})")
+                if self._io(entry, entry.sock.do_handshake, "TLS handshake failed") is _WAITING:
                     return
                 entry.state = TOKEN
             while entry.got < len(entry.token):  # exactly the token: control frames may follow it (plain TCP)
                 view = memoryview(entry.token)[entry.got:]
-                try:
-                    n = entry.sock.recv_into(view, len(view))
-                except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
-                    self._want(entry, selectors.EVENT_READ)
-                    return
-                except ssl.SSLWantWriteError:
-                    self._want(entry, selectors.EVENT_WRITE)
-                    return
-                except (ssl.SSLError, OSError) as e:
-                    self._drop(entry, f"no token ({type(e).__name__}: {e})")
+                n = self._io(entry, lambda: entry.sock.recv_into(view, len(view)), "no token")
+                if n is _WAITING:
                     return
                 if not n:
                     self._drop(entry, f"closed after {entry.got} bytes of its token")
@@ -292,25 +276,41 @@ class Handshakes:
             _close(entry.sock)
             self._refused(entry.peer, reason)
 
+    def _io(self, entry: _Pending, op: Callable[[], object], failed: str) -> object:
+        """``op()``'s result; ``_WAITING`` when it cannot go on now: the connection waits for its
+        socket (``SSLWant*``, ``EAGAIN``), or was dropped (an error: ``failed`` says what failed)."""
+        try:
+            return op()
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+            self._want(entry, selectors.EVENT_READ)
+        except ssl.SSLWantWriteError:
+            self._want(entry, selectors.EVENT_WRITE)
+        except (ssl.SSLError, OSError) as e:
+            self._drop(entry, f"{failed} ({type(e).__name__}: {e})")
+        return _WAITING
+
     def _want(self, entry: _Pending, events: int) -> None:
         if entry.events != events:
             self._selector.modify(entry.fd, events, entry)
             entry.events = events
 
     def _expire(self, now: float) -> None:
-        """Drop the connections past their deadline (oldest first: the scan ends at the first one
-        younger than the first-byte limit, since every younger one is within both limits)."""
-        limits = self.limits
-        for entry in list(self._pending.values()):
+        """Drop the connections past their deadline, at most every ``TICK_S`` (oldest first: the
+        scan ends at the first one younger than the first-byte limit, since every younger one is
+        within both limits)."""
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + TICK_S
+        limits, late = self.limits, []
+        for entry in self._pending.values():
             age = now - entry.accepted_at
             if age < limits.first_byte_s:
                 break
             if age >= limits.handshake_s:
-                reason = f"no token within {limits.handshake_s:g} s"
+                late.append((entry, f"no token within {limits.handshake_s:g} s"))
             elif not entry.started:
-                reason = f"no byte within {limits.first_byte_s:g} s"
-            else:
-                continue
+                late.append((entry, f"no byte within {limits.first_byte_s:g} s"))
+        for entry, reason in late:
             self.timed_out += 1
             self._drop(entry, reason)
 

@@ -29,7 +29,7 @@ from batchd.v1 import loader_pb2 as pb
 from helpers import digest, free_port, private_shm_prefix, wait_until
 from procs import RANDOM_AUG, fmnist_test_config
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 TRAINER, TENANT = "trainer-token-0123456789abcdef", "tenant-token-0123456789abcdef"
 BATCH = 250

@@ -6,7 +6,6 @@ cancelled or the plane closes; nothing hangs."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import ssl
 import threading
@@ -18,27 +17,10 @@ import pytest
 from batchd import datawire
 from batchd.server.config import ConfigError, DataPlaneConfig, ServerConfig, TlsConfig, load_config
 from batchd.server.serve.dataplane import DataPlane, tls_context
-from batchd.server.shm import Owner, SlotPool
+from batchd.server.shm import SlotPool
+from helpers import data_plane as plane
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def slots():
-    owner = Owner()
-    pool = SlotPool(max_slots=4, prefix=owner.prefix)
-    yield pool
-    pool.close()
-    owner.close()
-
-
-@contextlib.contextmanager
-def plane(**kw):
-    p = DataPlane("127.0.0.1", 0, **kw)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def batch_in(slots: SlotPool, rng: np.random.Generator):

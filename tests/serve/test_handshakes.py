@@ -7,7 +7,6 @@ and warns of plain TCP; ``Server.stop`` closes the loader whatever the data plan
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import select
@@ -22,18 +21,10 @@ import pytest
 
 from batchd.server.serve import dataplane
 from batchd.server.serve.dataplane import DataPlane
+from helpers import data_plane as plane
 from helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@contextlib.contextmanager
-def plane(**kw):
-    p = DataPlane("127.0.0.1", 0, **kw)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def idle(p: DataPlane, source: str = "127.0.0.1") -> socket.socket:

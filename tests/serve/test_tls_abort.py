@@ -36,7 +36,7 @@ from batchd.client.transport.channel import TLS
 from batchd.client.transport.dataplane import DataSocket
 from batchd.server.config import TlsConfig
 from batchd.server.serve.dataplane import DataPlane, tls_context
-from batchd.server.shm import Owner, SlotPool
+from batchd.server.shm import SlotPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -150,15 +150,6 @@ class RecordingProxy:
         self.listener.close()
         for t in self.threads:
             t.join(15)
-
-
-@pytest.fixture
-def slots():
-    owner = Owner()
-    pool = SlotPool(max_slots=4, prefix=owner.prefix)
-    yield pool
-    pool.close()
-    owner.close()
 
 
 def patterned_slot(slots: SlotPool):
