@@ -138,17 +138,21 @@ def _free_port() -> int:
 def render(r: dict) -> str:
     if "skipped" in r:
         return f"Skipped: {r['skipped']}."
-    base = r["rows"]["0"]["rate"]
-    head = ["idle connections", "trainer images/s", "vs no attack", "attacker opened /s", "server refused /s",
-            "server main process (cores)", "attacker (cores)", "server threads, fds", "all over the data plane"]
+    base, base_rates = r["rows"]["0"]["rate"], r["rows"]["0"]["rates"]
+    head = ["idle connections", "trainer images/s", "vs no attack", "per round (min-max)", "attacker opened /s",
+            "server refused /s", "server main process (cores)", "attacker (cores)", "server threads, fds",
+            "all over the data plane"]
     rows = []
-    for n, x in r["rows"].items():
-        rows.append([f"{int(n):,}", f"{x['rate']:.0f}", f"{x['rate'] / base:.2f}x", f"{x['opened_per_s']:.0f}",
-                     f"{x['refused_per_s']:.0f}", f"{x['server_cores']:.2f}", f"{x['attacker_cores']:.2f}",
-                     f"{x['threads']}, {x['fds']}", "yes" if x["socket_only"] else "NO"])
+    for n, x in sorted(r["rows"].items(), key=lambda item: int(item[0])):
+        ratios = [a / b for a, b in zip(x["rates"], base_rates)]
+        rows.append([f"{int(n):,}", f"{x['rate']:.0f}", f"{x['rate'] / base:.2f}x",
+                     f"{min(ratios):.2f}-{max(ratios):.2f}x", f"{x['opened_per_s']:.0f}", f"{x['refused_per_s']:.0f}",
+                     f"{x['server_cores']:.2f}", f"{x['attacker_cores']:.2f}", f"{x['threads']}, {x['fds']}",
+                     "yes" if x["socket_only"] else "NO"])
     return md_table(head, rows) + (
         f"\n\nFrames (9.6 MB batches of 64), 2 workers, the loader's defaults (data plane through the relay); "
-        f"medians of {r['rounds']} alternated rounds of {r['timed']} timed batches. The attacker holds the "
+        f"medians of {r['rounds']} alternated rounds of {r['timed']} timed batches (per round: that round's "
+        f"images/s against the same round's without attack). The attacker (at nice 19) holds the "
         f"connections from 100 source addresses and opens at most {r['rate_limit']:.0f} a second; the server holds "
         f"1,024 pending at most (the oldest evicted) and closes one without a byte within 2 s. Bytes any attacker "
         f"connection received: {sum(x['attacker_bytes'] for x in r['rows'].values())}.")
@@ -160,7 +164,7 @@ def targets(r: dict) -> list[dict]:
                  "detail": r["skipped"]}]
     base = r["rows"]["0"]["rate"]
     out = []
-    for n, x in r["rows"].items():
+    for n, x in sorted(r["rows"].items(), key=lambda item: int(item[0])):
         if n == "0":
             continue
         out.append({"name": f"{int(n):,} idle connections: the trainer keeps >= 0.9x its images/s",

@@ -31,8 +31,8 @@ Protocol (AF_UNIX SOCK_SEQPACKET: one message per send; fds by SCM_RIGHTS):
   smaller than both gets ``S`` (the same fields, nothing written) followed by the message in
   ``m`` + up to ``MESSAGE_CHUNK`` bytes answers, so that the trainer checks the message (its
   length against the loader's maximum, its tensors against the header's payload length) before
-  it takes a buffer of that length, and sends ``P`` with one; the server closing the connection between frames gets ``F``, after which
-  the connection is closed. The trainer may also send ``C`` + a control frame (the call's grants
+  it takes a buffer of that length, and sends ``P`` with one; the server closing the
+  connection between frames gets ``F``, after which the connection is closed. The trainer may also send ``C`` + a control frame (the call's grants
   and revokes), which the relay writes on the data connection as it is (no answer). EOF on
   the pair (the trainer closed the connection) ends the thread and closes the data
   connection, also while a read waits (it looks every SLICE seconds; a control frame waiting
