@@ -281,6 +281,36 @@ def process_counts(pid: int) -> tuple[int, int]:
     return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def open_files(pid: int) -> dict[int, str]:
+    """Process ``pid``'s descriptors: fd -> what it is (a TCP socket as "tcp LOCAL -> REMOTE STATE",
+    from /proc/PID/net/tcp), for a message naming what a leak left open."""
+    sockets = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            sockets[f[9]] = f"{table} {_endpoint(f[1])} -> {_endpoint(f[2])} state {f[3]}"
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        inode = target[len("socket:["):-1] if target.startswith("socket:[") else None
+        out[int(fd)] = sockets.get(inode, target) if inode else target
+    return out
+
+
+def _endpoint(hex_address: str) -> str:
+    host, port = hex_address.split(":")
+    if len(host) == 8:
+        host = ".".join(str(b) for b in bytes.fromhex(host)[::-1])
+    return f"{host}:{int(port, 16)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m tests.adversary PORT N [--rate R] [--sources A,B,...]``: an ``IdleFlood`` of ``N``
     connections in a process of its own (its open-file limit raised for them, within the hard

@@ -83,6 +83,8 @@ def memfds() -> list[int]:
 
 
 def open_fds() -> int:
+    """This process's open descriptors, once what the collector may free was freed."""
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -139,7 +141,7 @@ ERRORS = {
                                                                        "message of batch 3"),
     "closed mid-message": (frame(3, 32, message())[:30], "closed its data connection"),
     "closed mid-payload": (frame(3, 32, message(), bytes(10)), "closed its data connection"),
-    "reset mid-payload": (frame(3, 32, message(), bytes(10)), ""),
+    "reset mid-payload": (frame(3, 32, message(), bytes(10)), None),  # (closed, or broke: either words)
     "closed in a big frame": (frame(3, 8 * 70_000, message(n=70_000), bytes(1000)), "closed its data connection"),
 }
 

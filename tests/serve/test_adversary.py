@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 import batchd
-from adversary import IdleFlood, RandomBytes, SlowDrip, TokenAbuse, process_counts
+from adversary import IdleFlood, RandomBytes, SlowDrip, TokenAbuse, open_files, process_counts
 from batchd.v1 import loader_pb2 as pb
 from helpers import digest, free_port, private_shm_prefix, wait_until
 from procs import RANDOM_AUG, fmnist_test_config
@@ -78,6 +78,7 @@ def test_an_adversary_beside_training_stalls_reads_and_crashes_nothing(server_pr
         warmed, _ = epoch(srv.address)
     assert warmed == reference and warmup.calls >= 1, warmup.errors
     baseline = settled(srv.pid)
+    files = open_files(srv.pid)
 
     parts = [IdleFlood(data_port, 500, rate=1000.0), SlowDrip(data_port, 8), RandomBytes(data_port),
              TokenAbuse(srv.address, request, bearer=TENANT)]
@@ -102,7 +103,7 @@ def test_an_adversary_beside_training_stalls_reads_and_crashes_nothing(server_pr
     assert [p.bytes_received for p in parts] == [0, 0, 0, 0], "a connection without its token got bytes"
 
     assert wait_until(lambda: process_counts(srv.pid)[0] <= baseline[0] and process_counts(srv.pid)[1] <= baseline[1],
-                      30, 0.5), (f"threads, descriptors: {process_counts(srv.pid)} after the attack, "
-                                 f"{baseline} before")
+                      30, 0.5), (f"threads, descriptors: {process_counts(srv.pid)} after the attack, {baseline} "
+                                 f"before; open since: {sorted(set(open_files(srv.pid).items()) - set(files.items()))}")
     again, _ = epoch(srv.address)  # and the server serves on
     assert again == reference
