@@ -11,7 +11,9 @@ tokens and sending oversized and garbage control frames.
 The loader's epoch has the bytes of an undisturbed one, and it stayed on the data plane (no
 fallback to inline, nothing reconnected); no attacker connection got a byte it had no token for;
 each bad frame ended its own call only; the server's threads and open descriptors, counted from
-outside (/proc), come back to what they were before the attack. The loader's images/s under
+outside (/proc; but its connections on the gRPC port, which this process's gRPC client may keep
+for a later channel, and its pool of shared-memory slots, whose use its Stats give), come back
+to what they were before the attack. The loader's images/s under
 attack against without it is a figure of bench/tables/table_dataplane.py, not asserted here.
 """
 
@@ -24,8 +26,9 @@ import pytest
 import yaml
 
 import batchd
-from adversary import IdleFlood, RandomBytes, SlowDrip, TokenAbuse, open_files, process_counts
+from batchd.client.transport.server_stats import get_stats
 from batchd.v1 import loader_pb2 as pb
+from adversary import IdleFlood, RandomBytes, SlowDrip, TokenAbuse, open_files, process_counts
 from helpers import digest, free_port, private_shm_prefix, wait_until
 from procs import RANDOM_AUG, fmnist_test_config
 
@@ -42,16 +45,31 @@ def epoch(address: str) -> tuple[list[str], dict]:
         return [digest(b) for b in ld], ld.stats()
 
 
-def settled(pid: int) -> tuple[int, int]:
-    """The process's (threads, descriptors) once they stopped changing (1 s apart), within 20 s."""
-    last = process_counts(pid)
+def held(pid: int, grpc_port: int) -> tuple[int, dict[int, str]]:
+    """The server's threads, and its descriptors but its connections on the gRPC port (whose life
+    this process's gRPC client decides: it may keep one open for a later channel) and its
+    shared-memory slots (a pool that grows to what was in flight at once, up to ``max_slots``;
+    ``slots_in_use`` says whether one is still held)."""
+    files = {fd: what for fd, what in open_files(pid).items()
+             if not what.startswith((f"tcp 127.0.0.1:{grpc_port} ", "/dev/shm/batchd-"))}
+    return process_counts(pid)[0], files
+
+
+def settled(pid: int, grpc_port: int) -> tuple[int, dict[int, str]]:
+    """``held`` once the counts stopped changing (1 s apart), within 20 s."""
+    last = held(pid, grpc_port)
     for _ in range(20):
         time.sleep(1.0)
-        now = process_counts(pid)
-        if now == last:
+        now = held(pid, grpc_port)
+        if (now[0], len(now[1])) == (last[0], len(last[1])):
             return now
         last = now
     return last
+
+
+def back_to(pid: int, grpc_port: int, baseline: tuple[int, dict[int, str]]) -> bool:
+    threads, files = held(pid, grpc_port)
+    return threads <= baseline[0] and len(files) <= len(baseline[1])
 
 
 def test_an_adversary_beside_training_stalls_reads_and_crashes_nothing(server_procs, tmp_path, fmnist_root):
@@ -77,8 +95,7 @@ def test_an_adversary_beside_training_stalls_reads_and_crashes_nothing(server_pr
     with TokenAbuse(srv.address, request, bearer=TENANT) as warmup:  # gRPC's thread pool grows to what the attack needs
         warmed, _ = epoch(srv.address)
     assert warmed == reference and warmup.calls >= 1, warmup.errors
-    baseline = settled(srv.pid)
-    files = open_files(srv.pid)
+    baseline = settled(srv.pid, port)
 
     parts = [IdleFlood(data_port, 500, rate=1000.0), SlowDrip(data_port, 8), RandomBytes(data_port),
              TokenAbuse(srv.address, request, bearer=TENANT)]
@@ -102,8 +119,9 @@ def test_an_adversary_beside_training_stalls_reads_and_crashes_nothing(server_pr
     assert tokens.frames > 0 and set(tokens.endings) <= {"INVALID_ARGUMENT", "LOST"}, tokens.endings
     assert [p.bytes_received for p in parts] == [0, 0, 0, 0], "a connection without its token got bytes"
 
-    assert wait_until(lambda: process_counts(srv.pid)[0] <= baseline[0] and process_counts(srv.pid)[1] <= baseline[1],
-                      30, 0.5), (f"threads, descriptors: {process_counts(srv.pid)} after the attack, {baseline} "
-                                 f"before; open since: {sorted(set(open_files(srv.pid).items()) - set(files.items()))}")
+    assert wait_until(lambda: back_to(srv.pid, port, baseline), 30, 0.5), (
+        f"threads {held(srv.pid, port)[0]} after the attack, {baseline[0]} before; descriptors open since: "
+        f"{sorted(set(held(srv.pid, port)[1].items()) - set(baseline[1].items()))}")
+    assert wait_until(lambda: get_stats(srv.address, token=TRAINER).pool.slots_in_use == 0, 30, 0.5)
     again, _ = epoch(srv.address)  # and the server serves on
     assert again == reference
