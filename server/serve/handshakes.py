@@ -221,8 +221,8 @@ class Handshakes:
             try:
                 self._admit(sock, addr)
             except Exception as e:  # one connection's trouble is that connection's
-                sock.close()
                 self._refused(_peer(addr), f"{type(e).__name__}: {e}")
+                sock.close()
 
     def _admit(self, sock: socket.socket, addr) -> None:
         sock.setblocking(False)
@@ -279,9 +279,9 @@ class Handshakes:
             reason = self._on_token(entry.sock, entry.peer, bytes(entry.token), entry.accepted_at)
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
-        if reason is not None:
-            _close(entry.sock)
+        if reason is not None:  # (counted before the close: a client that saw it closed sees it counted)
             self._refused(entry.peer, reason)
+            _close(entry.sock)
 
     def _io(self, entry: _Pending, op: Callable[[], object], failed: str) -> object:
         """``op()``'s result; ``_WAITING`` when it cannot go on now: the connection waits for its
@@ -336,9 +336,9 @@ class Handshakes:
 
     def _drop(self, entry: _Pending, reason: str, report: bool = True) -> None:
         self._forget(entry)
-        _close(entry.sock)
-        if report:
+        if report:  # (counted before the close: a client that saw it closed sees it counted)
             self._refused(entry.peer, reason)
+        _close(entry.sock)
 
 
 def _peer(addr) -> str:
