@@ -39,6 +39,26 @@ from batchd.server.serve.service import BatchLoaderService
 log = logging.getLogger("batchd.server")
 
 _SIGNAL_POLL_S = 0.1  # how often ``serve`` looks whether SIGINT/SIGTERM came
+FD_MARGIN = 4096  # open files beside the data plane's pending handshakes: calls, slots, workers, caches
+
+
+def raise_fd_limit(want: int) -> int:
+    """Raise this process's soft limit on open files (RLIMIT_NOFILE) to ``want``, within its hard
+    limit (never lowered); returns the soft limit now. A flood of idle data connections then
+    meets the data plane's ``max_handshakes`` (the oldest evicted), not EMFILE."""
+    try:
+        import resource
+    except ImportError:  # (not POSIX)
+        return want
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, e)
+    return soft
 
 
 def grpc_options(max_message_bytes: int, max_request_bytes: int | None = None) -> list[tuple[str, int]]:
@@ -112,15 +132,33 @@ class Server:
         self.metrics_address: str | None = None
 
     def _data_plane(self) -> DataPlane | None:
-        """The data plane (``config.data_plane``) on the host of the first TCP address, with the
-        gRPC port's TLS settings; None if disabled or the server listens on unix: sockets only.
+        """The data plane (``config.data_plane``) on the host of the first TCP address, on its
+        port (by default the gRPC port + 1: ``DataPlaneConfig.port_for``), with the gRPC port's
+        TLS settings; None if disabled or the server listens on unix: sockets only. Raises
+        the process's open-file limit to what its pending handshakes may take (``raise_fd_limit``).
         Raises RuntimeError if its port cannot be bound."""
         cfg = self.config.data_plane
         host = listen_host(self.addresses)
         if not cfg.enabled or host is None:
             return None
+        configured = [self.config.address, *self.config.also_listen][
+            next(i for i, a in enumerate(self.addresses) if not a.startswith("unix:"))]
+        try:
+            port = cfg.port_for(int(configured.rpartition(":")[2]))
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+        raise_fd_limit(cfg.max_handshakes + FD_MARGIN)
         ctx = tls_context(self.config.tls) if self.config.tls is not None else None
-        return DataPlane(host, cfg.port, ssl_context=ctx, token_ttl_s=cfg.token_ttl_s)
+        try:
+            return DataPlane(host, port, ssl_context=ctx, token_ttl_s=cfg.token_ttl_s,
+                             first_byte_timeout_s=cfg.first_byte_timeout_s,
+                             handshake_timeout_s=cfg.handshake_timeout_s, max_handshakes=cfg.max_handshakes,
+                             max_handshakes_per_source=cfg.max_handshakes_per_source)
+        except RuntimeError as e:
+            if cfg.port is None and port:
+                raise RuntimeError(f"{e} (data_plane.port is the gRPC port + 1 unless set: set it to a free port, "
+                                   f"or 0 for any)") from None
+            raise
 
     @property
     def data_address(self) -> str | None:
@@ -187,6 +225,11 @@ class Server:
         if self.data_plane is not None:
             log.info("data plane on %s (%s): batch bytes for remote clients beside their calls", self.data_address,
                      "TLS" if self.data_plane.tls else "plain TCP")
+            if not self.data_plane.tls and not is_loopback(self.data_address):
+                log.warning("data plane on %s is plain TCP: anyone on the network path can read every batch and the "
+                            "one-time tokens, race a client for its connection with its token, and alter batches or "
+                            "inject grants; add a tls section to the config (it covers both ports), set "
+                            "data_plane.enabled: false, or listen on 127.0.0.1 or unix:", self.data_address)
         for address in getattr(self, "addresses", [self.address]):
             if is_loopback(address):
                 continue
@@ -205,18 +248,24 @@ class Server:
         self.stop()
 
     def stop(self, grace: float = 5.0) -> None:
-        """Health NOT_SERVING, refuse new RPCs, give open ones ``grace`` seconds, then close the loader."""
+        """Health NOT_SERVING, refuse new RPCs, give open ones ``grace`` seconds, then close the data
+        plane, the metrics endpoint and the loader: the loader (its worker processes, shared
+        memory) whatever the steps before it raised (their error is raised after)."""
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self.health.enter_graceful_shutdown()
-        self.service.drain()  # open streams end with UNAVAILABLE, idle sessions end now
-        self.grpc_server.stop(grace).wait()
-        if self.data_plane is not None:
-            self.data_plane.close()  # after the calls: a payload in flight was sent or its call cancelled
-        if self.metrics is not None:
-            self.metrics.close()
-        self.loader.close()
+        try:
+            self.health.enter_graceful_shutdown()
+            self.service.drain()  # open streams end with UNAVAILABLE, idle sessions end now
+            self.grpc_server.stop(grace).wait()
+        finally:
+            try:
+                if self.data_plane is not None:
+                    self.data_plane.close()  # after the calls: a payload in flight was sent or its call cancelled
+                if self.metrics is not None:
+                    self.metrics.close()
+            finally:
+                self.loader.close()  # whatever the data plane or the metrics raised
         log.info("stopped")
 
     def wait(self) -> None:

@@ -110,3 +110,15 @@ def pki(tmp_path_factory):
     from pki import make_pki
 
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def slots():
+    """A SlotPool of 8 batch slots in shared memory of this process's own (unlinked after the test)."""
+    from batchd.server.shm import Owner, SlotPool
+
+    owner = Owner()
+    pool = SlotPool(max_slots=8, prefix=owner.prefix)
+    yield pool
+    pool.close()
+    owner.close()

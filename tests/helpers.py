@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pathlib
 import random
 import socket
 import struct
+import subprocess
 import time
 
 import cv2
@@ -27,23 +29,31 @@ _given: set[int] = set()  # ports free_port returned in this process
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range: a
     port chosen now and bound later by a server could otherwise be taken meanwhile as the source
-    port of an outgoing connection (SeaweedFS's filer once lost its port to its own master client)."""
+    port of an outgoing connection (SeaweedFS's filer once lost its port to its own master client).
+    The port after it was free too, and is never given either: a batchd server on port P puts its
+    data plane on P + 1 (``DataPlaneConfig.port_for``)."""
     low = _ephemeral_low()
     pick = random.SystemRandom()  # (not the test's seeded generators)
     for _ in range(200):
-        port = pick.randrange(max(1024, low - 12000), low)
-        if port in _given:  # (several ports for one server, taken before any is bound)
+        port = pick.randrange(max(1024, low - 12000), low - 1)
+        if port in _given or port + 1 in _given:  # (several ports for one server, taken before any is bound)
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _given.add(port)
+        if not all(_bindable(p) for p in (port, port + 1)):
+            continue
+        _given.update((port, port + 1))
         return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # (that range is full: any free port)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
@@ -310,3 +320,31 @@ def fake_data_server(script):
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return listener, t
+
+
+def private_shm_prefix() -> list[str] | None:
+    """An argv prefix that runs a command with a /dev/shm of its own (a mount namespace, as a
+    container without the trainer's IPC namespace): this process cannot read a server's shared
+    memory there and gets its batches over TCP, as from another host. None where ``unshare`` may
+    not mount (not root and no user namespaces)."""
+    for unshare in (["unshare", "-m"], ["unshare", "-r", "-m"]):
+        try:
+            ok = subprocess.run([*unshare, "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True,
+                                timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if ok:
+            return [*unshare, "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+    return None
+
+
+@contextlib.contextmanager
+def data_plane(**kw):
+    """A ``DataPlane`` on 127.0.0.1:0 (``kw``: its options), closed on exit."""
+    from batchd.server.serve.dataplane import DataPlane
+
+    p = DataPlane("127.0.0.1", 0, **kw)
+    try:
+        yield p
+    finally:
+        p.close()

@@ -28,8 +28,11 @@ they do into it (reconnects, failovers, stalls). ``snapshot()`` is a plain dict,
   socket data plane the bytes read from data connections (headers included), inline the gRPC
   messages' bytes;
 * ``reconnects`` (a broken call resumed on its server), ``failovers`` (a server's call broke
-  while others were up: its batches went to them at once), ``stalls`` (a server found stalled, its batches granted to the
-  others: ``batchd.client.iteration.credit``).
+  while others were up: its batches went to them at once), ``stalls`` (a server found stalled,
+  its batches granted to the others: ``batchd.client.iteration.credit``),
+  ``data_plane_fallbacks`` (a server whose data port could not be used, or refused every dial
+  of a call's data connection, with ``transport="auto"``: its calls go inline from then on;
+  ``batchd.client.transport.redial``).
 
 Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
 counters are bumped from the servers' and the loader's threads.
@@ -44,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 WAIT_WINDOW = 10_000  # per-batch waits kept for the percentiles
-COUNTERS = ("reconnects", "failovers", "stalls")
+COUNTERS = ("reconnects", "failovers", "stalls", "data_plane_fallbacks")
 TRANSPORTS = ("shm", "socket", "inline")
 _SERVER_KEYS = ("batches", "share", "credit", "up", "stalled", "stalls", "regranted", "duplicates", "workers",
                 "build_seconds")

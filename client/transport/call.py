@@ -71,6 +71,7 @@ class BatchesCall:
             raise batches_error(e, address) from None
         self.cancelled = False
         self._in_band = False  # the call's Batch messages come on its data connection
+        self._direct = False  # grants are to go on the data connection once a batch came on it
 
     def server_id(self) -> str:
         """The server's ``batchd-server-id`` ("" if it sent none). Raises the call's error if it
@@ -120,6 +121,7 @@ class BatchesCall:
                 if self._in_band:
                     got = self.data.receive_next(ds, self.call.done)
                     if got is not None:
+                        self._confirmed(ds)
                         yield got[0], time.perf_counter() - t0, got[1]
                         continue
                     if next(it, None) is not None:  # (the server closed the data connection: its status follows)
@@ -133,6 +135,7 @@ class BatchesCall:
                 if ds is not None:
                     raw = self.data.receive(ds, raw)
                     nbytes += ds.last_received
+                    self._confirmed(ds)
                 yield raw, time.perf_counter() - t0, nbytes
         except grpc.RpcError as e:
             if self.cancelled:
@@ -152,7 +155,7 @@ class BatchesCall:
             metadata = self.call.initial_metadata() or ()
         except grpc.RpcError as e:
             raise batches_error(e, self.address) from None
-        ds = self.data.connect(metadata)
+        ds = self.data.connect(metadata, ended=self.call.done)
         if ds is None:
             _say_inline(self.address)
         else:
@@ -161,9 +164,16 @@ class BatchesCall:
             self._in_band = datawire.messages(metadata)
             if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
                 ds.close()
-            elif datawire.controls(metadata) and ds.controls:
-                self.outbox.direct(ds.send_control)
+            # grants go on it once the server sent a byte there: a connection it refused (and
+            # the client dials again, batchd.client.transport.redial) must not take them with it
+            self._direct = datawire.controls(metadata) and ds.controls
         return ds
+
+    def _confirmed(self, ds) -> None:
+        """A batch came on the data connection: from now on grants go there where they may."""
+        if self._direct:
+            self._direct = False
+            self.outbox.direct(ds.send_control)
 
     def _error_or(self, e: ConnectionError) -> Exception:
         """The call's own error if it ends with one within ``REFUSAL_WAIT_S`` (``batches_error``),

@@ -80,7 +80,8 @@ class ServerConnection:
         pool = buffers.BufferPool(link_relay.buffers if link_relay is not None else
                                   buffers.PinnedPool() if transfer is not None else buffers.pageable)
         self.data = DataLink(address, options.tls, pool, connect_timeout=options.connect_timeout,
-                             timeout=options.timeout, optional=options.transport == "auto", relay=link_relay)
+                             timeout=options.timeout, optional=options.transport == "auto", relay=link_relay,
+                             max_message=options.max_message_bytes)
         self.tag = uuid.uuid4().hex[:12]  # its calls' stream_tags begin with it (unique across clients)
         self.describes = 0  # DescribeDataset calls made (one per server process, unless its data changed)
         try:

@@ -43,10 +43,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from batchd import datawire, errors, wire
+from batchd import datawire, errors, sockets, wire
 from batchd.client.transport import addresses
 from batchd.client.transport import buffers
 from batchd.client.transport import fields
+from batchd.client.transport import redial
 from batchd.client import forks
 from batchd.client.transport.channel import TLS
 
@@ -89,17 +90,16 @@ class Closable:
 
     def close(self) -> None:
         """Close the connection (a ``receive`` in another thread fails at once). Idempotent;
-        nothing in a forked child."""
+        nothing in a forked child. The socket is shut down at the kernel first, never through its
+        TLS object (``batchd.sockets``: ``SSLSocket.shutdown`` from another thread let a racing
+        read take the raw TLS records as batch bytes)."""
         if forks.forked(self._owner):
             return
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            sockets.shutdown(self._sock)  # (under the lock: nothing closes the descriptor meanwhile)
         self._sock.close()
 
     def __enter__(self):
@@ -114,16 +114,20 @@ class DataSocket(Closable):
     receiver); ``close`` from any.
 
     address: the server's gRPC address (named in errors). timeout: seconds without a byte after
-    which a receive fails.
+    which a receive fails. max_message: bytes an in-band Batch message may have (the loader's
+    maximum, at most ``datawire.MAX_MESSAGE``). first_byte: whether the server sent any byte yet
+    (a connection closed or reset before it was refused: ``batchd.client.transport.redial``).
     """
 
-    def __init__(self, sock: socket.socket, address: str, timeout: float):
+    def __init__(self, sock: socket.socket, address: str, timeout: float, max_message: int = datawire.MAX_MESSAGE):
         self._sock = sock
         self.address = address
         self.timeout = timeout
+        self.max_message = min(max_message, datawire.MAX_MESSAGE)
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.controls = not self.tls  # control frames may be written here (module docstring)
         self.bytes_received = 0
+        self.first_byte = False
         self.last_received = 0  # bytes of the last batch received (header included)
         self._header = bytearray(datawire.HEADER.size)
         self._lock = threading.Lock()
@@ -132,7 +136,8 @@ class DataSocket(Closable):
 
     @classmethod
     def connect(cls, address: str, port: int, token: bytes, *, tls: TLS | None = None,
-                connect_timeout: float = 10.0, timeout: float = 60.0) -> "DataSocket":
+                connect_timeout: float = 10.0, timeout: float = 60.0,
+                max_message: int = datawire.MAX_MESSAGE) -> "DataSocket":
         """Dial ``port`` on ``address``'s host, TLS if ``tls``, and present ``token``, all within
         ``connect_timeout`` seconds. Raises ConnectionError naming the server if it cannot be
         reached or the TLS handshake fails (ValueError if a TLS file cannot be read)."""
@@ -156,7 +161,7 @@ class DataSocket(Closable):
             raw.close()
             raise errors.ConnectionError(f"cannot open a data connection to {where}: {e}") from None
         sock.settimeout(SLICE_S)
-        return cls(sock, address, timeout)
+        return cls(sock, address, timeout, max_message)
 
     def receive(self, batch: wire.WireBatch, pool: buffers.BufferPool,
                 stopping: threading.Event | None = None) -> dict[str, fields.Field]:
@@ -198,28 +203,36 @@ class DataSocket(Closable):
         if not self._read_into(memoryview(self._header), stopping, ended):
             return None
         magic, size, index, length = datawire.unpack_frame(self._header)
-        if magic != datawire.MESSAGE_MAGIC or size > datawire.MAX_MESSAGE:
+        if magic != datawire.MESSAGE_MAGIC or size > self.max_message:
             raise errors.ConnectionError(
                 f"the data connection of the batchd server at {self.address} sent a header with magic "
                 f"{bytes(magic)!r} and a message of {size} bytes where a frame (magic {datawire.MESSAGE_MAGIC!r}, "
-                f"a message of at most {datawire.MAX_MESSAGE} bytes) was due")
+                f"a message of at most {self.max_message} bytes) was due")
         message = bytearray(size)
         self._read_into(memoryview(message), stopping)
-        batch = framed_batch(bytes(message), index, length, self.address)
-        batch = dataclasses.replace(batch, payload=self._payload(batch, length, pool, stopping))
+        batch = framed_batch(bytes(message), index, length, self.address)  # (its tensors end at ``length``)
+        batch = dataclasses.replace(batch, payload=self._payload(batch, length, pool, stopping, in_band=True))
         self.last_received = datawire.HEADER.size + size + length
         return batch, self.last_received
 
     def _payload(self, batch: wire.WireBatch, length: int, pool: buffers.BufferPool,
-                 stopping: threading.Event | None) -> dict[str, fields.Field]:
-        """``length`` payload bytes read into a buffer of ``pool``: ``batch``'s fields as views of it."""
-        buf = pool.take(length)
+                 stopping: threading.Event | None, in_band: bool = False) -> dict[str, fields.Field]:
+        """``length`` payload bytes read into a buffer of ``pool``: ``batch``'s fields as views of
+        it. ``in_band``: ``batch`` came on this connection, so a malformed field is the
+        connection's error (ConnectionError), as a buffer that cannot be had is."""
+        buf = take(pool, length, self.address, f"batch {batch.batch_index}")
         try:
             self._read_into(memoryview(buf.numpy())[:length], stopping)
         except BaseException:
             pool.give_back(buf)
             raise
-        return buffers.tensors(batch, buf, length, pool.give_back)
+        try:
+            return buffers.tensors(batch, buf, length, pool.give_back)
+        except ValueError as e:
+            if not in_band:
+                raise
+            raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} sent batch "
+                                         f"{batch.batch_index} malformed: {e}") from None
 
     def send_control(self, frame: bytes) -> None:
         """Write one control frame (``batchd.datawire.pack_control``); one writer at a time (the
@@ -243,7 +256,7 @@ class DataSocket(Closable):
         last = time.monotonic()
         while got < total:
             try:
-                n = self._sock.recv_into(view[got:])
+                n = sockets.recv_into(self._sock, view[got:])  # (TLS: decrypted, or an error)
             except (TimeoutError, BlockingIOError, ssl.SSLWantReadError):
                 if stopping is not None and stopping.is_set():
                     raise ConnectionAbortedError(f"stopped reading from {self.address}") from None
@@ -273,6 +286,7 @@ class DataSocket(Closable):
                 raise errors.ConnectionError(f"the batchd server at {self.address} closed its data connection "
                                              f"({got} of {total} bytes read)")
             got += n
+            self.first_byte = True
             last = time.monotonic()
         self.bytes_received += total
         return True
@@ -285,18 +299,23 @@ class DataLink:
     address: the server's gRPC address (its host is dialed). tls: the loader's TLS settings (None:
     plain). pool: the buffers payloads are received into (pinned when the loader copies to CUDA).
     connect_timeout, timeout: seconds (``DataSocket.connect``, ``DataSocket.receive``).
+    max_message: bytes an in-band Batch message may have (the loader's ``max_message_bytes``).
     relay: the process that holds the connections and receives into ``pool``'s buffers
-    (client/transport/relay.py), or None: this process receives. optional: the loader chose the data
-    plane itself (``transport="auto"``): a data port this
-    client cannot reach (a firewall, a Service that forwards only the gRPC port) makes
-    ``reachable`` False, once, with a warning, and the server's calls go inline from then on;
-    with ``transport="socket"`` it stays a broken call, reconnected as any.
+    (client/transport/relay.py), or None: this process receives. optional: the loader chose the
+    data plane itself (``transport="auto"``): a data port this client cannot reach (a firewall,
+    a Service that forwards only the gRPC port), or whose connections are refused or reset
+    before their first byte however often they are dialed again
+    (``batchd.client.transport.redial``), makes ``reachable`` False, once, with a warning, and
+    the call fails with ``FellBack`` (the loader counts it: ``stats()["data_plane_fallbacks"]``):
+    the server's calls go inline from then on. With ``transport="socket"`` it stays a broken
+    call, reconnected as any.
     """
 
     def __init__(self, address: str, tls: TLS | None, pool: buffers.BufferPool, *, connect_timeout: float,
-                 timeout: float, optional: bool = True, relay: Any = None):
+                 timeout: float, optional: bool = True, relay: Any = None, max_message: int = datawire.MAX_MESSAGE):
         self.address, self.tls, self.pool = address, tls, pool
         self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.max_message = min(max_message, datawire.MAX_MESSAGE)
         self.optional = optional
         self.relay = relay  # a batchd.client.transport.relay.Relay holds the connections (pool: its RelayBuffers), or None
         self.reachable = True
@@ -306,25 +325,36 @@ class DataLink:
         """Whether this address has a host to dial (not a ``unix:`` socket)."""
         return data_host(self.address) is not None
 
-    def connect(self, metadata: Any) -> DataSocket | None:
-        """The data connection a call's initial ``metadata`` offers (``batchd.datawire.offered``);
-        None when it offers none (the server answers inline). Raises ConnectionError."""
+    def connect(self, metadata: Any, ended: Callable[[], bool] = lambda: False) -> redial.RedialingSocket | None:
+        """The data connection a call's initial ``metadata`` offers (``batchd.datawire.offered``),
+        dialed again while the server sends nothing on it and the call lasts (``ended()``: it is
+        over); None when it offers none (the server answers inline). Raises ConnectionError
+        (``redial.FellBack`` where the loader falls back to inline)."""
         offer = datawire.offered(metadata)
         if offer is None:
             return None
         port, token = offer
-        try:
-            if self.relay is not None:
-                return self.relay.open(self.address, data_host(self.address), port, token, tls=self.tls,
-                                       connect_timeout=self.connect_timeout, timeout=self.timeout)
-            return DataSocket.connect(self.address, port, token, tls=self.tls, connect_timeout=self.connect_timeout,
-                                      timeout=self.timeout)
-        except ConnectionError as e:
-            if self.optional and self.reachable:
-                self.reachable = False
-                log.warning("%s; batches from %s come inside the gRPC messages from now on (open the server's data "
-                            "port %d to this client, or set transport='inline')", e, self.address, port)
-            raise
+        return redial.RedialingSocket(lambda: self._dial(port, token), ended, lambda e: self._unusable(e, port),
+                                      where=f"the data port {port} of the batchd server at {self.address}",
+                                      window=min(redial.WINDOW_S, self.connect_timeout))
+
+    def _dial(self, port: int, token: bytes) -> DataSocket:
+        if self.relay is not None:
+            return self.relay.open(self.address, data_host(self.address), port, token, tls=self.tls,
+                                   connect_timeout=self.connect_timeout, timeout=self.timeout,
+                                   max_message=self.max_message)
+        return DataSocket.connect(self.address, port, token, tls=self.tls, connect_timeout=self.connect_timeout,
+                                  timeout=self.timeout, max_message=self.max_message)
+
+    def _unusable(self, e: ConnectionError, port: int) -> ConnectionError:
+        """The error of a data port that could not be used (``e``, after the redials): with
+        ``optional``, the first time, a warning and ``FellBack`` (calls go inline from now on)."""
+        if not (self.optional and self.reachable):
+            return e
+        self.reachable = False
+        log.warning("%s; batches from %s come inside the gRPC messages from now on (open the server's data "
+                    "port %d to this client, or set transport='inline')", e, self.address, port)
+        return redial.FellBack(f"{e}; falling back to batches inside the gRPC messages")
 
     def receive(self, ds: DataSocket, batch: wire.WireBatch) -> wire.WireBatch:
         """``batch`` (its call's next message) with its ``payload``: the fields received on ``ds``."""
@@ -333,6 +363,17 @@ class DataLink:
     def receive_next(self, ds: DataSocket, ended: Callable[[], bool]) -> tuple[wire.WireBatch, int] | None:
         """The next batch of a call whose messages come on ``ds`` (``DataSocket.receive_next``)."""
         return ds.receive_next(self.pool, ended=ended)
+
+
+def take(pool: buffers.BufferPool, nbytes: int, address: str, what: str):
+    """A buffer of ``pool`` for ``nbytes`` bytes of ``what`` from the server at ``address``.
+    Raises ConnectionError if none can be had (a length past memory, or past what a file may
+    hold): a data connection's error, which breaks its call (resumed), never the iteration."""
+    try:
+        return pool.take(nbytes)
+    except (MemoryError, OverflowError, OSError, RuntimeError, ValueError) as e:
+        raise errors.ConnectionError(f"cannot take a buffer of {nbytes} bytes for {what} from the batchd server at "
+                                     f"{address}: {type(e).__name__}: {e}") from None
 
 
 def framed_batch(message: bytes, index: int, length: int, address: str) -> wire.WireBatch:

@@ -39,6 +39,7 @@ from batchd.client import forks
 from batchd.client.transport.call import BatchesCall, ServerRefused
 from batchd.client.transport.connection import ServerConnection, probe
 from batchd.client.transport.datasets import DatasetInfo
+from batchd.client.transport.redial import FellBack
 from batchd.client.transport.releases import Releases
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
@@ -260,6 +261,8 @@ class ServerLink:
             self._left_out(conn.refusal(e, self.options.connect_timeout))
         except ConnectionError as e:
             self._ended(e)
+            if isinstance(e, FellBack):  # (warned once by the DataLink: the next call goes inline)
+                self._count("data_plane_fallbacks")
             if not self._closing:
                 self._reconnect(e)
         except (DatasetChangedError, DatasetNotFoundError) as e:
@@ -339,7 +342,8 @@ class ServerLink:
         shared-memory session if the server restarted), else fresh connections, the first after
         ``_backoff`` seconds, then at longer intervals up to ``probe_interval``."""
         self.error = str(error)
-        log.warning("lost the call to %s (%s); reconnecting", self.address, error)
+        (log.info if isinstance(error, FellBack) else log.warning)("lost the call to %s (%s); reconnecting",
+                                                                   self.address, error)
         conn = self.conn
         if conn is not None and conn.wait_ready(RECONNECT_S):
             if conn.shm is not None and conn.shm.gone:  # (a restart ends the session)

@@ -84,14 +84,20 @@ class RelayBuffers:
         self._by_address: dict[int, tuple[int, int, int]] = {}  # data_ptr -> (id, fd, size)
 
     def __call__(self, nbytes: int) -> torch.Tensor:
+        """A buffer of ``nbytes``. Raises what the memfd, its size or its mapping raised (OSError,
+        OverflowError, ValueError...), its descriptor closed."""
         fd = os.memfd_create("batchd-relay", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
             mm = mmap.mmap(fd, nbytes)
-        except OSError:
+            try:
+                buf = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))  # keeps the mapping alive
+            except BaseException:
+                mm.close()
+                raise
+        except BaseException:  # (OverflowError too: a length past 2**63 leaked the descriptor)
             os.close(fd)
             raise
-        buf = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))  # keeps the mapping alive
         address = buf.data_ptr()
         with self._lock:
             self._by_address[address] = (next(self._ids), fd, nbytes)
@@ -159,12 +165,12 @@ class Relay:
         return mine
 
     def open(self, address: str, host: str, port: int, token: bytes, *, tls: TLS | None,
-             connect_timeout: float, timeout: float) -> "RelayedSocket":
+             connect_timeout: float, timeout: float, max_message: int = datawire.MAX_MESSAGE) -> "RelayedSocket":
         """A data connection to ``port`` on ``host`` (``address``'s, named in errors), dialed by
-        the relay, TLS if ``tls``, ``token`` presented, within ``connect_timeout`` seconds.
-        Raises ConnectionError (the server cannot be reached, the handshake failed, the relay
-        could not be started or died)."""
-        spec = {"address": address, "host": host, "port": port, "token": token.hex(),
+        the relay, TLS if ``tls``, ``token`` presented, within ``connect_timeout`` seconds;
+        in-band Batch messages of at most ``max_message`` bytes. Raises ConnectionError (the
+        server cannot be reached, the handshake failed, the relay could not be started or died)."""
+        spec = {"address": address, "host": host, "port": port, "token": token.hex(), "max_message": max_message,
                 "connect_timeout": connect_timeout, "timeout": timeout, "tls": None if tls is None else {
                     "ca": None if tls.ca is None else str(tls.ca), "cert": None if tls.cert is None else str(tls.cert),
                     "key": None if tls.key is None else str(tls.key), "server_name": tls.server_name}}
@@ -183,7 +189,7 @@ class Relay:
             raise
         finally:
             theirs.close()
-        sock = RelayedSocket(mine, address, timeout, self, pid, tls is not None)
+        sock = RelayedSocket(mine, address, timeout, self, pid, tls is not None, min(max_message, datawire.MAX_MESSAGE))
         try:
             reply = sock.wait(None, connect_timeout + 5.0, f"opening a data connection to {address}")
         except BaseException:
@@ -191,7 +197,7 @@ class Relay:
             raise
         if reply[:1] != b"O":
             sock.close()
-            raise errors.ConnectionError(reply[1:].decode("utf-8", "replace"))
+            raise sock.error(reply)
         return sock
 
     def close(self) -> None:
@@ -215,12 +221,15 @@ class RelayedSocket(dataplane.Closable):
     in one thread (the call's receiver), ``close`` from any (closing the pair: the relay then
     closes the server's connection)."""
 
-    def __init__(self, pair: socket.socket, address: str, timeout: float, relay: Relay, pid: int, tls: bool):
+    def __init__(self, pair: socket.socket, address: str, timeout: float, relay: Relay, pid: int, tls: bool,
+                 max_message: int = datawire.MAX_MESSAGE):
         pair.settimeout(SLICE_S)
         self._sock, self.address, self.timeout, self._relay, self.pid = pair, address, timeout, relay, pid
         self.tls = tls
         self.controls = not tls
+        self.max_message = max_message
         self.bytes_received = 0
+        self.first_byte = False  # the server sent a byte (the relay's answers say: ``X`` before one)
         self.last_received = 0
         self._sent: set[int] = set()  # buffer ids whose fd the relay has for this connection
         self._frame_bytes = 0  # the last in-band frame's payload and message: the next one's buffer
@@ -232,11 +241,11 @@ class RelayedSocket(dataplane.Closable):
                 stopping: threading.Event | None = None) -> dict[str, fields.Field]:
         """As ``DataSocket.receive``: the payload of ``batch`` in a buffer of ``pool`` (made by the
         relay's ``RelayBuffers``), the batch's fields as views of it. Raises ConnectionError
-        (the relay's check of the header, a closed or silent connection, the relay gone),
-        ConnectionAbortedError once ``stopping`` is set or the socket closed, ValueError for a
-        malformed tensor."""
+        (the relay's check of the header, a closed or silent connection, the relay gone, a
+        buffer that cannot be had), ConnectionAbortedError once ``stopping`` is set or the socket
+        closed, ValueError for a malformed tensor."""
         length = buffers.payload_length(batch)
-        buf = pool.take(length)
+        buf = dataplane.take(pool, length, self.address, f"batch {batch.batch_index}")
         try:
             self._request(b"R", buf, batch.batch_index, length, f"batch {batch.batch_index}")
             reply = self.wait(stopping, None, f"receiving batch {batch.batch_index} from {self.address}")
@@ -248,8 +257,9 @@ class RelayedSocket(dataplane.Closable):
             raise
         if reply[:1] != b"D":
             pool.give_back(buf)  # the relay sent its error and wrote no more
-            raise errors.ConnectionError(reply[1:].decode("utf-8", "replace"))
+            raise self.error(reply)
         DONE.unpack(reply)
+        self.first_byte = True
         self.last_received = datawire.HEADER.size + length
         self.bytes_received += length
         return buffers.tensors(batch, buf, length, pool.give_back)
@@ -257,32 +267,41 @@ class RelayedSocket(dataplane.Closable):
     def receive_next(self, pool: buffers.BufferPool, stopping: threading.Event | None = None,
                      ended: Callable[[], bool] | None = None) -> tuple[wire.WireBatch, int] | None:
         """As ``DataSocket.receive_next``: the next in-band frame (message and payload), read by the
-        relay into a buffer of ``pool`` sized as the last frame (``N``; a larger one after an
-        ``S`` answer: ``P``), the message after the payload. None once the server closed the
-        connection between batches (``F``). Raises as ``receive``; waits for the frame as long as
+        relay into a buffer of ``pool`` sized as the last frame (``N``), the message after the
+        payload. A frame that does not fit comes as ``S`` and its message (``m`` answers): the
+        message is checked (its length against ``max_message``, its tensors against the
+        header's payload length: ``dataplane.framed_batch``) before a larger buffer is taken
+        (``P``). None once the server closed the connection between batches (``F``). Raises as
+        ``receive`` (ConnectionError for a malformed frame too); waits for the frame as long as
         the call lasts (``ended()``), then ``dataplane.ENDED_GRACE_S`` seconds more."""
         doing = f"receiving the next batch from {self.address}"
-        buf = pool.take(self._frame_bytes)
+        buf = dataplane.take(pool, self._frame_bytes, self.address, "the next batch")
         try:
             self._request(b"N", buf, 0, 0, "the next batch")
             reply = self.wait(stopping, None, doing, ended)
             if reply[:1] == b"S":
-                _, mlen, _, length = FRAME.unpack(reply)
+                _, mlen, index, length = FRAME.unpack(reply)
+                self.first_byte = True
                 pool.give_back(buf)  # (not written: the relay keeps the frame's message until P)
-                buf = pool.take(length + mlen)
+                buf = None
+                dataplane.framed_batch(self._message(mlen, stopping, doing), index, length, self.address)
+                buf = dataplane.take(pool, length + mlen, self.address, f"batch {index}")
                 self._request(b"P", buf, 0, 0, "the next batch")
                 reply = self.wait(stopping, None, doing)
         except _Gone:
-            pool.give_back(buf)
+            if buf is not None:
+                pool.give_back(buf)
             raise
         except BaseException:
-            pool.discard(buf)
+            if buf is not None:
+                pool.discard(buf)
             raise
         if reply[:1] != b"M":
             pool.give_back(buf)
             if reply[:1] == b"F":
                 return None
-            raise errors.ConnectionError(reply[1:].decode("utf-8", "replace"))
+            raise self.error(reply)
+        self.first_byte = True
         _, mlen, index, length = FRAME.unpack(reply)
         try:
             batch = dataplane.framed_batch(bytes(buf.numpy()[length:length + mlen]), index, length, self.address)
@@ -292,8 +311,37 @@ class RelayedSocket(dataplane.Closable):
         self._frame_bytes = length + mlen
         self.last_received = datawire.HEADER.size + mlen + length
         self.bytes_received += mlen + length
-        return (dataclasses.replace(batch, payload=buffers.tensors(batch, buf, length, pool.give_back)),
-                self.last_received)
+        try:
+            payload = buffers.tensors(batch, buf, length, pool.give_back)
+        except ValueError as e:  # (the buffer went back: ``tensors`` gives it back on error)
+            raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} sent batch "
+                                         f"{index} malformed: {e}") from None
+        return dataclasses.replace(batch, payload=payload), self.last_received
+
+    def _message(self, mlen: int, stopping: threading.Event | None, doing: str) -> bytes:
+        """The ``mlen`` bytes of a frame's Batch message, as the relay sends them after ``S``."""
+        if mlen > self.max_message:
+            raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} sent a Batch "
+                                         f"message of {mlen} bytes (at most {self.max_message})")
+        message = bytearray()
+        while len(message) < mlen:
+            chunk = self.wait(stopping, None, doing)
+            if chunk[:1] != b"m":
+                raise self.error(chunk)
+            message += memoryview(chunk)[1:]
+        if len(message) != mlen:
+            raise errors.ConnectionError(f"the receive relay (pid {self.pid}) sent {len(message)} bytes of a "
+                                         f"{mlen}-byte Batch message")
+        return bytes(message)
+
+    def error(self, reply: bytes) -> ConnectionError:
+        """The ConnectionError of the relay's error answer (``E``, or ``X``: the server sent no byte)."""
+        if reply[:1] == b"E":
+            self.first_byte = True
+        elif reply[:1] != b"X":
+            return errors.ConnectionError(f"the receive relay (pid {self.pid}) answered {reply[:16]!r} (not an answer "
+                                          f"it gives) for the data connection to {self.address}")
+        return errors.ConnectionError(reply[1:].decode("utf-8", "replace"))
 
     def _request(self, op: bytes, buf, index: int, length: int, what: str) -> None:
         """Send op ``op`` (``REQUEST``) naming buffer ``buf`` (its fd the first time on this connection)."""

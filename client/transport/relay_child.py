@@ -13,7 +13,7 @@ Protocol (AF_UNIX SOCK_SEQPACKET: one message per send; fds by SCM_RIGHTS):
   token (hex), tls (ca, cert, key, server_name; or null), connect_timeout, timeout) with one
   fd: the relay's end of a fresh socketpair for that data connection. A thread of its own then
   dials the server, speaks TLS if asked, sends the token and answers on the pair ``O`` (opened)
-  or ``E`` + the error's text. EOF on the control socket ends the process: the trainer closed the relay, or
+  or ``X`` + the error's text. EOF on the control socket ends the process: the trainer closed the relay, or
   died (the kernel closes a dead process's sockets, SIGKILL included; a child it forked without
   exec, such as a DataLoader worker, holds the socket open until it exits too). Not
   PR_SET_PDEATHSIG: that fires when the *thread* that started the relay ends.
@@ -21,15 +21,18 @@ Protocol (AF_UNIX SOCK_SEQPACKET: one message per send; fds by SCM_RIGHTS):
   index, payload length, buffer size) with the buffer's memfd the first time it names that
   buffer on this connection. The relay reads the 24-byte header, checks magic, index and length,
   reads the payload straight into the buffer (``recv_into``: one kernel copy, in this process)
-  and answers ``D`` + the bytes read (``DONE``), or ``E`` + the error's text, after which the
+  and answers ``D`` + the bytes read (``DONE``), or ``E`` + the error's text (``X`` + the text
+  where the server had sent no byte yet: it refused the connection), after which the
   connection is closed. Where the call's Batch messages come on the data connection (in-band
   frames, ``BDM1``), the trainer sends ``N`` instead (``REQUEST`` with a buffer, the other
   fields 0): the relay waits for the next frame's header with no time limit (the trainer watches
   the call), reads its message, then its payload into the buffer with the message right after
   it, and answers ``M`` (``FRAME``: message length, batch index, payload length); a buffer
-  smaller than both gets ``S`` (the same fields, nothing written), and the trainer sends ``P``
-  with a larger one; the server closing the connection between frames gets ``F``, after which
-  the connection is closed. The trainer may also send ``C`` + a control frame (the call's grants
+  smaller than both gets ``S`` (the same fields, nothing written) followed by the message in
+  ``m`` + up to ``MESSAGE_CHUNK`` bytes answers, so that the trainer checks the message (its
+  length against the loader's maximum, its tensors against the header's payload length) before
+  it takes a buffer of that length, and sends ``P`` with one; the server closing the
+  connection between frames gets ``F``, after which the connection is closed. The trainer may also send ``C`` + a control frame (the call's grants
   and revokes), which the relay writes on the data connection as it is (no answer). EOF on
   the pair (the trainer closed the connection) ends the thread and closes the data
   connection, also while a read waits (it looks every SLICE seconds; a control frame waiting
@@ -56,6 +59,7 @@ REQUEST = struct.Struct("<cxxxIQQQ")  # op, buffer id, batch index, payload leng
 DONE = struct.Struct("<cxxxxxxxQ")  # op, bytes read
 FRAME = struct.Struct("<cxxxIQQ")  # op (M, S), message length, batch index, payload length: 24 bytes
 MAX_MESSAGE = 4096  # bytes: a READ, or C + a control frame (a longer frame goes on the call instead)
+MESSAGE_CHUNK = 32768  # bytes of a frame's Batch message per ``m`` answer (after ``S``)
 
 
 class Failed(Exception):
@@ -68,9 +72,11 @@ class Connection:
     def __init__(self, pair: socket.socket, spec: dict, header: struct.Struct, magic: bytes, slice_s: float,
                  frame_magic: bytes, max_message: int):
         self.pair, self.spec, self.header, self.magic, self.slice_s = pair, spec, header, magic, slice_s
-        self.frame_magic, self.max_message = frame_magic, max_message  # an in-band frame's header (N)
+        self.frame_magic = frame_magic  # an in-band frame's header (N), and its message's longest (the loader's)
+        self.max_message = min(max_message, spec.get("max_message", max_message))
         self.where = f"the data port {spec['port']} of the batchd server at {spec['address']}"
         self.sock: socket.socket | None = None
+        self.received = 0  # bytes read from the data connection (none: an error is a refusal, ``X``)
         self.maps: dict[int, mmap.mmap] = {}
         self.head = bytearray(header.size)
         self.pending: tuple[int, int, int, bytearray] | None = None  # a frame read up to its payload (N, S)
@@ -80,7 +86,7 @@ class Connection:
             try:
                 self.sock = self._connect()
             except Failed as e:
-                self._send(b"E" + str(e).encode())
+                self._fail(e)
                 return
             self._send(b"O")
             while True:
@@ -92,17 +98,24 @@ class Connection:
                     try:
                         self._control(msg)
                     except Failed as e:  # (the trainer reads it as its next read's answer)
-                        self._send(b"E" + str(e).encode())
+                        self._fail(e)
                         return
                     continue
                 op, buf_id, index, length, size = REQUEST.unpack(msg)
                 try:
-                    if got:
-                        self.maps.setdefault(buf_id, mmap.mmap(got[0], size))
+                    if got and buf_id not in self.maps:
+                        try:
+                            self.maps[buf_id] = mmap.mmap(got[0], size)
+                        except (OSError, ValueError, OverflowError) as e:
+                            raise Failed(f"cannot map the trainer's buffer {buf_id} of {size} bytes: {e}") from None
+                    if buf_id not in self.maps:
+                        raise Failed(f"a READ into buffer {buf_id}, whose descriptor never came")
                     if op in (b"N", b"P"):  # an in-band frame (answered in _frame)
                         if not self._frame(op, buf_id, size):
                             return
                         continue
+                    if length > len(self.maps[buf_id]):
+                        raise Failed(f"a READ of {length} bytes into a buffer of {len(self.maps[buf_id])}")
                     self._read(memoryview(self.head))
                     magic, _, sent_index, sent = self.header.unpack(self.head)
                     if magic != self.magic or sent_index != index or sent != length:
@@ -111,7 +124,7 @@ class Connection:
                     with memoryview(self.maps[buf_id]) as whole:  # (released: the mapping can close)
                         self._read(whole[:length])
                 except Failed as e:
-                    self._send(b"E" + str(e).encode())
+                    self._fail(e)
                     return
                 finally:
                     for fd in got:
@@ -154,7 +167,11 @@ class Connection:
         if length + mlen > size:
             if op == b"P":
                 raise Failed(f"a buffer of {size} bytes for a frame of {length + mlen}")
+            # the message first: the trainer checks it (and the payload length against its tensors)
+            # before it takes a buffer of the header's length
             self._send(FRAME.pack(b"S", mlen, index, length))
+            for at in range(0, mlen, MESSAGE_CHUNK):
+                self._send(b"m" + bytes(message[at:at + MESSAGE_CHUNK]))
             return True
         with memoryview(self.maps[buf_id]) as whole:  # (released: the mapping can close)
             self._read(whole[:length])
@@ -215,6 +232,7 @@ class Connection:
                     return False
                 raise Failed(f"{self.where} closed its data connection ({got} of {total} bytes read)")
             got += n
+            self.received += n
             last = time.monotonic()
         return True
 
@@ -227,6 +245,11 @@ class Connection:
 
     def _send(self, data: bytes) -> None:
         self.pair.send(data)
+
+    def _fail(self, e: Failed) -> None:
+        """Answer a connection's error: ``X`` before the server sent any byte (it refused the
+        connection: the trainer may dial again), ``E`` after."""
+        self._send((b"E" if self.received else b"X") + str(e).encode())
 
 
 def _fds(ancillary) -> list[int]:

@@ -128,7 +128,8 @@ class ServerConfig(StrictModel):
     pipeline_limits: what a client-sent albumentations pipeline may contain (see allowlist.py).
     cache: the decoded-sample cache (``{memory_bytes, disk_dir, disk_bytes}``, see CacheConfig).
     data_plane: the TCP port that carries batch bytes to remote clients beside their calls
-        (``{port, enabled}``, see DataPlaneConfig; TLS whenever ``tls`` is set).
+        (``{enabled, port, token_ttl_s}`` and its handshake limits, see DataPlaneConfig; by
+        default on the gRPC port + 1; TLS whenever ``tls`` is set).
     """
 
     address: str = "127.0.0.1:50051"

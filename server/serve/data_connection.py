@@ -7,7 +7,8 @@ tensors at the payload offsets ``batchd.datawire.payload_layout`` chose, zeros b
 large tensors straight from the mapped slot (``send``: the kernel copies them into the socket
 buffer, off the GIL), the header, message, small tensors and padding gathered into one
 ``send``, the whole batch under
-``TCP_CORK``; with TLS through ``SSLSocket.send`` (encryption here, off the GIL too). Not
+``TCP_CORK``; with TLS through ``SSLSocket.write`` (encryption here, off the GIL too), which
+raises once the TLS object is gone instead of sending in clear (``batchd.sockets``). Not
 ``os.sendfile`` from the slot's ``/dev/shm`` file: TCP's sendfile hands the file's pages to the
 socket by reference, so a slot reused once the send returned changed bytes not yet read by the
 client (over loopback every batch: tests/serve/test_dataplane_server.py), and it measured dearer
@@ -21,7 +22,8 @@ Never hang: the socket's operations time out in slices (``dataplane.SLICE_S``); 
 cannot progress asks ``cancelled()`` (the call's ``not context.is_active()``) each slice and
 raises ConnectionAbortedError once it says so, however long a client that stopped reading holds
 it (a paused training loop: its call is alive, so the send waits). The plane closing
-(``DataConnection.abort``) makes a blocked send return with an error at once.
+(``DataConnection.abort``: a shutdown at the kernel) makes a blocked send return with an error
+at once.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import ssl
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from batchd import datawire
+from batchd import datawire, sockets
 from batchd.server.shm import Segment
 
 if TYPE_CHECKING:
@@ -168,7 +170,7 @@ class DataConnection:
         sent, total = 0, len(view)
         while sent < total:
             try:
-                n = self._sock.send(view[sent : sent + CHUNK])
+                n = sockets.send(self._sock, view[sent : sent + CHUNK])  # (TLS: encrypted, or an error)
             except (TimeoutError, BlockingIOError, ssl.SSLWantWriteError):
                 n = 0
             if n:
@@ -177,24 +179,25 @@ class DataConnection:
                 self._check(cancelled)
 
     def abort(self) -> None:
-        """Make a send in another thread fail at once (the plane closes); ``close`` follows there."""
+        """Make a send in another thread fail at once (the plane closes); ``close`` follows there.
+        The socket is shut down at the kernel, never through its TLS object (``batchd.sockets``:
+        ``SSLSocket.shutdown`` from another thread let a racing send go out in clear)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            sockets.shutdown(self._sock)  # (under the lock: ``close`` cannot free the descriptor meanwhile)
 
     def close(self) -> None:
-        """Close the connection (the client sees the end of its data stream). Idempotent."""
+        """Close the connection (the client sees the end of its data stream): from the call's
+        thread, or once no send runs. Idempotent."""
         self.abort()
         self._plane._forget(self)
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        with self._lock:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
 
 
 class CallSender:

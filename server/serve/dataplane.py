@@ -1,10 +1,11 @@
 """The data plane, server side: a TCP port whose connections carry batch bytes beside ``Batches``
 calls (``TRANSPORT_SOCKET``; docs/design/network-path.md, the format in ``batchd.datawire``).
 
-* ``DataPlane`` listens on a port of its own (a thread accepts, with a timeout so that ``close``
-  never waits on it). Each accepted connection gets a handshake thread (at most
-  ``max_handshakes`` at once; more are closed at once): TLS first when the plane has a context,
-  then exactly ``TOKEN_BYTES`` bytes, all within ``handshake_timeout_s``.
+* ``DataPlane`` listens on a port of its own. One thread (server/serve/handshakes.py) accepts
+  and reads every pending connection's TLS handshake (when the plane has a context) and then
+  exactly ``TOKEN_BYTES`` bytes, without a thread each: the first byte within
+  ``first_byte_timeout_s``, all of it within ``handshake_timeout_s``, at most ``max_handshakes``
+  pending (``max_handshakes_per_source`` from one address), the oldest evicted beyond.
 * ``DataPlane.expect`` registers a one-time token for one call (``secrets.token_bytes``) and
   returns its ``Ticket``; the call hands the token to its client in the initial metadata (over
   the authenticated gRPC channel). A presented token is compared with every pending one in
@@ -17,11 +18,12 @@ calls (``TRANSPORT_SOCKET``; docs/design/network-path.md, the format in ``batchd
   (``DataConnection.read_control``) until the connection closes.
 
 Never hang: every socket operation has a timeout slice (``SLICE_S``). ``close`` stops the accept
-thread, shuts every connection down (a send blocked on one returns with an error at once) and
-joins the handshake threads.
+thread (pending connections closed), shuts every connection down at the kernel (a send blocked
+on one returns with an error at once; never through its TLS object: ``batchd.sockets``), and
+never raises, so that the server goes on to close its loader.
 
 Counters since start (``stats``): bytes sent (header and padding included), connections
-authenticated, connections refused.
+authenticated, connections refused (of which evicted and timed out in their handshake).
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ from typing import Any, Callable, Sequence
 from batchd import datawire
 from batchd.server.config import TlsConfig
 from batchd.server.serve.data_connection import DataConnection, _never
+from batchd.server.serve.handshakes import Handshakes, Limits
 from batchd.server.serve.security import _RateLimitedWarning
 
 log = logging.getLogger(__name__)
 
 SLICE_S = 0.25  # every blocking socket call waits at most this long before looking at cancelled / close
+BACKLOG = 1024  # connections the kernel completes before the accept thread takes them (capped by somaxconn)
 
 
 def listen_host(addresses: Sequence[str]) -> str | None:
@@ -127,17 +131,19 @@ class DataPlane:
 
     host, port: where to listen (port 0: a free one; ``port`` is then the bound one).
     ssl_context: ``tls_context(config.tls)``, or None for plain TCP. token_ttl_s: how long a
-    token may wait for its connection (from ``expect``). handshake_timeout_s: TLS and token
-    together, per connection. max_handshakes: handshakes at once; connections beyond are closed.
-    Raises RuntimeError if the address cannot be bound.
+    token may wait for its connection (from ``expect``). first_byte_timeout_s,
+    handshake_timeout_s, max_handshakes, max_handshakes_per_source: the pending connections'
+    limits (``handshakes.Limits``: the first byte, TLS and token together, pending at once, and
+    from one source address; the oldest pending is evicted beyond). Raises RuntimeError if the
+    address cannot be bound or the accept thread cannot start.
     """
 
     def __init__(self, host: str, port: int = 0, *, ssl_context: ssl.SSLContext | None = None,
-                 token_ttl_s: float = 10.0, handshake_timeout_s: float = 5.0, max_handshakes: int = 64):
+                 token_ttl_s: float = 10.0, first_byte_timeout_s: float = 2.0, handshake_timeout_s: float = 5.0,
+                 max_handshakes: int = 1024, max_handshakes_per_source: int = 64):
         self.ssl_context = ssl_context
         self.token_ttl_s = token_ttl_s
         self.handshake_timeout_s = handshake_timeout_s
-        self.max_handshakes = max_handshakes
         host = host.strip("[]")
         try:
             infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -146,26 +152,29 @@ class DataPlane:
             try:
                 self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 self._listener.bind(sockaddr)
-                self._listener.listen(128)
+                self._listener.listen(BACKLOG)
             except BaseException:
                 self._listener.close()
                 raise
         except OSError as e:
             raise RuntimeError(f"data plane: cannot listen on {host}:{port}: {e.strerror or e}") from None
-        self._listener.settimeout(SLICE_S)
         self.host = host
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._pending: set[Ticket] = set()
         self._connections: set[DataConnection] = set()
-        self._handshakes: dict[threading.Thread, socket.socket] = {}
         self._closed = False
         self._warn = _RateLimitedWarning()
         self.bytes_sent = 0
         self.connections_accepted = 0
         self.connections_refused = 0
-        self._thread = threading.Thread(target=self._accept_loop, name="batchd-data-accept", daemon=True)
-        self._thread.start()
+        limits = Limits(first_byte_s=min(first_byte_timeout_s, handshake_timeout_s), handshake_s=handshake_timeout_s,
+                        max_pending=max_handshakes, max_per_source=max_handshakes_per_source)
+        try:
+            self._handshakes = Handshakes(self._listener, ssl_context, limits, self._token_read, self._refused)
+        except BaseException as e:
+            self._listener.close()
+            raise RuntimeError(f"data plane: cannot start its accept thread: {e}") from None
 
     @property
     def tls(self) -> bool:
@@ -173,10 +182,14 @@ class DataPlane:
 
     def stats(self) -> dict[str, int]:
         """Since the plane started: bytes_sent (headers and padding included), connections
-        accepted (authenticated) and refused, and calls waiting for their connection."""
+        accepted (authenticated) and refused (any reason: a bad token, a failed handshake, too
+        slow, evicted), of those evicted (for a newer pending one) and timed out; now: calls
+        waiting for their connection (``pending``) and connections in their handshake."""
+        h = self._handshakes
         with self._lock:
             return {"bytes_sent": self.bytes_sent, "connections_accepted": self.connections_accepted,
-                    "connections_refused": self.connections_refused, "pending": len(self._pending)}
+                    "connections_refused": self.connections_refused, "pending": len(self._pending),
+                    "handshakes": h.pending, "handshakes_evicted": h.evicted, "handshakes_timed_out": h.timed_out}
 
     def expect(self, control: Any = None) -> Ticket:
         """A fresh one-time token for one call (``control``: its ``CallControl``, to read the
@@ -207,91 +220,40 @@ class DataPlane:
                     return None
         return found
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
+    def _token_read(self, sock: socket.socket, peer: str, token: bytes, accepted_at: float) -> str | None:
+        """(the accept thread) A connection presented ``token``: hand it to its ticket as a
+        ``DataConnection`` (None: it owns ``sock`` now), or the reason it is refused (the caller
+        closes ``sock``; no byte was written to it)."""
+        sock.settimeout(SLICE_S)  # (before the claim: nothing after it may fail and spend the token)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ticket = self._claim(token, accepted_at)
+        if ticket is None:
+            return "unknown, reused or expired token"
+        connection = DataConnection(sock, peer, self)
+        with self._lock:
+            if self._closed:
+                return "the data plane is closing"
+            self._connections.add(connection)
+            self.connections_accepted += 1
+        # from here on the connection is the ticket's (closed there if its call has ended)
+        if not ticket._give(connection):
+            connection.close()
+        elif ticket.control is not None:
             try:
-                conn, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(SLICE_S)  # e.g. EMFILE: try again later, never spin
-                continue
-            accepted_at = time.monotonic()
-            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-            with self._lock:
-                if self._closed or len(self._handshakes) >= self.max_handshakes:
-                    self.connections_refused += 1
-                    conn.close()
-                    continue
-                t = threading.Thread(target=self._handshake, args=(conn, peer, accepted_at),
-                                     name="batchd-data-handshake", daemon=True)
-                self._handshakes[t] = conn
-            t.start()
-
-    def _handshake(self, conn: socket.socket, peer: str, accepted_at: float) -> None:
-        me = threading.current_thread()
-        sock = conn
-        reason = None
-        try:
-            deadline = accepted_at + self.handshake_timeout_s
-            conn.settimeout(self.handshake_timeout_s)
-            if self.ssl_context is not None:
-                try:
-                    sock = self.ssl_context.wrap_socket(conn, server_side=True)
-                except (ssl.SSLError, OSError) as e:
-                    reason = f"TLS handshake failed ({type(e).__name__}: {e})"
-                    return
-                with self._lock:
-                    self._handshakes[me] = sock
-            token = bytearray(datawire.TOKEN_BYTES)
-            view, got = memoryview(token), 0
-            while got < len(token):
-                sock.settimeout(max(0.01, deadline - time.monotonic()))
-                try:
-                    n = sock.recv_into(view[got:])
-                except (OSError, ssl.SSLError) as e:
-                    reason = f"no token ({type(e).__name__})"
-                    return
-                if not n:
-                    reason = "no token (closed)"
-                    return
-                got += n
-            ticket = self._claim(bytes(token), accepted_at)
-            if ticket is None:
-                reason = "unknown, reused or expired token"
-                return
-            sock.settimeout(SLICE_S)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            connection = DataConnection(sock, peer, self)
-            with self._lock:
-                if self._closed:
-                    reason = "the data plane is closing"
-                    return
-                self._connections.add(connection)
-                self.connections_accepted += 1
-            sock = None  # the ticket owns it now (and closes it if its call has ended)
-            if not ticket._give(connection):
-                connection.close()
-            elif ticket.control is not None:
                 threading.Thread(target=connection.read_control, args=(ticket.control,), name="batchd-data-control",
                                  daemon=True).start()
-        except Exception as e:  # never let a handshake thread die with a traceback
-            reason = f"{type(e).__name__}: {e}"
-        finally:
-            with self._lock:
-                self._handshakes.pop(me, None)
-                if reason is not None:
-                    self.connections_refused += 1
-            if sock is not None:
-                try:
-                    sock.close()  # no byte written: a refused client learns nothing but the close
-                except OSError:
-                    pass
-            if reason is not None and not self._closed:
-                self._warn("refused a data connection from %s: %s", peer, reason)
+            except RuntimeError as e:  # (no thread to be had: the call cannot read its grants there)
+                ticket.control.fail(ConnectionError(f"the data connection from {peer} cannot be read: {e}"))
+                connection.abort()
+        return None
+
+    def _refused(self, peer: str, reason: str) -> None:
+        with self._lock:
+            self.connections_refused += 1
+            closed = self._closed
+        if not closed:
+            self._warn("refused a data connection from %s: %s", peer, reason)
 
     def _sent(self, n: int) -> None:
         with self._lock:
@@ -302,24 +264,18 @@ class DataPlane:
             self._connections.discard(connection)
 
     def close(self) -> None:
-        """Stop accepting, withdraw every token, shut every connection down (sends in flight
-        fail at once), join the threads. Idempotent."""
+        """Stop accepting (pending handshakes are closed), withdraw every token, shut every
+        connection down (sends in flight fail at once), join the accept thread. Idempotent;
+        never raises (each step is done whatever the others did; their errors are logged)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             pending = list(self._pending)
             connections = list(self._connections)
-            handshakes = dict(self._handshakes)
-        self._thread.join()
-        self._listener.close()
-        for ticket in pending:
-            ticket.close()
-        for connection in connections:
-            connection.abort()
-        for t, sock in handshakes.items():
+        steps = [self._handshakes.close, *(t.close for t in pending), *(c.abort for c in connections)]
+        for step in steps:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            t.join(self.handshake_timeout_s + 1.0)
+                step()
+            except Exception:
+                log.exception("data plane: error while closing (going on)")

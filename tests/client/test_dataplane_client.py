@@ -24,19 +24,10 @@ from batchd.client.transport.channel import TLS
 from batchd.client.transport.dataplane import DataSocket, data_host
 from batchd.server.config import TlsConfig
 from batchd.server.serve.dataplane import DataPlane, tls_context
-from batchd.server.shm import Owner, SlotPool
+from batchd.server.shm import SlotPool
 from helpers import fake_data_server as fake_server
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def slots():
-    owner = Owner()
-    pool = SlotPool(max_slots=8, prefix=owner.prefix)
-    yield pool
-    pool.close()
-    owner.close()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ import concurrent.futures
 import contextlib
 import pathlib
 import signal
-import subprocess
 import threading
 import time
 
@@ -29,7 +28,7 @@ from batchd.client.transport.server_stats import get_stats
 from batchd.server.serve.service import BatchLoaderService
 from batchd.server.serve.stats import snapshot
 from conftest import running_server
-from helpers import free_port, wait_until
+from helpers import free_port, private_shm_prefix, wait_until
 from procs import ServerProcess
 from stalls import Stalls
 
@@ -133,22 +132,6 @@ def test_every_sample_once_through_a_resume_a_failover_and_a_join(server_procs, 
 
 
 # --- local and remote in one loader ------------------------------------------------------------------
-
-
-def private_shm_prefix() -> list[str] | None:
-    """An argv prefix that runs a command with a /dev/shm of its own (a mount namespace, as a
-    container without the trainer's IPC namespace): this process cannot read a server's shared
-    memory there and gets its batches over TCP, as from another host. None where ``unshare`` may
-    not mount (not root and no user namespaces)."""
-    for unshare in (["unshare", "-m"], ["unshare", "-r", "-m"]):
-        try:
-            ok = subprocess.run([*unshare, "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True,
-                                timeout=10).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if ok:
-            return [*unshare, "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
-    return None
 
 
 def test_a_sidecar_over_shared_memory_and_a_tcp_server_in_one_loader(server_procs, tmp_path):

@@ -282,7 +282,7 @@ def test_an_unreachable_data_port_sends_auto_inline_and_fails_socket(make_server
     "auto" warns once and reads inline, every batch once; "socket" fails as a broken call that
     does not come back."""
     srv = make_server(datasets=fmnist_test_config(fmnist_root), workers=2, pipelines={"aug": A.to_dict(RANDOM_AUG)})
-    srv.data_plane._listener.close()  # the port refuses connections; the server still offers it
+    srv.data_plane.port = free_port()  # calls offer a port where nothing listens (connections refused)
     from batchd.client.transport import shm
 
     monkeypatch.setattr(shm.SharedMemorySession, "open", classmethod(
@@ -291,9 +291,10 @@ def test_an_unreachable_data_port_sends_auto_inline_and_fails_socket(make_server
         with batchd.RemoteDataLoader(srv.address, "fmnist-test", batch_size=BATCH, shuffle=True, seed=11,
                                      transform="aug", transport="auto", reconnect_timeout=10) as ld:
             got = [digest(b) for b in ld]
-            received = ld.stats()["bytes_received"]
+            stats = ld.stats()
     assert got == read(srv.address, "inline")
-    assert received["inline"] > 0 and received["socket"] == 0
+    assert stats["bytes_received"]["inline"] > 0 and stats["bytes_received"]["socket"] == 0
     assert caplog.text.count("come inside the gRPC messages from now on") == 1
+    assert stats["data_plane_fallbacks"] == 1
     with pytest.raises(ConnectionError, match="data port"):
         read(srv.address, "socket", reconnect_timeout=1)
