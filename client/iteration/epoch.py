@@ -46,6 +46,7 @@ from batchd.client.iteration.conversion import Conversion, _Failed
 from batchd.client.iteration.credit import Credit
 from batchd.client.transport import fields
 from batchd.client.transport.progress import Progress
+from batchd.client.transport.redial import FellBack
 
 log = logging.getLogger("batchd.client.loader")
 
@@ -138,9 +139,10 @@ class Epoch(Conversion):
                 self._down_since = time.monotonic()
             self._plan()
             self._cond.notify_all()
-        if error is not None:
-            log.warning("lost the stream from %s at epoch %d, batch %d (%s); its batches go to the other servers, if "
-                        "any, while it reconnects", link.address, self.epoch, self.credit.base, error)
+        if error is not None:  # (a fall back to inline was warned once already)
+            (log.info if isinstance(error, FellBack) else log.warning)(
+                "lost the stream from %s at epoch %d, batch %d (%s); its batches go to the other servers, if any, "
+                "while it reconnects", link.address, self.epoch, self.credit.base, error)
 
     def link_down_all(self) -> None:
         """No server is connected as the pass begins: it fails unless one sends a batch within
