@@ -43,7 +43,6 @@ from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
 _HALF_CLOSED_GRACE_S = 1.0  # close() waits this long, at most, for half-closed calls to end
-_warned_no_shm: set[str] = set()
 
 # The server's lease cap per shared-memory session (its config's max_leases_per_session, 8 by
 # default; the server does not announce it), and the leases the loop and the converter may hold
@@ -73,6 +72,7 @@ class ServerConnection:
         self._finalizer = weakref.finalize(self, forks.in_owner(self._owner, self.reporter.close), self._channel.close)
         self._shm: SharedMemorySession | None = None
         self._shm_tried = False
+        self._said_no_shm = False  # the warning that shared memory is unavailable was logged
         # the socket data plane (TRANSPORT_SOCKET): its payloads go to the relay's buffers (client/relay.py),
         # to pinned ones when copied to CUDA, else to ordinary ones
         if options.relay is True and not relay.AVAILABLE:
@@ -119,8 +119,8 @@ class ServerConnection:
             self._shm_tried = True
             if self.options.transport == "shm":
                 raise RuntimeError(f"transport='shm' but shared memory with {self.address} is unavailable: {e}") from None
-            if self.address not in _warned_no_shm:
-                _warned_no_shm.add(self.address)
+            if not self._said_no_shm:  # once per connection (so per loader and server), not per epoch or reconnect
+                self._said_no_shm = True
                 log.warning("shared memory with %s is unavailable (%s); batches travel over the network: on the "
                             "server's data plane where it has one, else in gRPC messages", self.address, e)
         return self._shm
