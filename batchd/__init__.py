@@ -30,13 +30,13 @@ from batchd.errors import (
 from batchd.python_dataset import PythonDataset
 
 if TYPE_CHECKING:
-    from batchd.client.channel import TLS
-    from batchd.client.collate import detection_collate
-    from batchd.client.datasets import DatasetInfo, describe_dataset, list_datasets
-    from batchd.client.finish import GpuTransform
+    from batchd.client.transport.channel import TLS
+    from batchd.client.device.collate import detection_collate
+    from batchd.client.transport.datasets import DatasetInfo, describe_dataset, list_datasets
+    from batchd.client.device.finish import GpuTransform
     from batchd.client.hedge import HedgePolicy
-    from batchd.client.loader import RemoteDataLoader
-    from batchd.client.stats import get_stats
+    from batchd.client.loader.loader import RemoteDataLoader
+    from batchd.client.transport.server_stats import get_stats
 
 __all__ = [
     "AuthenticationError",
@@ -63,15 +63,15 @@ __all__ = [
 ]
 
 _LAZY = {
-    "TLS": "batchd.client.channel",
-    "detection_collate": "batchd.client.collate",
-    "DatasetInfo": "batchd.client.datasets",
-    "describe_dataset": "batchd.client.datasets",
-    "list_datasets": "batchd.client.datasets",
-    "GpuTransform": "batchd.client.finish",
+    "TLS": "batchd.client.transport.channel",
+    "detection_collate": "batchd.client.device.collate",
+    "DatasetInfo": "batchd.client.transport.datasets",
+    "describe_dataset": "batchd.client.transport.datasets",
+    "list_datasets": "batchd.client.transport.datasets",
+    "GpuTransform": "batchd.client.device.finish",
     "HedgePolicy": "batchd.client.hedge",
-    "RemoteDataLoader": "batchd.client.loader",
-    "get_stats": "batchd.client.stats",
+    "RemoteDataLoader": "batchd.client.loader.loader",
+    "get_stats": "batchd.client.transport.server_stats",
 }
 
 

@@ -4,7 +4,7 @@ One frame is a summary line (workers and their bounds, busy ratio, shared-memory
 sent, cache hit rate), a row per open stream (dataset, client, batches/s, the client's wait
 fraction and profile verdict, as it reports them; "-" for a client that reports nothing) and a
 row per worker (busy ratio, what it is doing now). Everything comes from one Stats call per
-frame (``batchd.client.stats.get_stats``), the RPC ``batchd status`` uses.
+frame (``batchd.client.transport.server_stats.get_stats``), the RPC ``batchd status`` uses.
 """
 
 from __future__ import annotations

@@ -35,14 +35,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _tls(args: argparse.Namespace):
-    from batchd.client.channel import tls_settings
+    from batchd.client.transport.channel import tls_settings
 
     return tls_settings(None, args.tls_ca, args.tls_cert, args.tls_key)
 
 
 def _token(args: argparse.Namespace) -> str | None:
     """--token-file's first line, else $BATCHD_TOKEN (never a command-line argument: ps would show it)."""
-    from batchd.client.channel import resolve_token
+    from batchd.client.transport.channel import resolve_token
 
     if args.token_file is None:
         return resolve_token(None)
@@ -57,7 +57,7 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from batchd.client.channel import make_channel
+    from batchd.client.transport.channel import make_channel
 
     try:
         channel = make_channel(args.address, tls=_tls(args))  # health needs no token
@@ -81,7 +81,7 @@ def _status(args: argparse.Namespace) -> int:
     import time
 
     from batchd._status_table import format_status
-    from batchd.client.stats import get_stats, stats_dict
+    from batchd.client.transport.server_stats import get_stats, stats_dict
     from batchd.errors import BatchdError
 
     if args.watch is not None and args.watch <= 0:
@@ -117,7 +117,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _top(args: argparse.Namespace) -> int:
     from batchd import _top
-    from batchd.client.stats import get_stats
+    from batchd.client.transport.server_stats import get_stats
 
     if args.interval <= 0:
         print("batchd top: --interval needs a positive number of seconds", file=sys.stderr)

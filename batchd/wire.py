@@ -15,10 +15,10 @@ from dataclasses import dataclass, fields
 from typing import Sequence
 
 # Batch: 1 batch_index, 2 epoch, 3 num_batches (varints), 4 tensors (messages), 5 segment, 6 lease,
-#        7 skipped_indices (packed int64), 8 timings (message)
+#        7 skipped_indices (packed int64), 8 timings (message), 9 open_seq (varint)
 # Tensor: 1 name, 2 dtype (strings), 3 shape (packed int64), 4 data (bytes), 5 offset, 6 compression,
 #         7 sample_ndim (varint), 8 sample_shapes, 9 sample_offsets (packed int64)
-# BatchTimings: doubles (fixed64) but 10 cache_hits and 11 worker (uint32 varints)
+# BatchTimings: doubles (fixed64) but 10 cache_hits, 11 worker and 13 workers (uint32 varints)
 _WT_VARINT, _WT_FIXED64, _WT_LEN = 0, 1, 2
 _PACKED_TENSOR_FIELDS = {3: "shape", 8: "sample_shapes", 9: "sample_offsets"}
 _DOUBLE = struct.Struct("<d")
@@ -50,8 +50,8 @@ class WireTensor:
 @dataclass(slots=True)
 class WireTimings:
     """``BatchTimings``: where a batch's time went on the server, in seconds (see loader.proto,
-    which documents every field); ``cache_hits`` and ``worker`` are counts, ``workers_busy_ratio``
-    a ratio in [0, 1]. Field names and numbers are the proto's. (Not frozen: a frozen dataclass
+    which documents every field); ``cache_hits``, ``worker`` and ``workers`` are counts,
+    ``workers_busy_ratio`` a ratio in [0, 1]. Field names and numbers are the proto's. (Not frozen: a frozen dataclass
     takes twice as long to build, and one is built for every batch on both sides.)"""
 
     queued_seconds: float = 0.0
@@ -66,11 +66,12 @@ class WireTimings:
     cache_hits: int = 0
     worker: int = 0
     workers_busy_ratio: float = 0.0
+    workers: int = 0
 
 
-# field number -> name, in WireTimings' order (1..12); the two ints are varints
+# field number -> name, in WireTimings' order (1..13); the ints are varints
 _TIMING_FIELDS = {i: f.name for i, f in enumerate(fields(WireTimings), start=1)}
-_TIMING_INTS = {10, 11}
+_TIMING_INTS = {10, 11, 13}
 # (name, its key's bytes, a varint?) in field order: one pass, no key encoding per batch
 _TIMING_LAYOUT = tuple((name, bytes([number << 3 | (_WT_VARINT if number in _TIMING_INTS else _WT_FIXED64)]),
                         number in _TIMING_INTS) for number, name in _TIMING_FIELDS.items())
@@ -88,8 +89,9 @@ class WireBatch:
     lease: int = 0
     skipped: tuple[int, ...] = ()  # samples left out of this batch (on_error: skip)
     timings: WireTimings | None = None  # None: the server sent none (an older server)
+    open_seq: int = 0  # which ``open`` of its Batches call it belongs to (0: the first; StreamBatches: 0)
     # client only: the batch's fields as received on its call's data connection (TRANSPORT_SOCKET;
-    # batchd.client.dataplane), views of a pooled buffer; None for a batch whose bytes came otherwise
+    # batchd.client.transport.dataplane), views of a pooled buffer; None for a batch whose bytes came otherwise
     payload: dict | None = None
 
 
@@ -113,6 +115,9 @@ def _key(field: int, wire_type: int) -> bytes:
 
 def _len_field(field: int, payload_len: int) -> bytes:
     return _key(field, _WT_LEN) + _varint(payload_len)
+
+
+_OPEN_SEQ_KEY = _key(9, _WT_VARINT)
 
 
 def encode_timings(timings: WireTimings) -> bytes:
@@ -142,13 +147,14 @@ def _packed(field: int, values: Sequence[int]) -> bytes:
 
 def encode_batch(
     batch_index: int, epoch: int, num_batches: int, tensors: Sequence[WireTensor], *, segment: str = "", lease: int = 0,
-    skipped: Sequence[int] = (), timings: WireTimings | None = None,
+    skipped: Sequence[int] = (), timings: WireTimings | None = None, open_seq: int = 0,
 ) -> bytes:
     """The serialized ``Batch``; each tensor's data is copied once, into the result.
 
     Fields are written in number order, zero/empty ones omitted, as protobuf's deterministic
     serialization writes them (the same bytes for tensors with a name and a dtype). ``timings``
-    (field 8) goes last, after the tensors, so a caller may time the encoding of the rest.
+    (field 8) comes after the tensors, so a caller may time the encoding of the rest; then
+    ``open_seq`` (field 9).
     """
     parts: list[bytes | memoryview] = []
     for field, value in ((1, batch_index), (2, epoch), (3, num_batches)):
@@ -179,6 +185,8 @@ def encode_batch(
     if timings is not None:
         body = encode_timings(timings)
         parts += [_len_field(8, len(body)), body]
+    if open_seq:
+        parts += [_OPEN_SEQ_KEY, _varint(open_seq)]
     return b"".join(parts)
 
 
@@ -293,7 +301,7 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
     Raises ValueError on a malformed message.
     """
     buf = memoryview(data)
-    header = {1: 0, 2: 0, 3: 0, 6: 0}
+    header = {1: 0, 2: 0, 3: 0, 6: 0, 9: 0}
     segment = ""
     skipped: list[int] = []
     tensors: list[WireTensor] = []
@@ -332,5 +340,6 @@ def decode_batch(data: bytes | memoryview) -> WireBatch:
         raise ValueError("truncated Batch message") from None
     if pos != end:
         raise ValueError("truncated Batch message")
-    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6], tuple(skipped), timings)
+    return WireBatch(header[1], header[2], header[3], tuple(tensors), segment, header[6], tuple(skipped), timings,
+                     header[9] & 0xFFFFFFFF)
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from batchd import errors
-from batchd.client.connection import deliver
+from batchd.client.transport.connection import deliver
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 
 _POLL_S = 0.25  # the longest a waiting thread sleeps before it checks the others (seconds)
 MAX_READY = 1  # converted batches waiting for the consumer (1: double buffering)

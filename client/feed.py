@@ -53,12 +53,14 @@ import threading
 import time
 from typing import Any, Iterator, Protocol
 
-from batchd.client import fields, forks
+from batchd.client.transport import fields
+
+from batchd.client import forks
 from batchd.client.assign import Assigner
 from batchd.client.delivery import Delivery, release_dropped
 from batchd.client.lane_runner import LaneRunner
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 
 
 class Owner(Protocol):

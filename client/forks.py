@@ -22,7 +22,7 @@ the parent's sockets. gRPC's own fork handlers are off (``batchd._grpc_fork``), 
   never connects), which is the price of the handlers being off.
 * where the parent used gRPC itself, outside batchd (its own channels), ``check_grpc`` cannot know:
   the connection's first call then never ends, not even at its own deadline (gRPC's timers do not
-  run in the child). ``client/channel.py`` waits for it no longer than that deadline and a grace
+  run in the child). ``client/transport/channel.py`` waits for it no longer than that deadline and a grace
   (``wait_for_server``), and in a child forked from a process that had loaded gRPC raises the
   RuntimeError of ``grpc_stalled``: the cause, and what to do.
 
@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from batchd import _grpc_fork
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 
 _pid = os.getpid()  # this process; reset in each child
 _grpc_pid: int | None = None  # the process (this one or an ancestor) whose channel started gRPC

@@ -1,9 +1,9 @@
 """One server's side of a feed: ``LaneRunner``, the thread that runs its ``Batches`` calls.
 
 A feed (``batchd.client.feed``) starts one runner per server of the iteration. Its thread opens
-the server's Batches call (``ServerConnection.open_batches``, ``batchd.client.call``; over the
+the server's Batches call (``ServerConnection.open_batches``, ``batchd.client.transport.call``; over the
 socket data plane the call reads each batch's bytes from its data connection,
-``batchd.client.dataplane``), tells the feed once it is up (``Feed.opened``: the grants it held
+``batchd.client.transport.dataplane``), tells the feed once it is up (``Feed.opened``: the grants it held
 are sent again), checks the server's id (``batchd-server-id``: the dataset is described again
 only when it changed) and hands the feed each batch it receives (``Feed.arrive``). The grants
 and revokes the feed decides go out on the call's ``outbox``.
@@ -36,14 +36,14 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 from batchd import errors
-from batchd.client.call import BatchesCall, ServerRefused
+from batchd.client.transport.call import BatchesCall, ServerRefused
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
 if TYPE_CHECKING:
     from batchd.client.assign import Assigner
     from batchd.client.feed import Feed
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 
 _END_GRACE_S = 10.0  # a half-closed call the server has not ended by then is cancelled
 _POLL_S = 0.25  # while its call is on loan, the lane thread looks at it this often (seconds)

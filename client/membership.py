@@ -3,7 +3,7 @@
 ``ServerSet`` is the part of ``MultiServerLoader`` (``batchd.client.multi``) that keeps its
 ``_Server`` list: it opens them at construction, checks that they serve the same dataset (size,
 fingerprints), and runs the prober: every ``probe_interval`` seconds a background thread reads
-the address again (``batchd.client.addresses.AddressSource``: DNS names resolved anew, a
+the address again (``batchd.client.transport.addresses.AddressSource``: DNS names resolved anew, a
 ``file:`` list re-read when it changed), adds the servers that appear, retires those no longer
 named, and tries every server that is down. A server that answers (a fresh channel, the
 dataset described, health SERVING, the same size and fingerprints) joins the iteration in
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchd import errors
-from batchd.client.connection import ServerConnection
-from batchd.client.datasets import difference, mismatches
+from batchd.client.transport.connection import ServerConnection
+from batchd.client.transport.datasets import difference, mismatches
 from batchd.client.pace import Pace
 
 log = logging.getLogger("batchd.client.multi")

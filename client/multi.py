@@ -49,13 +49,13 @@ from typing import Any, Iterator
 import torch
 
 from batchd import errors
-from batchd.client.addresses import AddressSource, may_grow, server_addresses
+from batchd.client.transport.addresses import AddressSource, may_grow, server_addresses
 from batchd.client.assign import MODES
 from batchd.client.feed import Feed, iterate
 from batchd.client.hedge import Budget
-from batchd.client.loader_stats import LoaderStats
+from batchd.client.loader.stats import LoaderStats
 from batchd.client.membership import PROBE_CONNECT_S, ServerSet, _Server
-from batchd.client.options import LoaderOptions
+from batchd.client.loader.options import LoaderOptions
 from batchd.client.single import SingleServerLoader
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def open_servers(address: Any, options: LoaderOptions, transfer: Any, stats: Loa
                  assignment: str = "dynamic") -> "SingleServerLoader | MultiServerLoader":
     """What a ``RemoteDataLoader`` reads through for ``address``: a ``SingleServerLoader`` for one
     server, a ``MultiServerLoader`` for several or for an address that may name more later (a
-    ``dns:///`` name, a ``file:`` list; ``batchd.client.addresses``). Raises as they do."""
+    ``dns:///`` name, a ``file:`` list; ``batchd.client.transport.addresses``). Raises as they do."""
     addresses = server_addresses(address)
     if len(addresses) == 1 and not may_grow(address):
         return SingleServerLoader(addresses[0], options, transfer, stats)
@@ -77,7 +77,7 @@ def open_servers(address: Any, options: LoaderOptions, transfer: Any, stats: Loa
 class MultiServerLoader(ServerSet):
     """The batches of several servers (see the module docstring); built by ``RemoteDataLoader``
     when ``address`` names several servers (a list, or a DNS name with several addresses; see
-    ``batchd.client.addresses``), which reads through it (``loader.servers``).
+    ``batchd.client.transport.addresses``), which reads through it (``loader.servers``).
 
     At least one server must answer at construction; the others are probed later. Raises
     ValueError if the servers disagree on the dataset's size, or (``strict``, the default) on

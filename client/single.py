@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from batchd import errors
-from batchd.client.connection import ServerConnection
-from batchd.client.datasets import DatasetInfo
+from batchd.client.transport.connection import ServerConnection
+from batchd.client.transport.datasets import DatasetInfo
 from batchd.client.feed import Feed, iterate
-from batchd.client.loader_stats import LoaderStats
+from batchd.client.loader.stats import LoaderStats
 from batchd.client.membership import _Server
-from batchd.client.options import LoaderOptions
+from batchd.client.loader.options import LoaderOptions
 
 
 class SingleServerLoader:

@@ -79,7 +79,8 @@ class Loader:
                 workers=config.max_workers, build=build_fingerprint(build_parts(cache=True)), disk_dir=c.disk_dir,
                 disk_bytes=int(c.disk_bytes), compress=c.compress, disk_max_idle_s=c.disk_max_idle_s)
         self.leases = LeaseTable(self.slots, max_held=config.max_leases_per_session, on_return=self._wake_pool)
-        self.transport = Transport(self.slots, self.leases, busy_ratio=self._busy_ratio)  # lend or copy each batch sent
+        self.transport = Transport(self.slots, self.leases, busy_ratio=self._busy_ratio,
+                                   workers=lambda: self.pool.num_workers)  # lend or copy each batch sent
         autoscaler = None
         if not isinstance(config.workers, int):
             w = config.workers
@@ -141,8 +142,9 @@ class Loader:
         with self._lock:
             self.counters[key] += n
 
-    def open_stream(self, args: StreamRequest) -> Stream:
+    def open_stream(self, args: StreamRequest, *, open_seq: int = 0) -> Stream:
         """Validate ``args`` (as decoded by ``StreamRequest.from_proto``) and start building its batches.
+        ``open_seq``: a Batches call's count of ``open`` messages before this one (``Stream.open_seq``).
 
         A Batches call (``args.granted``) builds nothing until its client grants batch indices
         (``Stream.grant``); its start_batch, batch_stride, batch_offset, end_batch and prefetch
@@ -155,7 +157,7 @@ class Loader:
         request, n = self._validated(args)
         ds, name = self.dataset(args.dataset), request.pipeline_name
         world_size, stride = request.world_size, request.batch_stride
-        stream = Stream(request, n)
+        stream = Stream(request, n, open_seq)
         if request.granted:
             stream.prefetch = cfg.max_grants  # what it may have ahead (stats)
         indices = None  # this shard's order, computed outside the lock when no computation can be joined
@@ -173,7 +175,7 @@ class Loader:
                     self.streams[stream.id] = stream
                     self.transport.open(stream)
                     self.counters["streams_started"] += 1
-                    if request.granted:
+                    if request.granted and open_seq == 0:  # (a later open of the call is a new stream only)
                         self.counters["batches_calls_started"] += 1
                     if request.hedge:
                         self.counters["hedge_streams_started"] += 1

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from batchd.client.finish import GpuTransform
+from batchd.client.device.finish import GpuTransform
 from bench.peers.torch_loader import PhotoDataset
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

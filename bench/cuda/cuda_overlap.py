@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from batchd.client.transfer import CudaTransfer
+from batchd.client.device.transfer import CudaTransfer
 
 
 def main() -> int:

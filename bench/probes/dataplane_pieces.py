@@ -106,9 +106,9 @@ def _receive(pipe, mode: str, cert: str | None, batches: int) -> dict:
     import os
 
     from batchd import wire
-    from batchd.client import buffers
-    from batchd.client.channel import TLS
-    from batchd.client.dataplane import DataSocket
+    from batchd.client.transport import buffers
+    from batchd.client.transport.channel import TLS
+    from batchd.client.transport.dataplane import DataSocket
 
     pipe.send(batches)
     port, token, pieces, length = pipe.recv()

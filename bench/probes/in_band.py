@@ -9,7 +9,7 @@ times in alternation: as shipped (each batch's message in front of its payload o
 connection, and the loop's grants, revokes and progress as frames there:
 docs/design/network-path.md); with the messages on the call (the client's ``open`` does not ask
 for ``data_messages``, as before in-band messages); and with the control frames' offer ignored
-too (``batchd.client.call``'s check of it replaced by one that says no: everything on the call,
+too (``batchd.client.transport.call``'s check of it replaced by one that says no: everything on the call,
 as before control frames). Medians of the rounds: trainer, server main process and relay CPU
 per GB, and the step's slowdown, as Table 18 counts them.
 """
@@ -33,7 +33,8 @@ KEYS = ("trainer", "server", "relay", "slowdown")
 
 
 def run(s, log=print) -> dict:
-    from batchd.client import call, connection
+    from batchd.client.transport import call
+    from batchd.client.transport import connection
     from bench.tables import table_network as tn
 
     offered, request = call.datawire.controls, connection.ServerConnection.request

@@ -49,7 +49,7 @@ POOLS = (("fixed 1", 1), ("{min: 1, max: 2}", {"min": 1, "max": 2, "cool_down_s"
 
 
 def _read(srv: ServerProcess, timed: int, step_s: float, seed: int) -> dict:
-    from batchd.client.stats import get_stats
+    from batchd.client.transport.server_stats import get_stats
 
     workers: list[int] = []
     stop = threading.Event()
@@ -92,7 +92,7 @@ def _read(srv: ServerProcess, timed: int, step_s: float, seed: int) -> dict:
 
 def _wait_for_min(srv: ServerProcess, timeout: float = 60.0) -> None:
     """Until the pool runs its minimum again (the sized pool retires its extra worker after the cool-down)."""
-    from batchd.client.stats import get_stats
+    from batchd.client.transport.server_stats import get_stats
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

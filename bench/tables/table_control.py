@@ -166,7 +166,7 @@ def _endless(loader):
 
 def _batchd(srv: ServerProcess, dataset: str, bs: int, transport: str, timed: int, seed: int,
             counter: CallCounter | None = None) -> dict:
-    from batchd.client.stats import get_stats
+    from batchd.client.transport.server_stats import get_stats
 
     try:
         with common.remote(srv.address, dataset, batch_size=bs, pipeline="R224", workers=WORKERS,

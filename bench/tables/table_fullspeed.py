@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 import batchd
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from bench import ROOT, common, noise
 from bench.fixtures import data
 from bench.fixtures.server_proc import ServerProcess, private_shm_available

@@ -9,7 +9,7 @@ While it reads, the third server's process is stopped (SIGSTOP) for ``STALL_S`` 
 a noisy neighbour or a VM steal would cause. The loop trains for ``STEP_S`` seconds per batch
 (a sleep: the servers keep up, with room to spare, as a loader should), so a batch waits only
 when a server falls behind. The batch wait is the time ``__next__`` took (as ``loader.stats()``
-counts it, client/loader_stats.py); the step time is wait + training step. We compare
+counts it, client/loader/stats.py); the step time is wait + training step. We compare
 ``hedge=False`` with the default ``hedge=True`` (client/hedge.py: the batch the loop waits for is
 also granted to another server once its age exceeds max(0.05 s, 2 x the median latency of the
 other servers' recent batches), hedges at most 10% of the batches yielded), interleaved, and
@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 import batchd
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from bench import common, noise
 from bench.fixtures import data, pipelines
 from bench.fixtures.server_proc import ServerProcess

@@ -4,7 +4,7 @@
 
 Transports: the socket data plane received by the relay (``transport="socket"``, ``relay=True``:
 the tensor bytes on a TCP connection beside the Batches call, read by a process of batchd's own
-into a buffer the trainer maps; client/relay.py), the data plane received in the trainer
+into a buffer the trainer maps; client/transport/relay.py), the data plane received in the trainer
 (``relay=False``: ``recv_into`` a pooled buffer; docs/design/network-path.md), inline TCP
 (``transport="inline"``: the bytes in the gRPC messages) and shared memory (``transport="shm"``),
 all over loopback to one ``batchd serve`` process.
@@ -112,7 +112,7 @@ def _how(case: str) -> dict:
 
 def _relay_cpu() -> float:
     """CPU seconds of this process's relay so far (0 without one)."""
-    from batchd.client import relay
+    from batchd.client.transport import relay
 
     pid = relay.shared().pid
     return cpu_seconds(pid) if pid is not None and relay.shared().alive() else 0.0

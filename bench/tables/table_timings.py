@@ -122,8 +122,8 @@ def _server_cost() -> float:
 def _client_cost() -> float:
     """Seconds per batch in the client: the timings parsed, its own stages, the loop's accounting."""
     from batchd import wire
-    from batchd.client.leases import CallRecord
-    from batchd.client.timings import BatchTimes, LoopTimings, delivered, take_delivered, waiting
+    from batchd.client.transport.leases import CallRecord
+    from batchd.client.loader.timings import BatchTimes, LoopTimings, delivered, take_delivered, waiting
 
     encoded = memoryview(wire.encode_timings(wire.WireTimings(*[1e-3] * 9, 3, 1, 0.5)))
     loop, record = LoopTimings(), CallRecord("bench")

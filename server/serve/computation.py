@@ -243,6 +243,8 @@ class Computation(BuildQueue):
                 if batch is not None:
                     laggards = self._laggards()
                     break
+                if stream.finished:  # nothing more to send: no failure is this call's any more
+                    return None
                 failed = min(self._failed) if self._failed else None
                 if failed is not None and failed <= stream.position:
                     raise self._failed[failed]
@@ -293,17 +295,19 @@ class Computation(BuildQueue):
                 return
             self._settle(b)
 
-    def grant(self, stream: Stream, indices, *, max_grants: int) -> None:
-        """A Batches call's client grants ``indices`` (batch indices): build and send them.
+    def grant(self, stream: Stream, indices, *, max_grants: int) -> int:
+        """A Batches call's client grants ``indices`` (batch indices): build and send them (those
+        outstanding on the call already are not granted twice; ``Stream.new_grants``). Returns how
+        many were new.
 
-        Raises ValueError naming an index out of [0, num_batches) or granted before on this call,
-        ResourceExhaustedError past ``max_grants`` granted and not sent; then nothing is granted.
+        Raises ValueError naming an index out of [0, num_batches), ResourceExhaustedError past
+        ``max_grants`` granted and not sent; then nothing is granted.
         """
         with self._cond:
-            stream.check_grants(indices, max_grants)
+            new = stream.new_grants(indices, max_grants)
             if stream.id not in self._readers:
-                return  # the call is ending
-            for b in indices:
+                return 0  # the call is ending
+            for b in new:
                 stream.add_grant(b)
                 if b in self._ready:
                     stream.ready.add(b)
@@ -311,14 +315,17 @@ class Computation(BuildQueue):
                 else:
                     self._want(b)
             self._cond.notify_all()
-        self.on_grant()
+        if new:
+            self.on_grant()
+        return len(new)
 
     def revoke(self, stream: Stream, indices) -> int:
-        """A Batches call's client takes grants back: those not sent yet are not sent (a built copy
-        stays as history, as any batch no reader needs). Returns how many were revoked."""
+        """A Batches call's client takes grants back (``indices``; None: all of them): those not
+        sent yet are not sent (a built copy stays as history, as any batch no reader needs).
+        Returns how many were revoked."""
         with self._cond:
             revoked = 0
-            for b in indices:
+            for b in list(stream.granted) if indices is None else indices:
                 if b in stream.granted:
                     stream.sent(b, revoked=True)
                     revoked += 1

@@ -8,16 +8,21 @@ reads it: ``CallControl`` starts a thread per call that does.
   (``wait_open``), opens the stream, and hands it over (``attach``). The thread applies nothing
   before that; the rest of the first message (grants in the same message) is applied then.
 * Each later message is applied to the stream as it arrives (``apply``): grants, revokes, leases
-  released, progress. A message that is not a valid ``BatchesControl``, a second ``open``, or a
-  grant the stream refuses (``Stream.check_grants``: ValueError, ResourceExhaustedError) ends
-  reading: ``error`` holds the exception and the stream is interrupted, so the servicer ends the
-  call with it at once.
+  released, progress. A message that is not a valid ``BatchesControl``, or a grant the stream
+  refuses (``Stream.new_grants``: ValueError, ResourceExhaustedError) ends reading: ``error``
+  holds the exception and the stream is interrupted, so the servicer ends the call with it at once.
+* A later message with ``open`` switches the call to that request (the next epoch): the current
+  stream's grants are revoked and it is ended as finished (``Stream.switch``), the request waits
+  in ``next_open`` for the servicer (``take_next_open``), which opens its stream (``open_seq`` one
+  more) and attaches it; the rest of that message is applied to the new stream.
 * Grants, revokes and progress may also come as control frames on the call's data connection
   (``apply_frame``, from that connection's reader thread: ``batchd.datawire``), applied as
   these messages are; anything else in a frame (``open``, ``done``, ``release``),
   a frame that does not parse, or a refused grant ends the call with that error as well. A
   frame's grant after ``done`` is ignored (the call is ending): a frame's grant is applied wholly
-  before ``done`` is marked, or not at all (one lock orders the two).
+  before ``done`` is marked, or not at all (one lock orders the two). A frame names the ``open``
+  it belongs to (``BatchesControl.open_seq``): one of an earlier ``open`` is ignored, one of a
+  later ``open`` waits until the switch to it.
 * A message with ``done`` (the client's last: it ends the call on purpose) marks the stream
   ``half_closed`` and ``done`` at once: the call ends once every grant was sent, counted
   finished. A grant after it is refused (ValueError, as above).
@@ -67,14 +72,17 @@ class CallControl:
         self._max_grants = max_grants
         self._count = count
         self._lock = threading.Lock()
+        self._attach_changed = threading.Condition(self._lock)  # a stream was attached (a frame may wait for it)
         # ``done`` and a control frame's grant, in one order: the reader marks done (and half-closes)
         # under it, a frame checks done and applies its grant under it (check-then-act)
         self._done_order = threading.Lock()
         self._opened = threading.Event()  # open arrived, or reading ended before it
         self._attached = threading.Event()  # the servicer handed over the stream (or gave up)
         self.open: pb.StreamBatchesRequest | None = None
+        self.next_open: pb.StreamBatchesRequest | None = None  # a later `open`, for the servicer to switch to
         self._first: pb.BatchesControl | None = None
         self._stream: Stream | None = None
+        self._seq = 0  # the open_seq of the stream attached last
         self.error: BaseException | None = None  # why reading stopped early (the call must end with it)
         self.gone = False  # the call went away (cancelled, deadline, connection lost)
         self._done = False  # the client said ``done``
@@ -89,15 +97,26 @@ class CallControl:
         return self._opened.wait(timeout)
 
     def attach(self, stream: Stream) -> None:
-        """The stream is open: apply the first message's grants and everything after it to ``stream``."""
+        """The stream is open: apply the first message's grants and everything after it to ``stream``
+        (after a switch: the rest of the message that switched, and everything after it)."""
         with self._lock:
             self._stream = stream
+            self._seq = stream.open_seq
+            self._attach_changed.notify_all()
         self._attached.set()
+
+    def take_next_open(self) -> pb.StreamBatchesRequest | None:
+        """The request the client switched the call to (a later ``open``), once; None if none is
+        waiting (the call ends)."""
+        with self._lock:
+            request, self.next_open = self.next_open, None
+            return request
 
     def detach(self) -> None:
         """The call is ending: apply nothing more (and stop waiting for ``attach``)."""
         with self._lock:
             self._stream = None
+            self._attach_changed.notify_all()
         self._attached.set()
 
     # --- the reading thread ------------------------------------------------------------------------
@@ -119,7 +138,10 @@ class CallControl:
                             raise grpc.RpcError("the call ended")
                     msg.ClearField("open")
                 elif msg.HasField("open"):
-                    raise ValueError("Batches: `open` is allowed in the first BatchesControl of a call only")
+                    if done:
+                        raise ValueError("Batches: an `open` after `done` (the client said it grants nothing more)")
+                    self._switch(msg.open)
+                    msg.ClearField("open")
                 elif done and msg.grant:
                     raise ValueError("Batches: a grant after `done` (the client said it grants nothing more)")
                 if not self.apply(msg):
@@ -140,6 +162,22 @@ class CallControl:
             if stream is not None:
                 stream.interrupt(half_closed=half_closed and self.error is None)
 
+    def _switch(self, request: pb.StreamBatchesRequest) -> None:
+        """A later ``open``: end the current stream (its grants revoked, counted finished), hand
+        ``request`` to the servicer, and wait until it attached the new stream."""
+        with self._lock:
+            stream, self._stream = self._stream, None
+            self.next_open = request
+            self._attached.clear()
+        if stream is not None:
+            stream.switch()
+        while not self._attached.wait(_ATTACH_POLL_S):  # the servicer opens the new stream
+            if not self._is_active():
+                raise grpc.RpcError("the call ended")
+        with self._lock:
+            if self._stream is None:  # the servicer ended the call instead (it could not open it)
+                raise grpc.RpcError("the call ended")
+
     # --- the data connection's reader thread ---------------------------------------------------
 
     def apply_frame(self, data: bytes) -> bool:
@@ -159,6 +197,16 @@ class CallControl:
                 raise ValueError("Batches: a control frame on the data connection may carry grant, revoke and "
                                  "progress only")
             self._count("control_frames", 1)
+            with self._lock:  # a frame of a later `open` waits for the switch to it (no order with the call)
+                while True:
+                    seq = self._seq if self._stream is not None else -1
+                    if msg.open_seq <= seq:
+                        break
+                    if not self._is_active() or self.gone or self.error is not None:
+                        return False
+                    self._attach_changed.wait(_ATTACH_POLL_S)
+            if msg.open_seq < seq:
+                return True  # (of an earlier `open`: its batches are no longer wanted)
             with self._done_order:
                 if self._done and msg.grant:
                     return True  # (the call is ending: the client granted before it said done)
@@ -191,8 +239,7 @@ class CallControl:
         if stream is None:
             return False
         if msg.grant:
-            stream.grant(list(msg.grant), max_grants=self._max_grants)
-            self._count("batches_granted", len(msg.grant))
+            self._count("batches_granted", stream.grant(list(msg.grant), max_grants=self._max_grants))
         if msg.revoke:
             self._count("batches_revoked", stream.revoke(list(msg.revoke)))
         if msg.release and stream.request.session:

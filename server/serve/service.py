@@ -39,6 +39,8 @@ from batchd.v1 import loader_pb2 as pb
 log = logging.getLogger(__name__)
 
 SERVER_ID_KEY = "batchd-server-id"
+WORKERS_KEY = "batchd-workers"  # the server's worker processes (a Batches call's initial metadata)
+MAX_LEASES_KEY = "batchd-max-leases"  # slots a shared-memory session may hold at once
 OPEN_TIMEOUT_S = 30.0  # a Batches call whose first message (open) does not come within this is refused
 
 
@@ -182,6 +184,7 @@ class BatchLoaderService(BatchSending):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
             if args.transport == "socket":  # a Batches call's transport only (loader.proto)
                 args = dataclasses.replace(args, transport="inline")
+            self._send_metadata(context, args)
             stream = self._open(request, args, context)
             yield from self._serve(stream, context)
         finally:
@@ -189,10 +192,12 @@ class BatchLoaderService(BatchSending):
 
     def Batches(self, requests, context: grpc.ServicerContext):
         """The bidirectional call (loader.proto; docs/design/stream-protocol.md): the first message
-        opens the stream, later ones grant, revoke, release and report progress (``CallControl``);
-        batches are sent as they are built. Ends OK once the client half-closed and every grant was
-        sent; INVALID_ARGUMENT for a bad message or grant, RESOURCE_EXHAUSTED past max_grants,
-        UNAVAILABLE when the server shuts down, as StreamBatches otherwise."""
+        opens the stream, later ones grant, revoke, release and report progress (``CallControl``),
+        and a later ``open`` switches the call to another request (the next epoch: a new stream,
+        ``open_seq`` one more); batches are sent as they are built. Ends OK once the client
+        half-closed and every grant was sent; INVALID_ARGUMENT for a bad message or grant,
+        RESOURCE_EXHAUSTED past max_grants, UNAVAILABLE when the server shuts down, as
+        StreamBatches otherwise."""
         self._admit(context, "Batches")
         control = sender = None
         try:
@@ -201,21 +206,28 @@ class BatchLoaderService(BatchSending):
             request = self._await_open(control, context)
             if request is None:
                 return  # the client went away first
-            self._check_dataset(context, request.dataset)
-            try:
-                args = StreamRequest.from_proto(request, context.peer())
-            except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
-            args = dataclasses.replace(args, start_batch=0, batch_stride=0, batch_offset=0, end_batch=0, prefetch=0,
-                                       granted=True)
-            if args.transport == "socket":
-                sender = (self._data_sender(context, control, request.data_messages)
-                          if args.compression == "none" else None)
-                if sender is None:  # no data plane here, or the client asked for compressed bytes: inline
+            open_seq = 0
+            while request is not None:
+                self._check_dataset(context, request.dataset)
+                try:
+                    args = StreamRequest.from_proto(request, context.peer())
+                except ValueError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
+                args = dataclasses.replace(args, start_batch=0, batch_stride=0, batch_offset=0, end_batch=0,
+                                           prefetch=0, granted=True)
+                if open_seq == 0 and args.transport == "socket":
+                    sender = (self._data_sender(context, control, request.data_messages)
+                              if args.compression == "none" else None)
+                if args.transport == "socket" and sender is None:
+                    # no data plane here, or the client asked for compressed bytes: inline
                     args = dataclasses.replace(args, transport="inline")
-            stream = self._open(request, args, context, sender.metadata() if sender is not None else ())
-            control.attach(stream)
-            yield from self._serve(stream, context, control, sender)
+                if open_seq == 0:
+                    self._send_metadata(context, args, sender.metadata() if sender is not None else ())
+                stream = self._open(request, args, context, open_seq)
+                control.attach(stream)
+                yield from self._serve(stream, context, control, sender)
+                request = control.take_next_open()  # the client switched the call to the next epoch
+                open_seq += 1
         finally:
             if sender is not None:
                 sender.close()
@@ -249,19 +261,27 @@ class BatchLoaderService(BatchSending):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(control.error)))
         return control.open
 
-    def _open(self, request: pb.StreamBatchesRequest, args: StreamRequest, context: grpc.ServicerContext,
-              metadata: tuple = ()) -> Stream:
-        """Send the server id (and ``metadata``: a data connection's port and token), check the
-        request's expect_* fields, and open its stream; aborts with the status each refusal maps
-        to (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAVAILABLE
-        while shutting down)."""
+    def _send_metadata(self, context: grpc.ServicerContext, args: StreamRequest, metadata: tuple = ()) -> None:
+        """The call's initial metadata: the server id, its capacity (``batchd-workers``, and on a
+        shared-memory call ``batchd-max-leases``), and ``metadata`` (a data connection's port and
+        token). CANCELLED if the client went away already."""
+        capacity = ((WORKERS_KEY, str(self.loader.pool.num_workers)),)
+        if args.transport == "shm":
+            capacity += ((MAX_LEASES_KEY, str(self.loader.config.max_leases_per_session)),)
         try:
-            context.send_initial_metadata(((SERVER_ID_KEY, self.loader.server_id), *metadata))
+            context.send_initial_metadata(((SERVER_ID_KEY, self.loader.server_id), *capacity, *metadata))
         except grpc.RpcError:  # the client went away already
             context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
+
+    def _open(self, request: pb.StreamBatchesRequest, args: StreamRequest, context: grpc.ServicerContext,
+              open_seq: int = 0) -> Stream:
+        """Check the request's expect_* fields and open its stream (``open_seq``: a Batches call's
+        count of earlier ``open`` messages); aborts with the status each refusal maps to
+        (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAVAILABLE while
+        shutting down)."""
         try:
             self._check_expected(request, context)
-            return self.loader.open_stream(args)
+            return self.loader.open_stream(args, open_seq=open_seq)
         except DatasetNotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.dataset,)))
         except ValueError as e:

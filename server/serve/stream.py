@@ -3,11 +3,13 @@ was granted, what it sent and what its client took (for stats).
 
 Two kinds, one machinery. A StreamBatches call is *ordered*: the server grants on the client's
 behalf every stride-th batch from ``position``, ``prefetch`` ahead, up to ``end``, and sends them
-in index order. A Batches call is *granted*: its client grants batch indices (``grant``; each at
-most once per call, at most ``max_grants`` granted and unsent), takes grants back (``revoke``),
-and the stream sends any granted batch that is built, lowest index first. Its ``position`` is its
-lowest granted batch not yet sent (one past the highest it ever granted while none is
-outstanding).
+in index order. A Batches call is *granted*: its client grants batch indices (``grant``:
+idempotent, a batch outstanding is not granted twice, one sent or revoked is granted anew; at
+most ``max_grants`` granted and unsent), takes grants back (``revoke``), and the stream sends any
+granted batch that is built, lowest index first. Its ``position`` is its lowest granted batch not
+yet sent (one past the highest it ever granted while none is outstanding). A Batches call that
+switches to another request (a later ``open``: the next epoch) gets a new stream, numbered by
+``open_seq`` (0, 1, ...), which every batch it sends carries.
 
 The grant state (``granted``, ``ready``, ``position``) changes only under the stream's
 computation's lock; stats read it without (an int, a ``len``).
@@ -31,7 +33,7 @@ from batchd.server.serve.computation import Computation, _Moved
 __all__ = ["Computation", "ReadyBatch", "Stream"]
 
 _stream_ids = itertools.count(1)
-# what a client's profile may report (StreamProgress.verdict; batchd.client.profile.VERDICTS)
+# what a client's profile may report (StreamProgress.verdict; batchd.client.loader.profile.VERDICTS)
 VERDICTS = frozenset({"trainer-bound", "storage-bound", "cpu-bound", "transport-bound", "copy-bound"})
 
 
@@ -39,8 +41,9 @@ class Stream:
     """One StreamBatches call (``request.granted`` false: ordered) or Batches call (granted): a
     client's place in a (possibly shared) computation."""
 
-    def __init__(self, request: StreamRequest, num_batches: int):
+    def __init__(self, request: StreamRequest, num_batches: int, open_seq: int = 0):
         self.id = next(_stream_ids)
+        self.open_seq = open_seq  # a Batches call's count of `open` messages before this stream's (Batch.open_seq)
         self.request = request
         self.ordered = not request.granted
         self.num_batches = num_batches  # in the epoch (its remainder from request.start_position) for this shard
@@ -51,7 +54,6 @@ class Stream:
         # --- a Batches call's grants (under the computation's lock) ---------------------------------
         self.granted: dict[int, None] = {}  # granted, not sent, not revoked (grant order)
         self.ready: set[int] = set()  # ... of them built
-        self._ever = bytearray(0 if self.ordered else num_batches)  # 1: granted once on this call
         self._low: list[int] = []  # heap of granted indices (stale ones popped lazily)
         self._high = 0  # one past the highest index granted
         self.granted_total = 0
@@ -194,25 +196,25 @@ class Stream:
         stride = self.request.stride
         return list(range(self.position, min(self.end, self.position + self.prefetch * stride), stride))
 
-    def check_grants(self, indices, max_grants: int) -> None:
-        """Raises ValueError naming an index out of [0, num_batches) or granted before on this call
-        (or twice in ``indices``), ResourceExhaustedError if the grants not yet sent would exceed
-        ``max_grants``."""
-        seen = set()
+    def new_grants(self, indices, max_grants: int) -> list[int]:
+        """The batches of ``indices`` not outstanding now, each once, in order (a grant is
+        idempotent: one outstanding is not granted again; one sent or revoked is granted anew).
+        Raises ValueError naming an index out of [0, num_batches), ResourceExhaustedError if the
+        grants not yet sent would exceed ``max_grants``; then nothing is granted."""
+        new: dict[int, None] = {}
         for b in indices:
             if not 0 <= b < self.num_batches:
                 raise ValueError(f"grant: batch {b} is not in [0, {self.num_batches}) (the epoch's batches)")
-            if self._ever[b] or b in seen:
-                raise ValueError(f"grant: batch {b} was already granted on this call")
-            seen.add(b)
-        if len(self.granted) + len(seen) > max_grants:
+            if b not in self.granted:
+                new[b] = None
+        if len(self.granted) + len(new) > max_grants:
             raise ResourceExhaustedError(
-                f"grant: {len(self.granted) + len(seen)} batches granted and not yet sent on this call, more than "
+                f"grant: {len(self.granted) + len(new)} batches granted and not yet sent on this call, more than "
                 f"the server's max_grants={max_grants}")
+        return list(new)
 
     def add_grant(self, b: int) -> None:
         self.granted[b] = None
-        self._ever[b] = 1
         heapq.heappush(self._low, b)
         self._high = max(self._high, b + 1)
         self.granted_total += 1
@@ -234,13 +236,25 @@ class Stream:
 
     # --- the call's side -----------------------------------------------------------------------------
 
-    def grant(self, indices, *, max_grants: int) -> None:
-        """Grant batch indices (a Batches call). Raises as ``check_grants``."""
-        self.computation.grant(self, indices, max_grants=max_grants)
+    def grant(self, indices, *, max_grants: int) -> int:
+        """Grant batch indices (a Batches call); returns how many were not outstanding. Raises as
+        ``new_grants``."""
+        return self.computation.grant(self, indices, max_grants=max_grants)
 
     def revoke(self, indices) -> int:
         """Take grants back (a Batches call); returns how many were outstanding."""
         return self.computation.revoke(self, indices)
+
+    def revoke_all(self) -> int:
+        """Take every grant back (the call switches to another request); returns how many."""
+        c = self.computation
+        return 0 if c is None else c.revoke(self, None)
+
+    def switch(self) -> None:
+        """The call switched to another request (a later ``open``): every grant is revoked and the
+        stream ends as finished once what is being sent went out."""
+        self.revoke_all()
+        self.interrupt(half_closed=True, done=True)
 
     def interrupt(self, *, half_closed: bool = False, done: bool = False) -> None:
         """The client half-closed (``half_closed``; ``done``: it said so), or the call must end now:

@@ -63,11 +63,13 @@ WAIT_SLICE_S = 0.25  # ... in slices, so that the caller sees a cancelled call
 class Transport:
     """Lend or copy, and account for it. Thread-safe (RPC threads call every method)."""
 
-    def __init__(self, slots: SlotPool, leases: LeaseTable, busy_ratio: Callable[[Stream], float] = lambda s: 0.0):
+    def __init__(self, slots: SlotPool, leases: LeaseTable, busy_ratio: Callable[[Stream], float] = lambda s: 0.0,
+                 workers: Callable[[], int] = lambda: 0):
         """busy_ratio(stream): the workers' busy ratio since ``stream``'s first batch (0..1, ``Loader``),
         written into each of its batches' timings."""
         self.slots, self.leases = slots, leases
         self.busy_ratio = busy_ratio
+        self.workers = workers  # the pool's worker processes now (BatchTimings.workers)
         self._lock = threading.Lock()
         self._open: dict[int, Stream] = {}  # stream id -> open stream
         self._tags: dict[tuple[str, str], Stream] = {}  # (session, stream_tag) -> open stream
@@ -122,7 +124,8 @@ class Transport:
             tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=t.offset, **ragged_fields(t))
                        for t in batch.tensors]
             return wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, segment=batch.slot.name,
-                                     lease=lease, skipped=batch.skipped, timings=self._timings(stream, batch, t0))
+                                     lease=lease, skipped=batch.skipped, timings=self._timings(stream, batch, t0),
+                                     open_seq=stream.open_seq)
         if r.transport == "socket":  # the bytes follow on the data connection (server/serve/dataplane.py)
             pieces, length = socket_payload(batch)
             tensors = [wire.WireTensor(t.name, t.dtype, t.shape, offset=piece.offset, **ragged_fields(t))
@@ -131,7 +134,7 @@ class Transport:
                 self.bytes_copied["socket"] += length
                 stream.bytes_copied += length
             return wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, skipped=batch.skipped,
-                                     timings=self._timings(stream, batch, t0))
+                                     timings=self._timings(stream, batch, t0), open_seq=stream.open_seq)
         buf = batch.slot.buf
         tensors, copied = [], 0
         for t in batch.tensors:
@@ -143,7 +146,7 @@ class Transport:
             else:
                 tensors.append(wire.WireTensor(t.name, t.dtype, t.shape, data, **ragged_fields(t)))
         data = wire.encode_batch(batch.batch_index, r.epoch, stream.num_batches, tensors, skipped=batch.skipped,
-                                 timings=self._timings(stream, batch, t0))
+                                 timings=self._timings(stream, batch, t0), open_seq=stream.open_seq)
         with self._lock:
             self.bytes_copied[r.transport] += copied
             stream.bytes_copied += copied
@@ -162,7 +165,7 @@ class Transport:
             write_seconds=t.get("write", 0.0), reorder_seconds=stream.reorder_seconds,
             send_seconds=time.perf_counter() - start, read_io_seconds=t.get("read_io", 0.0),
             cache_hits=int(t.get("cache_hits", 0)), worker=int(t.get("worker", 0)),
-            workers_busy_ratio=min(1.0, max(0.0, self.busy_ratio(stream))))
+            workers_busy_ratio=min(1.0, max(0.0, self.busy_ratio(stream))), workers=self.workers())
         with self._lock:
             for stage, name in STAGE_FIELDS.items():
                 self.stage_seconds[stage] += getattr(timings, name)
@@ -199,7 +202,7 @@ class Transport:
 def progress(stream: Stream, p: pb.StreamProgress) -> None:
     """What ``stream``'s client reports it took (StreamProgress; its stream_tag is not read)."""
     stream.took(p.batches_taken, p.samples_taken, reported=True)
-    if p.verdict:  # a client that profiles its loop (batchd.client.timings)
+    if p.verdict:  # a client that profiles its loop (batchd.client.loader.timings)
         stream.client_waits(p.wait_ratio, p.verdict)
 
 

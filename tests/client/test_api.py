@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 import batchd
-from batchd.client import channel, datasets, stats
-from batchd.client.options import LoaderOptions, LoaderSettings, Setting
+from batchd.client.transport import channel
+from batchd.client.transport import datasets
+from batchd.client.transport import server_stats as stats
+from batchd.client.loader.options import LoaderOptions, LoaderSettings, Setting
 from helpers import free_port
 from procs import SLOW
 

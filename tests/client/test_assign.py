@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from batchd.client.assign import Assigner
-from batchd.client.outbox import Outbox
+from batchd.client.transport.outbox import Outbox
 from batchd.client.hedge import Budget, HedgePolicy
 from batchd.client.pace import Pace
 from batchd.client.windows import MAX_WINDOW

@@ -22,7 +22,7 @@ from batchd import RemoteDataLoader
 from batchd.errors import SampleError
 from batchd.server.data.decode import ImageReadError
 from batchd.server.compute.encoded import check_jpeg
-from batchd.client import decode
+from batchd.client.device import decode
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 from helpers import jpeg_bytes as _jpeg, picture as _picture

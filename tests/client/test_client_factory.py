@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import batchd
-from batchd.client import transfer as transfer_mod
-from batchd.client.loader import RemoteDataLoader
+from batchd.client.device import transfer as transfer_mod
+from batchd.client.loader.loader import RemoteDataLoader
 from batchd.client.multi import MultiServerLoader
-from batchd.client.options import resolve_device
+from batchd.client.loader.options import resolve_device
 from batchd.client.single import SingleServerLoader
-from batchd.client.transfer import finish
+from batchd.client.device.transfer import finish
 
 pytestmark = pytest.mark.timeout(120)
 

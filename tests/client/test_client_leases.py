@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import batchd
-from batchd.client import shm as client_shm
-from batchd.client.stats import get_stats
+from batchd.client.transport import shm as client_shm
+from batchd.client.transport.server_stats import get_stats
 from batchd import wire
 from batchd.v1 import loader_pb2 as pb
 from helpers import free_port, wait_until

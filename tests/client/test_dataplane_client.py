@@ -1,4 +1,4 @@
-"""The data plane's client side (client/dataplane.py, client/buffers.py) over real sockets: the
+"""The data plane's client side (client/transport/dataplane.py, client/transport/buffers.py) over real sockets: the
 fields received equal the slot's tensors (plain, TLS, mutual TLS); buffers are reused once their
 tensors are freed and never while one lives; a header that is not the announced batch's, a
 server that closes or goes silent, a stop or a close from another thread: each a prompt error
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from batchd import datawire, wire
-from batchd.client import buffers
-from batchd.client.channel import TLS
-from batchd.client.dataplane import DataSocket, data_host
+from batchd.client.transport import buffers
+from batchd.client.transport.channel import TLS
+from batchd.client.transport.dataplane import DataSocket, data_host
 from batchd.server.config import TlsConfig
 from batchd.server.serve.dataplane import DataPlane, tls_context
 from batchd.server.shm import Owner, SlotPool
@@ -184,7 +184,7 @@ def test_between_in_band_frames_the_wait_lasts_as_long_as_the_call_then_a_grace(
     """A frame may be long in coming (a slow pipeline): no limit while the call lasts, even past
     ``timeout``; once the call is over, a server whose host vanished (no close) is given up after
     ``ENDED_GRACE_S`` without a byte; a close between frames is the end (None)."""
-    from batchd.client import dataplane
+    from batchd.client.transport import dataplane
 
     monkeypatch.setattr(dataplane, "ENDED_GRACE_S", 0.5)
     message = wire.encode_batch(5, 0, 10, [wire.WireTensor("label", "int64", (4,), offset=0)])

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import batchd
-from batchd.client.datasets import describe_dataset
-from batchd.client import decode
+from batchd.client.transport.datasets import describe_dataset
+from batchd.client.device import decode
 from batchd.errors import SampleError
 from helpers import jpeg_batch, jpeg_bytes, opencv_as_nvjpeg, picture, without_quantisation_tables
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchd.client import decode
+from batchd.client.device import decode
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 from helpers import fine_detail, jpeg_bytes, opencv_as_nvjpeg

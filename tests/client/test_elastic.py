@@ -18,7 +18,7 @@ import pytest
 from torch.utils.data import DistributedSampler
 
 import batchd
-from batchd.client import elastic
+from batchd.client.iteration import elastic
 from batchd.sampler import epoch_order, global_positions, num_batches, shard_indices, shard_size
 from helpers import write_png
 

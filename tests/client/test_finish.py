@@ -1,6 +1,6 @@
 """GpuTransform on CPU tensors: against a NumPy reference, its randomness, determinism, errors.
 
-The reference below is written from the documented definition (client/finish.py's docstring),
+The reference below is written from the documented definition (client/device/finish.py's docstring),
 independently of the module: Philox4x32-10 in Python integers (checked against Random123's
 known-answer vectors), the crop/flip by NumPy slicing, the arithmetic in NumPy float32 and
 bfloat16 rounding by hand. Outputs must be equal bit for bit, not close.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from batchd import GpuTransform
-from batchd.client.finish import finish_key, philox4x32
+from batchd.client.device.finish import finish_key, philox4x32
 
 IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 
@@ -341,7 +341,7 @@ def served_unflipped(server) -> dict[int, bytes]:
 
 
 def test_the_batched_gather_of_the_gpu_equals_the_per_sample_slices_of_the_cpu():
-    from batchd.client.finish import _crop_flip
+    from batchd.client.device.finish import _crop_flip
 
     images = random_images(b=32, h=21, w=26)
     for transform in (GpuTransform(hflip=0.5, vflip=0.5, crop=(13, 17)), GpuTransform(hflip=0.5, vflip=0.5)):

@@ -174,7 +174,7 @@ def test_a_loader_warns_once_where_grpcs_fork_handlers_are_on(monkeypatch, caplo
 
     monkeypatch.setattr(batchd._grpc_fork, "FORK_HANDLERS", True)
     monkeypatch.setattr(forks, "_warned_handlers", False)
-    caplog.set_level(logging.WARNING, logger="batchd.client.loader")
+    caplog.set_level(logging.WARNING, logger="batchd.client.loader.loader")
     forks.warn_if_handlers()
     forks.warn_if_handlers()
     warnings = [r.getMessage() for r in caplog.records if "fork handlers are on" in r.getMessage()]

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 import batchd
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from batchd.server.serve.service import BatchLoaderService
 from batchd.server.serve.stats import snapshot
 from conftest import running_server

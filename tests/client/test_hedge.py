@@ -18,7 +18,7 @@ import pytest
 
 import batchd
 from batchd.client.hedge import HedgePolicy, hedge_policy
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from helpers import digest, write_png
 
 pytestmark = pytest.mark.timeout(180)

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from batchd.client.host_register import FLAGS, HostRegistry, clear_last_error
+from batchd.client.device.host_register import FLAGS, HostRegistry, clear_last_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,7 +60,7 @@ class ModelRuntime:
 def test_a_refused_registration_leaves_no_error_in_the_receivers_thread(caplog):
     runtime = ModelRuntime(refuse={0x2000})
     registry = HostRegistry(runtime, clear_error=runtime.cudaGetLastError)
-    with caplog.at_level(logging.WARNING, logger="batchd.client.host_register"):
+    with caplog.at_level(logging.WARNING, logger="batchd.client.device.host_register"):
         assert registry.register(0x1000, 4096) is True
         assert registry.register(0x2000, 8192) is False
     runtime.launch_kernel()  # this (the receiver's) thread launches its next kernel: no inherited error
@@ -107,7 +107,7 @@ def test_a_helper_thread_that_cannot_bind_is_a_refusal(caplog):
         raise RuntimeError("CUDA error: invalid device ordinal")
 
     registry = HostRegistry(ModelRuntime(), bind=bind)
-    with caplog.at_level(logging.WARNING, logger="batchd.client.host_register"):
+    with caplog.at_level(logging.WARNING, logger="batchd.client.device.host_register"):
         assert registry.register(0x1000, 64) is False
     assert "failed: BrokenThreadPool" in caplog.text
     registry.close()

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import default_collate
 
 import batchd
-from batchd.client.connection import ServerConnection
+from batchd.client.transport.connection import ServerConnection
 from batchd.client.feed import Feed
 
 pytestmark = pytest.mark.timeout(120)

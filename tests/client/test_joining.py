@@ -11,9 +11,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 import batchd
-from batchd.client.addresses import AddressSource, may_grow, read_address_file, server_addresses
+from batchd.client.transport.addresses import AddressSource, may_grow, read_address_file, server_addresses
 from batchd.client.multi import MultiServerLoader
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from helpers import digest, wait_until
 from procs import RANDOM_AUG, fmnist_test_config
 
@@ -46,7 +46,7 @@ def test_address_files(tmp_path):
 def test_a_dns_name_is_resolved_again_each_time(monkeypatch):
     import socket
 
-    from batchd.client import addresses as addr_mod
+    from batchd.client.transport import addresses as addr_mod
 
     records = {"batchd.svc.test": ["10.0.0.1"]}
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import batchd
-from batchd.client import addresses as addr_mod
-from batchd.client.addresses import server_addresses
-from batchd.client.distributed import rank_and_world_size
+from batchd.client.transport import addresses as addr_mod
+from batchd.client.transport.addresses import server_addresses
+from batchd.client.loader.distributed import rank_and_world_size
 from batchd.client.multi import MultiServerLoader
 from batchd.sampler import shard_indices
 from batchd.server.compute.protocol import StreamRequest

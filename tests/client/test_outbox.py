@@ -1,4 +1,4 @@
-"""``Outbox`` (client/outbox.py), the request iterator of a Batches call, without a network: once
+"""``Outbox`` (client/transport/outbox.py), the request iterator of a Batches call, without a network: once
 ``direct`` is on, grants, revokes and due progress go as control frames by its ``send`` and the
 call carries only its open and last message; a frame that cannot be sent puts its grant and
 the progress it carried back on the call."""
@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from batchd import datawire
-from batchd.client.outbox import Outbox
+from batchd.client.transport.outbox import Outbox
 from batchd.v1 import loader_pb2 as pb
 from helpers import wait_until
 

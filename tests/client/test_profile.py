@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import batchd
-from batchd.client.profile import COPY_SHARE, GROUPS, READ_SHARE, TRAINER_BOUND_WAIT, WORKERS_BUSY, judge
-from batchd.client.stats import get_stats
-from batchd.client.timings import LoopTimings
+from batchd.client.loader.profile import COPY_SHARE, GROUPS, READ_SHARE, TRAINER_BOUND_WAIT, WORKERS_BUSY, judge
+from batchd.client.transport.server_stats import get_stats
+from batchd.client.loader.timings import LoopTimings
 from helpers import ThrottledProxy, write_class_tree
 from seaweed import seaweed  # noqa: F401  (the session fixture)
 

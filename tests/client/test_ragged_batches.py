@@ -20,8 +20,8 @@ import batchd
 import batches
 from batch_server import BatchServer
 from batchd import wire
-from batchd.client import fields
-from batchd.client.receiver import to_tensors
+from batchd.client.transport import fields
+from batchd.client.transport.receiver import to_tensors
 from batchd.v1 import loader_pb2 as pb
 from helpers import wait_until
 

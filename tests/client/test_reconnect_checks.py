@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 import batchd
-from batchd.client.datasets import describe_dataset
+from batchd.client.transport.datasets import describe_dataset
 from helpers import digest, free_port, write_png
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,7 +88,7 @@ def test_one_server_restarted_over_other_images_strict_raises_before_any_new_bat
     assert len(old) == 10
     before = describe_dataset(server.address, "photos").fingerprint
     got, indices = [], []
-    caplog.set_level(logging.INFO, logger="batchd.client.loader")
+    caplog.set_level(logging.INFO, logger="batchd.client.loader.loader")
     with batchd.RemoteDataLoader(server.address, "photos", **{**KW, "transport": transport}) as ld:
         it = iter(ld)
         read_until_error([next(it) for _ in range(3)], got, indices)
@@ -115,7 +115,7 @@ def test_one_server_restarted_over_other_images_not_strict_warns_and_reports_the
     old = epoch(server.address)
     before = describe_dataset(server.address, "photos").fingerprint
     got, indices = [], []
-    caplog.set_level(logging.INFO, logger="batchd.client.loader")
+    caplog.set_level(logging.INFO, logger="batchd.client.loader.loader")
     with batchd.RemoteDataLoader(server.address, "photos", strict=False, **KW) as ld:
         it = iter(ld)
         read_until_error([next(it) for _ in range(3)], got, indices)

@@ -1,4 +1,4 @@
-"""The receive relay (client/relay.py): the data plane's batches received by a process of
+"""The receive relay (client/transport/relay.py): the data plane's batches received by a process of
 batchd's own into memory the trainer maps, so the trainer's CPU does not copy them.
 
 Real servers on 127.0.0.1:0 (a ``batchd serve`` subprocess), a real relay process: the bytes
@@ -26,7 +26,9 @@ import pytest
 
 import batchd
 from batchd import datawire, wire
-from batchd.client import buffers, dataplane, relay
+from batchd.client.transport import buffers
+from batchd.client.transport import dataplane
+from batchd.client.transport import relay
 from helpers import digest, fake_data_server, wait_until
 from procs import RANDOM_AUG, fmnist_test_config
 
@@ -102,7 +104,7 @@ def test_the_relay_ends_with_its_trainer_even_on_sigkill(server, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys, time
         import batchd
-        from batchd.client import relay
+        from batchd.client.transport import relay
         ld = batchd.RemoteDataLoader({server.address!r}, "fmnist-test", batch_size=250, transport="socket")
         it = iter(ld)
         next(it)

@@ -26,9 +26,9 @@ import pytest
 import torch
 import yaml
 
-from batchd.client import fields
-from batchd.client import shm as client_shm
-from batchd.client.options import LoaderOptions
+from batchd.client.transport import fields
+from batchd.client.transport import shm as client_shm
+from batchd.client.loader.options import LoaderOptions
 from batchd.client.single import SingleServerLoader
 from helpers import free_port, wait_until
 from procs import ServerProcess, fmnist_test_config

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import batchd
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from helpers import digest, fields_digest, free_port, jpeg_bytes, picture, wait_until
 from procs import RANDOM_AUG, fmnist_test_config, write_server_config
 
@@ -112,7 +112,7 @@ def test_auto_picks_the_data_plane_for_a_remote_server_and_shared_memory_on_this
         next(iter(ld))
         assert ld.stats()["bytes_received"]["shm"] > 0
     # a server whose shared memory this process cannot read is a remote one
-    from batchd.client import shm
+    from batchd.client.transport import shm
 
     def unavailable(*a, **k):
         raise shm.SharedMemoryUnavailable("another host (test)")
@@ -132,7 +132,7 @@ def test_a_data_connection_killed_mid_epoch_is_resumed_with_nothing_lost_or_repe
     with batchd.RemoteDataLoader(server.address, "fmnist-test", transport="socket", batch_size=BATCH, shuffle=True,
                                  seed=11, transform="aug", timeout=60, reconnect_timeout=30) as ld:
         got = []
-        with caplog.at_level(logging.WARNING, logger="batchd.client.loader"):
+        with caplog.at_level(logging.WARNING, logger="batchd.client.loader.loader"):
             for k, batch in enumerate(ld):
                 got.append(digest(batch))
                 if k in (3, 17, 30):
@@ -283,11 +283,11 @@ def test_an_unreachable_data_port_sends_auto_inline_and_fails_socket(make_server
     does not come back."""
     srv = make_server(datasets=fmnist_test_config(fmnist_root), workers=2, pipelines={"aug": A.to_dict(RANDOM_AUG)})
     srv.data_plane._listener.close()  # the port refuses connections; the server still offers it
-    from batchd.client import shm
+    from batchd.client.transport import shm
 
     monkeypatch.setattr(shm.SharedMemorySession, "open", classmethod(
         lambda cls, *a, **k: (_ for _ in ()).throw(shm.SharedMemoryUnavailable("another host (test)"))))
-    with caplog.at_level(logging.WARNING, logger="batchd.client.loader"):
+    with caplog.at_level(logging.WARNING, logger="batchd.client.loader.loader"):
         with batchd.RemoteDataLoader(srv.address, "fmnist-test", batch_size=BATCH, shuffle=True, seed=11,
                                      transform="aug", transport="auto", reconnect_timeout=10) as ld:
             got = [digest(b) for b in ld]

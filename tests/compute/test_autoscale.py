@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import batchd
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from batchd.sampler import global_positions, num_batches, sample_key, shard_indices
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.compute.autoscale import (BUSY_UP, UP_WINDOW_S, WAIT_UP, Autoscaler, Demand, cgroup_cpu_limit,

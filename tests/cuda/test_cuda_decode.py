@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import batchd
-from batchd.client import decode
+from batchd.client.device import decode
 from batchd.errors import SampleError
 from helpers import fine_detail, jpeg_batch, jpeg_bytes, picture, without_quantisation_tables
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import batchd
-from batchd.client.transfer import CudaTransfer
+from batchd.client.device.transfer import CudaTransfer
 from procs import fmnist_test_config
 
 pytestmark = [

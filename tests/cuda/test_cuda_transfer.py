@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import batchd
-from batchd.client.transfer import CudaTransfer, TransferStopped
+from batchd.client.device.transfer import CudaTransfer, TransferStopped
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -141,7 +141,7 @@ def test_a_refused_registration_falls_back_and_the_next_kernel_runs(fmnist_serve
     it; the batches go through pinned buffers, the same bytes."""
     kw = dict(batch_size=500, shuffle=True, seed=5, transport="shm")
     finish = batchd.GpuTransform(mean=0.286, std=0.353, hflip=0.5, crop=24)
-    with caplog.at_level(logging.WARNING, logger="batchd.client.host_register"), \
+    with caplog.at_level(logging.WARNING, logger="batchd.client.device.host_register"), \
             batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", device="cuda", gpu_transform=finish, **kw) as gpu, \
             batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", gpu_transform=finish, **kw) as cpu:
         gpu._transfer.host.flags = 0x80  # not a cudaHostRegister flag

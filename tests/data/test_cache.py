@@ -323,7 +323,7 @@ def test_cache_figures_in_stats_metrics_and_batchd_status(make_server, photos):
     import subprocess
     import sys
 
-    from batchd.client.stats import get_stats, stats_dict
+    from batchd.client.transport.server_stats import get_stats, stats_dict
 
     server = _serve(make_server, photos, 1, memory_bytes="8MiB")
     _epochs(server)
@@ -355,7 +355,7 @@ def test_cache_metrics_per_dataset(make_server, photos):
 
 @pytest.mark.timeout(120)
 def test_a_token_sees_the_cache_figures_of_its_datasets_only(make_server, photos):
-    from batchd.client.stats import get_stats
+    from batchd.client.transport.server_stats import get_stats
 
     tokens = [{"name": "team-a", "token": "a" * 32, "datasets": ["photos"]},
               {"name": "admin", "token": "b" * 32, "datasets": ["*"]}]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import batchd
-from batchd.client.datasets import describe_dataset, list_datasets
+from batchd.client.transport.datasets import describe_dataset, list_datasets
 from helpers import digest, free_port, wait_until, write_png
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,7 +70,7 @@ def test_describe_dataset_reports_fingerprints_that_follow_the_files(make_server
 
 def test_the_build_says_whether_a_cache_serves_and_under_which_prefix_rule(make_server, tmp_path, monkeypatch):
     """Parts ``cache`` (on/off) and ``cache_prefix_rules``; the disk cache is stamped with them."""
-    from batchd.client.datasets import mismatches
+    from batchd.client.transport.datasets import mismatches
     from batchd.server.compute.build import build_fingerprint, build_parts
     from batchd.server.compute import prefix
 

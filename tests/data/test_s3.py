@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import batchd
-from batchd.client.datasets import describe_dataset
+from batchd.client.transport.datasets import describe_dataset
 from batchd.errors import SampleError
 from batchd.server.config import CocoConfig, ImageFolderConfig, ManifestConfig, SegmentationConfig
 from batchd.server.data.datasets import open_dataset

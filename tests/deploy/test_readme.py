@@ -215,7 +215,7 @@ def test_the_compose_excerpt_is_the_compose_file(page):
 
 
 def test_every_profile_verdict_has_a_section_to_link_to():
-    from batchd.client.profile import VERDICTS
+    from batchd.client.loader.profile import VERDICTS
 
     text = (ROOT / "docs" / "tuning.md").read_text()
     missing = [v for v in VERDICTS if not re.search(rf"^### {v} \{{#{v}\}}$", text, re.M)]
@@ -225,7 +225,7 @@ def test_every_profile_verdict_has_a_section_to_link_to():
 def test_every_verdicts_advice_links_to_its_section_on_the_docs_site():
     """The advice ends with the address of its verdict's section (``batchd.links.DOCS_URL``, the
     site_url mkdocs.yml builds the site for) and that section's anchor exists in docs/tuning.md."""
-    from batchd.client.profile import ADVICE, VERDICTS
+    from batchd.client.loader.profile import ADVICE, VERDICTS
     from batchd.links import DOCS_URL
 
     assert yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python/name:", ""))["site_url"] == DOCS_URL

@@ -296,14 +296,10 @@ def test_invalid_grants_and_messages_are_refused_naming_what(server, stub):
     before = _totals(stub)
     e = refused(grant=[2, NUM_BATCHES])
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and f"batch {NUM_BATCHES} is not in [0, {NUM_BATCHES})" in e.details()
-    e = refused(grant=[3, 1, 3])
-    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "batch 3 was already granted" in e.details()
-    e = refused({"grant": [4]}, grant=[4])
-    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "batch 4 was already granted" in e.details()
-    e = refused({"msg": pb.BatchesControl(open=_open())}, grant=[0])
-    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "first BatchesControl of a call only" in e.details()
     e = refused({"done": True}, {"grant": [NUM_BATCHES - 1]}, grant=range(NUM_BATCHES - 1))  # (seconds of work left)
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "a grant after `done`" in e.details()
+    e = refused({"done": True}, {"msg": pb.BatchesControl(open=_open(epoch=2))}, grant=range(NUM_BATCHES - 1))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "an `open` after `done`" in e.details()
     # a first message without open; bytes that are no BatchesControl
     with grpc.insecure_channel(server.address) as channel:
         bidi = channel.stream_stream("/batchd.v1.BatchLoader/Batches", request_serializer=None,
@@ -314,7 +310,84 @@ def test_invalid_grants_and_messages_are_refused_naming_what(server, stub):
                 list(bidi(iter([payload]), timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in e.value.details()
     assert wait_until(lambda: _settled(server))
-    assert _delta(_totals(stub), before, "streams_failed")["streams_failed"] == 5  # the other two opened none
+    assert _delta(_totals(stub), before, "streams_failed")["streams_failed"] == 3  # the other two opened none
+
+
+def test_grants_are_idempotent_and_a_batch_sent_or_revoked_is_sent_again(server, stub, reference):
+    """A grant of a batch outstanding on the call does not send it twice; one of a batch already
+    sent (or revoked) sends it again, with the same bytes: the client needs no record of which
+    copies are in flight to stay correct."""
+    call = RawBatches(stub, _open(), grant=[3, 1, 3, 1])
+    got = [next(call), next(call)]
+    assert sorted(b.batch_index for b in got) == [1, 3]
+    call.send(grant=[3, 5, 5])  # 3 was sent: again; 5 twice in one message: once
+    got += [next(call), next(call)]
+    call.send(grant=[7], revoke=[7])  # granted and revoked in one message: not sent...
+    call.send(grant=[7])  # ... until granted again
+    got.append(next(call))
+    call.close()
+    got += list(call)
+    assert sorted(b.batch_index for b in got) == [1, 3, 3, 5, 7] and call.call.code() == grpc.StatusCode.OK
+    for b in got:
+        assert digest(tensors(b)) == reference[b.batch_index], b.batch_index
+    assert wait_until(lambda: _settled(server))
+
+
+def test_one_call_switches_to_the_next_epoch_with_a_later_open(server, stub, reference, fmnist_root, tmp_path):
+    """A later ``open`` switches the call to another request: the previous one's grants are
+    revoked and its stream ends as finished, the batches after it carry ``open_seq`` 1, 2, ...
+    and have that request's bytes; grants in the switching message belong to the new request."""
+    from conftest import running_server
+
+    with running_server(cache_dir=tmp_path, workers=1, datasets=_fmnist(fmnist_root),
+                        pipelines={"aug": A.to_dict(AUG)}) as ref:
+        with grpc.insecure_channel(ref.address) as channel:
+            epoch2 = {b.batch_index: digest(tensors(b)) for b in
+                      loader_pb2_grpc.BatchLoaderStub(channel).StreamBatches(_open(epoch=2), timeout=120)}
+    assert epoch2[0] != reference[0]
+    before = _totals(stub)
+    call = RawBatches(stub, _open(), grant=[0, 1])
+    first = [next(call), next(call)]
+    assert {(b.batch_index, b.open_seq) for b in first} == {(0, 0), (1, 0)}
+    call.send(grant=range(2, NUM_BATCHES))  # the rest of epoch 1, revoked by the switch below
+    call.send(msg=pb.BatchesControl(open=_open(epoch=2), grant=[0, 1, 2]))
+    got = {}
+    for b in call:
+        if b.open_seq == 0:  # sent before the switch
+            assert digest(tensors(b)) == reference[b.batch_index]
+            continue
+        assert b.open_seq == 1 and b.epoch == 2 and b.batch_index not in got
+        got[b.batch_index] = digest(tensors(b))
+        if len(got) == 3:
+            call.send(msg=pb.BatchesControl(open=_open(epoch=3)))  # a second switch, nothing granted
+            call.close()
+    assert got == {b: epoch2[b] for b in range(3)} and call.call.code() == grpc.StatusCode.OK
+    assert wait_until(lambda: _settled(server))
+    delta = _delta(_totals(stub), before, "streams_finished", "streams_cancelled", "streams_failed",
+                   "batches_calls_started")
+    assert delta == {"streams_finished": 3, "streams_cancelled": 0, "streams_failed": 0, "batches_calls_started": 1}
+
+
+def test_the_call_advertises_the_servers_capacity(make_server, fmnist_root):
+    """``batchd-workers`` (its worker processes) and, over shared memory, ``batchd-max-leases``
+    in the initial metadata; ``BatchTimings.workers`` in every batch."""
+    srv = make_server(workers=3, max_leases_per_session=5, datasets=_fmnist(fmnist_root),
+                      pipelines={"aug": A.to_dict(AUG)})
+    with grpc.insecure_channel(srv.address) as channel:
+        stub = loader_pb2_grpc.BatchLoaderStub(channel)
+        call = RawBatches(stub, _open(), grant=[0])
+        batch = next(call)
+        metadata = dict(call.call.initial_metadata())
+        assert metadata["batchd-workers"] == "3" and "batchd-max-leases" not in metadata
+        assert batch.timings.workers == 3
+        call.cancel()
+        session = RawSession(channel)
+        call = RawBatches(stub, _open(transport=pb.TRANSPORT_SHARED_MEMORY, session=session.session), grant=[0])
+        batch = next(call)
+        metadata = dict(call.call.initial_metadata())
+        assert metadata["batchd-workers"] == "3" and metadata["batchd-max-leases"] == "5" and batch.segment
+        call.cancel()
+        session.close()
 
 
 def test_more_grants_than_max_grants_are_refused(make_server, fmnist_root):

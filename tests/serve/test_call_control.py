@@ -24,15 +24,17 @@ class RecordingStream:
 
     def __init__(self, hold_s: float = 0.0):
         self.request = SimpleNamespace(session="")
+        self.open_seq = 0
         self.events: list[tuple] = []
         self.granting = threading.Event()
         self.done_marked = threading.Event()
         self.hold_s = hold_s
 
-    def grant(self, indices, *, max_grants: int) -> None:
+    def grant(self, indices, *, max_grants: int) -> int:
         self.granting.set()
         self.done_marked.wait(self.hold_s)
         self.events.append(("grant", tuple(indices)))
+        return len(indices)
 
     def revoke(self, indices) -> int:
         return 0

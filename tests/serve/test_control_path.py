@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import batchd
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from procs import fmnist_test_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from helpers import write_png
 
-from batchd.client.channel import make_channel
+from batchd.client.transport.channel import make_channel
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 

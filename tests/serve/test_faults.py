@@ -355,7 +355,7 @@ def test_server_restart_mid_stream_resumes_byte_identical(server_procs, fmnist_r
     assert len(clean) == 40
 
     got, indices, restarted = [], [], None
-    caplog.set_level(logging.INFO, logger="batchd.client.loader")
+    caplog.set_level(logging.INFO, logger="batchd.client.loader.loader")
     with loader(address, **kw) as ld:
         for i, b in enumerate(ld):
             got.append(digest(b))

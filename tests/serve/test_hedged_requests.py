@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import batchd
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 from helpers import digest

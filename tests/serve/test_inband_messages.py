@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from batchd import datawire
-from batchd.client import buffers
-from batchd.client.dataplane import DataSocket
+from batchd.client.transport import buffers
+from batchd.client.transport.dataplane import DataSocket
 from batchd.v1 import loader_pb2 as pb
 from helpers import wait_until
 from rawclient import RawBatches, digest
@@ -83,7 +83,7 @@ def test_a_call_that_fails_mid_epoch_closes_its_data_connection_after_whole_fram
     pool = buffers.BufferPool()
     with DataSocket.connect(server.address, port, token) as ds:
         got = [ds.receive_next(pool, ended=call.call.done)[0].batch_index for _ in range(3)]
-        call.send(grant=[1])  # granted twice: the server refuses it (INVALID_ARGUMENT)
+        call.send(grant=[10_000])  # not a batch of the epoch: the server refuses it (INVALID_ARGUMENT)
         assert ds.receive_next(pool, ended=call.call.done) is None, "not closed between frames"
     with pytest.raises(grpc.RpcError) as e:
         list(call.call)

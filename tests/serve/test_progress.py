@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import batchd
 from batchd._status_table import format_status
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 from helpers import wait_until

@@ -26,9 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import batchd
 from batchd import cli
-from batchd.client.channel import TLS, make_channel
-from batchd.client.datasets import describe_dataset
-from batchd.client.stats import get_stats
+from batchd.client.transport.channel import TLS, make_channel
+from batchd.client.transport.datasets import describe_dataset
+from batchd.client.transport.server_stats import get_stats
 from batchd.server.compute import allowlist
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.config import ConfigError, PipelineLimits, ServerConfig, load_config
@@ -629,7 +629,7 @@ def test_a_huge_world_size_costs_nothing(make_server, data):
 
 
 def test_client_maps_only_plain_segment_names():
-    from batchd.client import shm as client_shm
+    from batchd.client.transport import shm as client_shm
 
     for name in ("../../etc/passwd", "/etc/passwd", "", "..", "a\x00b"):
         with pytest.raises(client_shm.SharedMemoryUnavailable):

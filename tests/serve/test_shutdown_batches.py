@@ -1,7 +1,7 @@
 """Shutdown never rewrites a batch a trainer holds.
 
 A shared-memory batch's tensors are a copy-on-write (``MAP_PRIVATE``) mapping of the server's
-slot (client/shm.py): the pages the trainer has not written still follow the file. So a slot
+slot (client/transport/shm.py): the pages the trainer has not written still follow the file. So a slot
 must not be written again while a trainer holds its batch, shutdown included. On SIGTERM the
 server first stops building batches (the pool dispatches nothing more, every computation
 closes), and only then ends the shared-memory sessions, which give every lent slot back

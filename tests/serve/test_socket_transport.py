@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from batchd import datawire, wire
-from batchd.client import buffers
-from batchd.client.channel import TLS, make_channel
-from batchd.client.dataplane import DataSocket
+from batchd.client.transport import buffers
+from batchd.client.transport.channel import TLS, make_channel
+from batchd.client.transport.dataplane import DataSocket
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 from helpers import wait_until

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import batchd
-from batchd.client.stats import get_stats, stats_dict
+from batchd.client.transport.server_stats import get_stats, stats_dict
 from batchd.server.serve import lag as lag_mod, sending as service_mod
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.compute.rates import RateMeter

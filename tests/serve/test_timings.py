@@ -11,7 +11,7 @@ import pytest
 
 import batchd
 from batchd import wire
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.serve.stats import snapshot
 from helpers import wait_until, write_class_tree

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import batchd
-from batchd.client.stats import get_stats
+from batchd.client.transport.server_stats import get_stats
 from helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)

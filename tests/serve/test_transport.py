@@ -14,7 +14,7 @@ import torch
 import batchd
 import batches
 from batch_server import ready_batch
-from batchd.client import shm as client_shm
+from batchd.client.transport import shm as client_shm
 from batchd.v1 import loader_pb2 as pb
 from helpers import wait_until
 
@@ -91,7 +91,7 @@ def test_close_waits_for_batches_still_held(fmnist_server):
 def test_falls_back_to_inline_when_shared_memory_is_not_shared(fmnist_server, tmp_path, monkeypatch, caplog):
     # A client whose /dev/shm is another directory: as in a container without the server's IPC namespace.
     monkeypatch.setattr(client_shm, "SHM_DIR", tmp_path)
-    with caplog.at_level(logging.WARNING, logger="batchd.client.loader"):
+    with caplog.at_level(logging.WARNING, logger="batchd.client.loader.loader"):
         batches, loader = _batches(fmnist_server.address, "auto")
     assert loader._shm is None
     assert sum(b["image"].shape[0] for b in batches) == 10_000

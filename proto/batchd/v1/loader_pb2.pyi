@@ -196,20 +196,22 @@ class StreamBatchesRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ..., expect_num_samples: _Optional[int] = ..., expect_fingerprint: _Optional[str] = ..., expect_build_fingerprint: _Optional[str] = ..., data_messages: _Optional[bool] = ...) -> None: ...
 
 class BatchesControl(_message.Message):
-    __slots__ = ("open", "grant", "revoke", "release", "progress", "done")
+    __slots__ = ("open", "grant", "revoke", "release", "progress", "done", "open_seq")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     REVOKE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SEQ_FIELD_NUMBER: _ClassVar[int]
     open: StreamBatchesRequest
     grant: _containers.RepeatedScalarFieldContainer[int]
     revoke: _containers.RepeatedScalarFieldContainer[int]
     release: _containers.RepeatedScalarFieldContainer[int]
     progress: StreamProgress
     done: bool
-    def __init__(self, open: _Optional[_Union[StreamBatchesRequest, _Mapping]] = ..., grant: _Optional[_Iterable[int]] = ..., revoke: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[int]] = ..., progress: _Optional[_Union[StreamProgress, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+    open_seq: int
+    def __init__(self, open: _Optional[_Union[StreamBatchesRequest, _Mapping]] = ..., grant: _Optional[_Iterable[int]] = ..., revoke: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[int]] = ..., progress: _Optional[_Union[StreamProgress, _Mapping]] = ..., done: _Optional[bool] = ..., open_seq: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "offset", "compression", "sample_ndim", "sample_shapes", "sample_offsets")
@@ -234,7 +236,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., sample_ndim: _Optional[int] = ..., sample_shapes: _Optional[_Iterable[int]] = ..., sample_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("batch_index", "epoch", "num_batches", "tensors", "segment", "lease", "skipped_indices", "timings")
+    __slots__ = ("batch_index", "epoch", "num_batches", "tensors", "segment", "lease", "skipped_indices", "timings", "open_seq")
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +245,7 @@ class Batch(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_INDICES_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SEQ_FIELD_NUMBER: _ClassVar[int]
     batch_index: int
     epoch: int
     num_batches: int
@@ -251,10 +254,11 @@ class Batch(_message.Message):
     lease: int
     skipped_indices: _containers.RepeatedScalarFieldContainer[int]
     timings: BatchTimings
-    def __init__(self, batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., num_batches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., segment: _Optional[str] = ..., lease: _Optional[int] = ..., skipped_indices: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[BatchTimings, _Mapping]] = ...) -> None: ...
+    open_seq: int
+    def __init__(self, batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., num_batches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., segment: _Optional[str] = ..., lease: _Optional[int] = ..., skipped_indices: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[BatchTimings, _Mapping]] = ..., open_seq: _Optional[int] = ...) -> None: ...
 
 class BatchTimings(_message.Message):
-    __slots__ = ("queued_seconds", "read_seconds", "decode_seconds", "pipeline_seconds", "cache_seconds", "write_seconds", "reorder_seconds", "send_seconds", "read_io_seconds", "cache_hits", "worker", "workers_busy_ratio")
+    __slots__ = ("queued_seconds", "read_seconds", "decode_seconds", "pipeline_seconds", "cache_seconds", "write_seconds", "reorder_seconds", "send_seconds", "read_io_seconds", "cache_hits", "worker", "workers_busy_ratio", "workers")
     QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +271,7 @@ class BatchTimings(_message.Message):
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     WORKERS_BUSY_RATIO_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     queued_seconds: float
     read_seconds: float
     decode_seconds: float
@@ -279,7 +284,8 @@ class BatchTimings(_message.Message):
     cache_hits: int
     worker: int
     workers_busy_ratio: float
-    def __init__(self, queued_seconds: _Optional[float] = ..., read_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., pipeline_seconds: _Optional[float] = ..., cache_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., reorder_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., read_io_seconds: _Optional[float] = ..., cache_hits: _Optional[int] = ..., worker: _Optional[int] = ..., workers_busy_ratio: _Optional[float] = ...) -> None: ...
+    workers: int
+    def __init__(self, queued_seconds: _Optional[float] = ..., read_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., pipeline_seconds: _Optional[float] = ..., cache_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., reorder_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., read_io_seconds: _Optional[float] = ..., cache_hits: _Optional[int] = ..., worker: _Optional[int] = ..., workers_busy_ratio: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("type", "message", "dataset", "indices", "paths", "reason")

@@ -104,15 +104,19 @@ class BatchLoaderServicer:
         """The batches a client asks for, as it asks (credits): the dynamic, deterministic way to read
         an epoch from one server or to spread it over several (docs/design/stream-protocol.md).
         The first BatchesControl carries `open` (what to stream, as StreamBatches); later ones grant
-        batch indices, revoke grants, release leases and report progress. The server builds every
-        granted batch (a batch is a pure function of the request and its index, so any server gives
-        the same bytes) and sends each as soon as it is built, NOT necessarily in grant or index
-        order: Batch.batch_index names it, and the client puts batches back in order. A batch is
-        sent at most once per call. The call ends (OK) once the client half-closed and every batch
-        granted and not revoked was sent. The response's initial metadata carries
-        `batchd-server-id` (DatasetInfo.server_id). Errors as StreamBatches, and
-        FAILED_PRECONDITION (trailing `batchd-error-bin`, type "DatasetChangedError") when the
-        request's expect_* fields do not match the dataset served.
+        batch indices, revoke grants, release leases and report progress, and may carry `open`
+        again to switch the call to another request (the next epoch): one call serves a loader's
+        epochs. The server builds every granted batch (a batch is a pure function of the request
+        and its index, so any server gives the same bytes) and sends each as soon as it is built,
+        NOT necessarily in grant or index order: Batch.batch_index names it, Batch.open_seq the
+        `open` it belongs to, and the client puts batches back in order. Grants are idempotent: a
+        grant of a batch outstanding on the call is ignored, one of a batch already sent or revoked
+        sends it again. The call ends (OK) once the client half-closed and every batch granted and
+        not revoked was sent. The response's initial metadata carries `batchd-server-id`
+        (DatasetInfo.server_id), `batchd-workers` (the server's worker processes: what it can build
+        at once) and, on a shared-memory call, `batchd-max-leases` (slots it lends the session at
+        most). Errors as StreamBatches, and FAILED_PRECONDITION (trailing `batchd-error-bin`, type
+        "DatasetChangedError") when the request's expect_* fields do not match the dataset served.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

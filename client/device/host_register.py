@@ -9,7 +9,7 @@ with CUDA's text (``cudaGetErrorString``), cleared in that thread (``cudaGetLast
 reported as False: the transfer then copies through pinned buffers.
 
 The mapping stays read-only (``cudaHostRegisterReadOnly``): a writable one would let a copy
-write through to the slot that other readers share (client/shm.py). A device without read-only
+write through to the slot that other readers share (client/transport/shm.py). A device without read-only
 registration refuses it, which is such a refusal.
 """
 

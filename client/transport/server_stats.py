@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from batchd.client.channel import open_channel, resolve_token, tls_settings, translate
+from batchd.client.transport.channel import open_channel, resolve_token, tls_settings, translate
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 

@@ -7,14 +7,14 @@ buffer: off the GIL, but on the trainer's CPU (about 0.1-0.2 s per GB). The rela
 copy to a process of its own, so the trainer pays what shared memory costs it: a message to ask
 for a batch, one to hear it arrived, and tensors that are views of a buffer it maps once.
 
-* ``Relay`` is the process (client/relay_child.py, standard library only, started with
+* ``Relay`` is the process (client/transport/relay_child.py, standard library only, started with
   ``subprocess``: never a fork of the trainer, whose gRPC threads and CUDA context it must not
   inherit), one per trainer process (``shared()``), started on the first data connection. It
   ends when the trainer closes it (at exit) or dies (EOF on its control socket).
 * ``RelayBuffers`` makes the receive buffers (``BufferPool``'s ``allocate``): memfd-backed
   shared memory, mapped here as a uint8 tensor; a buffer's fd goes to the relay once per
   connection, which maps it once, so a buffer reused batch after batch costs no page faults.
-* ``RelayedSocket`` is one connection, with ``DataSocket``'s interface (client/dataplane.py):
+* ``RelayedSocket`` is one connection, with ``DataSocket``'s interface (client/transport/dataplane.py):
   ``receive`` sends ``READ`` with the buffer and waits for ``DONE``; ``receive_next`` (the
   call's messages in band) sends ``N`` with a buffer the size of the last frame and gets the
   message after the payload (``M``; ``S`` then ``P`` when it does not fit; ``F`` at the
@@ -53,11 +53,14 @@ import numpy as np
 import torch
 
 from batchd import datawire, errors, wire
-from batchd.client import buffers, dataplane, fields, forks
-from batchd.client.channel import TLS
-from batchd.client.relay_child import DONE, FRAME, MAX_MESSAGE, REQUEST
+from batchd.client.transport import buffers
+from batchd.client.transport import dataplane
+from batchd.client.transport import fields
+from batchd.client import forks
+from batchd.client.transport.channel import TLS
+from batchd.client.transport.relay_child import DONE, FRAME, MAX_MESSAGE, REQUEST
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 CHILD = pathlib.Path(__file__).with_name("relay_child.py")
 SLICE_S = 0.25  # a blocked wait looks at ``stopping`` and at the relay this often
 AVAILABLE = sys.platform.startswith("linux") and hasattr(os, "memfd_create")

@@ -1,5 +1,5 @@
 """Receive buffers for the socket data plane, reused batch after batch, and a batch's tensors as
-views of one (client/dataplane.py receives into them; docs/design/network-path.md).
+views of one (client/transport/dataplane.py receives into them; docs/design/network-path.md).
 
 A fresh buffer costs a page fault per 4 KiB on its first write (about 2,400 for a 64 x 224 x 224
 x 3 uint8 batch: measured, receiving into fresh buffers cost the trainer 0.4-0.5 s of CPU per GB
@@ -8,11 +8,11 @@ free buffer big enough, allocating only when none is, and the pool keeps as many
 ever in use at once; ``tensors`` builds the batch's fields as views of the
 buffer (no copy) and puts a ``weakref.finalize`` on their common base, which gives the buffer
 back to the pool once the last of them is freed, exactly as a shared-memory lease goes back
-(client/shm.py). A batch the caller keeps keeps its buffer; the pool never reuses it meanwhile.
+(client/transport/shm.py). A batch the caller keeps keeps its buffer; the pool never reuses it meanwhile.
 
 Where the loader copies batches to a CUDA device the pool's buffers are pinned (page-locked:
 ``allocate=pinned``), so the copy reads them directly, asynchronously, with no staging copy
-(client/transfer.py, ``registered=True``).
+(client/device/transfer.py, ``registered=True``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from batchd import wire
-from batchd.client import fields
+from batchd.client.transport import fields
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 GRAIN = 1 << 16  # capacities are multiples of 64 KiB, with an eighth to spare: a slightly larger batch still fits
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from batchd.client.channel import open_channel, resolve_token, tls_settings, translate
+from batchd.client.transport.channel import open_channel, resolve_token, tls_settings, translate
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 

@@ -26,7 +26,7 @@ BATCH_FIELDS = ("skipped",)  # fields of the batch, not of its samples
 
 
 def samples(batch: dict[str, Any]) -> list[dict[str, Any]]:
-    """The B samples of an unpacked batch (``batchd.client.fields.unpack``), in batch order.
+    """The B samples of an unpacked batch (``batchd.client.transport.fields.unpack``), in batch order.
 
     Raises ValueError naming the fields if they disagree on B (a malformed batch).
     """

@@ -1,7 +1,7 @@
 """The receive relay's process: it holds the trainer's data connections and writes each batch's
-payload into a buffer the trainer has mapped (client/relay.py starts it; docs/network.md).
+payload into a buffer the trainer has mapped (client/transport/relay.py starts it; docs/network.md).
 
-Run as ``python -I relay_child.py SPEC`` by ``batchd.client.relay.Relay``, never imported by
+Run as ``python -I relay_child.py SPEC`` by ``batchd.client.transport.relay.Relay``, never imported by
 batchd: it uses the standard library only, so it starts in a few tens of milliseconds and holds
 none of the trainer's state (no gRPC, no torch, no CUDA context). SPEC (JSON) gives the data
 plane's header (``struct`` format, magic: ``batchd.datawire``, so the format has one source)

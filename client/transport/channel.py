@@ -66,7 +66,7 @@ def tls_settings(tls: Any = None, tls_ca: Any = None, tls_cert: Any = None, tls_
     elif tls is False:
         tls = None
     elif tls is not None and not isinstance(tls, TLS):
-        raise ValueError(f"tls must be None, a bool, a batchd.client.channel.TLS or a dict, not {type(tls).__name__}")
+        raise ValueError(f"tls must be None, a bool, a batchd.client.transport.channel.TLS or a dict, not {type(tls).__name__}")
     if tls_ca is None and tls_cert is None and tls_key is None:
         return tls
     base = tls or TLS()

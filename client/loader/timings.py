@@ -18,7 +18,7 @@ iteration is not counted as wait (it includes connecting and the pipeline's warm
 (``StreamProgress.wait_ratio``), so a server sizes its workers by the recent wait, not the
 epoch's.
 
-All times are seconds (floats) and ratios are in [0, 1]. ``batchd.client.profile`` turns the
+All times are seconds (floats) and ratios are in [0, 1]. ``batchd.client.loader.profile`` turns the
 totals into ``loader.profile()``'s verdict.
 """
 
@@ -242,7 +242,7 @@ def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Ca
     """``batches`` as the training loop takes them, timed: each ``next`` is a wait (``waiting``), the
     time between two is a step; both go to ``timings`` and to the batch's call record (its
     progress reports them), with ``verdict(now)``, and each wait, as measured, to ``stats`` (a
-    ``batchd.client.loader_stats.LoaderStats``: ``loader.stats()``). Closing it closes ``batches``."""
+    ``batchd.client.loader.stats.LoaderStats``: ``loader.stats()``). Closing it closes ``batches``."""
     handed = None  # perf_counter() when the loop got the previous batch
     try:
         while True:

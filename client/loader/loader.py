@@ -13,13 +13,15 @@ from typing import Any, Iterator
 
 import torch
 
-from batchd.client import elastic, forks
-from batchd.client.datasets import DatasetInfo
-from batchd.client.loader_stats import LoaderStats
+from batchd.client.iteration import elastic
+
+from batchd.client import forks
+from batchd.client.transport.datasets import DatasetInfo
+from batchd.client.loader.stats import LoaderStats
 from batchd.client.multi import open_servers
-from batchd.client.options import TRANSPORTS, LoaderOptions, LoaderSettings  # noqa: F401  (TRANSPORTS: public name)
-from batchd.client.profile import Profile, make_profile
-from batchd.client.timings import LoopTimings, timed
+from batchd.client.loader.options import TRANSPORTS, LoaderOptions, LoaderSettings  # noqa: F401  (TRANSPORTS: public name)
+from batchd.client.loader.profile import Profile, make_profile
+from batchd.client.loader.timings import LoopTimings, timed
 from batchd.sampler import num_batches
 
 _VERDICT_EVERY_S = 0.5  # how often the verdict reported to servers is recomputed
@@ -62,7 +64,7 @@ class RemoteDataLoader(LoaderSettings):
             or a ``MultiServerLoader`` (``loader.servers``) and offers the same surface either way.
             ``file:PATH`` (a text file of ``HOST:PORT`` lines) or ``dns:///NAME:PORT`` always read
             through a ``MultiServerLoader``, so that servers listed later join (read again every
-            ``probe_interval``; ``batchd.client.addresses``).
+            ``probe_interval``; ``batchd.client.transport.addresses``).
         dataset: a dataset name from the server's config.
         batch_size: samples per batch (>= 1).
         shuffle: permute the samples each epoch (a pure function of seed and epoch).
@@ -102,7 +104,7 @@ class RemoteDataLoader(LoaderSettings):
             on ``device`` (str / bytes stay Python objects) and, over shared memory, keep the slot
             lent until they are all freed. What fn raises, iteration raises.
         decode_on_client: the server sends each sample's JPEG file as it is and this loader decodes
-            it (``batchd.client.decode``): with nvJPEG on a CUDA ``device`` when torchvision >= 0.19
+            it (``batchd.client.device.decode``): with nvJPEG on a CUDA ``device`` when torchvision >= 0.19
             loads (not the same bytes as the server's OpenCV decode), else with OpenCV on the CPU
             (the same bytes as the server's decode). Less server CPU and fewer bytes on the
             network. The transform must then be None or exactly one ``A.Resize(h, w)`` (the
@@ -115,7 +117,7 @@ class RemoteDataLoader(LoaderSettings):
         timeout: seconds without a batch before iteration raises ``batchd.TimeoutError``.
         connect_timeout: seconds to find the server before raising ``batchd.ConnectionError``.
         max_message_bytes: the largest gRPC message this loader accepts, in bytes (None: 1 GiB,
-            ``batchd.client.channel.DEFAULT_MAX_MESSAGE_BYTES``). An inline batch is one message: a
+            ``batchd.client.transport.channel.DEFAULT_MAX_MESSAGE_BYTES``). An inline batch is one message: a
             larger one raises ResourceExhaustedError. The server sends at most its own
             ``max_message_bytes`` (default 512 MiB).
         transport: "auto" (shared memory when this process can read the server's /dev/shm,
@@ -126,7 +128,7 @@ class RemoteDataLoader(LoaderSettings):
             "socket" (the data plane even on the server's host; inline where the server has none),
             or "inline" (always bytes in the messages).
         relay: "auto" (on for CPU batches on Linux), True or False: a process of batchd's own
-            receives the data plane's bytes into memory this one maps (client/relay.py).
+            receives the data plane's bytes into memory this one maps (client/transport/relay.py).
         compression: None, or "lz4" to compress inline tensor bytes (for slow remote links; the
             batches then come inline, not on the data plane).
         reconnect_timeout: if the call breaks (server restarted, connection lost), seconds to
@@ -219,7 +221,7 @@ class RemoteDataLoader(LoaderSettings):
             **extra)
         self._transfer = None
         if self.options.device.type == "cuda":  # here, in the caller's thread, on the resolved device
-            from batchd.client.transfer import CudaTransfer
+            from batchd.client.device.transfer import CudaTransfer
 
             self._transfer = CudaTransfer(self.options.device)
         self._stats = LoaderStats()
@@ -229,7 +231,7 @@ class RemoteDataLoader(LoaderSettings):
         self._start_position = 0  # the epoch at self.epoch is read from this global position (elastic resume)
         self._resume_batch = 0  # where the next iteration starts (load_state_dict)
         self._position: tuple[int, int, int] | None = None  # (epoch, start position, next batch) of the iteration
-        self.timings = LoopTimings()  # this epoch's stages and waits (batchd.client.timings)
+        self.timings = LoopTimings()  # this epoch's stages and waits (batchd.client.loader.timings)
         self._verdict, self._verdict_at = "", 0.0  # reported to the servers with the progress
 
     @property
@@ -313,7 +315,7 @@ class RemoteDataLoader(LoaderSettings):
         waited in ``__next__`` (total and p50/p95/p99 per batch, seconds; the wait fraction of
         wall time), batches per server, each server's share of the epoch, window and hedges
         (``servers``), reconnects, failovers and hedges. Keys and units:
-        ``batchd.client.loader_stats``."""
+        ``batchd.client.loader.stats``."""
         per_server = self.servers.server_stats()
         return self._stats.snapshot({s["address"]: s["batches"] for s in per_server}, per_server)
 
@@ -321,7 +323,7 @@ class RemoteDataLoader(LoaderSettings):
         """Where this epoch's time went (each batch's stages on the server and here, the loop's wait
         for data), and what bounds it: a dict (``verdict``, ``advice``, ``evidence``,
         ``wait_ratio``, ``stages`` {stage: seconds}, ``shares``, ...) that prints as a table. See
-        ``batchd.client.profile`` for the stages, the rules and their thresholds. The wait shows
+        ``batchd.client.loader.profile`` for the stages, the rules and their thresholds. The wait shows
         as a ``batchd.wait`` range in PyTorch profiler traces (and NVTX on CUDA)."""
         return make_profile(self.timings.snapshot())
 
@@ -379,7 +381,7 @@ class RemoteDataLoader(LoaderSettings):
         Elastic: ``world_size``, ``rank`` and ``batch_size`` may differ from the saved ones. Every
         rank of the new job loads the same state (e.g. rank 0's); with the same world_size and
         batch_size the saved batch comes next, otherwise the epoch's remainder from the global
-        position reached, sharded over the new ranks (``batchd.client.elastic``; ``len(self)``
+        position reached, sharded over the new ranks (``batchd.client.iteration.elastic``; ``len(self)``
         is then its batches). States of version 1 (positions from 0) load too.
 
         Raises ValueError if the state was saved by a loader with other settings (dataset, shuffle,

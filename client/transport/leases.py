@@ -3,7 +3,7 @@
 Leases of shared-memory batches whose tensors were freed are queued by ``weakref.finalize``
 callbacks (which may run inside a gRPC call or under a lock, so they only queue). While a
 ``Batches`` call is open on the session (``carry``), they ride on that call's request stream
-(``batchd.client.outbox.Outbox``: with the next grant, or within a few ms), and so does the
+(``batchd.client.transport.outbox.Outbox``: with the next grant, or within a few ms), and so does the
 training loop's progress: no unary call per batch. What cannot ride on a call goes through
 ``ReleaseLeases`` (loader.proto), sent by ``Reporter``'s thread:
 
@@ -38,7 +38,7 @@ import grpc
 import tenacity
 
 from batchd.client import forks
-from batchd.client.timings import WaitMeter
+from batchd.client.loader.timings import WaitMeter
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class CallRecord:
     samples_taken: int = 0
     abandoned: bool = False
     # the training loop's recent wait for this call's batches, and the loader's profile verdict
-    # (RemoteDataLoader, batchd.client.timings): reported with the progress
+    # (RemoteDataLoader, batchd.client.loader.timings): reported with the progress
     waits: WaitMeter = field(default_factory=WaitMeter)
     verdict: str = ""
     _received: list[int] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """``loader.profile()``: where the time went this epoch, and what to do about it.
 
-The totals of ``batchd.client.timings.LoopTimings`` become per-stage seconds and shares, and a
+The totals of ``batchd.client.loader.timings.LoopTimings`` become per-stage seconds and shares, and a
 verdict from five rules, applied in order (the thresholds are the constants below):
 
 1. **trainer-bound**: the training loop waited for data less than ``TRAINER_BOUND_WAIT`` (5%)
@@ -24,7 +24,7 @@ the server, from its task being sent to a worker to its message being ready) and
 
 from __future__ import annotations
 
-from batchd.client.timings import CLIENT_STAGES, LOOP_STAGES, SERVER_STAGES, WORKER_STAGES, LoopTimings
+from batchd.client.loader.timings import CLIENT_STAGES, LOOP_STAGES, SERVER_STAGES, WORKER_STAGES, LoopTimings
 from batchd.links import docs_link
 
 TRAINER_BOUND_WAIT = 0.05  # wait_ratio below this: trainer-bound

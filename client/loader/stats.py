@@ -1,7 +1,7 @@
 """The client's own figures: how long the training loop waited for batches, and what the loader
 did meanwhile (``RemoteDataLoader.stats()``).
 
-``batchd.client.timings.timed`` wraps the iterator a loader hands to the training loop: the time
+``batchd.client.loader.timings.timed`` wraps the iterator a loader hands to the training loop: the time
 each ``__next__`` takes is the time the loop waited for that batch (nothing else runs there); it
 reports each wait here and to the loader's ``LoopTimings`` (``loader.profile()``), one
 measurement for both. ``LoaderStats`` keeps those waits and the loader's counters; the servers' loaders count what

@@ -13,8 +13,8 @@ from typing import Any, Callable, Generic, TypeVar, overload
 
 import torch
 
-from batchd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
-from batchd.client.distributed import rank_and_world_size
+from batchd.client.transport.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
+from batchd.client.loader.distributed import rank_and_world_size
 from batchd.client.hedge import HedgePolicy, hedge_policy
 from batchd.v1 import loader_pb2 as pb
 
@@ -145,7 +145,7 @@ class LoaderOptions:
                        token: str | None = None, hedge: Any = True, **rest: Any) -> "LoaderOptions":
         """From ``RemoteDataLoader``'s keyword arguments (``rest``: the fields of the same name).
 
-        Resolves rank and world size (``batchd.client.distributed``), the device's CUDA index,
+        Resolves rank and world size (``batchd.client.loader.distributed``), the device's CUDA index,
         TLS, the token and the hedging policy (``hedge_policy``); raises ValueError (RuntimeError:
         CUDA asked for but unavailable).
         """

@@ -11,9 +11,9 @@ Pattern from ffcv's ``loader/epoch_iterator.py`` and spdl's ``io/_transfer.py``:
   it, so a copy in flight is never corrupted;
 * same-host batches are copied straight from the server's shared-memory slot: each segment is
   mapped read-only once and registered with CUDA once (``cudaHostRegister``, from a helper
-  thread: client/host_register.py), and the batch (its lease) is kept until its copy's event has
+  thread: client/device/host_register.py), and the batch (its lease) is kept until its copy's event has
   completed; once the server has unlinked a segment and no batch uses it, the session
-  unregisters and unmaps it (client/shm.py); if CUDA refuses, batches go through the pinned
+  unregisters and unmaps it (client/transport/shm.py); if CUDA refuses, batches go through the pinned
   buffers;
 * ``hand_over`` makes the consumer's current stream wait for that copy's event and marks the
   device tensors as used on it (``record_stream``), so the caching allocator never recycles
@@ -40,8 +40,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from batchd.client import fields, forks
-from batchd.client.host_register import HostRegistry
+from batchd.client.transport import fields
+
+from batchd.client import forks
+from batchd.client.device.host_register import HostRegistry
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ def finish(batch: dict[str, fields.Field], gpu_transform: Callable[..., torch.Te
 class CudaTransfer:
     """Copies CPU batches (dict of tensors) to ``device`` on a side stream. Thread-safe.
 
-    device: a CUDA device with its index (``batchd.client.options.resolve_device``). slots: pinned
+    device: a CUDA device with its index (``batchd.client.loader.options.resolve_device``). slots: pinned
     buffers per tensor name for batches that are not in registered memory. register_host_memory:
     copy shared-memory batches straight from their (registered) slots.
     Raises RuntimeError if CUDA is not available, ValueError if ``device`` is not ``cuda:N``.
@@ -169,7 +171,7 @@ class CudaTransfer:
         ``batch`` is kept until the copy completes. finish: a ``gpu_transform`` run on the side
         stream after the copy (see ``finish``). marks: a list to which the timing events recorded
         before and after the copy are appended (the returned event then records timing too), for
-        ``batchd.client.timings``. Raises TransferStopped if ``stopping`` is set; any error raised
+        ``batchd.client.loader.timings``. Raises TransferStopped if ``stopping`` is set; any error raised
         after a copy was queued is raised once the side stream is idle.
         """
         # receiver threads start on device 0: switch first, or CUDA makes a context there (DDP ranks)

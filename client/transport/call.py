@@ -1,12 +1,12 @@
 """One ``Batches`` call (loader.proto): what the client sends on it and how its batches come back.
 
-``Outbox`` (client/outbox.py) is the call's request iterator, and sends its grants as control
+``Outbox`` (client/transport/outbox.py) is the call's request iterator, and sends its grants as control
 frames on the data connection once there is one that takes them (``_open_data``).
 
 ``BatchesCall`` opens the call on a channel and reads it: the server's id from the initial
 metadata (``batchd-server-id``), then the batches as ``WireBatch`` es (``messages``; on a
 TRANSPORT_SOCKET call each with its ``payload`` read from the call's data connection,
-``batchd.client.dataplane``), errors
+``batchd.client.transport.dataplane``), errors
 translated (``batches_error``): FAILED_PRECONDITION of type ``DatasetChangedError`` becomes
 ``ServerRefused`` (the caller describes the dataset again to say what changed), UNIMPLEMENTED
 an error naming the server as too old for this client.
@@ -22,13 +22,13 @@ import grpc
 
 from batchd import datawire, errors, wire
 from batchd.client import forks
-from batchd.client.outbox import Outbox
-from batchd.client.channel import ERROR_DETAIL_KEY, translate
-from batchd.client.dataplane import DataLink, DataSocket
+from batchd.client.transport.outbox import Outbox
+from batchd.client.transport.channel import ERROR_DETAIL_KEY, translate
+from batchd.client.transport.dataplane import DataLink, DataSocket
 from batchd.errors import BatchdError
 from batchd.v1 import loader_pb2 as pb
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 
 SERVER_ID_KEY = "batchd-server-id"
 BATCHES_METHOD = "/batchd.v1.BatchLoader/Batches"
@@ -189,7 +189,7 @@ def _say_inline(address: str) -> None:
 
 def batches_error(e: grpc.RpcError, address: str) -> Exception:
     """The exception for a failed Batches call: ``ServerRefused`` (the dataset there is not the
-    expected one), ``ServerTooOld`` (no Batches there), else as ``batchd.client.channel.translate``."""
+    expected one), ``ServerTooOld`` (no Batches there), else as ``batchd.client.transport.channel.translate``."""
     code = e.code() if hasattr(e, "code") else None
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return ServerTooOld(

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from batchd import wire
-from batchd.client import fields
-from batchd.client.transfer import finish
+from batchd.client.transport import fields
+from batchd.client.device.transfer import finish
 from batchd.errors import SampleError, ShapeMismatchError
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from batchd import errors, wire
-from batchd.client import fields
+from batchd.client.transport import fields
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class HostMapping:
 class SharedMemorySession:
     """One OpenSession call and the leases received under it. Thread-safe.
 
-    Freed batches are queued on ``reporter`` (``batchd.client.leases.Reporter``), whose thread
+    Freed batches are queued on ``reporter`` (``batchd.client.transport.leases.Reporter``), whose thread
     sends ReleaseLeases, calls ``forget`` with what it sent, ``sweep`` on an idle round and
     ``end_if_done`` each round.
     """
@@ -174,7 +174,7 @@ class SharedMemorySession:
 
     def tensors(self, batch: wire.WireBatch) -> dict[str, fields.Field]:
         """Writable CPU tensors on a copy-on-write mapping of the batch's slot (no copy; ragged
-        fields one flat tensor each, ``batchd.client.fields``); its lease is released when they are
+        fields one flat tensor each, ``batchd.client.transport.fields``); its lease is released when they are
         all freed."""
         end = _end(batch)
         # every tensor below is a view of this array (a zero-length mmap is not allowed)

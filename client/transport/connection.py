@@ -4,10 +4,10 @@ Its channel, the dataset's ``DatasetInfo`` (described once per server process: a
 the server's id changed, ``check_server``), its shared-memory session (opened on first use), its
 ``DataLink`` (the socket data plane: ``transport`` "auto" for a server whose shared memory is not
 readable here, or "socket"; its calls ask for TRANSPORT_SOCKET and read each batch's bytes from a
-data connection beside the call, ``batchd.client.dataplane``), the
-thread that reports what cannot ride on a call (``batchd.client.leases.Reporter``: abandoned
+data connection beside the call, ``batchd.client.transport.dataplane``), the
+thread that reports what cannot ride on a call (``batchd.client.transport.leases.Reporter``: abandoned
 calls, releases while no call is open), and the ``Batches`` calls it opens
-(``open_batches``, ``batchd.client.call``): one per iteration, whose request stream carries the
+(``open_batches``, ``batchd.client.transport.call``): one per iteration, whose request stream carries the
 grants, revokes, lease releases and progress. ``convert`` turns a received batch into what the
 loader hands out. A single-server loader has one connection; a several-servers loader one per
 server, all sharing the loader's options and its ``CudaTransfer``.
@@ -25,23 +25,27 @@ import grpc
 import torch
 
 from batchd import errors, wire
-from batchd.client import buffers, decode, fields, forks, relay
-from batchd.client.call import BatchesCall
-from batchd.client.outbox import Outbox
-from batchd.client.channel import open_channel, wait_for_server
-from batchd.client.collate import collate
-from batchd.client.dataplane import DataLink
-from batchd.client.datasets import DatasetInfo, Difference, describe, difference
-from batchd.client.leases import CallRecord, Reporter, new_tag_prefix
-from batchd.client.options import LoaderOptions
-from batchd.client.receiver import Received, to_tensors
-from batchd.client.shm import SharedMemorySession, SharedMemoryUnavailable
-from batchd.client.timings import BatchTimes, delivered
-from batchd.client.transfer import check_finishable, finish
+from batchd.client.transport import buffers
+from batchd.client.device import decode
+from batchd.client.transport import fields
+from batchd.client import forks
+from batchd.client.transport import relay
+from batchd.client.transport.call import BatchesCall
+from batchd.client.transport.outbox import Outbox
+from batchd.client.transport.channel import open_channel, wait_for_server
+from batchd.client.device.collate import collate
+from batchd.client.transport.dataplane import DataLink
+from batchd.client.transport.datasets import DatasetInfo, Difference, describe, difference
+from batchd.client.transport.leases import CallRecord, Reporter, new_tag_prefix
+from batchd.client.loader.options import LoaderOptions
+from batchd.client.transport.receiver import Received, to_tensors
+from batchd.client.transport.shm import SharedMemorySession, SharedMemoryUnavailable
+from batchd.client.loader.timings import BatchTimes, delivered
+from batchd.client.device.transfer import check_finishable, finish
 from batchd.errors import DatasetChangedError
 from batchd.v1 import loader_pb2 as pb
 
-log = logging.getLogger("batchd.client.loader")  # users (and tests) watch this logger
+log = logging.getLogger("batchd.client.loader.loader")  # users (and tests) watch this logger
 _HALF_CLOSED_GRACE_S = 1.0  # close() waits this long, at most, for half-closed calls to end
 
 # The server's lease cap per shared-memory session (its config's max_leases_per_session, 8 by
@@ -73,7 +77,7 @@ class ServerConnection:
         self._shm: SharedMemorySession | None = None
         self._shm_tried = False
         self._said_no_shm = False  # the warning that shared memory is unavailable was logged
-        # the socket data plane (TRANSPORT_SOCKET): its payloads go to the relay's buffers (client/relay.py),
+        # the socket data plane (TRANSPORT_SOCKET): its payloads go to the relay's buffers (client/transport/relay.py),
         # to pinned ones when copied to CUDA, else to ordinary ones
         if options.relay is True and not relay.AVAILABLE:
             raise ValueError("relay=True needs Linux (memfd_create); use relay='auto' or False")
@@ -248,7 +252,7 @@ class ServerConnection:
         if raw.skipped:
             batch["skipped"] = torch.tensor(raw.skipped, dtype=torch.int64)
         o, event = self.options, None
-        if encoded:  # JPEG files: decoded here (client/decode.py), then as below; all of it is unpack
+        if encoded:  # JPEG files: decoded here (client/device/decode.py), then as below; all of it is unpack
             batch, event = decode.decode_batch(batch, o, transfer, stopping, raw.epoch, self.info.on_error)
             times.unpack = time.perf_counter() - t0
         else:
@@ -280,7 +284,7 @@ class ServerConnection:
 
     def check_unchanged(self, timeout: float) -> Difference:
         """Describe the dataset again and compare it with ``self.info``
-        (``batchd.client.datasets.difference``): a restarted server may serve other files under
+        (``batchd.client.transport.datasets.difference``): a restarted server may serve other files under
         the same name. Called when a call shows another server id, or the server refused a call's
         expected dataset.
 
@@ -344,5 +348,5 @@ def deliver(item: Received, transfer: Any) -> Any:
         batch = collate(batch, item.collate)
     if item.record is not None:
         item.record.took(item.samples)
-    delivered(item.times, item.record, item.samples)  # loader.stats() and profile() (batchd.client.timings)
+    delivered(item.times, item.record, item.samples)  # loader.stats() and profile() (batchd.client.loader.timings)
     return batch

@@ -1,4 +1,4 @@
-"""The request iterator of one ``Batches`` call (client/call.py opens and reads the call).
+"""The request iterator of one ``Batches`` call (client/transport/call.py opens and reads the call).
 
 ``Outbox`` is the call's request iterator (a plain object, testable without a network). The first
 message opens the call (``BatchesControl.open``, a ``StreamBatchesRequest``); after it, each
@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 from batchd import datawire
 from batchd.v1 import loader_pb2 as pb
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 
 _POLL_S = 0.25  # the request iterator's longest wait on its queue
 _DIRECT_POLL_S = 5.0  # ... once grants and progress go on the data connection (``Outbox.direct``)

@@ -7,7 +7,7 @@ certificate checked against ``tls.ca``, or the system roots, for ``tls.server_na
 host; the client certificate presented if given) and sends the call's one-time token.
 ``DataSocket.receive`` then reads, for the call's next ``Batch`` message, the 24-byte header and
 the payload with ``socket.recv_into`` straight into a buffer of a ``BufferPool``
-(client/buffers.py) and returns the batch's tensors as views of it. The kernel copies each byte
+(client/transport/buffers.py) and returns the batch's tensors as views of it. The kernel copies each byte
 once, into that buffer, and the wait releases the GIL (with TLS, the decryption runs here too,
 also off the GIL). Where the call's Batch messages come on the connection too (in-band frames,
 ``datawire.MESSAGE_MAGIC``), ``DataSocket.receive_next`` reads the next frame whole: header,
@@ -44,10 +44,13 @@ import time
 from typing import Any, Callable
 
 from batchd import datawire, errors, wire
-from batchd.client import addresses, buffers, fields, forks
-from batchd.client.channel import TLS
+from batchd.client.transport import addresses
+from batchd.client.transport import buffers
+from batchd.client.transport import fields
+from batchd.client import forks
+from batchd.client.transport.channel import TLS
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 SLICE_S = 0.25  # a blocked read looks at ``stopping`` this often
 ENDED_GRACE_S = 10.0  # seconds without a byte, once the call is over, before a frame's wait gives up
 
@@ -75,7 +78,7 @@ def client_tls_context(tls: TLS) -> ssl.SSLContext:
 
 
 class Closable:
-    """What both forms of a data connection (``DataSocket``, ``batchd.client.relay.RelayedSocket``)
+    """What both forms of a data connection (``DataSocket``, ``batchd.client.transport.relay.RelayedSocket``)
     share: ``close`` from any thread, once, and never in a forked child (its socket is the
     parent's). Needs ``_sock``, ``_lock``, ``_closed`` and ``_owner``."""
 
@@ -283,7 +286,7 @@ class DataLink:
     plain). pool: the buffers payloads are received into (pinned when the loader copies to CUDA).
     connect_timeout, timeout: seconds (``DataSocket.connect``, ``DataSocket.receive``).
     relay: the process that holds the connections and receives into ``pool``'s buffers
-    (client/relay.py), or None: this process receives. optional: the loader chose the data
+    (client/transport/relay.py), or None: this process receives. optional: the loader chose the data
     plane itself (``transport="auto"``): a data port this
     client cannot reach (a firewall, a Service that forwards only the gRPC port) makes
     ``reachable`` False, once, with a warning, and the server's calls go inline from then on;
@@ -295,7 +298,7 @@ class DataLink:
         self.address, self.tls, self.pool = address, tls, pool
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.optional = optional
-        self.relay = relay  # a batchd.client.relay.Relay holds the connections (pool: its RelayBuffers), or None
+        self.relay = relay  # a batchd.client.transport.relay.Relay holds the connections (pool: its RelayBuffers), or None
         self.reachable = True
 
     @property

@@ -25,10 +25,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from batchd.client.datasets import mismatches
+from batchd.client.transport.datasets import mismatches
 from batchd.sampler import num_batches
 
-log = logging.getLogger("batchd.client.loader")
+log = logging.getLogger("batchd.client.loader.loader")
 
 STATE_VERSION = 2
 TOPOLOGY = ("batch_size", "world_size", "rank")  # may differ between the saved state and the loader

@@ -1,0 +1,1 @@
+"""Where batches land: tensors on the device, GPU finishing, decoding on the client, collation."""

@@ -1,0 +1,1 @@
+"""One pass over an epoch: who builds which batch (credit), the reorder buffer, resume."""

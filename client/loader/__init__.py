@@ -1,0 +1,1 @@
+"""The facade: ``RemoteDataLoader``, its options, its figures and profile."""

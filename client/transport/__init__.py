@@ -1,0 +1,1 @@
+"""How batches travel: the gRPC call, shared memory, the data plane and its relay."""
