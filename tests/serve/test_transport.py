@@ -105,11 +105,19 @@ def test_unavailable_shared_memory_is_said_once_per_loader(fmnist_server, tmp_pa
     next epochs nor after a reconnect (which opens a new session: ``new_session``, as a broken call
     does), and not hidden from a second loader in the same process (each is told once)."""
     monkeypatch.setattr(client_shm, "SHM_DIR", tmp_path)
+    tries = []  # shared-memory sessions asked for: the first, then one after each new_session
+    open_session = client_shm.SharedMemorySession.open
+
+    def counted_open(*args, **kwargs):
+        tries.append(args)
+        return open_session(*args, **kwargs)
+
+    monkeypatch.setattr(client_shm.SharedMemorySession, "open", counted_open)
 
     def said() -> int:
         return sum("shared memory with" in r.getMessage() and "unavailable" in r.getMessage() for r in caplog.records)
 
-    with caplog.at_level(logging.WARNING, logger="batchd.client.loader"):
+    with caplog.at_level(logging.WARNING, logger="batchd.client.loader.loader"):
         for loader_number in (1, 2):
             with batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", batch_size=2500,
                                          transport="auto") as loader:
@@ -118,6 +126,7 @@ def test_unavailable_shared_memory_is_said_once_per_loader(fmnist_server, tmp_pa
                     assert sum(len(b["label"]) for b in loader) == 10_000
                     loader.servers.connection.new_session()  # what a reconnect does before its new call
                 assert loader._shm is None and loader.stats()["bytes_received"]["shm"] == 0
+            assert len(tries) == 3 * loader_number, "each epoch after a new session should ask again"
             assert said() == loader_number, [r.getMessage() for r in caplog.records]
 
 
