@@ -34,14 +34,20 @@ def run_id() -> str:
     return uuid.uuid4().hex[:8]
 
 
+LOGS = ("dockerd.log", "debootstrap.log", "build.log", "compose.log")
+
+
 @pytest.fixture(scope="session")
 def logs_dir(tmp_path_factory) -> pathlib.Path:
+    """Where this run's ``LOGS`` go (an earlier run's are removed first)."""
     folder = os.environ.get("BATCHD_CONTAINER_LOGS")
-    if folder:
-        path = pathlib.Path(folder).resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    return tmp_path_factory.mktemp("container-logs")
+    if not folder:
+        return tmp_path_factory.mktemp("container-logs")
+    path = pathlib.Path(folder).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    for name in LOGS:
+        (path / name).unlink(missing_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
