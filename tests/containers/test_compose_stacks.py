@@ -155,17 +155,17 @@ def test_tcp_stack_trains_over_the_data_plane_and_serves_it_on_the_published_por
         expected = fmnist_test_images()
         with batchd.RemoteDataLoader(f"127.0.0.1:{GRPC_PORT}", "fmnist-test", batch_size=1000,
                                      transport="socket", connect_timeout=30) as loader:
-            seen = 0
+            seen = []
             for batch in loader:
                 index = batch["index"].numpy()
                 assert np.array_equal(batch["image"].numpy()[..., 0], expected[index]), "wrong image bytes"
-                seen += len(index)
+                seen.append(index.copy())
             mine = loader.stats()["bytes_received"]
         after = totals(stack, "batchd")
     got = received(loaders)
     assert got["socket"] > 0 and got["shm"] == 0 and got["inline"] == 0, got
     assert before["data_connections_accepted"] >= 1 and before["bytes_copied_inline"] == 0, before
-    assert seen == 10_000
+    assert np.array_equal(np.concatenate(seen), np.arange(10_000)), "every sample once, in order (no shuffle)"
     assert mine["socket"] > 0 and mine["inline"] == 0 and mine["shm"] == 0, mine
     assert after["data_connections_accepted"] > before["data_connections_accepted"], (before, after)
     assert after["data_plane_bytes_sent"] - before["data_plane_bytes_sent"] >= expected.nbytes, (before, after)
