@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import signal
 import uuid
 
 import pytest
@@ -50,12 +51,23 @@ def logs_dir(tmp_path_factory) -> pathlib.Path:
     return path
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="session")
 def engine(logs_dir):
+    """The Docker daemon (``docker_engine.engine``). While it is held, SIGTERM (a cancelled CI job)
+    interrupts the run as Ctrl-C does, so that the fixtures still take down what they made (stacks,
+    images, the dockerd started here) instead of leaving it running."""
     if not ENABLED:
         pytest.skip("the real-engine tests run with `make test-containers` (BATCHD_CONTAINER_TESTS=1)")
-    with docker_engine(logs_dir / "dockerd.log") as started:
-        yield started
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with docker_engine(logs_dir / "dockerd.log") as started:
+            yield started
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="session")
