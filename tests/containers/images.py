@@ -12,7 +12,8 @@ it (and PyPI, for everything else) whether or not dockerd could set up NAT.
 https://download.pytorch.org/whl/cpu``, the Dockerfile's default, where that index is reachable).
 
 Every image a run makes carries the base image's run label (``LABEL`` is inherited through
-``FROM``), so ``remove_run_images`` finds them all, the builder stages' untagged images too.
+``FROM``, and a container has its image's labels), so ``remove_run_images`` finds them all, the
+builder stages' untagged images and an interrupted build's container too.
 ``keep_tags`` gives back the tags (``batchd:local``...) to the images that held them before.
 """
 
@@ -134,7 +135,11 @@ def keep_tags(tags: list[str]):
 
 
 def remove_run_images(label: str, value: str) -> list[str]:
-    """Remove every image labelled ``label=value`` (tagged or not), newest first; their ids."""
+    """Remove every container, then every image, labelled ``label=value`` (a container has its
+    image's labels: an interrupted build's leftover too), images newest first; the images' ids."""
+    containers = docker("ps", "--all", "--quiet", "--no-trunc", "--filter", f"label={label}={value}").stdout.split()
+    if containers:
+        docker("rm", "--force", "--volumes", *containers, timeout=300, check=False)
     ids = docker("images", "--all", "--quiet", "--no-trunc", "--filter", f"label={label}={value}").stdout.split()
     ids = list(dict.fromkeys(ids))
     if ids:
