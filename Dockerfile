@@ -2,10 +2,15 @@
 # The batchd loader server.
 #
 #   docker build -t batchd .
-#   docker run --rm -p 50051:50051 --shm-size=2g \
+#   docker run --rm -p 50051:50051 -p 50052:50052 --shm-size=2g \
 #     -v "$PWD/examples/fashion_mnist.yaml:/etc/batchd/config.yaml:ro" \
 #     -v /usr/share/datasets/fashion-mnist:/usr/share/datasets/fashion-mnist:ro \
 #     batchd
+#
+# Two ports: gRPC on 50051 and the data plane on 50052 (the gRPC port + 1, its default), which
+# carries remote trainers' batch bytes beside their calls. A client dials the data port number the
+# server announces, so publish it under the same number. Both speak plain TCP unless the config has
+# a tls block, and anyone who reaches them can read the datasets unless it has auth (docs/deployment.md).
 #
 # No torch and no tqdm: the server never imports them (tests/deploy/test_imports.py); they belong to the
 # client extra (batchd[client]), which examples/Dockerfile.trainer installs.
@@ -44,7 +49,7 @@ COPY --from=build /opt/venv /opt/venv
 # which Docker first fills from this directory, so it belongs to the batchd user).
 USER batchd
 WORKDIR /home/batchd
-EXPOSE 50051
+EXPOSE 50051 50052
 # gRPC health protocol (grpc.health.v1): `batchd health` exits 0 iff the server says SERVING.
 # It assumes the server listens on port 50051; override it (docker run --health-cmd, or a
 # compose healthcheck) for another address.

@@ -11,6 +11,7 @@ accuracy is about 0.88-0.90 on a CPU.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 import time
@@ -62,6 +63,13 @@ def evaluate(model: nn.Module, loader: batchd.RemoteDataLoader, device: torch.de
     return correct / total
 
 
+def transport_summary(loader: batchd.RemoteDataLoader) -> str:
+    """How a loader's batches came, as one line of JSON: ``batches_per_server`` {address: batches}
+    and ``bytes_received`` {"shm", "socket", "inline": bytes} (``RemoteDataLoader.stats()``)."""
+    stats = loader.stats()
+    return json.dumps({k: stats[k] for k in ("batches_per_server", "bytes_received")}, sort_keys=True)
+
+
 def train(args: argparse.Namespace, address: str | list[str]) -> float:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
@@ -93,6 +101,8 @@ def train(args: argparse.Namespace, address: str | list[str]) -> float:
             accuracy = evaluate(model, test_loader, device)
             print(f"epoch {epoch + 1}: {seen} images in {time.perf_counter() - start:.1f} s, "
                   f"test accuracy {accuracy:.4f}", flush=True)
+        for name, loader in (("train", train_loader), ("test", test_loader)):
+            print(f"{name} loader: {transport_summary(loader)}")
     print(f"test accuracy: {accuracy:.4f}")
     return accuracy
 

@@ -48,6 +48,9 @@ FMNIST_FILES = [
 ]
 # The image's ENTRYPOINT (checked below), which a service's `command` follows.
 IMAGE_ENTRYPOINT = ["batchd"]
+# gRPC, and the data plane beside it: the server's default data port is the gRPC port + 1.
+GRPC_PORT = 50051
+DATA_PORT = GRPC_PORT + 1
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -250,12 +253,24 @@ def test_compose_tcp_variant_uses_tcp_without_shared_memory():
     assert server.get("shm_size"), "the workers still hand batches over in /dev/shm slots"
     assert trainer["depends_on"]["batchd"]["condition"] == "service_healthy"
     cmd = argv(server["command"])
-    assert cmd[cmd.index("--address") + 1] == "0.0.0.0:50051"
+    assert cmd[cmd.index("--address") + 1] == f"0.0.0.0:{GRPC_PORT}"
     tcmd = argv(trainer["command"])
-    assert tcmd[tcmd.index("--address") + 1] == "batchd:50051"
-    assert tcmd[tcmd.index("--transport") + 1] == "inline"
+    assert tcmd[tcmd.index("--address") + 1] == f"batchd:{GRPC_PORT}"
+    assert tcmd[tcmd.index("--transport") + 1] == "socket", "the batch bytes come on the data plane"
     health = argv(server["healthcheck"]["test"])
-    assert health[health.index("health") + 1] == "127.0.0.1:50051"
+    assert health[health.index("health") + 1] == f"127.0.0.1:{GRPC_PORT}"
+    # both ports published under their own numbers: a client dials the data port the server announces
+    assert published_ports(server) == {GRPC_PORT: GRPC_PORT, DATA_PORT: DATA_PORT}
+
+
+def published_ports(service: dict) -> dict[int, int]:
+    """{container port: host port} of a service's ``ports`` (short syntax, TCP, optional host IP)."""
+    out = {}
+    for spec in service.get("ports", []):
+        parts = str(spec).split("/")[0].split(":")
+        assert len(parts) in (2, 3), f"give the host port explicitly: {spec!r}"
+        out[int(parts[-1])] = int(parts[-2])
+    return out
 
 
 @pytest.mark.timeout(60)
@@ -274,7 +289,8 @@ def test_compose_pool_variant_reads_a_sidecar_over_shared_memory_and_a_server_ov
     volume = next(v.split(":")[0] for v in sidecar["volumes"] if v.split(":")[1] == folder)
     assert f"{volume}:{folder}" in trainer["volumes"] and volume in compose["volumes"]
     rcmd = argv(remote["command"])
-    assert rcmd[rcmd.index("--address") + 1] == "0.0.0.0:50051" and "50051" in remote["expose"]
+    assert rcmd[rcmd.index("--address") + 1] == f"0.0.0.0:{GRPC_PORT}"
+    assert set(map(str, remote["expose"])) == {str(GRPC_PORT), str(DATA_PORT)}, "gRPC and the data plane"
     tcmd = argv(trainer["command"])
     addresses = [tcmd[i + 1] for i, a in enumerate(tcmd) if a == "--address"]
     assert addresses == [socket, "batchd-remote:50051"], addresses
@@ -481,7 +497,14 @@ def test_server_dockerfile():
     assert [exec_form(a) for i, a in stage if i == "ENTRYPOINT"][-1] == IMAGE_ENTRYPOINT
     cmd = [exec_form(a) for i, a in stage if i == "CMD"][-1]
     assert cmd[:3] == ["serve", "--config", "/etc/batchd/config.yaml"]
-    assert any("50051" in a.split() for i, a in stage if i == "EXPOSE")
+    exposed = {p for i, a in stage if i == "EXPOSE" for p in a.split()}
+    assert exposed == {str(GRPC_PORT), str(DATA_PORT)}, f"EXPOSE gRPC and the data plane, not {exposed}"
+    assert cmd[cmd.index("--address") + 1] == f"0.0.0.0:{GRPC_PORT}"
+    # the `docker run` example in the header publishes both, each under its own number
+    run_example = re.search(r"^#\s+docker run .*$", DOCKERFILE.read_text(), flags=re.M)
+    assert run_example, "the Dockerfile's header shows no `docker run`"
+    published = re.findall(r"-p (\d+):(\d+)", run_example.group(0))
+    assert sorted(published) == [(str(GRPC_PORT),) * 2, (str(DATA_PORT),) * 2], run_example.group(0)
     health = dockerfile_healthcheck_cmd(instructions)
     assert health[:2] == ["batchd", "health"]
 
@@ -558,9 +581,23 @@ def test_makefile_installs_torch_first_and_lets_it_be_overridden():
 
 
 @pytest.mark.timeout(60)
-def test_ci_runs_make_test():
+def test_ci_runs_make_test_then_the_containers():
     script = REPO / ".ci" / "run"
     assert os.access(script, os.X_OK)
     text = script.read_text()
     assert "set -euo pipefail" in text
-    assert [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")][-1] == "make test"
+    commands = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert commands[-2:] == ["make test", "make test-containers"]
+
+
+@pytest.mark.timeout(60)
+def test_make_test_containers_runs_the_real_engine_tests():
+    """The target installs what it needs, then runs tests/containers with the switch that enables them."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    res = subprocess.run([make, "-n", "test-containers"], cwd=REPO, capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "CI": "true"})
+    assert res.returncode == 0, res.stderr
+    assert "docker.io docker-compose debootstrap" in res.stdout
+    assert re.search(r"BATCHD_CONTAINER_TESTS=1 .*pytest .*tests/containers", res.stdout.replace("\\\n", " ")), res.stdout

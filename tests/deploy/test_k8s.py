@@ -239,9 +239,24 @@ def test_headless_service_selects_the_deployment():
         assert target in ports or target in ports.values(), f"Service port {p} targets no container port"
         assert ports.get(target, target) == p["port"]
         served[p["name"]] = p["port"]
-    # the gRPC port, and the data plane's (docs/network.md): the port the config gives it
+    # the gRPC port, and the data plane's (docs/network.md): the port the config gives it, the
+    # gRPC port + 1 (the server's default)
     config = yaml.safe_load(one("ConfigMap", "batchd-config")["data"]["config.yaml"])
-    assert served == {"grpc": 50051, "data": config["data_plane"]["port"]} == {"grpc": 50051, "data": 50052}
+    assert served == {"grpc": 50051, "data": config["data_plane"]["port"]} == {"grpc": 50051, "data": 50051 + 1}
+
+
+def test_every_server_listening_on_tcp_declares_its_data_port():
+    """A server container with a TCP address has its data plane beside it, on the config's port
+    (the gRPC port + 1): the container names it ``data`` (what a NetworkPolicy or a Service
+    targets), next to ``grpc`` on the port it listens on."""
+    config = yaml.safe_load(one("ConfigMap", "batchd-config")["data"]["config.yaml"])
+    for where, _, c in server_containers():
+        tcp = [a for a in option(argv_of(c), "--address") if not a.startswith("unix:")]
+        assert tcp, f"{where}: no TCP address (the kubelet's probes need one)"
+        grpc_port = int(tcp[0].rsplit(":", 1)[1])
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports.get("grpc") == grpc_port, f"{where}: {ports}"
+        assert ports.get("data") == config["data_plane"]["port"] == grpc_port + 1, f"{where}: {ports}"
 
 
 def test_config_map_is_a_valid_config_on_read_only_mounts(tmp_path):
@@ -302,7 +317,11 @@ def test_sidecar_command_serves_the_socket_and_the_probe_port(tmp_path):
     (tmp_path / "etc").mkdir()
     mapping = Mapping({"/etc/batchd": str(tmp_path / "etc"), "/run/batchd": str(tmp_path / "run"),
                        "/var/cache/batchd": str(tmp_path / "cache"), "/usr/share/datasets": str(FMNIST_DIR.parent)})
-    (tmp_path / "etc" / "config.yaml").write_text(mapping.text(cm["data"]["config.yaml"]))
+    # the data plane's fixed port, as the gRPC port, becomes a free one here
+    config_text = re.sub(r"(data_plane: \{port: )(\d+)\}", lambda m: f"{m.group(1)}{mapping.port(m.group(2))}}}",
+                         mapping.text(cm["data"]["config.yaml"]))
+    assert config_text != mapping.text(cm["data"]["config.yaml"]), "the config's data_plane port was not mapped"
+    (tmp_path / "etc" / "config.yaml").write_text(config_text)
     argv = [mapping.arg(a) for a in argv_of(server)]
     argv[0] = batchd_exe()
     with running(argv, cwd=tmp_path) as (proc, log):

@@ -98,6 +98,38 @@ def test_falls_back_to_inline_when_shared_memory_is_not_shared(fmnist_server, tm
         _batches(fmnist_server.address, "shm")
 
 
+def test_unavailable_shared_memory_is_said_once_per_loader(fmnist_server, tmp_path, monkeypatch, caplog):
+    """Each loader that finds the server's shared memory unreadable says so once: not again on its
+    next epochs nor after a reconnect (which opens a new session: ``new_session``, then asks again
+    on its next ``open``), and not hidden from a second loader in the same process (each is told once)."""
+    monkeypatch.setattr(client_shm, "SHM_DIR", tmp_path)
+    tries = []  # shared-memory sessions asked for: the first, then one after each new_session
+    open_session = client_shm.SharedMemorySession.open
+
+    def counted_open(*args, **kwargs):
+        tries.append(args)
+        return open_session(*args, **kwargs)
+
+    monkeypatch.setattr(client_shm.SharedMemorySession, "open", counted_open)
+
+    def said() -> int:
+        return sum("shared memory with" in r.getMessage() and "unavailable" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="batchd.client.loader"):
+        for loader_number in (1, 2):
+            with batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", batch_size=2500,
+                                         transport="auto") as loader:
+                conn = loader.servers.links[0].conn
+                for epoch in range(3):
+                    loader.set_epoch(epoch)
+                    assert sum(len(b["label"]) for b in loader) == 10_000
+                    conn.new_session()  # what a reconnect does before its new call's open
+                    conn.request(epoch + 1)  # (that open asks for shared memory again)
+                assert loader._shm is None and loader.stats()["bytes_received"]["shm"] == 0
+            assert len(tries) == 4 * loader_number, "the first open and each after a new session should ask"
+            assert said() == loader_number, [r.getMessage() for r in caplog.records]
+
+
 def test_bad_transport_arguments(fmnist_server):
     with pytest.raises(ValueError, match="transport"):
         batchd.RemoteDataLoader(fmnist_server.address, "fmnist-test", transport="tcp")
