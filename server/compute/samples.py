@@ -12,6 +12,7 @@ number (``prefix.RandomDrawn``) is built by the whole pipeline instead, and not 
 
 from __future__ import annotations
 
+from batchd.sampler import draw_key
 from batchd.server.compute import prefix as prefixes
 from batchd.server.compute.build import build_fingerprint, build_parts
 from batchd.server.compute.plan import Plan
@@ -29,10 +30,14 @@ class WorkerSamples:
     def _load(self, ds: Dataset, task: Task, k: int, index: int, min_size) -> dict:
         """Sample k of the task, decoded (a dict of fields): its bytes from the reader if they are read ahead."""
         clock = self.clock  # (its enter calls only for timed samples: clock.on)
-        if task.task_id not in self.reader:  # in memory: nothing to read
+        if task.task_id not in self.reader or not ds.concurrent_reads:  # in memory: nothing to read
+            if task.sources:  # (a mix's source in memory, beside sources read from storage)
+                self.reader.forget(task.task_id, k)
             if clock.on:
                 clock.enter(DECODE)
-            return ds.load_sample(index, min_size, key=task.random_key)
+            # a weighted or mixed epoch may hold the sample twice: its own randomness keyed to its position
+            key = draw_key(task.random_key, int(task.positions[k])) if task.drawn else task.random_key
+            return ds.load_sample(index, min_size, key=key)
         if clock.on:
             clock.enter(READ)
         self.between_samples()
@@ -43,10 +48,11 @@ class WorkerSamples:
             clock.enter(DECODE)
         return ds.decode_sample(index, data, min_size)
 
-    def _reads(self, task: Task, ds: Dataset):
+    def _reads(self, task: Task, ds: Dataset, plan: Plan | None = None):
         """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that
-        returns None for samples already cached (their bytes are not needed)."""
-        plan = self._plan(task.pipeline_key, task.pipeline_json)
+        returns None for samples already cached (their bytes are not needed). plan: the samples'
+        pipeline (default: the task's)."""
+        plan = plan if plan is not None else self._plan(task.pipeline_key, task.pipeline_json)
         if task.encoding == "jpeg" or self._cache_key(ds, plan, 0) is None:
             return ds.read_bytes
         cache = self.cache
