@@ -5,6 +5,8 @@ The names users type::
     import batchd
     loader = batchd.RemoteDataLoader("127.0.0.1:50051", "fmnist-train", batch_size=256, shuffle=True)
     batchd.list_datasets("127.0.0.1:50051")
+    batchd.RemoteDataLoader(..., sampler=batchd.WeightedRandomSampler(weights, num_samples=n))
+    batchd.RemoteDataLoader(..., batchd.Mix({"a": 0.7, "b": 0.3}, num_samples=n), ...)
 
 Client names are imported lazily so that server worker processes never import torch.
 """
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from batchd.client.device.finish import GpuTransform
     from batchd.client.hedge import HedgePolicy
     from batchd.client.loader.loader import RemoteDataLoader
+    from batchd.client.sampling import Mix, WeightedRandomSampler
     from batchd.client.transport.server_stats import get_stats
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "DatasetNotFoundError",
     "GpuTransform",
     "HedgePolicy",
+    "Mix",
     "PermissionDeniedError",
     "PythonDataset",
     "RemoteDataLoader",
@@ -55,6 +59,7 @@ __all__ = [
     "ShapeMismatchError",
     "TLS",
     "TimeoutError",
+    "WeightedRandomSampler",
     "WorkerError",
     "describe_dataset",
     "detection_collate",
@@ -71,6 +76,8 @@ _LAZY = {
     "GpuTransform": "batchd.client.device.finish",
     "HedgePolicy": "batchd.client.hedge",
     "RemoteDataLoader": "batchd.client.loader.loader",
+    "Mix": "batchd.client.sampling",
+    "WeightedRandomSampler": "batchd.client.sampling",
     "get_stats": "batchd.client.transport.server_stats",
 }
 

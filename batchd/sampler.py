@@ -146,7 +146,7 @@ def check_weights(weights, what: str = "weights") -> np.ndarray:
     bad = ~np.isfinite(w) | (w < 0)
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"{what}[{i}] is {w[i]!r}; every weight must be finite and non-negative")
+        raise ValueError(f"{what}[{i}] is {float(w[i])!r}; every weight must be finite and non-negative")
     if not (w > 0).any():
         raise ValueError(f"{what} are all zero ({len(w)} weights); at least one must be positive")
     return w

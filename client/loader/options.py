@@ -15,7 +15,9 @@ import torch
 
 from batchd.client.transport.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
 from batchd.client.loader.distributed import rank_and_world_size
+from batchd.client import sampling
 from batchd.client.hedge import HedgePolicy, hedge_policy
+from batchd.client.sampling import Mix, WeightedRandomSampler
 from batchd.v1 import loader_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "socket", "inline")
@@ -81,7 +83,9 @@ class LoaderOptions:
     ``probe_interval`` in seconds; ``prefetch`` in batches; ``max_message_bytes`` in bytes.
     ``pipeline`` is the wire form of ``transform``; ``compression`` a ``pb.Compression``;
     ``device`` has its CUDA index resolved; ``hedge`` is the hedging policy of a several-servers
-    loader (None: no hedging). Raises ValueError naming the bad field.
+    loader (None: no hedging). ``sampler`` (a ``WeightedRandomSampler``) or ``mix`` (a ``Mix``,
+    whose ``name`` is then ``dataset``, and ``source_pipelines`` its sources' pipelines in wire
+    form): ``batchd.client.sampling``. Raises ValueError naming the bad field.
     """
 
     dataset: str
@@ -110,6 +114,9 @@ class LoaderOptions:
     decode_on_client: bool = False
     collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None
     hedge: HedgePolicy | None = None
+    sampler: WeightedRandomSampler | None = None
+    mix: Mix | None = None
+    source_pipelines: dict[str, pb.Pipeline | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset:
@@ -137,22 +144,26 @@ class LoaderOptions:
         self.strict = bool(self.strict)
         if not isinstance(self.decode_on_client, bool):
             raise ValueError(f"decode_on_client must be True or False, got {self.decode_on_client!r}")
+        if self.mix is not None and self.decode_on_client:
+            raise ValueError("decode_on_client is not available for a Mix (its sources' pipelines run on the server)")
 
     @classmethod
     def from_arguments(cls, dataset: str, *, transform: Any = None, rank: int | None = None,
                        world_size: int | None = None, device: Any = None, compression: str | None = None,
                        tls: Any = None, tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None,
-                       token: str | None = None, hedge: Any = True, **rest: Any) -> "LoaderOptions":
+                       token: str | None = None, hedge: Any = True, sampler: Any = None,
+                       **rest: Any) -> "LoaderOptions":
         """From ``RemoteDataLoader``'s keyword arguments (``rest``: the fields of the same name).
 
         Resolves rank and world size (``batchd.client.loader.distributed``), the device's CUDA index,
-        TLS, the token and the hedging policy (``hedge_policy``); raises ValueError (RuntimeError:
-        CUDA asked for but unavailable).
+        TLS, the token, the hedging policy (``hedge_policy``) and a sampler or mix
+        (``sampling.resolve``); raises ValueError (RuntimeError: CUDA asked for but unavailable).
         """
         if compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
+        order = sampling.resolve(dataset, transform, sampler, rest.get("shuffle", False), pipeline_of)
         rank, world_size = rank_and_world_size(rank, world_size)
-        return cls(dataset, pipeline=pipeline_of(transform), rank=rank, world_size=world_size,
+        return cls(**order, rank=rank, world_size=world_size,
                    device=resolve_device(device),
                    compression=pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE,
                    tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token),
@@ -244,3 +255,5 @@ class LoaderSettings:
     """several servers: the hedging policy (None: no hedging)"""
     pipeline = Setting[pb.Pipeline | None]()
     """the wire form of ``transform`` (None: images as decoded)"""
+    sampler = Setting[WeightedRandomSampler | None]()
+    """the weighted sampler drawing each epoch (None: the dataset's order, shuffled or not)"""

@@ -28,14 +28,14 @@ from batchd import errors, wire
 from batchd.client.transport import buffers
 from batchd.client.device import decode
 from batchd.client.transport import fields
-from batchd.client import forks
+from batchd.client import forks, sampling
 from batchd.client.transport import relay
 from batchd.client.transport.call import BatchesCall
 from batchd.client.transport.outbox import Outbox
 from batchd.client.transport.channel import open_channel, wait_for_server
 from batchd.client.device.collate import collate
 from batchd.client.transport.dataplane import DataLink
-from batchd.client.transport.datasets import DatasetInfo, Difference, describe, difference
+from batchd.client.transport.datasets import DatasetInfo, Difference, difference
 from batchd.client.transport.leases import CallRecord, Reporter, new_tag_prefix
 from batchd.client.loader.options import LoaderOptions
 from batchd.client.transport.receiver import Received, to_tensors
@@ -91,6 +91,7 @@ class ServerConnection:
         self._tags = itertools.count()
         self.calls: weakref.WeakSet = weakref.WeakSet()  # Batches calls open (cancelled by close)
         self.describes = 0  # DescribeDataset calls made (one per server process, unless its data changed)
+        self.weights_sent = False  # the sampler's weights are held there (sent once; again after a broken call)
         try:
             self.info: DatasetInfo = self._describe(options.connect_timeout)
         except BaseException:
@@ -99,7 +100,7 @@ class ServerConnection:
 
     def _describe(self, timeout: float) -> DatasetInfo:
         self.describes += 1
-        return describe(self._channel, self.address, self.options.dataset, timeout=timeout)
+        return sampling.describe(self._channel, self.address, self.options, timeout)
 
     @property
     def closed(self) -> bool:
@@ -145,7 +146,10 @@ class ServerConnection:
 
     def new_session(self) -> None:
         """After a broken call (a restarted server has new shared memory): close the old session
-        (it ends once the batches still held on it are freed) and open a new one on next use."""
+        (it ends once the batches still held on it are freed) and open a new one on next use. The
+        sampler's weights are sent again before the next call (the server may have restarted, or
+        dropped them: ``WeightsNotHeld``)."""
+        self.weights_sent = False
         if self._shm is not None:
             self._shm.close()
         self._shm, self._shm_tried = None, False
@@ -156,9 +160,12 @@ class ServerConnection:
         and build fingerprints under ``strict`` (the server refuses the call otherwise). Opens the
         shared-memory session on first use (see ``shared_memory``)."""
         o, shm, info = self.options, self.shared_memory(), self.info
+        if sampling.needs_upload(o) and not self.weights_sent:  # once per server process, not per epoch
+            sampling.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
+            self.weights_sent = True
         transport = (pb.TRANSPORT_SHARED_MEMORY if shm is not None else
                      pb.TRANSPORT_SOCKET if self.wants_socket() else pb.TRANSPORT_INLINE)
-        return pb.StreamBatchesRequest(
+        return sampling.apply(pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
             seed=o.seed, epoch=epoch, drop_last=o.drop_last, rank=o.rank, world_size=o.world_size,
             transport=transport,
@@ -168,7 +175,7 @@ class ServerConnection:
             data_messages=transport == pb.TRANSPORT_SOCKET,
             expect_fingerprint=info.fingerprint if o.strict else "",
             expect_build_fingerprint=info.build_fingerprint if o.strict else "",
-        )
+        ), o, info)
 
     def open_batches(self, epoch: int, start_position: int = 0) -> tuple[BatchesCall, CallRecord]:
         """A Batches call for ``epoch`` (nothing granted yet: ``call.outbox.grant``) and its
@@ -296,6 +303,7 @@ class ServerConnection:
         DatasetNotFoundError if it no longer serves the dataset.
         """
         now = self._describe(timeout)
+        self.weights_sent = self.weights_sent and now.server_id == self.info.server_id
         changed = difference(self.info, now)
         if changed.refused(self.options.strict):
             raise DatasetChangedError(self.options.dataset, self.address, changed.fingerprints, changed.num_samples)

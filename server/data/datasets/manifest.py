@@ -135,7 +135,7 @@ def _weights(path: str, name: str, column) -> np.ndarray:
         bad = ~np.isfinite(weights) | (weights < 0)
         if bad.any():
             row = int(np.argmax(bad))
-            raise ValueError(f"{path}: row {row} (0-based, header not counted) has weight {weights[row]!r} in "
+            raise ValueError(f"{path}: row {row} (0-based, header not counted) has weight {float(weights[row])!r} in "
                              f"weight_column {name!r}; weights must be finite and non-negative") from None
         raise ValueError(f"{path}: {e}") from None
     return weights
