@@ -257,3 +257,7 @@ class LoaderSettings:
     """the wire form of ``transform`` (None: images as decoded)"""
     sampler = Setting[WeightedRandomSampler | None]()
     """the weighted sampler drawing each epoch (None: the dataset's order, shuffled or not)"""
+    mix = Setting[Mix | None]()
+    """the datasets mixed, when the dataset is a ``batchd.Mix`` (then ``dataset`` is its name)"""
+    source_pipelines = Setting[dict[str, pb.Pipeline | None]]()
+    """a mix's pipeline per source, wire form ({} for one dataset)"""

@@ -282,14 +282,16 @@ class _MixSources:
                          getattr(worker.dataset_configs[name], "on_error", "raise") == "skip")
                         for name, key, text in task.sources]
         self.ids = task.source_ids.tolist()
-        self.where: dict[int, Dataset] = {}  # sample index -> its dataset, in this batch (messages)
+        self.where: dict[int, Dataset] = {}  # sample index -> the dataset of its first sample in this batch (messages)
+        self.current: tuple[int, Dataset] | None = None  # the sample being added
         self.names = [ds.name for ds, _, _ in self.sources]
         self.per_object = [worker.per_object[name] for name in self.names]  # a field per-object in any source
 
     def source(self, k: int, index: int) -> tuple[Dataset, Plan, bool]:
         """(dataset, plan, skip bad samples) of sample k."""
         found = self.sources[self.ids[k]]
-        self.where[index] = found[0]
+        self.where.setdefault(index, found[0])
+        self.current = (index, found[0])
         return found
 
     def tagged(self, sample: dict, k: int, ds: Dataset, index: int) -> dict:
@@ -310,7 +312,8 @@ class _MixSources:
         return "mix(" + ",".join(self.names) + ")"
 
     def _describe(self, index: int) -> str:
-        ds = self.where.get(index)
+        """The sample being added if it has this index, else the batch's first sample of that index."""
+        ds = self.current[1] if self.current is not None and self.current[0] == index else self.where.get(index)
         return f"sample {index}" if ds is None else f"sample {index} of {ds.name!r} ({ds.source(index)})"
 
     def add(self, writer: BatchWriter, sample: dict, index: int, position: int) -> None:
