@@ -17,7 +17,8 @@ timings), table15 (workers sized to demand vs fixed pools; alias: autoscale), ta
 the server's main process and the trainer, against DataLoader's main process; alias: control), table17
 (servers of unequal speed, a stalled server, a sidecar plus a TCP server in one loader; alias: fullspeed),
 table18 (trainer and server CPU per GB and images/s over the socket data plane, inline TCP and shared
-memory; alias: network). Results: ``results.json`` (raw numbers; a run replaces the tables
+memory; alias: network), table19 (weighted and mixed epochs vs the plain epoch and vs DataLoader's
+WeightedRandomSampler; alias: sampling). Results: ``results.json`` (raw numbers; a run replaces the tables
 it ran and keeps the others), ``results.md`` (tables and PASS/FAIL targets), ``throughput.png`` and
 ``latency.png`` (Table 9), and ``fragments/`` (the tables the docs include, bench/fragments.py)
 in ``--out`` (default bench/results; for --quick, /tmp/batchd-bench-quick, so that a smoke run never
@@ -40,15 +41,17 @@ from bench.fixtures import data
 from bench.settings import Settings
 from bench.tables import (table_autoscale, table_batch, table_cache, table_collate, table_control, table_detection,
                           table_fullspeed, table_hedge, table_latency, table_network, table_overlap, table_profile,
-                          table_scale, table_scaleout, table_seeding, table_sharing, table_timings, table_workers)
+                          table_sampling, table_scale, table_scaleout, table_seeding, table_sharing, table_timings,
+                          table_workers)
 
 MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile, table_scaleout, table_sharing,
            table_seeding, table_latency, table_cache, table_collate, table_hedge, table_detection, table_timings,
-           table_autoscale, table_control, table_fullspeed, table_network)
+           table_autoscale, table_control, table_fullspeed, table_network, table_sampling)
 ALIASES = {"workers": "table1", "batch": "table2", "overlap": "table3", "scale": "table4", "profile": "table5",
            "scaleout": "table6", "sharing": "table7", "seeding": "table8", "latency": "table9", "cache": "table10",
            "collate": "table11", "hedge": "table12", "detection": "table13", "timings": "table14",
-           "autoscale": "table15", "control": "table16", "fullspeed": "table17", "network": "table18"}
+           "autoscale": "table15", "control": "table16", "fullspeed": "table17", "network": "table18",
+           "sampling": "table19"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -193,9 +193,10 @@ class Loader:
         if started is not None:
             self.pool.add_computation(started)
         log.info(
-            "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
+            "stream %d started: dataset=%s pipeline=%s batch_size=%d order=%s seed=%d epoch=%d rank=%d/%d "
             "%s%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
-            args.shuffle if not request.drawn else request.order_key[:15], args.seed, args.epoch, args.rank, world_size,
+            request.order_key[:16] or ("shuffled" if args.shuffle else "sequential"), args.seed, args.epoch, args.rank,
+            world_size,
             f"batches {stream.position}..{stream.end}" if stream.ordered else f"granted batches of {n} (Batches call)",
             (f" (stride {stride})" if stride > 1 else "")
             + (f" of the epoch from position {args.start_position}" if args.start_position else "")
