@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from batchd.client.device.finish import GpuTransform
     from batchd.client.hedge import HedgePolicy
     from batchd.client.loader.loader import RemoteDataLoader
-    from batchd.client.sampling import Mix, WeightedRandomSampler
+    from batchd.client.loader.sampling import Mix, WeightedRandomSampler
     from batchd.client.transport.server_stats import get_stats
 
 __all__ = [
@@ -76,8 +76,8 @@ _LAZY = {
     "GpuTransform": "batchd.client.device.finish",
     "HedgePolicy": "batchd.client.hedge",
     "RemoteDataLoader": "batchd.client.loader.loader",
-    "Mix": "batchd.client.sampling",
-    "WeightedRandomSampler": "batchd.client.sampling",
+    "Mix": "batchd.client.loader.sampling",
+    "WeightedRandomSampler": "batchd.client.loader.sampling",
     "get_stats": "batchd.client.transport.server_stats",
 }
 

@@ -157,8 +157,10 @@ class Loader:
         (``Stream.grant``); its start_batch, batch_stride, batch_offset, end_batch and prefetch
         must be 0 (the servicer clears them).
 
-        Raises DatasetNotFoundError for an unknown dataset, ValueError naming any other bad field,
-        ResourceExhaustedError past ``max_streams``, RuntimeError while shutting down.
+        Raises DatasetNotFoundError for an unknown dataset, ValueError naming any other bad field
+        (a sampler's or mix's too: ``orders``), WeightsNotFoundError for a sampler's weights this
+        server does not hold, ResourceExhaustedError past ``max_streams``, RuntimeError while
+        shutting down.
         """
         cfg = self.config
         request, n, weights = self._validated(args)

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from batchd.client import sampling
+from batchd.client.loader import sampling
 from batchd.client.transport.datasets import mismatches
 from batchd.sampler import num_batches
 

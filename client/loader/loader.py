@@ -15,13 +15,14 @@ import torch
 
 from batchd.client.iteration import elastic
 
-from batchd.client import forks, sampling
+from batchd.client import forks
+from batchd.client.loader import sampling
 from batchd.client.transport.datasets import DatasetInfo
 from batchd.client.loader.stats import LoaderStats
 from batchd.client.multi import open_servers
 from batchd.client.loader.options import TRANSPORTS, LoaderOptions, LoaderSettings  # noqa: F401  (TRANSPORTS: public name)
 from batchd.client.loader.profile import Profile, make_profile
-from batchd.client.sampling import Mix, WeightedRandomSampler
+from batchd.client.loader.sampling import Mix, WeightedRandomSampler
 from batchd.client.loader.timings import LoopTimings, timed
 from batchd.sampler import num_batches
 

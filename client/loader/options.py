@@ -15,9 +15,9 @@ import torch
 
 from batchd.client.transport.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
 from batchd.client.loader.distributed import rank_and_world_size
-from batchd.client import sampling
+from batchd.client.loader import sampling
 from batchd.client.hedge import HedgePolicy, hedge_policy
-from batchd.client.sampling import Mix, WeightedRandomSampler
+from batchd.client.loader.sampling import Mix, WeightedRandomSampler
 from batchd.v1 import loader_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "socket", "inline")

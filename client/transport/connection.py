@@ -28,7 +28,8 @@ from batchd import errors, wire
 from batchd.client.transport import buffers
 from batchd.client.device import decode
 from batchd.client.transport import fields
-from batchd.client import forks, sampling
+from batchd.client import forks
+from batchd.client.transport import orders
 from batchd.client.transport import relay
 from batchd.client.transport.call import BatchesCall
 from batchd.client.transport.outbox import Outbox
@@ -100,7 +101,7 @@ class ServerConnection:
 
     def _describe(self, timeout: float) -> DatasetInfo:
         self.describes += 1
-        return sampling.describe(self._channel, self.address, self.options, timeout)
+        return orders.describe(self._channel, self.address, self.options, timeout)
 
     @property
     def closed(self) -> bool:
@@ -160,12 +161,12 @@ class ServerConnection:
         and build fingerprints under ``strict`` (the server refuses the call otherwise). Opens the
         shared-memory session on first use (see ``shared_memory``)."""
         o, shm, info = self.options, self.shared_memory(), self.info
-        if sampling.needs_upload(o) and not self.weights_sent:  # once per server process, not per epoch
-            sampling.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
+        if orders.needs_upload(o) and not self.weights_sent:  # once per server process, not per epoch
+            orders.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
             self.weights_sent = True
         transport = (pb.TRANSPORT_SHARED_MEMORY if shm is not None else
                      pb.TRANSPORT_SOCKET if self.wants_socket() else pb.TRANSPORT_INLINE)
-        return sampling.apply(pb.StreamBatchesRequest(
+        return orders.apply(pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
             seed=o.seed, epoch=epoch, drop_last=o.drop_last, rank=o.rank, world_size=o.world_size,
             transport=transport,
