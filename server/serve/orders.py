@@ -57,7 +57,7 @@ def check_mix(request: StreamRequest, dataset: Callable[[str], Dataset],
     canonical JSON, key) and raises ValueError. Raises ValueError naming the source and value:
     shuffle set, a pipeline or dataset beside the sources, no source, an unknown or repeated
     source, a weight that is negative, NaN or infinite, weights summing to zero, num_samples < 1,
-    an empty source, image_encoding JPEG."""
+    an empty source or one whose samples have a field ``source``, image_encoding JPEG."""
     mix = request.mix
     if request.shuffle:
         raise ValueError("shuffle must be false with a mix: the mix draws the epoch's order")
@@ -84,6 +84,9 @@ def check_mix(request: StreamRequest, dataset: Callable[[str], Dataset],
             raise ValueError(f"mix: unknown source {s.dataset!r}: this server has no dataset of that name") from None
         if len(ds) == 0:
             raise ValueError(f"mix: source {s.dataset!r} has no samples")
+        if any(f.name == "source" for f in ds.fields):
+            raise ValueError(f"mix: source {s.dataset!r} has a field 'source', which a mix adds (each sample's "
+                             "source); rename the field to mix this dataset")
         try:
             name, text, key = pipeline(s.preset, s.albumentations_json)
         except ValueError as e:
