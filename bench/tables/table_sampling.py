@@ -17,9 +17,10 @@ The machine is shared, so the four are measured in short rounds, one after the o
 rotating from round to round (each follows each as often), never at the same time: each reads 4
 batches untimed (the draw, the stream's start, the workers' first round) and times the next 20
 (1,280 images; ``--quick``: 8), and the next starts once the server's workers are idle again.
-Images/s is the median over rounds; each ratio is the median of the per-round ratios (a round's
-four readings are seconds apart, so the machine's drift cancels in them more than in a ratio of
-two medians). Targets (issue 39): weighted and mix >= 0.95x plain images/s.
+Images/s and CPU ms per image (every process of the run: this one, the server and its workers,
+the DataLoader's workers) are medians over rounds; each ratio is the median of the per-round ratios
+(a round's four readings are seconds apart, so the machine's drift cancels in them more than in a
+ratio of two medians). Targets (issue 39): weighted and mix >= 0.95x plain images/s.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def run(s, log=print) -> dict:
     weights[rng.random(n) < 0.3] = 0.0
     photos = PhotoDataset("photos", cfg, data.LOCAL_CACHE, presets)
     rates: dict[str, list[float]] = {m: [] for m in METHODS}
+    cpu: dict[str, list[float]] = {m: [] for m in METHODS}  # CPU ms per image, every process of the run
     seeds = iter(range(1, 1_000_000))
 
     def batchd_loader(method: str, address: str):
@@ -149,14 +151,17 @@ def run(s, log=print) -> dict:
                             return _timed(ld, timed)
                     t = measure(one)
                 rates[method].append(t.images / t.seconds)
+                cpu[method].append(1000 * t.cpu / t.images)
                 _settle(server.address)
-                log(f"  {NAME}: round {r + 1} {method}: {rates[method][-1]:.0f} images/s")
+                log(f"  {NAME}: round {r + 1} {method}: {rates[method][-1]:.0f} images/s, "
+                    f"{cpu[method][-1]:.2f} CPU ms/image")
         del dl
     ratios = {f"{m}/{ref}": median(a / b for a, b in zip(rates[m], rates[ref]))
               for m in METHODS for ref in ("plain", "dataloader")}
-    return {"repeats": rounds, "images": images, "timed_batches": timed, "rounds": rates,
+    cpu_ratios = {m: median(a / b for a, b in zip(cpu[m], cpu["plain"])) for m in METHODS}
+    return {"repeats": rounds, "images": images, "timed_batches": timed, "rounds": rates, "rounds_cpu": cpu,
             "rates": {m: median(v) for m, v in rates.items()}, "spread": {m: spread(v) for m, v in rates.items()},
-            "ratios": ratios}
+            "ratios": ratios, "cpu_ms": {m: median(v) for m, v in cpu.items()}, "cpu_ratios": cpu_ratios}
 
 
 def targets(r: dict) -> list[dict]:
@@ -168,12 +173,16 @@ def targets(r: dict) -> list[dict]:
 def render(r: dict) -> str:
     rates, ratios = r["rates"], r["ratios"]
     rows = [[LABELS[m], f"{rates[m]:.0f}", f"{r['spread'][m]:.0%}", f"{ratios[f'{m}/plain']:.2f}x",
-             f"{ratios[f'{m}/dataloader']:.2f}x"] for m in METHODS]
-    table = md_table(["loader", "images/s", "spread", "vs plain", "vs DataLoader"], rows)
+             f"{ratios[f'{m}/dataloader']:.2f}x", f"{r['cpu_ms'][m]:.2f}", f"{r['cpu_ratios'][m]:.2f}x"]
+            for m in METHODS]
+    table = md_table(["loader", "images/s", "spread", "vs plain", "vs DataLoader", "CPU ms/image", "CPU vs plain"],
+                     rows)
     return "\n".join([table, "", f"Medians over {r['repeats']} rounds; in each, every loader reads {WARMUP} batches "
                       f"of {BATCH} untimed and times {r['timed_batches']}, one loader after the other (the order "
                       "rotating). Ratios: the median of the per-round ratios. Spread: (max - min) / median of a "
-                      "loader's rounds (the machine is shared). Shared memory transport; the DataLoader runs the same "
+                      "loader's rounds (the machine is shared). CPU ms/image: every process of the run (this "
+                      "one, the server and its workers, the DataLoader's workers) over the timed window, which "
+                      "other processes' load disturbs less than images/s. Shared memory transport; the DataLoader runs the same "
                       "decode and L3 code in 2 workers on the same 2 cores."])
 
 
