@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from batchd.client.device.collate import detection_collate
     from batchd.client.transport.datasets import DatasetInfo, describe_dataset, list_datasets
     from batchd.client.device.finish import GpuTransform
-    from batchd.client.hedge import HedgePolicy
     from batchd.client.loader.loader import RemoteDataLoader
     from batchd.client.loader.sampling import Mix, WeightedRandomSampler
     from batchd.client.transport.server_stats import get_stats
@@ -49,7 +48,6 @@ __all__ = [
     "DatasetInfo",
     "DatasetNotFoundError",
     "GpuTransform",
-    "HedgePolicy",
     "Mix",
     "PermissionDeniedError",
     "PythonDataset",
@@ -74,7 +72,6 @@ _LAZY = {
     "describe_dataset": "batchd.client.transport.datasets",
     "list_datasets": "batchd.client.transport.datasets",
     "GpuTransform": "batchd.client.device.finish",
-    "HedgePolicy": "batchd.client.hedge",
     "RemoteDataLoader": "batchd.client.loader.loader",
     "Mix": "batchd.client.loader.sampling",
     "WeightedRandomSampler": "batchd.client.loader.sampling",

@@ -165,13 +165,8 @@ class BatchServer:
         finally:
             self.transport.close(stream)
 
-    def Batches(self, requests, context):
-        """The granted batches, each built and sent as its grant arrives (revoked ones skipped);
-        releases and progress applied; ends once the client half-closed and all were sent."""
-        it = iter(requests)
-        first = next(it)
-        context.send_initial_metadata((("batchd-server-id", self.server_id),))
-        expected = first.open
+    def _check_expected(self, expected: pb.StreamBatchesRequest, context) -> None:
+        """FAILED_PRECONDITION (DatasetChangedError) unless the request expects what is served."""
         if ((expected.expect_num_samples and expected.expect_num_samples != self.num_samples)
                 or (expected.expect_fingerprint and expected.expect_fingerprint != self.fingerprint)):
             message = (f"dataset {self.dataset!r} is not the one the client expects: {expected.expect_num_samples} "
@@ -179,6 +174,15 @@ class BatchServer:
             detail = pb.ErrorDetail(type="DatasetChangedError", message=message, dataset=self.dataset)
             context.set_trailing_metadata((("batchd-error-bin", detail.SerializeToString()),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+    def Batches(self, requests, context):
+        """The granted batches, each built and sent as its grant arrives (revoked ones skipped);
+        releases and progress applied; a later ``open`` switches the call to that request (its
+        batches carry ``open_seq`` one more); ends once the client half-closed and all were sent."""
+        it = iter(requests)
+        first = next(it)
+        context.send_initial_metadata((("batchd-server-id", self.server_id), ("batchd-workers", "1")))
+        self._check_expected(first.open, context)
         r = StreamRequest.from_proto(first.open, context.peer())
         if self.messages is not None:
             yield from self.messages(r)
@@ -191,10 +195,13 @@ class BatchServer:
 
         def read() -> None:
             try:
-                for message in itertools.chain([first], it):
-                    revoked.update(message.revoke)
-                    for b in message.grant:
+                for k, message in enumerate(itertools.chain([first], it)):
+                    if k and message.HasField("open"):
+                        grants.put(message.open)  # (the sender switches, in order with the grants)
+                    for b in message.grant:  # (a grant is idempotent: a revoked batch granted again is sent)
+                        revoked.discard(b)
                         grants.put(b)
+                    revoked.update(message.revoke)
                     if message.release:
                         self.transport.release_leases(r.session, list(message.release))
             except Exception:  # the call ended
@@ -210,6 +217,14 @@ class BatchServer:
                     continue
                 if b is None:
                     return
+                if isinstance(b, pb.StreamBatchesRequest):  # a later open: the next pass
+                    self._check_expected(b, context)
+                    self.transport.close(stream)
+                    r = StreamRequest.from_proto(b, context.peer())
+                    stream = Stream(r, -(-self.num_samples // r.batch_size), stream.open_seq + 1)
+                    self.transport.open(stream)
+                    revoked.clear()
+                    continue
                 if b in revoked:
                     continue
                 batch = self._ready_batch(b, r.batch_size)

@@ -2,9 +2,9 @@
 
 ``RemoteDataLoader(address, dataset, ...)`` is what users type, for one server or several: it
 checks the arguments once (``LoaderOptions``, in the caller's thread; its settings are
-attributes, ``LoaderSettings``), then reads through a ``SingleServerLoader``
-(``batchd.client.single``) or a ``MultiServerLoader`` (``batchd.client.multi``). Both yield the
-batches of an epoch in order; the facade keeps the position, epochs and exact resume.
+attributes, ``LoaderSettings``), then reads through the loader's ``Servers``
+(``batchd.client.iteration.servers``: one pass of an epoch at a time, each batch once, in order,
+from whichever server builds it first). The facade keeps the position, epochs and exact resume.
 """
 
 from __future__ import annotations
@@ -13,17 +13,16 @@ from typing import Any, Iterator
 
 import torch
 
-from batchd.client.iteration import elastic
-
 from batchd.client import forks
-from batchd.client.loader import sampling
-from batchd.client.transport.datasets import DatasetInfo
-from batchd.client.loader.stats import LoaderStats
-from batchd.client.multi import open_servers
+from batchd.client.iteration import elastic
+from batchd.client.iteration.servers import Servers
 from batchd.client.loader.options import TRANSPORTS, LoaderOptions, LoaderSettings  # noqa: F401  (TRANSPORTS: public name)
+from batchd.client.loader import sampling
 from batchd.client.loader.profile import Profile, make_profile
 from batchd.client.loader.sampling import Mix, WeightedRandomSampler
+from batchd.client.loader.stats import LoaderStats
 from batchd.client.loader.timings import LoopTimings, timed
+from batchd.client.transport.datasets import DatasetInfo
 from batchd.sampler import num_batches
 
 _VERDICT_EVERY_S = 0.5  # how often the verdict reported to servers is recomputed
@@ -59,14 +58,13 @@ class RemoteDataLoader(LoaderSettings):
         address: ``HOST:PORT`` or ``unix:PATH`` of the server; or several servers feeding this
             loader together: a list of addresses, or a DNS name with several addresses
             (``dns:///NAME:PORT``, or ``NAME:PORT`` resolving to several A records, e.g. a
-            Kubernetes headless Service). Each server is then given batches as it has room for
-            them (a window sized to its speed), and they are merged in order, with the same bytes
-            (``batchd.client.multi``; docs/several-servers.md).
-            ``RemoteDataLoader`` is the one entry point: it reads through a ``SingleServerLoader``
-            or a ``MultiServerLoader`` (``loader.servers``) and offers the same surface either way.
-            ``file:PATH`` (a text file of ``HOST:PORT`` lines) or ``dns:///NAME:PORT`` always read
-            through a ``MultiServerLoader``, so that servers listed later join (read again every
-            ``probe_interval``; ``batchd.client.transport.addresses``).
+            Kubernetes headless Service), or ``file:PATH`` (a text file of ``HOST:PORT`` lines).
+            Each server is granted batches as it has credit for them (what it says it can build
+            soon: its workers and its build time per batch), they are put back in order, and the
+            first copy of each batch wins: the same bytes from any server
+            (``batchd.client.iteration.credit``; docs/several-servers.md). A ``file:`` list or a
+            ``dns:///`` name is read again every ``probe_interval``, so that servers listed later
+            join (``batchd.client.transport.addresses``).
         dataset: a dataset name from the server's config, or a ``batchd.Mix`` of several (batches
             then also carry ``source`` int64 [B]; docs/sampling.md).
         batch_size: samples per batch (>= 1).
@@ -137,27 +135,24 @@ class RemoteDataLoader(LoaderSettings):
             receives the data plane's bytes into memory this one maps (client/transport/relay.py).
         compression: None, or "lz4" to compress inline tensor bytes (for slow remote links; the
             batches then come inline, not on the data plane).
-        reconnect_timeout: if the call breaks (server restarted, connection lost), seconds to
-            keep reconnecting (gRPC's exponential backoff) before raising ConnectionError; the
-            iteration resumes with the batches not yet received, none missing or repeated. The
-            new call tells the server the dataset this loader expects (its size, and under
-            ``strict`` its fingerprints), and a server process with a new id is described
-            again: another number of samples raises ``batchd.DatasetChangedError`` (a
-            ValueError), other fingerprints too under ``strict`` (else a warning, and ``info``
-            is the new description). 0 disables.
-        failover_timeout: with several servers, seconds a broken server's call may take to
-            resume before its batches go to the other servers (at most reconnect_timeout).
-        probe_interval: with several servers, seconds between probes of servers that are down
-            and readings of the address (a DNS name, a ``file:`` list); a server that answers is
-            given batches as it has room, one no longer named gets none.
-        hedge: with several servers, grant a batch that is late to a second server too (the
-            first copy wins; same bytes): True (default: ``batchd.client.hedge.HedgePolicy()``:
-            the batch the loop waits for is late once its age exceeds max(0.05 s, 2 x the median
-            latency of the *other* servers' recent batches); hedges never exceed 10% of the
-            batches yielded), False, or a ``HedgePolicy``.
-        assignment: "dynamic" (default: batches go to whichever server has room). "stride" is
-            for benchmarks only (``bench/tables/table_fullspeed.py``): the old static split, server i of
-            n builds every n-th batch; it runs at n x the slowest server.
+        reconnect_timeout: if no server's call is up (a server restarted, the connection lost),
+            seconds to keep reconnecting before raising ConnectionError; the iteration resumes
+            with the batches not yet received, none missing or repeated. A server that comes back
+            is checked: the call tells it the dataset this loader expects (its size, and under
+            ``strict`` its fingerprints), and a server process with a new id is described again:
+            another number of samples raises ``batchd.DatasetChangedError`` (a ValueError), other
+            fingerprints too under ``strict`` (else a warning, and ``info`` is the new
+            description). With several servers, a broken server's batches go to the others at once
+            while it reconnects. 0 disables.
+        probe_interval: seconds between tries of a server that is down (a fresh connection), and
+            between readings of the address (a DNS name, a ``file:`` list): a server that answers
+            is granted batches as it has credit, one no longer named gets none.
+        hedge: with several servers, a stalled server's batches go to the others (True, default):
+            a server whose oldest batch is late past a deadline computed from its own capacity
+            (``batchd.client.iteration.credit``) has every batch it holds granted to another
+            server too; the first copy wins (same bytes). It keeps one (its probe) and gets
+            nothing new until a batch comes from it. A stalled server silent for ``timeout / 4``
+            seconds (at least 2) is reconnected. False: a stalled server is waited for.
         tls, tls_ca, tls_cert, tls_key: TLS to the server: ``tls_ca`` is the PEM file of the CA
             that signed the server's certificate, ``tls_cert`` + ``tls_key`` a client certificate
             (mutual TLS); or ``tls=True`` (system roots) / a ``batchd.TLS`` / a dict of its
@@ -209,12 +204,10 @@ class RemoteDataLoader(LoaderSettings):
                  world_size: int | None = None, device: str | torch.device | None = None, prefetch: int = 2,
                  timeout: float = 120.0, connect_timeout: float = 10.0, max_message_bytes: int | None = None,
                  transport: str = "auto", relay: bool | str = "auto", compression: str | None = None,
-                 reconnect_timeout: float = 60.0,
-                 failover_timeout: float = 5.0, probe_interval: float = 5.0, tls: Any = None,
+                 reconnect_timeout: float = 60.0, probe_interval: float = 5.0, tls: Any = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, strict: bool = True, gpu_transform: Any = None,
-                 decode_on_client: bool = False, collate_fn: Any = None, hedge: Any = True,
-                 assignment: str = "dynamic"):
+                 decode_on_client: bool = False, collate_fn: Any = None, hedge: bool = True):
         self._owner = forks.owner()  # the process that may use it (batchd.client.forks)
         forks.warn_if_handlers()
         extra = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
@@ -223,7 +216,7 @@ class RemoteDataLoader(LoaderSettings):
             tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token, batch_size=batch_size,
             shuffle=shuffle, seed=seed, drop_last=drop_last, prefetch=prefetch, timeout=timeout,
             connect_timeout=connect_timeout, transport=transport, relay=relay, reconnect_timeout=reconnect_timeout,
-            failover_timeout=failover_timeout, probe_interval=probe_interval, strict=strict,
+            probe_interval=probe_interval, strict=strict,
             gpu_transform=gpu_transform, decode_on_client=decode_on_client, collate_fn=collate_fn, hedge=hedge,
             sampler=sampler, **extra)
         self._transfer = None
@@ -232,7 +225,12 @@ class RemoteDataLoader(LoaderSettings):
 
             self._transfer = CudaTransfer(self.options.device)
         self._stats = LoaderStats()
-        self.servers = open_servers(address, self.options, self._transfer, self._stats, assignment)  # one or several
+        try:
+            self.servers = Servers(address, self.options, self._transfer, self._stats)  # one or several
+        except BaseException:
+            if self._transfer is not None:
+                self._transfer.close()
+            raise
         self.address: str = self.servers.address
         self.epoch = 0
         self._start_position = 0  # the epoch at self.epoch is read from this global position (elastic resume)
@@ -247,11 +245,6 @@ class RemoteDataLoader(LoaderSettings):
         return self.servers.info
 
     @property
-    def assignment(self) -> str:
-        """How batches are handed to several servers: "dynamic" or "stride" (see ``assignment`` above)."""
-        return self.servers.assignment
-
-    @property
     def addresses(self) -> list[str]:
         """The servers this loader reads from, as ``HOST:PORT`` (one, or several)."""
         return self.servers.addresses
@@ -259,15 +252,15 @@ class RemoteDataLoader(LoaderSettings):
     def server_stats(self) -> list[dict[str, Any]]:
         """One dict per server: ``address``, ``up``, ``retired`` (no longer named by the address),
         ``batches`` (yielded that it sent first, all iterations), ``error`` (its last), ``share`` of
-        the current (else last) epoch's batches (0..1), ``window`` (grants it may hold), ``rate``
-        (batches/s), ``stalled``, ``hedges_issued`` / ``hedges_won`` / ``hedges_wasted``
-        (``batchd.client.membership.ServerSet.server_stats``)."""
+        the current (else last) epoch's batches (0..1), ``credit`` (grants it may hold),
+        ``stalled``, ``stalls``, ``regranted``, ``duplicates``, ``workers`` and ``build_seconds``
+        (``batchd.client.iteration.servers.Servers.server_stats``)."""
         return self.servers.server_stats()
 
     @property
     def _shm(self) -> Any:
-        """The shared-memory session of a one-server loader (None when it reads inline); tests read it."""
-        return self.servers._shm
+        """The shared-memory session of the (first) server (None when it does not lend); tests read it."""
+        return self.servers.shm
 
     # --- DataLoader surface ------------------------------------------------------------------
 
@@ -320,8 +313,8 @@ class RemoteDataLoader(LoaderSettings):
     def stats(self) -> dict[str, Any]:
         """This loader's figures as a plain dict: batches and samples yielded, the time the loop
         waited in ``__next__`` (total and p50/p95/p99 per batch, seconds; the wait fraction of
-        wall time), batches per server, each server's share of the epoch, window and hedges
-        (``servers``), reconnects, failovers and hedges. Keys and units:
+        wall time), batches per server, each server's share of the epoch, credit and stalls
+        (``servers``), reconnects, failovers and stalls. Keys and units:
         ``batchd.client.loader.stats``."""
         per_server = self.servers.server_stats()
         return self._stats.snapshot({s["address"]: s["batches"] for s in per_server}, per_server)

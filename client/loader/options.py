@@ -16,7 +16,6 @@ import torch
 from batchd.client.transport.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
 from batchd.client.loader.distributed import rank_and_world_size
 from batchd.client.loader import sampling
-from batchd.client.hedge import HedgePolicy, hedge_policy
 from batchd.client.loader.sampling import Mix, WeightedRandomSampler
 from batchd.v1 import loader_pb2 as pb
 
@@ -79,13 +78,13 @@ def resolve_device(device: Any, current_index: Callable[[], int] | None = None) 
 class LoaderOptions:
     """A loader's settings, validated on construction (see ``RemoteDataLoader`` for their meaning).
 
-    Units: ``timeout``, ``connect_timeout``, ``reconnect_timeout``, ``failover_timeout``,
-    ``probe_interval`` in seconds; ``prefetch`` in batches; ``max_message_bytes`` in bytes.
-    ``pipeline`` is the wire form of ``transform``; ``compression`` a ``pb.Compression``;
-    ``device`` has its CUDA index resolved; ``hedge`` is the hedging policy of a several-servers
-    loader (None: no hedging). ``sampler`` (a ``WeightedRandomSampler``) or ``mix`` (a ``Mix``,
-    whose ``name`` is then ``dataset``, and ``source_pipelines`` its sources' pipelines in wire
-    form): ``batchd.client.sampling``. Raises ValueError naming the bad field.
+    Units: ``timeout``, ``connect_timeout``, ``reconnect_timeout``, ``probe_interval`` in
+    seconds; ``prefetch`` in batches; ``max_message_bytes`` in bytes. ``pipeline`` is the wire
+    form of ``transform``; ``compression`` a ``pb.Compression``; ``device`` has its CUDA index
+    resolved; ``hedge``: a stalled server's batches go to the other servers (several servers).
+    ``sampler`` (a ``WeightedRandomSampler``) or ``mix`` (a ``Mix``, whose ``name`` is then
+    ``dataset``, and ``source_pipelines`` its sources' pipelines in wire form):
+    ``batchd.client.loader.sampling``. Raises ValueError naming the bad field.
     """
 
     dataset: str
@@ -105,7 +104,6 @@ class LoaderOptions:
     relay: bool | str = "auto"
     compression: int = pb.COMPRESSION_NONE
     reconnect_timeout: float = 60.0
-    failover_timeout: float = 5.0
     probe_interval: float = 5.0
     tls: TLS | None = None
     token: str | None = None
@@ -113,7 +111,7 @@ class LoaderOptions:
     gpu_transform: Callable[..., torch.Tensor] | None = None
     decode_on_client: bool = False
     collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None
-    hedge: HedgePolicy | None = None
+    hedge: bool = True
     sampler: WeightedRandomSampler | None = None
     mix: Mix | None = None
     source_pipelines: dict[str, pb.Pipeline | None] = field(default_factory=dict)
@@ -144,6 +142,10 @@ class LoaderOptions:
         self.strict = bool(self.strict)
         if not isinstance(self.decode_on_client, bool):
             raise ValueError(f"decode_on_client must be True or False, got {self.decode_on_client!r}")
+        if not isinstance(self.hedge, bool):
+            raise ValueError(f"hedge must be True or False, got {self.hedge!r}")
+        if self.probe_interval <= 0:
+            raise ValueError(f"probe_interval must be positive seconds, got {self.probe_interval!r}")
         if self.mix is not None and self.decode_on_client:
             raise ValueError("decode_on_client is not available for a Mix (its sources' pipelines run on the server)")
 
@@ -151,13 +153,12 @@ class LoaderOptions:
     def from_arguments(cls, dataset: str, *, transform: Any = None, rank: int | None = None,
                        world_size: int | None = None, device: Any = None, compression: str | None = None,
                        tls: Any = None, tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None,
-                       token: str | None = None, hedge: Any = True, sampler: Any = None,
-                       **rest: Any) -> "LoaderOptions":
+                       token: str | None = None, sampler: Any = None, **rest: Any) -> "LoaderOptions":
         """From ``RemoteDataLoader``'s keyword arguments (``rest``: the fields of the same name).
 
         Resolves rank and world size (``batchd.client.loader.distributed``), the device's CUDA index,
-        TLS, the token, the hedging policy (``hedge_policy``) and a sampler or mix
-        (``sampling.resolve``); raises ValueError (RuntimeError: CUDA asked for but unavailable).
+        TLS, the token and a sampler or mix (``sampling.resolve``); raises ValueError (RuntimeError:
+        CUDA asked for but unavailable).
         """
         if compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
@@ -166,8 +167,7 @@ class LoaderOptions:
         return cls(**order, rank=rank, world_size=world_size,
                    device=resolve_device(device),
                    compression=pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE,
-                   tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token),
-                   hedge=hedge_policy(hedge), **rest)
+                   tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token), **rest)
 
 
 class Setting(Generic[T]):
@@ -235,8 +235,6 @@ class LoaderSettings:
     """inline batches' compression, a ``pb.Compression`` (``COMPRESSION_NONE`` or ``COMPRESSION_LZ4``)"""
     reconnect_timeout = Setting[float]()
     """seconds to keep reconnecting a broken call (0: do not)"""
-    failover_timeout = Setting[float]()
-    """several servers: seconds a broken server may take to resume"""
     probe_interval = Setting[float]()
     """several servers: seconds between probes and readings of the address"""
     tls = Setting[TLS | None]()
@@ -251,8 +249,8 @@ class LoaderSettings:
     """JPEG files are decoded here, not on the server"""
     collate_fn = Setting[Callable[[list[dict[str, Any]]], Any] | None]()
     """the function making each batch from its samples, or None (the dict batch)"""
-    hedge = Setting[HedgePolicy | None]()
-    """several servers: the hedging policy (None: no hedging)"""
+    hedge = Setting[bool]()
+    """several servers: a stalled server's batches go to the others (the first copy wins)"""
     pipeline = Setting[pb.Pipeline | None]()
     """the wire form of ``transform`` (None: images as decoded)"""
     sampler = Setting[WeightedRandomSampler | None]()

@@ -5,7 +5,7 @@ did meanwhile (``RemoteDataLoader.stats()``).
 each ``__next__`` takes is the time the loop waited for that batch (nothing else runs there); it
 reports each wait here and to the loader's ``LoopTimings`` (``loader.profile()``), one
 measurement for both. ``LoaderStats`` keeps those waits and the loader's counters; the servers' loaders count what
-they do into it (reconnects, failovers, hedges). ``snapshot()`` is a plain dict, with these keys
+they do into it (reconnects, failovers, stalls). ``snapshot()`` is a plain dict, with these keys
 (units in the names: seconds, or a ratio in [0, 1]):
 
 * ``batches``, ``samples``: batches and samples yielded to the training loop, all iterations
@@ -18,19 +18,21 @@ they do into it (reconnects, failovers, hedges). ``snapshot()`` is a plain dict,
   the training loop's time spent waiting for data;
 * ``batches_per_server``: {address: batches yielded that this server sent first, all iterations};
 * ``servers``: {address: {``batches`` (as above), ``share`` (of the batches of the epoch in
-  progress, else the last one, 0..1), ``window`` (grants it may hold now), ``rate`` (its
-  batches per second while it had work), ``up``, ``stalled``, ``hedges_issued``, ``hedges_won``,
-  ``hedges_wasted`` (hedged grants it was given, all iterations)}};
+  progress, else the last one, 0..1), ``credit`` (grants it may hold now), ``up``, ``stalled``,
+  ``stalls`` (times it was found stalled), ``regranted`` (its batches granted to another server
+  when it stalled or broke), ``duplicates`` (its copies that came after another's), ``workers``
+  and ``build_seconds`` (its median worker seconds per batch), as the server says}} (of the
+  epoch in progress, else the last one);
 * ``bytes_received``: {``"shm"``, ``"socket"``, ``"inline"``: bytes of batches received that way,
   all iterations}: for shared memory the tensors' bytes mapped from the server's slots, for the
   socket data plane the bytes read from data connections (headers included), inline the gRPC
   messages' bytes;
-* ``reconnects`` (a broken call resumed on its server), ``failovers`` (a server given up, its
-  batches given to the others), ``hedges_issued``, ``hedges_won`` (the hedge's copy came
-  first), ``hedges_wasted`` (the other copy came first: the hedge was revoked).
+* ``reconnects`` (a broken call resumed on its server), ``failovers`` (a server's call broke
+  while others were up: its batches went to them at once), ``stalls`` (a server found stalled, its batches granted to the
+  others: ``batchd.client.iteration.credit``).
 
 Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
-counters are bumped from the prober and the consumer's thread.
+counters are bumped from the servers' and the loader's threads.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from typing import Any, Callable
 import numpy as np
 
 WAIT_WINDOW = 10_000  # per-batch waits kept for the percentiles
-COUNTERS = ("reconnects", "failovers", "hedges_issued", "hedges_won", "hedges_wasted")
+COUNTERS = ("reconnects", "failovers", "stalls")
 TRANSPORTS = ("shm", "socket", "inline")
-_SERVER_KEYS = ("batches", "share", "window", "rate", "up", "stalled", "hedges_issued", "hedges_won", "hedges_wasted")
+_SERVER_KEYS = ("batches", "share", "credit", "up", "stalled", "stalls", "regranted", "duplicates", "workers",
+                "build_seconds")
 
 
 class LoaderStats:

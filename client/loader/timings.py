@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from batchd.client.transport.progress import WINDOW_S, WaitMeter  # noqa: F401  (WINDOW_S: the docs name it here)
+from batchd.client.transport.receiver import BatchTimes, delivered, take_delivered  # noqa: F401  (public here too)
 from batchd.wire import WireTimings
 
 T = TypeVar("T")
@@ -43,76 +45,7 @@ WORKER_STAGES = ("read", "decode", "pipeline", "cache", "write")  # a worker's t
 CLIENT_STAGES = ("receive", "unpack", "copy", "gpu_transform")  # the call's and the converter's threads, per batch
 LOOP_STAGES = ("wait", "step")  # the training loop
 STAGES = (*LOOP_STAGES, *SERVER_STAGES, *CLIENT_STAGES)
-WINDOW_S = 10.0  # time constant of the moving wait ratio reported to servers (seconds)
 _SERVER_ATTRS = tuple((stage, f"{stage}_seconds") for stage in SERVER_STAGES)
-
-
-@dataclass(slots=True)
-class BatchTimes:
-    """One batch's timings: the server's (``WireTimings``; None from a server that sends none)
-    and this client's, in seconds. ``events``: CUDA events (start, copied, finished) recorded
-    with timing on the copy's stream; ``resolve()`` turns them into ``copy`` and
-    ``gpu_transform`` once they have completed."""
-
-    server: WireTimings | None = None
-    receive: float = 0.0
-    unpack: float = 0.0
-    copy: float = 0.0
-    gpu_transform: float = 0.0
-    events: tuple[Any, Any, Any] | None = None
-
-    def resolve(self, wait: bool = False) -> bool:
-        """Read the CUDA events' times if they have completed (``wait``: synchronize first).
-        True once nothing is pending."""
-        if self.events is None:
-            return True
-        start, copied, finished = self.events
-        if not wait and not finished.query():
-            return False
-        finished.synchronize()
-        self.copy = start.elapsed_time(copied) / 1000.0  # ms -> s
-        self.gpu_transform = copied.elapsed_time(finished) / 1000.0
-        self.events = None
-        return True
-
-
-_delivered = threading.local()
-
-
-def delivered(times: BatchTimes | None, record: Any, samples: int | None = None) -> None:
-    """The consumer's thread hands the training loop a batch of ``samples`` samples: remember its
-    timings and its call's ``CallRecord`` for ``timed`` (``take_delivered``), in the same thread,
-    right after."""
-    _delivered.item = (times, record, samples)
-
-
-def take_delivered() -> tuple[BatchTimes | None, Any, int | None]:
-    """The (timings, call record, samples) of the batch delivered last in this thread; (None,
-    None, None) if none."""
-    item = getattr(_delivered, "item", None)
-    _delivered.item = None
-    return item if item is not None else (None, None, None)
-
-
-class WaitMeter:
-    """The fraction of recent loop time spent waiting: exponentially weighted sums of wait and of
-    wait + step, time constant ``window`` seconds. ``ratio`` is 0..1 (0 before any batch)."""
-
-    __slots__ = ("window", "_t", "_wait", "_loop")
-
-    def __init__(self, window: float = WINDOW_S):
-        self.window, self._t, self._wait, self._loop = window, None, 0.0, 0.0
-
-    def add(self, wait: float, step: float, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        decay = 1.0 if self._t is None else math.exp(-max(0.0, now - self._t) / self.window)
-        self._t = now
-        self._wait = self._wait * decay + wait
-        self._loop = self._loop * decay + wait + step
-
-    @property
-    def ratio(self) -> float:
-        return min(1.0, self._wait / self._loop) if self._loop > 0 else 0.0
 
 
 @dataclass

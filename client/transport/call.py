@@ -31,6 +31,8 @@ from batchd.v1 import loader_pb2 as pb
 log = logging.getLogger("batchd.client.loader.loader")
 
 SERVER_ID_KEY = "batchd-server-id"
+WORKERS_KEY = "batchd-workers"  # the server's worker processes (what it can build at once)
+MAX_LEASES_KEY = "batchd-max-leases"  # slots it lends a shared-memory session at most
 BATCHES_METHOD = "/batchd.v1.BatchLoader/Batches"
 REFUSAL_WAIT_S = 2.0  # a data connection that cannot be opened: how long the call's own error may take to come
 
@@ -44,7 +46,7 @@ class ServerRefused(BatchdError):
 class WeightsNotHeld(errors.ConnectionError):
     """The server does not hold the sampler's weights (FAILED_PRECONDITION, ``WeightsNotFound``: it
     restarted, or dropped them to stay within its max_weights_bytes): a ConnectionError, so the
-    lane opens the call again, sending the weights first (``ServerConnection.request``)."""
+    server's link opens the call again, the weights sent first (``ServerConnection.request``)."""
 
 
 class ServerTooOld(BatchdError, RuntimeError):
@@ -79,14 +81,24 @@ class BatchesCall:
     def server_id(self) -> str:
         """The server's ``batchd-server-id`` ("" if it sent none). Raises the call's error if it
         failed before sending its metadata."""
+        return self.metadata().get(SERVER_ID_KEY, "")
+
+    def capacity(self) -> tuple[int, int | None]:
+        """What the server says it can do: (its worker processes, 0 if it did not say; the leases
+        a shared-memory session may hold, None if it did not say)."""
+        m = self.metadata()
+        workers = m.get(WORKERS_KEY, "")
+        leases = m.get(MAX_LEASES_KEY, "")
+        return (int(workers) if workers.isdigit() else 0), (int(leases) if leases.isdigit() else None)
+
+    def metadata(self) -> dict[str, str]:
+        """The call's initial metadata (text values). Waits for it; raises the call's error if it
+        failed before sending it."""
         try:
             metadata = self.call.initial_metadata() or ()
         except grpc.RpcError as e:
             raise batches_error(e, self.address) from None
-        for key, value in metadata:
-            if key == SERVER_ID_KEY:
-                return value if isinstance(value, str) else value.decode()
-        return ""
+        return {k: v if isinstance(v, str) else v.decode(errors="replace") for k, v in metadata}
 
     def messages(self) -> Iterator[tuple[wire.WireBatch, float, int]]:
         """(batch, seconds waited for it, bytes received for it), until the call ends OK.

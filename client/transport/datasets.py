@@ -69,6 +69,9 @@ class DatasetInfo:
         return {"fingerprint": self.fingerprint, "build_fingerprint": self.build_fingerprint, "build": dict(self.build)}
 
 
+_BYTES_NEUTRAL = ("cache", "cache_prefix_rules")  # the server's build parts that never change bytes
+
+
 def mismatches(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     """What differs between two ``DatasetInfo.identity()`` dicts, in words (empty: nothing known).
 
@@ -77,14 +80,16 @@ def mismatches(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     compared.
     """
     found = []
-    fa, fb = a.get("fingerprint") or "", b.get("fingerprint") or ""
+    fa, fb = a.get("fingerprint") or "", b.get("fingerprint") or ""  # (build parts that never change bytes,
+    # the cache's, are left out of the build fingerprint by the server: not compared)
     if fa and fb and fa != fb:
         found.append(f"dataset fingerprint {fa} vs {fb}")
     ba, bb = a.get("build_fingerprint") or "", b.get("build_fingerprint") or ""
     if ba and bb and ba != bb:
         parts_a, parts_b = dict(a.get("build") or {}), dict(b.get("build") or {})
         named = [f"{k} {parts_a.get(k, '(none)')} vs {parts_b.get(k, '(none)')}"
-                 for k in sorted(parts_a.keys() | parts_b.keys()) if parts_a.get(k) != parts_b.get(k)]
+                 for k in sorted(parts_a.keys() | parts_b.keys())
+                 if parts_a.get(k) != parts_b.get(k) and k not in _BYTES_NEUTRAL]
         found.extend(named or [f"build fingerprint {ba} vs {bb}"])
     return found
 
@@ -116,7 +121,7 @@ class Difference:
 
 def difference(before: DatasetInfo, now: DatasetInfo) -> Difference:
     """How ``now`` differs from ``before``: the one comparison a loader makes on a server it
-    reconnects to (``ServerConnection.check_unchanged``) or probes (``batchd.client.membership``)."""
+    reconnects to (``ServerConnection.check_unchanged``) or probes (``batchd.client.transport.link``)."""
     size = None if before.num_samples == now.num_samples else (before.num_samples, now.num_samples)
     return Difference(size, tuple(mismatches(before.identity(), now.identity())))
 

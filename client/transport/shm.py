@@ -17,7 +17,7 @@ Copies to a GPU (``host_tensors``) read the slot instead: each segment is mapped
 read-only) and registered with CUDA once, since registering costs far more than a copy. Such a
 mapping goes, unregistered first, once the server has unlinked its segment (it replaced or
 retired the slot) and no batch's tensors use it: a batch uses it from ``host_tensors`` until the
-reporter has sent its lease's release (``forget``), and each release round unmaps the idle
+link has sent its lease's release (``forget``), and each release round unmaps the idle
 mappings of unlinked files. So a session maps at most the server's live segments and the few it
 unlinked since the last round, not every segment it ever saw (tests/client/test_shm_mappings.py).
 
@@ -129,27 +129,29 @@ class HostMapping:
 class SharedMemorySession:
     """One OpenSession call and the leases received under it. Thread-safe.
 
-    Freed batches are queued on ``reporter`` (``batchd.client.transport.leases.Reporter``), whose thread
-    sends ReleaseLeases, calls ``forget`` with what it sent, ``sweep`` on an idle round and
-    ``end_if_done`` each round.
+    freed(session, lease): where a lease goes once its batch's tensors are freed (or its batch was
+    dropped unread): its server's link (``batchd.client.transport.link``), which sends it with the
+    next message on its call, or by ReleaseLeases once the call is over, then calls ``forget``;
+    it also calls ``sweep`` now and then and ``end_if_done`` once the loader closed. ``freed``
+    runs in finalizers: it must take no lock.
     """
 
-    def __init__(self, address: str, call, session: str, reporter):
+    def __init__(self, address: str, call, session: str, freed: Callable[[str, int], None]):
         self.address = address
         self.session = session
         self._call = call
-        self._reporter = reporter
+        self._freed = freed
         self._lock = threading.Lock()
         self._outstanding: set[int] = set()
         self._closing = False
         self._ended = False
-        self._maps_lock = threading.Lock()  # _host_maps and _host_leases (receiver and reporter threads)
+        self._maps_lock = threading.Lock()  # _host_maps and _host_leases (the receiving and the releasing threads)
         self._host_maps: dict[str, HostMapping] = {}  # segment name -> its mapping for copies to a GPU
         self._host_leases: dict[int, str] = {}  # lease -> the segment its batch's tensors (may) use
-        reporter.add_session(self)
 
     @classmethod
-    def open(cls, channel: grpc.Channel, address: str, timeout: float, reporter) -> "SharedMemorySession":
+    def open(cls, channel: grpc.Channel, address: str, timeout: float,
+             freed: Callable[[str, int], None]) -> "SharedMemorySession":
         """Raises SharedMemoryUnavailable if the probe segment cannot be read here, ConnectionError
         if the server cannot be reached (nothing is known about its shared memory then)."""
         session = uuid.uuid4().hex
@@ -170,7 +172,7 @@ class SharedMemorySession:
         except BaseException:
             call.cancel()
             raise
-        return cls(address, call, session, reporter)
+        return cls(address, call, session, freed)
 
     def tensors(self, batch: wire.WireBatch) -> dict[str, fields.Field]:
         """Writable CPU tensors on a copy-on-write mapping of the batch's slot (no copy; ragged
@@ -237,7 +239,7 @@ class SharedMemorySession:
                 out[t.name] = fields.field(t, torch.from_numpy(values))
         with self._lock:
             self._outstanding.add(batch.lease)
-        weakref.finalize(base, self._reporter.freed, self.session, batch.lease)
+        weakref.finalize(base, self._freed, self.session, batch.lease)
         return out
 
     def hold(self, lease: int) -> None:
@@ -248,11 +250,11 @@ class SharedMemorySession:
 
     def release_unused(self, lease: int) -> None:
         """A lease received but never wrapped in tensors (its batch was dropped): release it."""
-        self._reporter.freed(self.session, lease)
+        self._freed(self.session, lease)
 
     def forget(self, leases: list[int]) -> None:
-        """The reporter told the server about ``leases`` (reporter thread): no tensor uses their
-        batches any more; mappings of segments the server has unlinked meanwhile go."""
+        """The server was told about ``leases``: no tensor uses their batches any more; mappings of
+        segments the server has unlinked meanwhile go."""
         with self._lock:
             self._outstanding.difference_update(leases)
         if self._host_maps:
@@ -260,8 +262,8 @@ class SharedMemorySession:
 
     def sweep(self) -> None:
         """Unmap the idle mappings of segments the server unlinked after the last release round
-        (the reporter calls this on a round with nothing to send: the server unlinks a segment
-        only once it has the release, so the last round's check may come too early)."""
+        (called now and then with nothing to send: the server unlinks a segment only once it has
+        the release, so the last round's check may come too early)."""
         if self._host_maps:
             self._drop_host_maps([])
 
@@ -284,6 +286,11 @@ class SharedMemorySession:
         with self._lock:
             return len(self._outstanding)
 
+    def held(self) -> list[int]:
+        """The leases received and not yet released (batches waiting here, or tensors alive)."""
+        with self._lock:
+            return sorted(self._outstanding)
+
     @property
     def gone(self) -> bool:
         """The session call is over (ended here, or by the server or a broken connection): the
@@ -299,11 +306,11 @@ class SharedMemorySession:
             return self._ended
 
     def close(self) -> None:
-        """End the session once the last outstanding lease is released (at once if none is):
-        the reporter thread cancels the session call then. Idempotent."""
+        """End the session once the last outstanding lease is released (``end_if_done``, at once
+        if none is). Idempotent."""
         with self._lock:
             self._closing = True
-        self._reporter.wake()
+        self.end_if_done()
 
 
 def _end(batch: wire.WireBatch) -> int:

@@ -11,7 +11,10 @@ for the same request. The build is a dict of text parts (DescribeDataset's ``bui
 * ``cache``: ``on`` or ``off``, whether the server's decoded-sample cache serves the prefix of
   each pipeline (``cache:`` in its config), and with it ``cache_prefix_rules``: the version of
   the rule that decides which leading transforms are cached (``server/compute/prefix.py``
-  ``PREFIX_RULES``). The cache is meant never to change a byte; this says which code vouches for it.
+  ``PREFIX_RULES``). The cache never changes a byte (tests/data/test_cache.py compares a cached
+  server's batches with an uncached one's, hit and miss), so these parts say which code served
+  a batch but are not part of what clients compare (``BYTES_NEUTRAL``: ``served_fingerprint``);
+  the disk cache stamps its entries with the whole build, their rule included.
 
 ``build_fingerprint(parts)`` hashes the dict: 32 lowercase hex characters.
 """
@@ -77,6 +80,16 @@ def build_parts(decode_settings: Mapping[str, str] | None = None, *, cache: bool
 
         parts["cache_prefix_rules"] = PREFIX_RULES
     return parts
+
+
+BYTES_NEUTRAL = ("cache", "cache_prefix_rules")  # build parts that never change a batch's bytes
+
+
+def served_fingerprint(parts: Mapping[str, str]) -> str:
+    """The build fingerprint a server describes (``DatasetInfo.build_fingerprint``): of the parts
+    that decide the bytes, ``BYTES_NEUTRAL`` left out (a cached and an uncached server send the
+    same bytes, and a loader under ``strict`` reads both)."""
+    return build_fingerprint({k: v for k, v in parts.items() if k not in BYTES_NEUTRAL})
 
 
 def build_fingerprint(parts: Mapping[str, str]) -> str:

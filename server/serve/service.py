@@ -67,7 +67,7 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
             pb.TensorSpec(name="position", dtype="int64", shape=[]),  # in the epoch's global order (server/compute/worker.py)
         ],
         fingerprint=ds.fingerprint,
-        build_fingerprint=build.build_fingerprint(parts),
+        build_fingerprint=build.served_fingerprint(parts),
         build=parts,
         on_error=loader.config.datasets[name].on_error,
         weights_digest=own.digest if own is not None else "",

@@ -72,7 +72,7 @@ def test_the_loaders_attributes_are_declared_not_forwarded(make_server, fmnist_r
                                  max_message_bytes=64 << 20) as loader:
         assert {name: getattr(loader, name) for name in LoaderOptions.__dataclass_fields__} == \
             {name: getattr(loader.options, name) for name in LoaderOptions.__dataclass_fields__}
-        assert (loader.connect_timeout, loader.max_message_bytes, loader.assignment) == (3.0, 64 << 20, "dynamic")
+        assert (loader.connect_timeout, loader.max_message_bytes, loader.hedge) == (3.0, 64 << 20, True)
         assert loader.addresses == [server.address] and [s["address"] for s in loader.server_stats()] == loader.addresses
         with pytest.raises(AttributeError, match="read-only"):
             loader.batch_size = 16

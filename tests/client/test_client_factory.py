@@ -1,6 +1,7 @@
-"""``RemoteDataLoader(...)``, the one entry point: a facade over a single- or several-servers
-loader, options checked once in the caller's thread (the CUDA device index too), and the
-``gpu_transform`` hook. Real servers; CUDA itself is replaced only where this machine has none.
+"""``RemoteDataLoader(...)``, the one entry point: a facade over one ``Servers`` (one server is
+the same code with n = 1), options checked once in the caller's thread (the CUDA device index
+too), and the ``gpu_transform`` hook. Real servers; CUDA itself is replaced only where this
+machine has none.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import torch
 
 import batchd
 from batchd.client.device import transfer as transfer_mod
-from batchd.client.loader.loader import RemoteDataLoader
-from batchd.client.multi import MultiServerLoader
-from batchd.client.loader.options import resolve_device
-from batchd.client.single import SingleServerLoader
 from batchd.client.device.transfer import finish
+from batchd.client.iteration.servers import Servers
+from batchd.client.loader.loader import RemoteDataLoader
+from batchd.client.loader.options import resolve_device
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,19 +28,18 @@ def _servers(make_server, fmnist_root, n):
     return [make_server(workers=1, datasets=datasets) for _ in range(n)]
 
 
-def test_one_entry_point_two_implementations(make_server, fmnist_root):
+def test_one_entry_point_one_implementation(make_server, fmnist_root):
     a, b = _servers(make_server, fmnist_root, 2)
-    assert "__new__" not in RemoteDataLoader.__dict__, "the several-servers loader is built by a factory"
-    assert not issubclass(MultiServerLoader, RemoteDataLoader)  # no subclass skipping its parent's __init__
+    assert "__new__" not in RemoteDataLoader.__dict__
     with batchd.RemoteDataLoader(a.address, "fmnist-test", **KW) as one, \
          batchd.RemoteDataLoader([a.address], "fmnist-test", **KW) as listed, \
          batchd.RemoteDataLoader([a.address, b.address], "fmnist-test", **KW) as two:
         assert type(one) is type(listed) is type(two) is batchd.RemoteDataLoader
-        assert isinstance(one.servers, SingleServerLoader) and isinstance(listed.servers, SingleServerLoader)
-        assert isinstance(two.servers, MultiServerLoader)
-        assert two.addresses == [a.address, b.address] and [s["up"] for s in two.server_stats()] == [True, True]
+        assert type(one.servers) is type(listed.servers) is type(two.servers) is Servers
+        assert one.servers.single and listed.servers.single and not two.servers.single
+        assert two.addresses == [a.address, b.address]
         assert len(one) == len(two) == 20 and one.batch_size == two.batch_size == 500
-        assert one.failover_timeout == two.failover_timeout == 5.0 and one.connect_timeout == 10.0
+        assert one.reconnect_timeout == two.reconnect_timeout == 60.0 and one.connect_timeout == 10.0
         first = [bt["index"].clone() for bt in one]
         assert [bt["index"].tolist() for bt in two] == [f.tolist() for f in first]
         assert one.epoch == two.epoch == 1
@@ -108,7 +107,7 @@ def test_several_servers_use_the_callers_cuda_device(make_server, fmnist_root, m
         assert ld.device == torch.device("cuda", 1)
         assert [t.device for t in FakeTransfer.built] == [torch.device("cuda", 1)]
         assert FakeTransfer.built[0].thread is main
-        conns = [s.conn for s in ld.servers._servers]
+        conns = [link.conn for link in ld.servers.links]
         assert all(c.transfer is FakeTransfer.built[0] and c.options.device == torch.device("cuda", 1) for c in conns)
         assert sum(1 for _ in ld) == 20 and FakeTransfer.built[0].copies == 20
 

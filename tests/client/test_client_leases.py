@@ -63,17 +63,13 @@ def test_a_write_in_one_reader_is_not_seen_by_another_reader(fmnist_server):
             assert torch.equal(next(it_b)["image"], expected), f"reader B, batch {k}: sees reader A's write"
 
 
-# --- 2. abandoned calls, retried releases, progress, reconnects --------------------------------
+# --- 2. released on the call, retried releases, progress, reconnects, passes let go of ---------------
 
 
-def calls(ld):
-    """The lane threads of ``ld``'s iteration in progress (``batchd.client.feed``), by address."""
-    feed = ld.servers._feed
-    return {server.address: runner for server, runner in feed._runners.items()}
-
-
-def tags(ld) -> set[str]:
-    return {runner.record.tag for runner in calls(ld).values() if runner.record is not None}
+def link(ld, address: str | None = None):
+    """The link (``batchd.client.transport.link.ServerLink``) of ``ld``'s server at ``address``
+    (its first one by default)."""
+    return next(x for x in ld.servers.links if address is None or x.address == address)
 
 
 @pytest.fixture
@@ -125,40 +121,42 @@ def _server(make_server, fmnist_root, **config):
     return make_server(workers=1, datasets=datasets, **config)
 
 
-def test_an_abandoned_call_names_every_lease_it_received(make_server, fmnist_root, release_requests, released):
+def test_a_pass_let_go_of_gives_every_lease_back_on_the_call(make_server, fmnist_root, release_requests, released):
+    """A ``break`` after two batches: the call lives on (the loader's next pass uses it), the
+    pass's grants are revoked, batches already sent are dropped as they come and their leases
+    released on the call; the two held come back when freed. No ReleaseLeases call, none lost."""
     server = _server(make_server, fmnist_root)
     with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=100, prefetch=6, transport="shm") as ld:
         it = iter(ld)
         held = [next(it), next(it)]
-        (tag,) = tags(ld)
         session = ld._shm.session
-        it.close()  # the user breaks out: the call is cancelled and reported
-        assert wait_until(lambda: any(r.abandoned_stream == tag for r in release_requests), 10), release_requests
-        abandoned = next(r for r in release_requests if r.abandoned_stream == tag)
-        assert abandoned.session == session
-        received = set(abandoned.received_leases)
-        assert len(received) >= 2, "the two batches taken came on leases"
+        it.close()  # the user breaks out
+        assert wait_until(lambda: server.loader.leases.held(session) == 2, 10), server.loader.leases.held(session)
         del held
         gc.collect()
-        # every lease the call received comes back (on the call while it was open, by ReleaseLeases
-        # after): none is lost between "received" and "released", and the server can release all others
-        assert wait_until(lambda: received <= set(released.get(session, ())), 10), (received, released)
         assert wait_until(lambda: server.loader.leases.held(session) == 0, 10)
+        assert len(released[session]) == len(set(released[session])) >= 2  # each once
+        assert not any(r.leases for r in release_requests), release_requests
 
 
 def test_a_failed_release_is_retried(make_server, fmnist_root, release_requests):
+    """A batch held past ``close``: its release goes by ReleaseLeases (no call to carry it); the
+    first try fails (UNAVAILABLE) and is retried."""
     server = _server(make_server, fmnist_root)
     release_requests.state["fail_first"] = True
     leases = server.loader.leases
-    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=1000, transport="shm") as ld:
-        batch = next(iter(ld))
-        session = ld._shm.session
-        assert wait_until(lambda: not server.loader.streams, 10)
-        del batch
-        gc.collect()
-        assert wait_until(lambda: leases.held(session) == 0, 15), "the lease was dropped, not retried"
-        tries = [list(r.leases) for r in release_requests if r.leases]
-        assert len(tries) >= 2 and set(tries[0]) <= {x for t in tries[1:] for x in t}, tries
+    ld = batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=1000, transport="shm")
+    batch = next(iter(ld))
+    session = ld._shm.session
+    ld.close()
+    assert wait_until(lambda: not server.loader.streams, 10)
+    assert leases.held(session) == 1  # the session stays while a batch on it is held
+    del batch
+    gc.collect()
+    assert wait_until(lambda: leases.held(session) == 0, 15), "the lease was dropped, not retried"
+    tries = [list(r.leases) for r in release_requests if r.leases]
+    assert len(tries) >= 2 and set(tries[0]) <= {x for t in tries[1:] for x in t}, tries
+    assert wait_until(lambda: leases.sessions == 0, 10), "the session did not end once nothing was held"
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
@@ -184,56 +182,57 @@ def test_progress_and_releases_ride_on_the_call(make_server, fmnist_root, releas
         it.close()
 
 
-def test_a_reconnect_closes_the_old_session(make_server, fmnist_root):
+def test_a_broken_call_is_reported_and_resumed_on_the_same_session(make_server, fmnist_root, release_requests):
+    """The call breaks under a live server (a lost connection): the link opens a new call on the
+    same session and reports the broken one (``abandoned_stream``, naming the leases still held
+    here), so the server releases what it sent on it that never came; nothing lost or repeated."""
     server = _server(make_server, fmnist_root)
     leases = server.loader.leases
     with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=500, transport="shm",
                                  reconnect_timeout=30) as ld:
         it = iter(ld)
         held = next(it)
-        old = ld._shm.session
-        next(iter(calls(ld).values())).call.call.cancel()  # the call breaks (gRPC's own cancel); the loader reconnects
+        session = ld._shm.session
+        link(ld)._call.call.cancel()  # the call breaks (gRPC's own cancel); the loader reconnects
         indices = [held["index"].clone()] + [next(it)["index"].clone() for _ in range(3)]
-        assert ld._shm.session != old
+        assert ld._shm.session == session and leases.sessions == 1
         assert torch.cat(indices).unique().numel() == 2000, "a batch was lost or repeated across the reconnect"
-        sessions, old_held = leases.sessions, leases.held(old)
-        assert sessions == 2 and old_held >= 1  # the held batch keeps the old session open
+        assert wait_until(lambda: any(r.abandoned_stream for r in release_requests), 10), release_requests
+        report = next(r for r in release_requests if r.abandoned_stream)
+        assert report.session == session and report.received_leases  # (the held batch's among them)
+        assert leases.held(session) >= 1  # the held batch's slot stays lent
         del held
         gc.collect()
-        assert wait_until(lambda: leases.sessions == 1, 10), "the old session was dropped, not closed"
         it.close()
+        assert wait_until(lambda: leases.held(session) == 0, 10)
 
 
-def test_a_server_leaving_mid_epoch_reports_its_call_abandoned(make_server, fmnist_root, release_requests):
-    """A server that leaves the address mid-epoch: its call is cancelled and reported abandoned
-    with the leases received on it (the server releases the others gRPC had buffered), its
-    batches go to the other server, and the epoch goes on in order."""
+def test_a_server_leaving_mid_epoch_gives_its_batches_to_the_other(make_server, fmnist_root):
+    """A server that leaves the address mid-epoch: its batches go to the other server at once,
+    the epoch goes on in order, and every lease it lent comes back once its link closed."""
     servers = [_server(make_server, fmnist_root) for _ in range(2)]
     with batchd.RemoteDataLoader([s.address for s in servers], "fmnist-test", batch_size=100, prefetch=4,
                                  transport="shm", probe_interval=60) as ld:
         it = iter(ld)
         indices = [next(it)["index"].clone() for _ in range(4)]
-        leaving = next(s for s in ld.servers._servers if s.address == servers[1].address)
-        tag = calls(ld)[leaving.address].record.tag
-        ld.servers._feed.retire(leaving)  # as when it leaves the address
+        ld.servers.follow([servers[0].address])  # as when the address no longer names it
         indices += [b["index"].clone() for b in it]
-        assert wait_until(lambda: tag in {r.abandoned_stream for r in release_requests}, 10), release_requests
         assert torch.cat(indices).tolist() == list(range(10_000))
-        session = next(r.session for r in release_requests if r.abandoned_stream == tag)
+        assert [s["retired"] for s in ld.server_stats()] == [False, True]
         gc.collect()
-        assert wait_until(lambda: servers[1].loader.leases.held(session) == 0, 10)
+        assert wait_until(lambda: servers[1].loader.leases.held_total == 0, 10)
 
 
 def test_a_survivors_leases_return_after_a_failover(server_procs, fmnist_root, tmp_path):
-    """SIGKILL one of two servers mid-epoch: the survivor's calls cancelled by the new split are
-    reported abandoned, so once the epoch is read and its batches freed it holds no lease, while
-    the loader (and its session) is still open."""
+    """SIGKILL one of two servers mid-epoch: the survivor takes its batches; once the epoch is
+    read and its batches freed the survivor holds no lease, while the loader (and its session) is
+    still open."""
     cfg = write_server_config(tmp_path, fmnist_root, workers=1)
     procs = [server_procs(cfg, f"127.0.0.1:{free_port()}") for _ in range(2)]
     for p in procs:
         p.start()
     with batchd.RemoteDataLoader([p.address for p in procs], "fmnist-test", batch_size=100, prefetch=4,
-                                 transport="shm", failover_timeout=1, probe_interval=60, timeout=60) as ld:
+                                 transport="shm", probe_interval=60, timeout=60) as ld:
         it = iter(ld)
         indices = [next(it)["index"].clone() for _ in range(10)]
         procs[1].signal(signal.SIGKILL)
@@ -247,38 +246,32 @@ def test_a_survivors_leases_return_after_a_failover(server_procs, fmnist_root, t
         assert get_stats(procs[0].address).pool.sessions == 1
 
 
-def test_a_lease_arriving_after_the_call_was_abandoned_is_never_used(make_server, fmnist_root, monkeypatch):
-    """A message the lane thread got from gRPC just as its call was given up (reported abandoned,
-    naming the leases received so far): its lease is the server's to release, so the loader
-    neither holds it, maps it nor releases it, nor keeps the batch."""
+def test_a_batch_of_an_earlier_pass_is_dropped_and_its_lease_released(make_server, fmnist_root, released):
+    """A ``break`` and a new pass at once: batches the server sent for the earlier ``open`` before
+    it switched (``Batch.open_seq``) are never used: each is dropped and its lease released; the
+    new pass gets its own batches in order; nothing is left held."""
     server = _server(make_server, fmnist_root)
-    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=100, transport="shm") as ld:
-        it = iter(ld)
-        next(it)
-        feed = ld.servers._feed
-        runner = next(iter(calls(ld).values()))
-        record = runner.record
-        touched = []
-        for name in ("hold", "release_unused", "tensors"):
-            monkeypatch.setattr(record.shm, name, lambda *a, name=name: touched.append((name, a)))
-        assert record.close(abandoned=True) is not None  # as end_call does
-        b = feed.total - 1  # (not arrived: the loop is at the epoch's start)
-        late = wire.decode_batch(pb.Batch(batch_index=b, segment="batchd-x-slot-1", lease=987654).SerializeToString())
-        feed.arrive(runner, late, 0.0, 100, record)
-        assert touched == [], "a lease the server releases (not named as received) was used"
-        assert b not in feed._raw and 987654 not in record.close(abandoned=True)
-        monkeypatch.undo()
-        it.close()
+    with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=100, prefetch=8, transport="shm") as ld:
+        ld.set_epoch(3)
+        with torch.no_grad():
+            first = next(iter(ld))["index"].clone()  # the pass is let go of with grants outstanding
+        ld.set_epoch(3)
+        again = [b["index"].clone() for b in ld]
+        session = ld._shm.session
+        assert torch.equal(again[0], first) and torch.cat(again).sort().values.tolist() == list(range(10_000))
+        gc.collect()
+        assert wait_until(lambda: server.loader.leases.held(session) == 0, 10)
+        assert len(released[session]) == len(set(released[session]))  # none released twice
 
 
-def test_leases_freed_at_an_epoch_boundary_ride_on_the_next_call(make_server, fmnist_root, release_requests,
-                                                                   released):
-    """A training loop over several epochs frees the last batches of each epoch after its call
-    ended: they wait for the next epoch's call (``Reporter.hold``) instead of a ReleaseLeases call
-    each epoch (about one per epoch before). Every lease still comes back, the last epoch's by
-    ReleaseLeases once no call comes to carry them."""
+def test_one_call_serves_every_epoch_and_no_release_needs_an_rpc(make_server, fmnist_root, release_requests,
+                                                                released):
+    """A training loop over several epochs: one Batches call per server for the loader's life
+    (each epoch a later ``open`` on it), every lease released on it, the last batch's too, while
+    the loader is open: no ReleaseLeases call at all."""
     server = _server(make_server, fmnist_root)
     epochs = 6
+    started = get_stats(server.address).totals.batches_calls_started
     with batchd.RemoteDataLoader(server.address, "fmnist-test", batch_size=1000, transport="shm") as ld:
         received = 0
         for epoch in range(epochs):
@@ -286,12 +279,10 @@ def test_leases_freed_at_an_epoch_boundary_ride_on_the_next_call(make_server, fm
             for batch in ld:  # (each batch freed when the next replaces it, the last one by the next epoch's first)
                 received += 1
         session = ld._shm.session
-        during = [list(r.leases) for r in release_requests if r.leases]
         del batch
         gc.collect()
         assert received == epochs * 10
-        # one boundary's leases may go by ReleaseLeases (a slow round on a loaded machine), not each one's
-        assert len(during) <= 1, f"{len(during)} ReleaseLeases calls over {epochs} epochs: {during}"
-        assert wait_until(lambda: server.loader.leases.held(session) == 0, 10), "a lease freed after the last call never came back"
+        assert wait_until(lambda: server.loader.leases.held(session) == 0, 10), "a freed lease never came back"
         assert len(set(released[session])) == received, "a lease was never released (or released twice)"
-        assert any(r.leases for r in release_requests), "the last batch's lease came back, but not by ReleaseLeases"
+        assert not any(r.leases for r in release_requests), release_requests
+    assert get_stats(server.address).totals.batches_calls_started - started == 1

@@ -109,7 +109,7 @@ def test_a_loader_used_in_a_forked_child_raises(address):
             loader.close()
             it.close()
             gc.collect()
-            loader.servers.connection._finalizer()  # as at interpreter exit (weakref.finalize's atexit)
+            loader.servers.links[0].conn._finalizer()  # as at interpreter exit (weakref.finalize's atexit)
             report["stats"] = loader.stats()["batches"]
             os.write(write, json.dumps(report).encode())
             code = 0

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2
 
 import batchd
 from batchd.client.transport.addresses import AddressSource, may_grow, read_address_file, server_addresses
-from batchd.client.multi import MultiServerLoader
+from batchd.client.iteration.servers import Servers
 from batchd.client.transport.server_stats import get_stats
 from helpers import digest, wait_until
 from procs import RANDOM_AUG, fmnist_test_config
@@ -72,9 +72,9 @@ def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_serve
     listed = tmp_path / "servers.txt"
     listed.write_text(f"{a.address}\n")
     digests, indices = [], []
-    with batchd.RemoteDataLoader(f"file:{listed}", "fmnist-test", probe_interval=0.2, failover_timeout=1,
+    with batchd.RemoteDataLoader(f"file:{listed}", "fmnist-test", probe_interval=0.2, 
                                  **KW) as ld:
-        assert isinstance(ld.servers, MultiServerLoader) and ld.addresses == [a.address]  # one server, may grow
+        assert not ld.servers.single and ld.addresses == [a.address]  # one server, may grow
         it = iter(ld)
 
         def take(n):
@@ -110,8 +110,8 @@ def test_a_server_joins_then_the_first_leaves_exactly_once_same_bytes(make_serve
             digests.append(digest(batch))
             indices.append(batch["index"].numpy().copy())
         stats = ld.stats()
-        # no split reads the retired server any more: its connection is closed
-        assert wait_until(lambda: ld.servers._servers[0].conn is None, 10), ld.server_stats()
+        # nothing reads the retired server any more: its link closed its connection
+        assert wait_until(lambda: ld.servers.links[0].conn.closed, 10), ld.server_stats()
         assert ld.server_stats()[0]["error"] == "no longer named by the address"
     assert digests == reference, "the bytes differ from a single server's"
     assert np.array_equal(np.sort(np.concatenate(indices)), np.arange(10_000)), "a sample is missing or repeated"

@@ -1,7 +1,9 @@
-"""``Outbox`` (client/transport/outbox.py), the request iterator of a Batches call, without a network: once
-``direct`` is on, grants, revokes and due progress go as control frames by its ``send`` and the
-call carries only its open and last message; a frame that cannot be sent puts its grant and
-the progress it carried back on the call."""
+"""``Outbox`` (client/transport/outbox.py), the request iterator of a Batches call, without a
+network: once ``direct`` is on, grants, revokes and due progress go as control frames by its
+``send`` (naming their pass's open_seq) and the call carries only its opens and last message; a
+frame that cannot be sent puts its grant and the progress it carried back on the call; ``reopen``
+switches the call to the next pass (its last progress first), and grants of an earlier pass are
+dropped; freed leases, queued without a lock, ride on the next message."""
 
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class Progress:
-    """A loop's progress that changes only when told (``CallRecord.progress``'s contract)."""
+    """A loop's progress that changes only when told (``batchd.client.transport.progress.Progress``'s contract)."""
 
     def __init__(self) -> None:
         self.taken, self._reported = 0, None
 
-    def __call__(self, force: bool = False) -> pb.StreamProgress | None:
+    def progress(self, force: bool = False) -> pb.StreamProgress | None:
         if self.taken == self._reported and not force:
             return None
         self._reported = self.taken
@@ -51,11 +53,11 @@ def test_grants_and_progress_go_as_frames_and_the_call_carries_its_open_and_last
     progress, sent = Progress(), []
     outbox = Outbox(pb.StreamBatchesRequest(dataset="d"), progress=progress, progress_every=0.0)
     got, thread = drain(outbox)
-    outbox.grant([0, 1])  # before the data connection: queued for the call ...
+    outbox.grant([0, 1], 0)  # before the data connection: queued for the call ...
     outbox.direct(sent.append)  # ... and sent as a frame once it opens, if the call has not taken it
     progress.taken = 1
-    outbox.grant([2])
-    outbox.revoke([1])
+    outbox.grant([2], 0)
+    outbox.revoke([1], 0)
     outbox.close()
     thread.join(10)
     granted = [b for m in got for b in m.grant] + [b for f in frames(sent) for b in f.grant]
@@ -63,7 +65,7 @@ def test_grants_and_progress_go_as_frames_and_the_call_carries_its_open_and_last
     assert [b for f in frames(sent) for b in f.revoke] == [1]
     assert any(f.progress.batches_taken == 1 for f in frames(sent)), "the due progress went without a frame"
     assert got[0].HasField("open") and got[-1].done and len(got) <= 3
-    assert outbox.frames == len(sent)
+    assert outbox.frames == len(sent) and all(f.open_seq == 0 for f in frames(sent))
 
 
 def test_a_frame_that_cannot_be_sent_puts_its_grant_and_progress_back_on_the_call():
@@ -76,8 +78,8 @@ def test_a_frame_that_cannot_be_sent_puts_its_grant_and_progress_back_on_the_cal
 
     outbox.direct(broken)
     progress.taken = 7
-    outbox.grant([5])  # the frame (grant 5, progress 7) fails: both go on the call
-    outbox.grant([6])  # and so does everything after it
+    outbox.grant([5], 0)  # the frame (grant 5, progress 7) fails: both go on the call
+    outbox.grant([6], 0)  # and so does everything after it
     assert wait_until(lambda: sum(len(m.grant) for m in got) == 2)  # (before the last message, which forces one)
     outbox.close()
     thread.join(10)
@@ -86,3 +88,61 @@ def test_a_frame_that_cannot_be_sent_puts_its_grant_and_progress_back_on_the_cal
     assert with_grant.HasField("progress") and with_grant.progress.batches_taken == 7, \
         "the progress of the failed frame did not go on the call with its grant"
     assert outbox.frames == 0
+
+
+def test_reopen_switches_the_call_and_drops_what_an_earlier_pass_grants_late():
+    """The next pass's ``open`` follows the last progress of the one before; grants of the earlier
+    pass queued after the switch are dropped (the server revoked that pass's grants); frames name
+    the pass they belong to."""
+    first, second, sent = Progress(), Progress(), []
+    outbox = Outbox(pb.StreamBatchesRequest(dataset="d", epoch=0), progress=first, progress_every=60.0)
+    got, thread = drain(outbox)
+    outbox.grant([0, 1], 0)
+    assert wait_until(lambda: sum(len(m.grant) for m in got) == 2)
+    first.taken = 2
+    assert outbox.reopen(pb.StreamBatchesRequest(dataset="d", epoch=1), second) == 1
+    outbox.grant([7], 0)  # the earlier pass, too late: dropped
+    outbox.revoke([1], 0)
+    outbox.grant([0], 1)
+    assert wait_until(lambda: any(0 in m.grant for m in got[1:] if not m.HasField("open")) and
+                      any(m.HasField("open") for m in got[1:]))
+    outbox.direct(sent.append)
+    second.taken = 1
+    outbox.grant([3], 1)
+    outbox.close()
+    thread.join(10)
+    opens = [k for k, m in enumerate(got) if m.HasField("open")]
+    assert [got[k].open.epoch for k in opens] == [0, 1]
+    before = got[opens[1] - 1]
+    assert before.progress.batches_taken == 2, "the earlier pass's last progress did not go before the switch"
+    assert 7 not in [b for m in got for b in m.grant] and not any(m.revoke for m in got)
+    assert [b for m in got[opens[1]:] for b in m.grant] == [0]
+    assert [(f.grant[0], f.open_seq) for f in frames(sent)] == [(3, 1)]
+    assert got[-1].done and got[-1].progress.batches_taken == 1
+
+
+def test_freed_leases_ride_on_the_next_message_without_a_lock():
+    """Leases freed (queued by finalizers, lock-free) go with the next grant, or alone within
+    the lease poll while any is outstanding; ``sent`` hears each once."""
+    import queue as queue_mod
+
+    freed: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+
+    def take() -> list[int]:
+        out = []
+        while not freed.empty():
+            out.append(freed.get_nowait())
+        return out
+
+    told: list[int] = []
+    outbox = Outbox(pb.StreamBatchesRequest(dataset="d"), take_releases=take, pending=lambda: True,
+                    sent=told.extend)
+    got, thread = drain(outbox)
+    freed.put(11)
+    outbox.grant([0], 0)
+    assert wait_until(lambda: any(11 in m.release for m in got))
+    freed.put(12)  # no grant follows: it goes within the lease poll
+    assert wait_until(lambda: any(12 in m.release for m in got), 2.0)
+    outbox.close()
+    thread.join(10)
+    assert sorted(b for m in got for b in m.release) == [11, 12] == sorted(told)

@@ -85,8 +85,8 @@ def test_one_sample_view_keeps_the_slot_lent(server):
         mask, expected = batch["masks"][3], batch["masks"][3].clone()
         del batch
         gc.collect()
-        assert wait_until(lambda: not server.transport._open)  # the abandoned stream has ended
-        # the batches received behind the first go back (asynchronously): only the first stays lent
+        # the pass was let go of: the batches sent behind the first go back (asynchronously, on the
+        # call, which the loader keeps for its next pass): only the first stays lent
         assert wait_until(lambda: server.leases.held(session) == 1), server.leases.held(session)
         assert not wait_until(lambda: server.leases.held(session) == 0, timeout=1.0), \
             "the slot went back while a sample's tensor still lies on it"
@@ -118,11 +118,11 @@ def test_a_field_is_stacked_in_a_batch_where_shapes_agree():
 
 def test_several_servers_send_the_same_lists(server):
     with BatchServer(batches.detection_samples, N) as other:
-        # assignment="stride": the second server builds batch 1 for sure (batches go to whichever
-        # server has room otherwise), so a batch of each server is compared
-        with _loader([server.address, other.address], assignment="stride") as both, _loader(server.address) as one:
+        # both unmeasured as the pass begins: each is granted its home batches (b mod 2, by
+        # address), so a batch of each server is compared
+        with _loader([server.address, other.address]) as both, _loader(server.address) as one:
             pairs = list(zip(both, one, strict=True))
-        assert sorted(other.layouts) == [1], "the second server did not send every other batch"
+        assert other.layouts, "the second server sent nothing"
     for b, (x, y) in enumerate(pairs):
         batches.assert_batch_holds(x, batches.detection_samples(y["index"].tolist()))
         assert x["index"].tolist() == y["index"].tolist()

@@ -28,8 +28,9 @@ import yaml
 
 from batchd.client.transport import fields
 from batchd.client.transport import shm as client_shm
+from batchd.client.iteration.servers import Servers
 from batchd.client.loader.options import LoaderOptions
-from batchd.client.single import SingleServerLoader
+from batchd.client.loader.stats import LoaderStats
 from helpers import free_port, wait_until
 from procs import ServerProcess, fmnist_test_config
 
@@ -76,7 +77,7 @@ class ModelTransfer:
     maps_host_memory = True
 
     def __init__(self):
-        self._lock = threading.Lock()  # register: the receiver thread; unregister: the reporter's
+        self._lock = threading.Lock()  # register: the converting thread; unregister: the releasing one
         self.registered: dict[int, int] = {}  # address -> bytes
         self.segments: list[str] = []  # the segment of each registration, in order
         self.unmapped_first: list[int] = []  # addresses unmapped before they were unregistered
@@ -138,12 +139,12 @@ def test_unlinked_segments_are_unmapped_once_their_tensors_are_gone(server, path
     options = LoaderOptions("fmnist-test", batch_size=10_000 // BATCHES, transport="shm", prefetch=2)
     gc.collect()  # batches an earlier test left in reference cycles
     assert wait_until(lambda: not batchd_mappings()), f"batchd segments mapped before the test: {batchd_mappings()}"
-    ld = SingleServerLoader(server.address, options, transfer)
+    ld = Servers(server.address, options, transfer, LoaderStats())
     most, most_unlinked, segments = 0, 0, set()
     try:
         n = 0
         held: collections.deque = collections.deque(maxlen=HELD)
-        for batch in ld.batches(epoch=0, start_batch=0, total=BATCHES):
+        for batch in ld.batches(epoch=0, start=0, total=BATCHES):
             n += 1
             assert batch["image"].shape[0] == 50
             held.append(batch)  # the last HELD batches stay alive: their leases make the server lend beyond its slots

@@ -185,7 +185,7 @@ def test_two_servers_one_killed_mid_epoch_over_the_data_plane(server_procs, fmni
     for p in procs:
         p.start()
     with batchd.RemoteDataLoader([p.address for p in procs], "fmnist-test", batch_size=100, transport="socket",
-                                 failover_timeout=1, probe_interval=60, timeout=60) as ld:
+                                 probe_interval=60, timeout=60) as ld:
         it = iter(ld)
         indices = [next(it)["index"].clone() for _ in range(10)]
         procs[1].signal(signal.SIGKILL)

@@ -69,7 +69,9 @@ def test_describe_dataset_reports_fingerprints_that_follow_the_files(make_server
 
 
 def test_the_build_says_whether_a_cache_serves_and_under_which_prefix_rule(make_server, tmp_path, monkeypatch):
-    """Parts ``cache`` (on/off) and ``cache_prefix_rules``; the disk cache is stamped with them."""
+    """Parts ``cache`` (on/off) and ``cache_prefix_rules``; the disk cache is stamped with them.
+    They do not change a byte, so they are not in the build fingerprint clients compare: a loader
+    under ``strict`` reads a cached server beside an uncached one (issue 36: it refused them)."""
     from batchd.client.transport.datasets import mismatches
     from batchd.server.compute.build import build_fingerprint, build_parts
     from batchd.server.compute import prefix
@@ -81,8 +83,8 @@ def test_the_build_says_whether_a_cache_serves_and_under_which_prefix_rule(make_
                                 cache={"memory_bytes": "1MiB", "disk_dir": str(tmp_path / "disk"), "disk_bytes": "1MiB"})
     cached = describe_dataset(cached_server.address, "pics")
     assert cached.build["cache"] == "on" and cached.build["cache_prefix_rules"] == prefix.PREFIX_RULES == "3"
-    assert cached.fingerprint == plain.fingerprint and cached.build_fingerprint != plain.build_fingerprint
-    assert mismatches(plain.identity(), cached.identity()) == ["cache off vs on", "cache_prefix_rules (none) vs 3"]
+    assert cached.fingerprint == plain.fingerprint and cached.build_fingerprint == plain.build_fingerprint
+    assert mismatches(plain.identity(), cached.identity()) == []
     stamp = (tmp_path / "disk" / "BUILD").read_text().strip()
     assert stamp == build_fingerprint(build_parts(cache=True))  # disk entries of another rule are wiped at start
     monkeypatch.setattr(prefix, "PREFIX_RULES", "4")
@@ -175,6 +177,25 @@ def test_several_servers_with_different_datasets_are_refused_unless_not_strict(m
     assert off.address in str(e.value) and "dataset fingerprint" not in str(e.value)
 
 
+def test_a_cached_and_an_uncached_server_feed_one_strict_loader_with_the_same_bytes(make_server, tmp_path):
+    """The cache never changes a byte, so ``strict`` takes a cached server beside an uncached one
+    (issue 36: it refused them, naming ``cache off vs on``); each batch is the one either gives."""
+    a = photos(tmp_path / "a", seed=1)
+    plain = folder_server(make_server, a)
+    cached = make_server(workers=1, datasets={"pics": {"kind": "imagefolder", "root": str(a)}},
+                         cache={"memory_bytes": "4MiB"})
+    import albumentations as A
+
+    kw = {**KW, "transform": A.Compose([A.Resize(6, 6)])}  # (a cacheable prefix)
+    with batchd.RemoteDataLoader(plain.address, "pics", **kw) as ld:
+        alone = [b["image"].clone() for b in ld]
+    with batchd.RemoteDataLoader([plain.address, cached.address], "pics", strict=True, **kw) as ld:
+        for epoch in range(2):  # (the second: cache hits)
+            ld.set_epoch(0)
+            got = [b["image"].clone() for b in ld]
+            assert len(got) == len(alone) and all((x == y).all() for x, y in zip(got, alone))
+
+
 def test_a_server_that_comes_back_with_another_dataset_is_left_out(make_server, tmp_path):
     a = photos(tmp_path / "a", seed=1)
     twin, other = tmp_path / "twin", photos(tmp_path / "other", seed=3)
@@ -183,7 +204,7 @@ def test_a_server_that_comes_back_with_another_dataset_is_left_out(make_server, 
     port = free_port()
     sb = make_server(workers=1, address=f"127.0.0.1:{port}",
                      datasets={"pics": {"kind": "imagefolder", "root": str(twin)}})
-    with batchd.RemoteDataLoader([sa.address, sb.address], "pics", failover_timeout=0.5, reconnect_timeout=5,
+    with batchd.RemoteDataLoader([sa.address, sb.address], "pics", reconnect_timeout=5,
                                  probe_interval=0.2, **KW) as ld:
         sb.stop(grace=0)
         assert len(list(ld)) == 3  # sb's batches went to sa

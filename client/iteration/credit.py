@@ -1,0 +1,456 @@
+"""Who builds which batch of one pass: credit sized by each server, one rule for stalls.
+
+The rule. Batch b of an epoch is a pure function of the request and b, so any server may build
+it, any number of times, and the first copy to arrive is the one the loop gets. So:
+
+* **Credit.** A server may hold ``credit`` grants not yet arrived: what it can build within the
+  horizon H, ``W + ceil(H x W / t)``, where W is its worker processes and t its median worker
+  seconds per batch, both as the server itself says (``batchd-workers`` and every batch's
+  ``BatchTimings``; ``Capacity``), and H the slowest server's t plus ``HEADROOM_S`` (at least
+  ``MIN_HORIZON_S``): enough to keep its workers busy while its batches travel, and every
+  server's deliveries spread over the same horizon, so that a fast server's credit covers a slow
+  one's latency. Credit is at least the loader's ``prefetch`` and at most ``MAX_CREDIT``; over
+  shared memory its grants plus its batches waiting to be taken stay below the server's lease
+  cap (``batchd-max-leases``) less ``LEASE_RESERVE`` (the loop's own), but for the batch the loop
+  waits for (refusing it would wait on leases only the loop can free).
+* **Need.** The lowest batch not granted goes to the server with free credit that would
+  deliver it soonest (``(outstanding // W + 1) x t``), or to its *home* (batch b's home is the
+  (b mod n)-th server by address, the same in every loader, so identical loaders ask the same
+  server for it and it is built once) when the home would deliver it at most ``HOME_SLACK`` of
+  the soonest server's batches later.
+  Grants run at most ``lookahead`` batches past the one the loop takes next (the servers'
+  credits together, or as far as a slow server's batches are needed; at most ``MAX_LOOKAHEAD``
+  and about ``MAX_LOOKAHEAD_BYTES``).
+* **Stalls.** A server whose oldest grant is older than its deadline, ``STALL_FACTOR x
+  (ceil(credit / W) + 1) x t + STALL_SLACK_S`` (its own capacity: never other servers' pace, never
+  a budget), is stalled: every batch it holds is granted to the others at once; it keeps its
+  oldest grant (the *probe*, granted elsewhere too) and gets nothing new until a batch arrives
+  from it, which shows it is back. (With one server nobody can take its batches: it is waited
+  for.) A stalled server stays stalled into the next pass, with a fresh probe.
+
+Everything else follows from first-copy-wins: a copy that arrives after another is dropped (its
+lease released), the others' grants of a batch that arrived are revoked, a server whose call
+broke has its batches granted to the others at once and gets them again when it is back
+(grants are idempotent on the server), a shared-memory batch whose slot went with a restarted
+server is granted again (``requeue``).
+
+Thread-safety: none; ``batchd.client.iteration.epoch.Epoch`` calls it under its one lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Hashable
+
+MIN_HORIZON_S = 0.1  # the shortest horizon credit is sized to (seconds)
+HEADROOM_S = 0.05  # beyond the slowest server's build time: the round trip and this loader's reaction (seconds)
+DEFAULT_BUILD_S = 0.1  # a server's seconds per batch while none is measured (seconds)
+MAX_CREDIT = 32  # grants one server may hold (batches)
+MAX_LOOKAHEAD = 128  # batches granted past the one the loop takes next, at most
+MAX_LOOKAHEAD_BYTES = 1 << 30  # ... and at most about this many bytes of them
+HOME_SLACK = 4.0  # a batch goes home if the home delivers it at most this many of the other's batches later
+LEASE_RESERVE = 2  # leases of a shared-memory session left to the loop (the batch it holds, the next)
+STALL_FACTOR = 2.0  # a grant is late past this many times the latency its server's capacity implies
+STALL_SLACK_S = 0.1  # ... plus this (scheduling, a garbage collection, the network; seconds)
+_BUILD_WINDOW = 32  # recent batches whose build times make a server's median
+
+
+class Capacity:
+    """What one server can build, as it says: ``workers`` (its worker processes) and the median
+    worker seconds per batch of its recent batches (``build_time``, None before its first);
+    ``max_leases`` over shared memory (None otherwise). Kept by its link across passes."""
+
+    __slots__ = ("workers", "max_leases", "_builds", "_median")
+
+    def __init__(self, workers: int = 1, max_leases: int | None = None):
+        self.workers = max(1, workers)
+        self.max_leases = max_leases
+        self._builds: collections.deque[float] = collections.deque(maxlen=_BUILD_WINDOW)
+        self._median: float | None = None
+
+    def record(self, seconds: float, workers: int = 0) -> None:
+        """A batch of this server arrived: its worker ``seconds`` (read + decode + pipeline + cache
+        + write, 0: unknown) and the server's ``workers`` when it was sent (0: unknown)."""
+        if workers > 0:
+            self.workers = workers
+        if seconds > 0:
+            self._builds.append(seconds)
+            self._median = statistics.median(self._builds)
+
+    @property
+    def build_time(self) -> float | None:
+        return self._median
+
+
+@dataclass(eq=False)
+class Holder:
+    """One server in one pass: the batches granted to it and not arrived (``outstanding``: batch
+    -> when granted, monotonic s), its batches waiting to be taken (``held``), its state."""
+
+    key: Hashable
+    capacity: Capacity
+    home: str
+    open: bool = False  # its call is up for this pass: it may be granted batches
+    stalled: bool = False
+    probe: int | None = None  # a stalled server's one grant left
+    outstanding: dict[int, float] = field(default_factory=dict)
+    held: int = 0
+    credit: int = 1
+    # this pass's counts (``Credit.figures``)
+    delivered: int = 0  # batches it sent first
+    duplicates: int = 0  # copies it sent after another (dropped)
+    stalls: int = 0  # times it was found stalled
+    regranted: int = 0  # its batches granted to another server when it stalled or went
+
+    def build_time(self, default: float) -> float:
+        t = self.capacity.build_time
+        return t if t is not None else default
+
+    def delivery(self, default: float) -> float:
+        """Seconds until it would deliver one more batch granted now (its queue, then that one)."""
+        return (len(self.outstanding) // self.capacity.workers + 1) * self.build_time(default)
+
+    def deadline(self, default: float) -> float:
+        """Seconds after which its oldest grant is late (module docstring, *Stalls*); a server not
+        measured yet gets at least ``DEFAULT_BUILD_S`` per batch."""
+        rounds = math.ceil(self.credit / self.capacity.workers) + 1
+        t = self.capacity.build_time
+        return STALL_FACTOR * rounds * (t if t is not None else max(default, DEFAULT_BUILD_S)) + STALL_SLACK_S
+
+    def room(self, b: int, base: int) -> bool:
+        """Whether batch b may be granted to it now: free credit, and over shared memory free
+        leases, but for the batch the loop waits for (``base``: the batches it holds wait for it)."""
+        if self.stalled or not self.open or len(self.outstanding) >= self.credit:
+            return False
+        leases = self.capacity.max_leases
+        if leases is None or b == base:
+            return True
+        return len(self.outstanding) + self.held < max(1, leases - LEASE_RESERVE)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """What ``Credit.arrived`` decided: ``keep`` the batch (the first copy) or drop it; and the
+    other servers' grants of it to revoke (key -> batches)."""
+
+    keep: bool
+    revoke: dict[Hashable, list[int]]
+
+
+class Credit:
+    """The batches ``start .. total - 1`` of one pass, granted to servers by the rule of the
+    module docstring. ``prefetch``: the least credit of a server. ``regrant``: a stalled server's
+    batches go to the others (False: it is waited for). Raises ValueError for a bad range."""
+
+    def __init__(self, start: int, total: int, *, prefetch: int = 2, regrant: bool = True):
+        if not 0 <= start <= total:
+            raise ValueError(f"batches {start} .. {total} is not a range")
+        self.start, self.total, self.prefetch, self.regrant = start, total, max(1, prefetch), regrant
+        self.holders: dict[Hashable, Holder] = {}
+        self.base = start  # the next batch the loop takes
+        self.next_new = start  # the lowest batch never granted
+        self._lost: list[int] = []  # heap: batches below next_new that no open server holds, to grant again
+        self._lost_set: set[int] = set()
+        self._holders: dict[int, set[Hashable]] = {}  # batch -> servers holding a grant of it
+        self._arrived: dict[int, Hashable] = {}  # batch (>= base) -> the server whose copy is kept
+        self.batch_bytes = 0.0  # a batch's size, moving (bytes)
+        self.granted_at: dict[int, float] = {}  # batch -> when it was last granted (the loop's deadline moves then)
+
+    # --- servers ---------------------------------------------------------------------------------
+
+    def add(self, key: Hashable, capacity: Capacity, home: str, *, stalled: bool = False) -> Holder:
+        """A server joins the pass (not yet open: ``opened`` once its call is up)."""
+        holder = self.holders[key] = Holder(key, capacity, home, stalled=stalled)
+        return holder
+
+    def opened(self, key: Hashable) -> list[int]:
+        """Its call is up (again). Returns its outstanding batches to grant again on it (a new call
+        lost them; grants are idempotent on the server)."""
+        h = self.holders[key]
+        h.open = True
+        return sorted(h.outstanding)
+
+    def closed(self, key: Hashable, now: float) -> None:
+        """Its call broke (it may come back): its batches go to the others now; it gets nothing
+        new until ``opened``."""
+        h = self.holders.get(key)
+        if h is not None and h.open:
+            h.open = False
+            self._let_go(h, keep=None, now=now)
+
+    def remove(self, key: Hashable, now: float) -> None:
+        """It left the pass (down, retired): its batches go to the others."""
+        h = self.holders.pop(key, None)
+        if h is not None:
+            self._let_go(h, keep=None, now=now)
+
+    def _let_go(self, h: Holder, keep: int | None, now: float) -> list[int]:
+        """Its grants but ``keep`` (a stalled server's probe) go; each goes to the others unless a
+        healthy server holds it already (the probe too). Returns the batches it let go of."""
+        gone = [b for b in h.outstanding if b != keep]
+        for b in gone:
+            del h.outstanding[b]
+            holders = self._holders.get(b)
+            if holders is not None:
+                holders.discard(h.key)
+            self._lose(b)
+        if keep is not None:
+            self._lose(keep)
+        h.regranted += len(gone) + (keep is not None)
+        return gone
+
+    def _lose(self, b: int) -> None:
+        """Batch b is to be granted again (first), unless it arrived or a healthy server holds it."""
+        if b < self.base or b in self._arrived or b in self._lost_set:
+            return
+        if any(self._healthy(k) for k in self._holders.get(b, ())):
+            return
+        heapq.heappush(self._lost, b)
+        self._lost_set.add(b)
+
+    def _healthy(self, key: Hashable) -> bool:
+        h = self.holders.get(key)
+        return h is not None and h.open and not h.stalled
+
+    # --- granting --------------------------------------------------------------------------------
+
+    def horizon(self) -> float:
+        """Seconds of work every server's credit covers (module docstring)."""
+        default = self._default_build()
+        slowest = max((h.build_time(default) for h in self.holders.values() if h.open), default=default)
+        return max(MIN_HORIZON_S, slowest + HEADROOM_S)
+
+    def _default_build(self) -> float:
+        """The build time a server not measured yet is taken to have: the median of the measured
+        ones (as fast as they are, so that it gets work and is measured), else ``DEFAULT_BUILD_S``."""
+        measured = sorted(t for h in self.holders.values() if (t := h.capacity.build_time) is not None)
+        return measured[len(measured) // 2] if measured else DEFAULT_BUILD_S
+
+    def _size(self, h: Holder, horizon: float) -> None:
+        w = h.capacity.workers
+        t = h.capacity.build_time
+        want = w if t is None else w + math.ceil(horizon * w / t)  # (unmeasured: what it surely builds at once)
+        h.credit = max(self.prefetch, min(MAX_CREDIT, want))
+
+    def lookahead(self) -> int:
+        """Batches that may be granted past ``base`` (module docstring, *Need*): the servers'
+        credits, or as far as the slowest one's batches are needed, if further."""
+        working = [h for h in self.holders.values() if h.open and not h.stalled]
+        default = self._default_build()
+        granted = self.next_new - self.base  # (what is granted is delivered before a new grant's lead)
+        ahead = max(sum(h.credit for h in working) + len(working),
+                    max((granted + self._lead(h, working, default) + h.credit for h in working), default=0))
+        if self.batch_bytes > 0:
+            ahead = min(ahead, int(MAX_LOOKAHEAD_BYTES // self.batch_bytes))
+        return max(self.prefetch, min(MAX_LOOKAHEAD, ahead))
+
+    def plan(self, now: float) -> dict[Hashable, list[int]]:
+        """New grants: server key -> batches, in order. Records them."""
+        grants: dict[Hashable, list[int]] = {}
+        working = [h for h in self.holders.values() if h.open and not h.stalled]
+        if not working:
+            return grants
+        horizon = self.horizon()
+        for h in working:
+            self._size(h, horizon)
+        limit = min(self.total, self.base + self.lookahead())
+        default = self._default_build()
+        homes = sorted(working, key=lambda h: h.home) if len(working) > 1 else None
+        candidates = list(working)
+        while candidates:
+            h = min(candidates, key=lambda x: x.delivery(default))  # (the first of equals: their order)
+            b = self._unassigned(self._lead(h, working, default), limit, h)
+            if b is None or not h.room(b, self.base):
+                candidates.remove(h)
+                continue
+            home = homes[b % len(homes)] if homes is not None else h
+            if (home is not h and b not in home.outstanding and home.room(b, self.base)
+                    and home.delivery(default) <= h.delivery(default) + HOME_SLACK * h.build_time(default)):
+                h = home
+            self._take_unassigned(b)
+            self._grant(h, b, now, grants)
+        self._probe(now, grants)
+        return grants
+
+    @staticmethod
+    def _lead(h: Holder, working: list[Holder], default: float) -> int:
+        """Batches the servers that deliver sooner than ``h`` would deliver before it does: ``h``
+        is granted the batch after them (module docstring, *Need*)."""
+        mine = h.delivery(default)
+        lead = 0.0
+        for other in working:
+            theirs = other.delivery(default)
+            if other is not h and theirs < mine:
+                lead += (mine - theirs) * other.capacity.workers / other.build_time(default)
+        return int(lead)
+
+    def _unassigned(self, skip: int, limit: int, h: Holder) -> int | None:
+        """The batch not granted to anyone after the first ``skip`` such batches (below ``limit``),
+        not held by ``h``; None if there is none."""
+        for b in sorted(self._lost):
+            if b in h.outstanding:
+                continue
+            if skip == 0:
+                return b
+            skip -= 1
+        b = self.next_new + skip
+        return b if b < limit else None
+
+    def _take_unassigned(self, b: int) -> None:
+        """Batch b (not granted to anyone) is being granted: the batches below it stay to grant."""
+        if b in self._lost_set:
+            self._lost_set.discard(b)
+            self._lost.remove(b)
+            heapq.heapify(self._lost)
+            return
+        for x in range(self.next_new, b):
+            heapq.heappush(self._lost, x)
+            self._lost_set.add(x)
+        self.next_new = b + 1
+
+    def _grant(self, h: Holder, b: int, now: float, grants: dict) -> None:
+        h.outstanding[b] = now
+        self._holders.setdefault(b, set()).add(h.key)
+        self.granted_at[b] = now
+        grants.setdefault(h.key, []).append(b)
+
+    def _probe(self, now: float, grants: dict) -> None:
+        """A stalled server without a grant (a new pass) gets one: its probe, the lowest batch
+        granted to a healthy server and not arrived (so the loop never waits on it)."""
+        for h in self.holders.values():
+            if not (h.stalled and h.open and not h.outstanding):
+                continue
+            for b in sorted(self._holders):
+                if b >= self.base and b not in self._arrived and b not in h.outstanding:
+                    h.probe = b
+                    self._grant(h, b, now, grants)
+                    break
+
+    # --- stalls ----------------------------------------------------------------------------------
+
+    def check(self, now: float) -> tuple[dict[Hashable, list[int]], float | None]:
+        """Find stalled servers (module docstring, *Stalls*) and let go of their batches. Returns
+        (revokes: key -> batches, the next time a grant may turn late: monotonic s, or None)."""
+        revokes: dict[Hashable, list[int]] = {}
+        if not self.regrant:
+            return revokes, None
+        healthy = [h for h in self.holders.values() if h.open and not h.stalled]
+        if len(healthy) < 2:
+            return revokes, None  # nobody could take its batches
+        default = self._default_build()
+        deadline = None
+        for h in healthy:
+            if not h.outstanding:
+                continue
+            oldest_b = min(h.outstanding, key=h.outstanding.__getitem__)
+            due = h.outstanding[oldest_b] + h.deadline(default)
+            if now < due:
+                deadline = due if deadline is None else min(deadline, due)
+                continue
+            h.stalled, h.probe = True, oldest_b
+            h.stalls += 1
+            gone = self._let_go(h, keep=oldest_b, now=now)
+            if gone:
+                revokes[h.key] = gone
+        return revokes, deadline
+
+    def stalled_since(self, key: Hashable) -> float | None:
+        """When a stalled server's probe was granted (None unless stalled)."""
+        h = self.holders.get(key)
+        if h is None or not h.stalled or h.probe is None:
+            return None
+        return h.outstanding.get(h.probe)
+
+    # --- arrivals --------------------------------------------------------------------------------
+
+    def arrived(self, key: Hashable, b: int, now: float, nbytes: int = 0) -> Arrival:
+        """Batch b came from server ``key``: keep it if it is the first copy the pass needs, else
+        drop it; a stalled server that sends anything is healthy again."""
+        h = self.holders.get(key)
+        holders = self._holders.get(b)
+        if h is not None:
+            h.outstanding.pop(b, None)
+            if h.stalled:
+                h.stalled, h.probe = False, None
+        if holders is not None and key in holders:
+            holders.discard(key)
+        if h is None or not self.base <= b < self.next_new or b in self._arrived:  # (never granted: dropped too)
+            if h is not None:
+                h.duplicates += 1
+            if holders is not None and not holders:
+                del self._holders[b]
+            return Arrival(False, {})
+        self._arrived[b] = key
+        h.held += 1
+        h.delivered += 1
+        if b in self._lost_set:  # (granted again meanwhile, not yet to anyone)
+            self._lost_set.discard(b)
+            self._lost.remove(b)
+            heapq.heapify(self._lost)
+        if nbytes:
+            self.batch_bytes = nbytes if not self.batch_bytes else 0.8 * self.batch_bytes + 0.2 * nbytes
+        revoke: dict[Hashable, list[int]] = {}
+        for other in holders or ():
+            o = self.holders.get(other)
+            if o is None:
+                continue
+            if o.stalled and o.probe == b:
+                continue  # its probe stays granted: its copy arriving (dropped) shows it is back
+            o.outstanding.pop(b, None)
+            revoke.setdefault(other, []).append(b)
+        self._holders.pop(b, None)
+        self.granted_at.pop(b, None)
+        return Arrival(True, revoke)
+
+    def take(self, b: int) -> Hashable:
+        """The loop takes batch b (it must be ``base`` and have arrived): the server it came from."""
+        if b != self.base or b not in self._arrived:
+            raise RuntimeError(f"batch {b} taken out of order (next is {self.base}, arrived: {b in self._arrived})")
+        key = self._arrived.pop(b)
+        h = self.holders.get(key)
+        if h is not None:
+            h.held -= 1
+        self.base += 1
+        return key
+
+    def requeue(self, b: int) -> None:
+        """Batch b arrived but cannot be used (its shared-memory slot went with a restarted
+        server): it is granted again, first."""
+        key = self._arrived.pop(b, None)
+        if key is None:
+            return
+        h = self.holders.get(key)
+        if h is not None:
+            h.held -= 1
+            h.delivered -= 1
+        self._lose(b)
+
+    def has(self, b: int) -> bool:
+        """Whether batch b arrived (the copy kept) and waits to be taken."""
+        return b in self._arrived
+
+    def arrived_from(self, key: Hashable) -> list[int]:
+        return sorted(b for b, k in self._arrived.items() if k == key)
+
+    def holding(self, b: int) -> list[Hashable]:
+        """The servers holding a grant of batch b."""
+        return list(self._holders.get(b, ()))
+
+    @property
+    def done(self) -> bool:
+        return self.base >= self.total
+
+    def outstanding(self) -> dict[Hashable, list[int]]:
+        return {k: sorted(h.outstanding) for k, h in self.holders.items() if h.outstanding}
+
+    def figures(self) -> dict[Hashable, dict]:
+        """Per server: batches it sent first this pass, its credit, grants outstanding, whether it
+        is stalled, its stalls, batches re-granted from it, duplicates, and its capacity."""
+        return {k: {"batches": h.delivered, "credit": h.credit, "outstanding": len(h.outstanding),
+                    "stalled": h.stalled, "stalls": h.stalls, "regranted": h.regranted, "duplicates": h.duplicates,
+                    "workers": h.capacity.workers, "build_seconds": h.capacity.build_time or 0.0}
+                for k, h in self.holders.items()}

@@ -1,0 +1,458 @@
+"""One server of a loader, for the loader's life: ``ServerLink``, its connection, its one call, its thread.
+
+A link holds a ``ServerConnection`` (channel, dataset description, shared-memory session, data
+plane) and one ``Batches`` call that serves every pass of the loader: the first pass opens it,
+each later one switches it (``serve``: a later ``open``, ``Outbox.reopen``). Its thread
+(``batchd-server``) does everything that blocks for this server, so nothing else waits on it:
+
+* it connects (at construction the loader connects every server at once; a server that did not
+  answer, or went down, is tried again every ``probe_interval`` seconds with a fresh connection:
+  a new channel, the dataset described, health SERVING, the same dataset as the loader's),
+* opens the call for the pass it serves, waits for the server's metadata (its id: a restarted
+  server's dataset is described again and compared, ``check_server``; its capacity:
+  ``batchd-workers``, ``batchd-max-leases``), then tells the pass it is up (``link_up``),
+* reads the call: each batch goes to the pass whose ``open`` it belongs to (``Batch.open_seq``);
+  a batch of an earlier pass is dropped (its lease released),
+* when the call breaks (a restart, a lost connection, or ``restart`` from the pass: a server
+  silent too long), tells the pass (``link_down``: its batches go to the others at once) and
+  reconnects: the same channel if it comes back within a second (reporting the broken call's
+  leases, ``ReleaseLeases.abandoned_stream``, so the server releases those it sent that never
+  came), else fresh connections as above,
+* a server that refuses the loader's dataset (it changed: ``DatasetChangedError``) is down for
+  good unless it serves the loader's dataset again; a server's error for a pass (a sample that
+  cannot be read, a worker that died) goes to that pass (``fail``), and the next pass opens a
+  new call,
+* after ``close``: the call ends (``done``, the pass's grants revoked first), then the thread
+  sends the releases of batches the caller still holds by ``ReleaseLeases`` as they are freed,
+  ends the shared-memory session once none is held, closes the channel, and ends.
+
+Freed leases (tensors' finalizers) are queued without a lock (``freed``) and ride on the call's
+next message (``Outbox``: ``take_releases``). The pass (``batchd.client.iteration.epoch.Epoch``)
+is a sink with ``link_up(link, seq)``, ``link_down(link, error)``, ``link_failed(link, error)``,
+``arrived(link, raw, received_seconds, nbytes, shm)``, ``fail(error)``, ``progress(link)`` and
+``epoch``, ``start_position``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from batchd.client import forks
+from batchd.client.transport.call import BatchesCall, ServerRefused, WeightsNotHeld
+from batchd.client.transport.connection import ServerConnection
+from batchd.client.transport.datasets import DatasetInfo, difference
+from batchd.errors import DatasetChangedError, DatasetNotFoundError
+
+log = logging.getLogger("batchd.client.loader")
+
+PROBE_CONNECT_S = 2.0  # connect timeout of a fresh connection to a server that was down (seconds)
+RECONNECT_S = 1.0  # how long a broken call's channel may take to be ready again before a fresh one
+_CLOSE_GRACE_S = 1.0  # a call told ``done`` that has not ended by then is cancelled (seconds)
+_DRAIN_POLL_S = 0.25  # after the call: how often the thread looks for freed leases and sweeps mappings
+
+
+class ServerLink:
+    """One server of a loader (module docstring).
+
+    address: ``HOST:PORT`` or ``unix:PATH``. options: the loader's ``LoaderOptions``; transfer:
+    its ``CudaTransfer`` (None for CPU batches); reference: the loader's ``DatasetInfo`` (what a
+    server that was down must serve to be used again; None: this link's first description is
+    the reference). conn: a connection made already (None: the thread connects). count(name):
+    the loader's counters (``reconnects``). warned: what the loader said once (shared by its links).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, address: str, options: Any, transfer: Any = None, *, reference: DatasetInfo | None = None,
+                 conn: ServerConnection | None = None, count: Any = None, warned: set | None = None):
+        self.address = address
+        self.options = options
+        self.transfer = transfer
+        self.reference = reference
+        self._count = count or (lambda name, n=1: None)
+        self._warned = warned if warned is not None else set()
+        self.conn = conn
+        if conn is not None:
+            conn.freed = self.freed  # (its shared-memory session opens on first use: after this)
+        self.error = "" if conn is not None else "not connected yet"
+        self.up = False  # a call is open and the server answered it
+        self.retired = False
+        self.workers = 0  # what the server says it can build at once (0: not said yet)
+        self.max_leases: int | None = None  # the leases its shared-memory session may hold (None: not shm)
+        self.batches = 0  # batches yielded that it sent first, all passes (the pass counts them)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pass: Any = None  # the pass it serves
+        self._seq: int | None = None  # that pass's open_seq on the call (None: a new call opens it)
+        self._call: BatchesCall | None = None
+        self._closing = False
+        self._broken: tuple[str, str] | None = None  # (session, tag) of a broken call, to report
+        self._backoff = 0.0  # seconds before the next fresh connection (doubles up to probe_interval)
+        self._described = 0  # DescribeDataset calls of its connections before the current one
+        self._tags = itertools.count()
+        self._freed: queue.SimpleQueue = queue.SimpleQueue()  # (session, lease): freed, not yet told
+        self._owner = forks.owner()
+        self._thread = threading.Thread(target=self._run, name="batchd-server", daemon=True)
+        self._thread.start()
+
+    # --- from the iteration (any thread) -----------------------------------------------------------
+
+    def serve(self, pass_: Any) -> int | None:
+        """Serve ``pass_`` from now on: on the open call, a later ``open``: returns its open_seq
+        (the caller tells the pass: ``link_up``); else None: the thread opens a call for it when
+        it can and tells the pass itself."""
+        up = None
+        with self._lock:
+            if self._closing:
+                return
+            self._pass = pass_
+            call = self._call
+            if call is not None:
+                try:
+                    request = self.conn.request(pass_.epoch, start_position=pass_.start_position,
+                                                transport=call.transport, tag=call.tag)
+                    self._seq = call.outbox.reopen(request, pass_.progress(self))
+                    up = self._seq if self.up else None
+                except RuntimeError:  # (the call is ending: a new one opens for this pass)
+                    self._seq = None
+            else:
+                self._seq = None
+            self._wake.notify_all()
+        return up
+
+    def grant(self, batches: list[int], seq: int) -> None:
+        call = self._call
+        if call is not None:
+            call.outbox.grant(batches, seq)
+
+    def revoke(self, batches: list[int], seq: int) -> None:
+        call = self._call
+        if call is not None:
+            call.outbox.revoke(batches, seq)
+
+    def restart(self, why: str) -> None:
+        """Cancel the call (the server is silent too long): the thread handles it as a broken call."""
+        call = self._call
+        if call is not None:
+            log.warning("batchd server %s: %s; its call is cancelled and it is tried again", self.address, why)
+            call.cancel()
+
+    def freed(self, session: str, lease: int) -> None:
+        """A lease's batch was freed or dropped (any thread; finalizers too: no lock)."""
+        if not forks.forked(self._owner):
+            self._freed.put((session, lease))
+
+    def close(self) -> None:
+        """End the call (``done``), then the thread releases what the caller still holds and ends
+        (module docstring). Idempotent; nothing in a forked child."""
+        if forks.forked(self._owner):
+            return
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            call = self._call
+            self._wake.notify_all()
+        if call is not None:
+            call.outbox.close()
+
+    def ending(self) -> BatchesCall | None:
+        """The call being ended by ``close`` (None once over): the loader cancels what is left of
+        it after a grace."""
+        return self._call
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def describes(self) -> int:
+        """DescribeDataset calls this link made (one per server process, unless its data changed)."""
+        conn = self.conn
+        return self._described + (conn.describes if conn is not None else 0)
+
+    def sweep(self) -> None:
+        """Unmap idle mappings of segments the server unlinked (``SharedMemorySession.sweep``)."""
+        conn = self.conn
+        shm = conn.shm if conn is not None else None
+        if shm is not None:
+            shm.sweep()
+
+    @property
+    def outstanding(self) -> int:
+        """Leases of its shared-memory session still held by tensors."""
+        conn = self.conn
+        shm = conn.shm if conn is not None else None
+        return shm.outstanding if shm is not None else 0
+
+    # --- the thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                if self.conn is None and not self._connect():
+                    self._backoff = min(self.options.probe_interval, max(0.25, 2 * self._backoff))
+                    self._sleep(self._backoff)
+                    continue
+                pass_ = self._wait_for_pass()
+                if pass_ is None:
+                    break
+                self._serve_call(pass_)
+        finally:
+            self._drain()
+
+    def _wait_for_pass(self) -> Any:
+        with self._lock:
+            while not self._closing and (self._pass is None or self._pass.closed):
+                self._wake.wait()
+            return None if self._closing else self._pass
+
+    def _sleep(self, seconds: float) -> None:
+        with self._lock:
+            if not self._closing:
+                self._wake.wait(seconds)
+
+    def _connect(self) -> bool:
+        """A fresh connection (a new channel, the dataset described and checked): True once up."""
+        o = self.options
+        timeout = min(o.connect_timeout, PROBE_CONNECT_S)
+        try:
+            fresh = ServerConnection(self.address, _with_connect_timeout(o, timeout), self.transfer, self.freed,
+                                     warned=self._warned)
+        except (ConnectionError, TimeoutError) as e:
+            self.error = str(e)
+            return False
+        except Exception as e:  # the server is up but cannot serve this dataset
+            if self.error != str(e):
+                log.warning("batchd server %s answers but cannot serve this loader: %s", self.address, e)
+            self.error = str(e)
+            return False
+        if not fresh.serving(timeout):
+            self.error = "its health service does not say SERVING"
+            fresh.close()
+            return False
+        if self.reference is not None:
+            changed = difference(self.reference, fresh.info)
+            if changed.refused(o.strict):
+                error = DatasetChangedError(o.dataset, self.address, changed.fingerprints, changed.num_samples)
+                if self.error != str(error):
+                    log.warning("batchd server %s is left out: %s", self.address, error)
+                    with self._lock:
+                        sink = self._pass
+                    if sink is not None:
+                        sink.link_failed(self, error)
+                self.error = str(error)
+                fresh.close()
+                return False
+            if changed:
+                log.warning("dataset %r at %s changed since the loader last read it: %s (before vs now); going on "
+                            "with the new data (strict=False)", o.dataset, self.address, changed)
+        with self._lock:
+            if self._closing:
+                fresh.close()
+                return False
+            old, self.conn, self.error = self.conn, fresh, ""
+            self._described += old.describes if old is not None else 0
+        if old is not None:
+            old.close()
+        log.info("batchd server %s is up; it gets batches as it has credit", self.address)
+        return True
+
+    def _serve_call(self, pass_: Any) -> None:
+        """Open a call for the pass it serves and read it until it ends or breaks; handle how it ended."""
+        conn = self.conn
+        try:
+            call = self._open(conn)
+            if call is None:
+                return
+            for raw, received, nbytes in call.messages():
+                if not self._closing:
+                    self.error = ""  # (it sends: whatever went wrong before is over)
+                with self._lock:
+                    sink = self._pass if raw.open_seq == self._seq else None
+                if sink is None:
+                    _drop(raw, conn)  # (an earlier pass's, sent before the switch)
+                else:
+                    sink.arrived(self, raw, received, nbytes, conn.shm if raw.segment else None)
+                raw = None
+            self._ended(None)
+        except ServerRefused as e:
+            self._ended(e)
+            self._left_out(_refused(conn, e, self.options.connect_timeout))
+        except ConnectionError as e:
+            self._ended(e)
+            if isinstance(e, WeightsNotHeld):  # (it dropped the sampler's weights: sent again before the next call)
+                conn.weights_sent = False
+            if not self._closing:
+                self._reconnect(e)
+        except (DatasetChangedError, DatasetNotFoundError) as e:
+            self._ended(e)
+            self._left_out(e)
+        except BaseException as e:  # the server's error for the pass (SampleError, WorkerError, ...)
+            self._ended(e, down=False)
+            with self._lock:
+                sink = self._pass
+            if sink is not None:
+                sink.fail(e)
+
+    def _open(self, conn: ServerConnection) -> BatchesCall | None:
+        """The call for the pass the link serves, up: its metadata read (capacity, server id
+        checked), the pass told (``link_up``). None once closing. Raises the call's errors;
+        ConnectionError if the server sends no metadata within ``connect_timeout`` (the call is
+        cancelled)."""
+        tag = f"{conn.tag}-{next(self._tags)}"
+        while True:
+            with self._lock:
+                pass_ = self._pass
+            if self._closing or pass_ is None:
+                return None
+            request = conn.request(pass_.epoch, start_position=pass_.start_position, tag=tag)
+            call = conn.open_call(request, pass_.progress(self), self._take_releases)
+            call.tag, call.transport = tag, request.transport
+            with self._lock:
+                if not self._closing and self._pass is pass_:  # (else serve() moved on meanwhile: again)
+                    self._call, self._seq = call, 0
+                    break
+            call.cancel()
+        watchdog = threading.Timer(self.options.connect_timeout, call.cancel)  # (only while opening)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            server_id = call.server_id()
+            self.workers, self.max_leases = call.capacity()
+        finally:
+            watchdog.cancel()
+        conn.check_server(server_id, self.options.connect_timeout)
+        broken, self._broken = self._broken, None
+        shm = conn.shm
+        if broken is not None and shm is not None and shm.session == broken[0] and not shm.gone:
+            # the server lives on (same session): it releases what it sent on the broken call and
+            # never delivered; a restarted one kept nothing
+            conn.release(broken[0], abandoned=broken[1], received=shm.held())
+        if broken is not None:
+            self._count("reconnects")
+            log.info("resumed the call to %s", self.address)
+        with self._lock:
+            self.up, self._backoff = True, 0.0
+            sink, seq = self._pass, self._seq
+        if sink is not None and seq is not None:
+            sink.link_up(self, seq)
+        return call
+
+    def _ended(self, error: BaseException | None, down: bool = True) -> None:
+        """The call is over (``error`` None: it ended OK, after ``close``) or broke; the pass
+        hears ``link_down`` unless the error was the pass's own (``down`` False)."""
+        with self._lock:
+            call, self._call = self._call, None
+            was_up, self.up = self.up, False
+            sink = self._pass
+        if call is None:
+            return
+        call.cancel()  # (its outbox stops; nothing if the call is over)
+        shm = self.conn.shm if self.conn is not None else None
+        if error is not None and was_up:
+            self._broken = (shm.session if shm is not None else "", call.tag)
+        if error is not None and down and sink is not None and not self._closing:
+            sink.link_down(self, error)
+
+    def _reconnect(self, error: BaseException) -> None:
+        """The call broke: the same channel if it is ready again within ``RECONNECT_S`` (a new
+        shared-memory session if the server restarted), else fresh connections, the first after
+        ``_backoff`` seconds, then at longer intervals up to ``probe_interval``."""
+        self.error = str(error)
+        log.warning("lost the call to %s (%s); reconnecting", self.address, error)
+        conn = self.conn
+        if conn is not None and conn.wait_ready(RECONNECT_S):
+            if self._restarted(conn):
+                conn.new_session()
+            return
+        with self._lock:
+            self.conn = None
+            self._described += conn.describes if conn is not None else 0
+        if conn is not None:
+            conn.close()
+
+    @staticmethod
+    def _restarted(conn: ServerConnection) -> bool:
+        """Whether the server's shared-memory session is gone (a restart ends it)."""
+        shm = conn.shm
+        return shm is not None and shm.gone
+
+    def _left_out(self, error: BaseException) -> None:
+        """The server serves another dataset now: down until a fresh connection finds the loader's."""
+        self.error = str(error)
+        with self._lock:
+            sink = self._pass
+            conn, self.conn = self.conn, None
+            self._described += conn.describes if conn is not None else 0
+        if sink is not None:
+            sink.link_failed(self, error)
+        if conn is not None:
+            conn.close()
+        self._sleep(self.options.probe_interval)
+
+    def _take_releases(self) -> list[int]:
+        """The call's share of the freed leases (gRPC's request thread): those of the current
+        session; those of a session that ended (a restart) are dropped."""
+        conn = self.conn
+        shm = conn.shm if conn is not None else None
+        out = []
+        while True:
+            try:
+                session, lease = self._freed.get_nowait()
+            except queue.Empty:
+                return out
+            if shm is not None and session == shm.session:
+                out.append(lease)
+
+    def _drain(self) -> None:
+        """After the last call: release what the caller frees, by ReleaseLeases, until nothing is
+        held; then end the session and close the channel."""
+        conn = self.conn
+        if conn is None or forks.forked(self._owner):
+            return
+        shm = conn.shm
+        while shm is not None and shm.outstanding and not shm.gone:
+            try:
+                first = self._freed.get(timeout=_DRAIN_POLL_S)
+            except queue.Empty:
+                shm.sweep()
+                continue
+            leases = [first]
+            while True:
+                try:
+                    leases.append(self._freed.get_nowait())
+                except queue.Empty:
+                    break
+            mine = [lease for session, lease in leases if session == shm.session]
+            if mine and not conn.release(shm.session, mine):
+                break
+            shm.forget(mine)
+        conn.close()
+
+
+def _drop(raw: Any, conn: ServerConnection) -> None:
+    """A batch nobody takes: its shared-memory lease goes back."""
+    if raw.segment and conn.shm is not None:
+        conn.shm.release_unused(raw.lease)
+
+
+def _refused(conn: ServerConnection, e: ServerRefused, timeout: float) -> BaseException:
+    """The DatasetChangedError behind a refused call: the dataset described again and compared
+    (``check_unchanged`` raises it, naming what changed); the server's words if that shows nothing."""
+    try:
+        conn.check_unchanged(timeout)
+    except (DatasetChangedError, DatasetNotFoundError, ConnectionError, TimeoutError) as changed:
+        return changed
+    return DatasetChangedError(conn.options.dataset, conn.address, [str(e)])
+
+
+def _with_connect_timeout(options: Any, seconds: float) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(options, connect_timeout=seconds)
