@@ -287,10 +287,9 @@ def test_two_servers_and_a_stalled_one_give_the_bytes_of_one(servers):
     try:
         with batchd.RemoteDataLoader(addresses, "fm", sampler=sampler, **kw) as ld:
             out: dict = {"index": [], "image": []}
-            for i, batch in enumerate(ld):
-                if i == 4:  # server 1 builds nothing for 3 s: it is stalled, the batches it holds go to server 0
-                    os.kill(worker, signal.SIGSTOP)
-                    resume.start()
+            os.kill(worker, signal.SIGSTOP)  # server 1 builds nothing for 3 s: stalled, its batches go to server 0
+            resume.start()
+            for batch in ld:
                 out["index"].append(batch["index"].numpy().copy())
                 out["image"] += [hashlib.sha256(img.numpy().tobytes()).hexdigest() for img in batch["image"]]
                 time.sleep(0.01)
