@@ -24,7 +24,7 @@ ratio of two medians). Targets (issue 39): weighted and mix >= 0.95x plain image
 
 Part 2, in this process: a server worker's own CPU per sample (``_Worker.run``, one OpenCV thread,
 ``time.process_time``) for the same 64 samples as a plain task, a weighted task and a task of a
-2-source mix, back to back in rotating order (30 passes; ``--quick``: 6): what a weighted or mixed
+2-source mix, back to back in rotating order (120 passes; ``--quick``: 10): what a weighted or mixed
 epoch could cost per sample beyond a plain one, measured where the shared machine's load
 disturbs it least. Targets: each <= 1.05x the plain task's.
 """
@@ -230,7 +230,7 @@ def run(s, log=print) -> dict:
     ratios = {f"{m}/{ref}": median(a / b for a, b in zip(rates[m], rates[ref]))
               for m in METHODS for ref in ("plain", "dataloader")}
     cpu_ratios = {m: median(a / b for a, b in zip(cpu[m], cpu["plain"])) for m in METHODS}
-    worker = _worker_part(s.pick(30, 6))
+    worker = _worker_part(s.pick(120, 10))
     log(f"  {NAME}: worker CPU ms/sample " + ", ".join(f"{k} {v:.3f}" for k, v in worker["cpu_ms"].items()))
     return {"repeats": rounds, "images": images, "timed_batches": timed, "rounds": rates, "rounds_cpu": cpu,
             "rates": {m: median(v) for m, v in rates.items()}, "spread": {m: spread(v) for m, v in rates.items()},
