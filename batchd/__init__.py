@@ -5,6 +5,8 @@ The names users type::
     import batchd
     loader = batchd.RemoteDataLoader("127.0.0.1:50051", "fmnist-train", batch_size=256, shuffle=True)
     batchd.list_datasets("127.0.0.1:50051")
+    batchd.RemoteDataLoader(..., sampler=batchd.WeightedRandomSampler(weights, num_samples=n))
+    batchd.RemoteDataLoader(..., batchd.Mix({"a": 0.7, "b": 0.3}, num_samples=n), ...)
 
 Client names are imported lazily so that server worker processes never import torch.
 """
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from batchd.client.transport.datasets import DatasetInfo, describe_dataset, list_datasets
     from batchd.client.device.finish import GpuTransform
     from batchd.client.loader.loader import RemoteDataLoader
+    from batchd.client.loader.sampling import Mix, WeightedRandomSampler
     from batchd.client.transport.server_stats import get_stats
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "DatasetInfo",
     "DatasetNotFoundError",
     "GpuTransform",
+    "Mix",
     "PermissionDeniedError",
     "PythonDataset",
     "RemoteDataLoader",
@@ -53,6 +57,7 @@ __all__ = [
     "ShapeMismatchError",
     "TLS",
     "TimeoutError",
+    "WeightedRandomSampler",
     "WorkerError",
     "describe_dataset",
     "detection_collate",
@@ -68,6 +73,8 @@ _LAZY = {
     "list_datasets": "batchd.client.transport.datasets",
     "GpuTransform": "batchd.client.device.finish",
     "RemoteDataLoader": "batchd.client.loader.loader",
+    "Mix": "batchd.client.loader.sampling",
+    "WeightedRandomSampler": "batchd.client.loader.sampling",
     "get_stats": "batchd.client.transport.server_stats",
 }
 

@@ -43,6 +43,13 @@ class PythonDataset(Protocol):
       shows the fields.
     * ``fingerprint() -> str``: the data's version, part of the dataset's fingerprint (change it
       when the data changes). Without it, the factory's source file stands in for it.
+    * ``weights``: an attribute, or a method taking no argument, of one finite non-negative
+      number per sample (not all zero): the dataset's own weights for weighted sampling
+      (``batchd.WeightedRandomSampler("dataset", num_samples)``). The server refuses bad ones at
+      start.
+    * ``labels``: an attribute, or a method taking no argument, of one non-negative integer per
+      sample: the class counts (``DatasetInfo.class_counts``) and labels without reading samples.
+      Ignored when it is not that.
     """
 
     def __len__(self) -> int: ...

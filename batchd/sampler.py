@@ -21,10 +21,34 @@ floor(m / world_size)`` with drop_last), and every sample keeps its position: ra
 position ``i`` is ``start_position + r + world_size * i``. Padding positions are ``>= n`` and hold
 the samples at the start of the order, as DistributedSampler pads.
 
+Weighted and mixed epochs (``batchd.WeightedRandomSampler``, ``batchd.Mix``; docs/sampling.md).
+Their epoch is a *draw* of ``num_samples`` entries instead of a permutation of the dataset, a pure
+function of (seed, epoch, the weights, num_samples, replacement); it is then one sequence of
+global positions, padded, cut and sharded exactly as an order above (``shard_of``), so ranks,
+elastic resume, several servers and hedging need nothing new. A sample drawn twice has two
+positions, hence two augmentation streams. The formulas, with
+``g(*spawn) = Generator(PCG64(SeedSequence([seed, epoch], spawn_key=spawn)))``::
+
+    weighted, replacement=True:   c = cumsum(w); c /= c[-1]
+                                  draw = searchsorted(c, g(2).random(num_samples), side="right")
+    weighted, replacement=False:  keys = -log1p(-g(2).random(n)) / w   (inf where w == 0)
+                                  draw = argsort(keys, kind="stable")[:num_samples]
+    mix of sources k = 0..K-1:    c = cumsum(m); c /= c[-1]            (m: the sources' weights)
+                                  source = searchsorted(c, g(3).random(num_samples), side="right")
+                                  index[source == k] = concatenate([h.permutation(n_k) for each pass])[:count_k]
+                                  with h = g(3, k), one permutation per pass over source k
+
+(``weighted_draw``, ``mix_draw``). Without replacement the exponential keys are Efraimidis and
+Spirakis' weighted sampling without replacement ("Weighted random sampling with a reservoir",
+2006): the ``num_samples`` smallest keys, in increasing order, are a weighted draw without
+replacement in draw order, as ``torch.multinomial(w, num_samples, replacement=False)`` samples.
+
 Only numpy is imported here; client and server share it so both agree on ``len(loader)``.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 
@@ -69,11 +93,123 @@ def shard_indices(
     if not 0 <= start_position < num_samples:
         raise ValueError(f"start_position {start_position} is not in [0, {num_samples}) (the epoch's samples)")
     order = epoch_order(num_samples, shuffle=shuffle, seed=seed, epoch=epoch)
+    return shard_of(order, rank=rank, world_size=world_size, drop_last=drop_last, start_position=start_position)
+
+
+def shard_of(order: np.ndarray, *, rank: int, world_size: int, drop_last: bool, start_position: int = 0) -> np.ndarray:
+    """Rank ``rank``'s part of an epoch's ``order`` (any array of N entries: a permutation, a
+    weighted draw, a mix's sources or indices), from ``start_position`` on, as the module
+    docstring shards an order: array [shard_size] of order's dtype.
+
+    Raises ValueError if rank is not in [0, world_size), the order is empty or start_position is
+    not in [0, N).
+    """
+    n = len(order)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if n < 1:
+        raise ValueError("the epoch has no samples")
+    if not 0 <= start_position < n:
+        raise ValueError(f"start_position {start_position} is not in [0, {n}) (the epoch's samples)")
     # positions rank, rank + world_size, ... of the order padded by wrapping (as DistributedSampler
-    # pads) or cut: computed directly, so memory is O(num_samples + shard), whatever world_size is
-    size = shard_size(num_samples, world_size, drop_last, start_position)
+    # pads) or cut: computed directly, so memory is O(N + shard), whatever world_size is
+    size = shard_size(n, world_size, drop_last, start_position)
     positions = global_positions(0, size, rank=rank, world_size=world_size, start_position=start_position)
-    return order[positions % num_samples]
+    return order[positions % n]
+
+
+def _generator(seed: int, epoch: int, *spawn: int) -> np.random.Generator:
+    """``Generator(PCG64(SeedSequence([seed, epoch], spawn_key=spawn)))``: spawn (2,) draws a weighted
+    epoch, (3,) a mix's sources, (3, k) the passes over its source k. ``epoch_order`` uses the root
+    (no spawn key) and ``sample_key`` (1,): no two share a stream."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch], spawn_key=spawn)))
+
+
+def weights_digest(weights: np.ndarray) -> str:
+    """What names a weight vector on the wire: ``sha256(np.asarray(weights, "<f8").tobytes()).hexdigest()``
+    (64 hex characters)."""
+    return hashlib.sha256(np.ascontiguousarray(weights, "<f8").tobytes()).hexdigest()
+
+
+def check_weights(weights, what: str = "weights") -> np.ndarray:
+    """``weights`` as float64 [n], checked: one dimension, at least one entry, every entry finite
+    and >= 0, not all zero. Raises ValueError naming ``what``, the first bad entry and its value
+    ("weights[3] is nan")."""
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} must be a sequence of non-negative numbers: {e}") from None
+    if w.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional (one weight per sample), got shape {list(w.shape)}")
+    if len(w) == 0:
+        raise ValueError(f"{what} is empty: give one weight per sample")
+    bad = ~np.isfinite(w) | (w < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{what}[{i}] is {float(w[i])!r}; every weight must be finite and non-negative")
+    if not (w > 0).any():
+        raise ValueError(f"{what} are all zero ({len(w)} weights); at least one must be positive")
+    return w
+
+
+def check_draw(num_samples: int, replacement: bool, nonzero: int, what: str = "num_samples") -> None:
+    """Raises ValueError unless ``num_samples`` >= 1 and, without replacement, at most ``nonzero``
+    (the samples of non-zero weight)."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+        raise ValueError(f"{what} must be a positive integer, got {num_samples!r}")
+    if not replacement and num_samples > nonzero:
+        raise ValueError(f"{what}={num_samples} without replacement, but only {nonzero} samples have a non-zero "
+                         "weight: draw at most that many, or replacement=True")
+
+
+def weighted_draw(weights: np.ndarray, num_samples: int, *, replacement: bool, seed: int, epoch: int) -> np.ndarray:
+    """The samples of one weighted epoch, in draw order: int64 [num_samples] (module docstring).
+
+    weights: float64 [n], checked by ``check_weights``; ``check_draw`` holds. Sample i is drawn
+    with probability weights[i] / sum(weights) at each draw (with replacement), or by successive
+    weighted draws among those not drawn yet (without).
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    rng = _generator(seed, epoch, 2)
+    if replacement:
+        c = np.cumsum(w)
+        c /= c[-1]
+        return np.searchsorted(c, rng.random(num_samples), side="right").astype(np.int64, copy=False)
+    keys = np.full(len(w), np.inf)
+    np.divide(-np.log1p(-rng.random(len(w))), w, out=keys, where=w > 0)
+    return np.argsort(keys, kind="stable")[:num_samples].astype(np.int64, copy=False)
+
+
+def mix_draw(sizes, weights, num_samples: int, *, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """One epoch of a mix: (source int64 [num_samples], index int64 [num_samples]) (module docstring).
+
+    sizes: each source's samples (>= 1); weights: the sources' weights (finite, >= 0, not all 0).
+    Position p takes source[p] with probability weights[k] / sum(weights), and the next sample
+    of that source's own shuffled order: each pass over source k is a permutation of its
+    samples drawn from ``g(3, k)``, so no sample of a source comes twice before all of it came.
+    """
+    m = np.asarray(weights, dtype=np.float64)
+    c = np.cumsum(m)
+    c /= c[-1]
+    source = np.searchsorted(c, _generator(seed, epoch, 3).random(num_samples), side="right").astype(np.int64)
+    index = np.empty(num_samples, np.int64)
+    for k, n_k in enumerate(sizes):
+        at = np.flatnonzero(source == k)
+        if not len(at):
+            continue
+        h = _generator(seed, epoch, 3, k)
+        passes = [h.permutation(n_k) for _ in range(-(-len(at) // n_k))]
+        index[at] = np.concatenate(passes)[: len(at)]
+    return source, index
+
+
+def draw_key(key: np.ndarray, position: int) -> np.ndarray:
+    """The key a ``kind: python`` dataset's own randomness uses for the sample at ``position`` of a
+    weighted or mixed epoch (uint64 [2]): BLAKE2b (16 bytes) of the epoch's key (``sample_key``),
+    the position and a tag. A plain epoch keys it to (epoch key, index); a drawn epoch may hold a
+    sample twice, so there it is keyed to the position, and the two copies differ."""
+    data = np.asarray(key, "<u8").tobytes() + int(position).to_bytes(8, "little") + b"batchd-draw"
+    return np.frombuffer(hashlib.blake2b(data, digest_size=16).digest(), "<u8").astype(np.uint64)
 
 
 def global_positions(start: int, stop: int, *, rank: int, world_size: int, start_position: int = 0) -> np.ndarray:

@@ -19,10 +19,10 @@ the server's main process and the trainer, against DataLoader's main process; al
 table18 (trainer and server CPU per GB and images/s over the socket data plane, inline TCP and shared
 memory; alias: network), table19 (a remote trainer's images/s while idle connections flood the data
 port; alias: dataplane), table20 (RandomResizedCrop(224) + flip on large photos: region decoding against a
-DataLoader and tf.data's decode_and_crop_jpeg, decoded pixels per image; alias: decode). Results:
-``results.json`` (raw numbers; a run replaces the tables
-it ran and keeps the others), ``results.md`` (tables and PASS/FAIL targets), ``throughput.png`` and
-``latency.png`` (Table 9), and ``fragments/`` (the tables the docs include, bench/fragments.py)
+DataLoader and tf.data's decode_and_crop_jpeg, decoded pixels per image; alias: decode), table21 (weighted
+and mixed epochs vs the plain epoch and vs DataLoader's WeightedRandomSampler; alias: sampling). Results:
+``results.json`` (raw numbers; a run replaces the tables it ran and keeps the others), ``results.md`` (tables
+and PASS/FAIL targets), ``throughput.png`` and ``latency.png`` (Table 9), and ``fragments/`` (the tables the docs include, bench/fragments.py)
 in ``--out`` (default bench/results; for --quick, /tmp/batchd-bench-quick, so that a smoke run never
 overwrites the real results).
 """
@@ -43,17 +43,18 @@ from bench.fixtures import data
 from bench.settings import Settings
 from bench.tables import (table_autoscale, table_batch, table_cache, table_collate, table_control, table_dataplane,
                           table_decode, table_detection, table_fullspeed, table_hedge, table_latency, table_network,
-                          table_overlap, table_profile, table_scale, table_scaleout, table_seeding, table_sharing,
-                          table_timings, table_workers)
+                          table_overlap, table_profile, table_sampling, table_scale, table_scaleout, table_seeding,
+                          table_sharing, table_timings, table_workers)
 
 MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile, table_scaleout, table_sharing,
            table_seeding, table_latency, table_cache, table_collate, table_hedge, table_detection, table_timings,
-           table_autoscale, table_control, table_fullspeed, table_network, table_dataplane, table_decode)
+           table_autoscale, table_control, table_fullspeed, table_network, table_dataplane, table_decode,
+           table_sampling)
 ALIASES = {"workers": "table1", "batch": "table2", "overlap": "table3", "scale": "table4", "profile": "table5",
            "scaleout": "table6", "sharing": "table7", "seeding": "table8", "latency": "table9", "cache": "table10",
            "collate": "table11", "hedge": "table12", "detection": "table13", "timings": "table14",
            "autoscale": "table15", "control": "table16", "fullspeed": "table17", "network": "table18",
-           "dataplane": "table19", "decode": "table20"}
+           "dataplane": "table19", "decode": "table20", "sampling": "table21"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -14,7 +14,7 @@ import dataclasses
 import uuid
 
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
-from batchd.sampler import num_batches, shard_indices
+from batchd.sampler import num_batches
 from batchd.server.compute import allowlist
 from batchd.server.compute import encoded
 from batchd.server.compute import python_pipeline
@@ -25,7 +25,9 @@ from batchd.server.data.cache import SharedCache
 from batchd.server.config import ServerConfig
 from batchd.server.data.datasets import Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
+from batchd.server.serve import orders
 from batchd.server.serve.leases import LeaseTable
+from batchd.server.serve.weights import Weights, WeightsStore, make_weights
 from batchd.server.compute.autoscale import RPC_WAIT_UP_S, WAIT_UP, Autoscaler, Demand
 from batchd.server.compute.pool import WAKE_SLOT, WAKE_STREAM, WorkerPool
 from batchd.server.serve.stats import SENT, stream_outcome
@@ -53,10 +55,15 @@ class Loader:
         shm.remove_stale()
         add_python_path(config.python_path)  # kind python factories and python pipelines import from here
         self.datasets: dict[str, Dataset] = {}
+        self.weights = WeightsStore(config.max_weights_bytes)  # weighted sampling's weights, by digest (PutWeights)
+        self.dataset_weights: dict[str, Weights] = {}  # datasets' own (weight_column, a python dataset's weights)
         for name, dcfg in config.datasets.items():
-            self.datasets[name] = open_dataset(name, dcfg, config.cache_dir, build=True)
-            log.info("dataset %r: %s, %d samples, %d classes", name, dcfg.kind, len(self.datasets[name]),
-                     len(self.datasets[name].classes))
+            ds = self.datasets[name] = open_dataset(name, dcfg, config.cache_dir, build=True)
+            log.info("dataset %r: %s, %d samples, %d classes", name, dcfg.kind, len(ds), len(ds.classes))
+            own = ds.weights()
+            if own is not None:
+                self.dataset_weights[name] = make_weights(own, f"dataset {name!r}: weights")
+                self.weights.pin(self.dataset_weights[name])
         python_presets = config.python_pipelines()
         self._presets = {name: python_pipeline.preset_json(name, spec) if name in python_presets
                          else pipelines.canonical_json(spec) for name, spec in config.pipelines.items()}
@@ -117,18 +124,18 @@ class Loader:
         except KeyError:
             raise DatasetNotFoundError(f"no dataset {name!r} on this server; it has {sorted(self.datasets)}") from None
 
-    def _pipeline(self, args: StreamRequest) -> tuple[str, str]:
-        """(name for logs, canonical JSON) of the request's pipeline. Raises ValueError."""
-        if args.preset and args.albumentations_json:
+    def _pipeline(self, preset: str, albumentations_json: str) -> tuple[str, str]:
+        """(name for logs, canonical JSON) of a request's pipeline. Raises ValueError."""
+        if preset and albumentations_json:
             raise ValueError("give either a preset name or an albumentations pipeline, not both")
-        if args.preset:
-            if args.preset not in self._presets:
-                raise ValueError(f"unknown pipeline preset {args.preset!r}; this server has {sorted(self._presets)}")
-            return args.preset, self._presets[args.preset]
-        if not args.albumentations_json:
+        if preset:
+            if preset not in self._presets:
+                raise ValueError(f"unknown pipeline preset {preset!r}; this server has {sorted(self._presets)}")
+            return preset, self._presets[preset]
+        if not albumentations_json:
             return "none", ""
         # a client's pipeline is checked against the allowlist before albumentations sees it
-        text = pipelines.canonical_json(allowlist.check_text(args.albumentations_json, self.config.pipeline_limits))
+        text = pipelines.canonical_json(allowlist.check_text(albumentations_json, self.config.pipeline_limits))
         key = pipelines.pipeline_key(text)
         if key not in self._checked:
             pipelines.build(text)
@@ -150,17 +157,19 @@ class Loader:
         (``Stream.grant``); its start_batch, batch_stride, batch_offset, end_batch and prefetch
         must be 0 (the servicer clears them).
 
-        Raises DatasetNotFoundError for an unknown dataset, ValueError naming any other bad field,
-        ResourceExhaustedError past ``max_streams``, RuntimeError while shutting down.
+        Raises DatasetNotFoundError for an unknown dataset, ValueError naming any other bad field
+        (a sampler's or mix's too: ``orders``), WeightsNotFoundError for a sampler's weights this
+        server does not hold, ResourceExhaustedError past ``max_streams``, RuntimeError while
+        shutting down.
         """
         cfg = self.config
-        request, n = self._validated(args)
-        ds, name = self.dataset(args.dataset), request.pipeline_name
+        request, n, weights = self._validated(args)
+        name = request.pipeline_name
         world_size, stride = request.world_size, request.batch_stride
         stream = Stream(request, n, open_seq)
         if request.granted:
             stream.prefetch = cfg.max_grants  # what it may have ahead (stats)
-        indices = None  # this shard's order, computed outside the lock when no computation can be joined
+        indices = sources = None  # this shard's order, computed outside the lock when no computation can be joined
         while True:
             with self._lock:  # join a running computation or register a new one: one decision, one lock
                 if self._closed or self.draining:
@@ -171,7 +180,8 @@ class Loader:
                         "try again when one ends")
                 joined = self._join(stream)
                 if joined is not None or indices is not None:
-                    started = None if joined is not None else self._new_computation(stream, request, indices, n)
+                    started = None if joined is not None else self._new_computation(stream, request, indices, n,
+                                                                                    sources)
                     self.streams[stream.id] = stream
                     self.transport.open(stream)
                     self.counters["streams_started"] += 1
@@ -180,16 +190,15 @@ class Loader:
                     if request.hedge:
                         self.counters["hedge_streams_started"] += 1
                     break
-            indices = shard_indices(
-                len(ds), shuffle=args.shuffle, seed=args.seed, epoch=args.epoch,
-                rank=args.rank, world_size=world_size, drop_last=args.drop_last, start_position=args.start_position,
-            )
+            indices, sources = orders.shard(request, len(self.dataset(request.datasets[0])), weights,
+                                            tuple(len(self.dataset(d)) for d in request.datasets))
         if started is not None:
             self.pool.add_computation(started)
         log.info(
-            "stream %d started: dataset=%s pipeline=%s batch_size=%d shuffle=%s seed=%d epoch=%d rank=%d/%d "
+            "stream %d started: dataset=%s pipeline=%s batch_size=%d order=%s seed=%d epoch=%d rank=%d/%d "
             "%s%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
-            args.shuffle, args.seed, args.epoch, args.rank, world_size,
+            request.order_key[:16] or ("shuffled" if args.shuffle else "sequential"), args.seed, args.epoch, args.rank,
+            world_size,
             f"batches {stream.position}..{stream.end}" if stream.ordered else f"granted batches of {n} (Batches call)",
             (f" (stride {stride})" if stride > 1 else "")
             + (f" of the epoch from position {args.start_position}" if args.start_position else "")
@@ -200,11 +209,19 @@ class Loader:
         )
         return stream
 
-    def _validated(self, args: StreamRequest) -> tuple[StreamRequest, int]:
-        """``args`` checked against the dataset and the config, with its defaults filled in, and the
-        epoch's batch count for its shard; raises as ``open_stream`` says."""
+    def _validated(self, args: StreamRequest) -> tuple[StreamRequest, int, Weights | None]:
+        """``args`` checked against the dataset(s) and the config, with its defaults filled in, the
+        epoch's batch count for its shard, and a weighted request's weights; raises as
+        ``open_stream`` says (and WeightsNotFoundError: weights named by a digest not held here)."""
         cfg = self.config
-        ds = self.dataset(args.dataset)
+        if args.sampler is not None and args.mix is not None:
+            raise ValueError("give either a sampler or a mix, not both")
+        weights, order_key, mix = None, "", args.mix
+        if mix is not None:
+            mix, order_key = orders.check_mix(args, self.dataset, self._resolved_pipeline)
+            ds = self.dataset(mix.sources[0].dataset)
+        else:
+            ds = self.dataset(args.dataset)
         if not 1 <= args.batch_size <= cfg.max_batch_size:
             raise ValueError(f"batch_size must be in [1, {cfg.max_batch_size}], got {args.batch_size}")
         world_size = args.world_size or 1
@@ -218,12 +235,15 @@ class Loader:
         if args.transport not in ("shm", "inline", "socket") or args.compression not in ("none", "lz4"):
             raise ValueError(f"transport must be 'shm', 'inline' or 'socket' and compression 'none' or 'lz4', "
                              f"got {args.transport!r}, {args.compression!r}")
-        name, text = self._pipeline(args)
+        name, text = self._pipeline(args.preset, args.albumentations_json) if mix is None else ("mix", "")
         encoded.check_request(ds, args.image_encoding, text)  # JPEG: files the client can decode, its resize
-        if args.start_position >= len(ds):
+        if args.sampler is not None:
+            weights, order_key = orders.check_sampler(args, ds, self.weights, self.dataset_weights)
+        length = orders.epoch_length(args, len(ds))
+        if args.start_position >= length:
             raise ValueError(f"start_position {args.start_position} is past the epoch's samples (dataset "
-                             f"{args.dataset!r} has {len(ds)})")
-        n = num_batches(len(ds), args.batch_size, world_size=world_size, drop_last=args.drop_last,
+                             f"{args.dataset!r}: {length} per epoch)")
+        n = num_batches(length, args.batch_size, world_size=world_size, drop_last=args.drop_last,
                         start_position=args.start_position)
         if args.start_batch > n:
             raise ValueError(f"start_batch {args.start_batch} is past the end of the epoch ({n} batches)")
@@ -236,8 +256,14 @@ class Loader:
         request = dataclasses.replace(
             args, world_size=world_size, prefetch=prefetch, batch_stride=stride,
             pipeline_name=name, pipeline_key=pipelines.pipeline_key(text), pipeline_json=text,
+            mix=mix, order_key=order_key,
         )
-        return request, n
+        return request, n, weights
+
+    def _resolved_pipeline(self, preset: str, albumentations_json: str) -> tuple[str, str, str]:
+        """(name, canonical JSON, key) of a pipeline (a mix source's). Raises ValueError."""
+        name, text = self._pipeline(preset, albumentations_json)
+        return name, text, pipelines.pipeline_key(text)
 
     def _join(self, stream: Stream) -> Computation | None:
         """Attach ``stream`` to a running computation of its key that can serve it (under _lock)."""
@@ -248,11 +274,11 @@ class Loader:
                 return computation
         return None
 
-    def _new_computation(self, stream: Stream, request: StreamRequest, indices, n: int) -> Computation:
+    def _new_computation(self, stream: Stream, request: StreamRequest, indices, n: int, sources=None) -> Computation:
         """A computation for ``stream``, registered (under _lock, which the caller holds) so that
         identical streams join it; the caller hands it to the pool."""
         computation = Computation(request, indices, min(n, request.end_batch or n), release_slot=self._release_slot,
-                                  window=self.config.share_window)
+                                  window=self.config.share_window, sources=sources)
         computation.on_fall_behind = self._fell_behind
         computation.on_grant = lambda: self.pool.wake(WAKE_STREAM)  # new work for a computation
         computation.attach(stream, first=True)
@@ -270,7 +296,7 @@ class Loader:
             if stream.closed or self._closed or self.draining:
                 return
             old = stream.computation
-            new = self._new_computation(stream, old.request, old.indices, old.num_batches)
+            new = self._new_computation(stream, old.request, old.indices, old.num_batches, old.sources)
             self.pool.add_computation(new)
             ended = old.detach(stream)
         log.info(

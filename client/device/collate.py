@@ -21,7 +21,7 @@ B - K samples that were read.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 BATCH_FIELDS = ("skipped",)  # fields of the batch, not of its samples
 BBOX_FORMATS = ("pascal_voc", "coco", "yolo", "albumentations")  # albumentations' BboxParams formats
@@ -116,7 +116,9 @@ def bind_bbox_format(collate_fn: Any, transform: Any) -> Any:
     to, so its boxes come out as xyxy pixels whatever the format. A ``functools.partial`` of
     ``detection_collate`` that names another format than the transform's raises ValueError;
     other functions, and presets (the client cannot see their format), are left as they are."""
-    fmt = _transform_bbox_format(transform)
+    ours = collate_fn is detection_collate or (isinstance(collate_fn, functools.partial)
+                                               and collate_fn.func is detection_collate)
+    fmt = _transform_bbox_format(transform) if ours else None
     if fmt is None:
         return collate_fn
     if collate_fn is detection_collate:
@@ -132,7 +134,15 @@ def bind_bbox_format(collate_fn: Any, transform: Any) -> Any:
 
 def _transform_bbox_format(transform: Any) -> str | None:
     """The ``bbox_params`` format of an albumentations transform (None: a preset name, no
-    transform, or no bbox_params: the server's default, pascal_voc, applies then)."""
+    transform, or no bbox_params: the server's default, pascal_voc, applies then). A mix's
+    mapping {source: transform}: the one format its transforms name; ValueError if they name
+    several (the batch's boxes would come in more than one)."""
+    if isinstance(transform, Mapping):
+        formats = {_transform_bbox_format(t) or "pascal_voc" for t in transform.values()}
+        if len(formats) > 1:
+            raise ValueError(f"the mix's transforms give boxes in several formats ({', '.join(sorted(formats))}): "
+                             "a batch holds samples of every source, so give them one bbox_params format")
+        return next(iter(formats), None)
     if transform is None or isinstance(transform, str):
         return None
     params = getattr(transform, "processors", {}).get("bboxes")

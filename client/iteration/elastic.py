@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from batchd.client.loader import sampling
 from batchd.client.transport.datasets import mismatches
 from batchd.sampler import num_batches
 
@@ -54,6 +55,7 @@ def settings_of(options: Any, num_samples: int) -> dict[str, Any]:
         "world_size": o.world_size,  # (batch_size, rank and world_size may differ on load: TOPOLOGY)
         "pipeline": "" if o.pipeline is None else o.pipeline.SerializeToString(deterministic=True).hex(),
         **({"decode_on_client": True} if o.decode_on_client else {}),  # other bytes (nvJPEG)
+        **sampling.settings(o),  # a weighted or mixed epoch: its weights (digest), num_samples, sources
     }
 
 
@@ -89,6 +91,7 @@ def position_reached(start_position: int, next_batch: int, batch_size: int, worl
 def resume_from(state: dict[str, Any], *, num_samples: int, batch_size: int, world_size: int,
                 drop_last: bool) -> Resume:
     """Where a loader with these settings continues ``state`` (a ``state_dict``, version 1 or 2).
+    num_samples: samples per epoch (the dataset's, or a sampler's or mix's ``num_samples``).
 
     The same batch_size and world_size: the saved batch of the saved reading. Others: batch 0 of
     the remainder from the position reached; the next epoch if no batch is left of it (with

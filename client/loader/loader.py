@@ -17,7 +17,9 @@ from batchd.client import forks
 from batchd.client.iteration import elastic
 from batchd.client.iteration.servers import Servers
 from batchd.client.loader.options import TRANSPORTS, LoaderOptions, LoaderSettings  # noqa: F401  (TRANSPORTS: public name)
+from batchd.client.loader import sampling
 from batchd.client.loader.profile import Profile, make_profile
+from batchd.client.loader.sampling import Mix, WeightedRandomSampler
 from batchd.client.loader.stats import LoaderStats
 from batchd.client.loader.timings import LoopTimings, timed
 from batchd.client.transport.datasets import DatasetInfo
@@ -63,13 +65,17 @@ class RemoteDataLoader(LoaderSettings):
             (``batchd.client.iteration.credit``; docs/several-servers.md). A ``file:`` list or a
             ``dns:///`` name is read again every ``probe_interval``, so that servers listed later
             join (``batchd.client.transport.addresses``).
-        dataset: a dataset name from the server's config.
+        dataset: a dataset name from the server's config, or a ``batchd.Mix`` of several (batches
+            then also carry ``source`` int64 [B]; docs/sampling.md).
         batch_size: samples per batch (>= 1).
         shuffle: permute the samples each epoch (a pure function of seed and epoch).
-        seed: the seed of the shuffle and of the pipeline's random augmentations.
+        sampler: None, or a ``batchd.WeightedRandomSampler`` (torch's arguments): each epoch is
+            a weighted draw instead (mutually exclusive with shuffle, as in DataLoader).
+        seed: the seed of the shuffle (or draw) and of the pipeline's random augmentations.
         drop_last: drop the final partial batch (and do not pad shards), as in DataLoader.
         transform: None (images as decoded), a preset name from the server config, or an
-            albumentations transform/Compose (sent in albumentations' serialized form).
+            albumentations transform/Compose (sent in albumentations' serialized form); for a
+            Mix, also ``{source name: transform}`` (a source left out gets none).
         rank, world_size: this process's shard, as in DistributedSampler. None (default): from
             torch.distributed (an initialised process group, else the RANK and WORLD_SIZE
             environment variables torchrun sets), else 0 and 1.
@@ -192,7 +198,8 @@ class RemoteDataLoader(LoaderSettings):
     process that uses it (``batchd.client.forks``).
     """
 
-    def __init__(self, address: Any, dataset: str, *, batch_size: int = 1, shuffle: bool = False, seed: int = 0,
+    def __init__(self, address: Any, dataset: str | Mix, *, batch_size: int = 1, shuffle: bool = False,
+                 sampler: WeightedRandomSampler | None = None, seed: int = 0,
                  drop_last: bool = False, transform: Any = None, rank: int | None = None,
                  world_size: int | None = None, device: str | torch.device | None = None, prefetch: int = 2,
                  timeout: float = 120.0, connect_timeout: float = 10.0, max_message_bytes: int | None = None,
@@ -211,7 +218,7 @@ class RemoteDataLoader(LoaderSettings):
             connect_timeout=connect_timeout, transport=transport, relay=relay, reconnect_timeout=reconnect_timeout,
             probe_interval=probe_interval, strict=strict,
             gpu_transform=gpu_transform, decode_on_client=decode_on_client, collate_fn=collate_fn, hedge=hedge,
-            **extra)
+            sampler=sampler, **extra)
         self._transfer = None
         if self.options.device.type == "cuda":  # here, in the caller's thread, on the resolved device
             from batchd.client.device.transfer import CudaTransfer
@@ -264,8 +271,8 @@ class RemoteDataLoader(LoaderSettings):
 
     def _batches_from(self, start_position: int) -> int:
         o = self.options
-        return num_batches(self.info.num_samples, o.batch_size, world_size=o.world_size, drop_last=o.drop_last,
-                           start_position=start_position)
+        return num_batches(sampling.epoch_length(o, self.info), o.batch_size, world_size=o.world_size,
+                           drop_last=o.drop_last, start_position=start_position)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (its shuffle order and augmentation seeds)."""
@@ -379,12 +386,12 @@ class RemoteDataLoader(LoaderSettings):
         is then its batches). States of version 1 (positions from 0) load too.
 
         Raises ValueError if the state was saved by a loader with other settings (dataset, shuffle,
-        seed, drop_last, transform), is malformed, or (strict) against other fingerprints, naming
+        seed, drop_last, transform, sampler or mix), is malformed, or (strict) against other fingerprints, naming
         what differs ("dataset fingerprint A vs B", "opencv 4.10.0 vs 5.0.0"; saved value first).
         """
         elastic.check_state(state, elastic.settings_of(self.options, self.info.num_samples), self.info.identity(),
                             strict=self.strict if strict is None else strict, address=self.address)
-        at = elastic.resume_from(state, num_samples=self.info.num_samples, batch_size=self.batch_size,
-                                 world_size=self.world_size, drop_last=self.drop_last)
+        at = elastic.resume_from(state, num_samples=sampling.epoch_length(self.options, self.info),
+                                 batch_size=self.batch_size, world_size=self.world_size, drop_last=self.drop_last)
         self.epoch, self._start_position, self._resume_batch, self._position = (at.epoch, at.start_position,
                                                                               at.next_batch, None)

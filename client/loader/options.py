@@ -16,6 +16,8 @@ import torch
 from batchd.client.transport.channel import DEFAULT_MAX_MESSAGE_BYTES, TLS, resolve_token, tls_settings
 from batchd.client.loader.distributed import rank_and_world_size
 from batchd.client.device.collate import bind_bbox_format
+from batchd.client.loader import sampling
+from batchd.client.loader.sampling import Mix, WeightedRandomSampler
 from batchd.v1 import loader_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "socket", "inline")
@@ -81,7 +83,9 @@ class LoaderOptions:
     seconds; ``prefetch`` in batches; ``max_message_bytes`` in bytes. ``pipeline`` is the wire
     form of ``transform``; ``compression`` a ``pb.Compression``; ``device`` has its CUDA index
     resolved; ``hedge``: a stalled server's batches go to the other servers (several servers).
-    Raises ValueError naming the bad field.
+    ``sampler`` (a ``WeightedRandomSampler``) or ``mix`` (a ``Mix``, whose ``name`` is then
+    ``dataset``, and ``source_pipelines`` its sources' pipelines in wire form):
+    ``batchd.client.loader.sampling``. Raises ValueError naming the bad field.
     """
 
     dataset: str
@@ -109,6 +113,9 @@ class LoaderOptions:
     decode_on_client: bool = False
     collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None
     hedge: bool = True
+    sampler: WeightedRandomSampler | None = None
+    mix: Mix | None = None
+    source_pipelines: dict[str, pb.Pipeline | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset:
@@ -140,22 +147,26 @@ class LoaderOptions:
             raise ValueError(f"hedge must be True or False, got {self.hedge!r}")
         if self.probe_interval <= 0:
             raise ValueError(f"probe_interval must be positive seconds, got {self.probe_interval!r}")
+        if self.mix is not None and self.decode_on_client:
+            raise ValueError("decode_on_client is not available for a Mix (its sources' pipelines run on the server)")
 
     @classmethod
     def from_arguments(cls, dataset: str, *, transform: Any = None, rank: int | None = None,
                        world_size: int | None = None, device: Any = None, compression: str | None = None,
                        tls: Any = None, tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None,
-                       token: str | None = None, **rest: Any) -> "LoaderOptions":
+                       token: str | None = None, sampler: Any = None, **rest: Any) -> "LoaderOptions":
         """From ``RemoteDataLoader``'s keyword arguments (``rest``: the fields of the same name).
 
         Resolves rank and world size (``batchd.client.loader.distributed``), the device's CUDA index,
-        TLS and the token; raises ValueError (RuntimeError: CUDA asked for but unavailable).
+        TLS, the token and a sampler or mix (``sampling.resolve``); raises ValueError (RuntimeError:
+        CUDA asked for but unavailable).
         """
         if compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
+        order = sampling.resolve(dataset, transform, sampler, rest.get("shuffle", False), pipeline_of)
         rank, world_size = rank_and_world_size(rank, world_size)
         rest["collate_fn"] = bind_bbox_format(rest.get("collate_fn"), transform)  # detection_collate: xyxy boxes
-        return cls(dataset, pipeline=pipeline_of(transform), rank=rank, world_size=world_size,
+        return cls(**order, rank=rank, world_size=world_size,
                    device=resolve_device(device),
                    compression=pb.COMPRESSION_LZ4 if compression == "lz4" else pb.COMPRESSION_NONE,
                    tls=tls_settings(tls, tls_ca, tls_cert, tls_key), token=resolve_token(token), **rest)
@@ -244,3 +255,9 @@ class LoaderSettings:
     """several servers: a stalled server's batches go to the others (the first copy wins)"""
     pipeline = Setting[pb.Pipeline | None]()
     """the wire form of ``transform`` (None: images as decoded)"""
+    sampler = Setting[WeightedRandomSampler | None]()
+    """the weighted sampler drawing each epoch (None: the dataset's order, shuffled or not)"""
+    mix = Setting[Mix | None]()
+    """the datasets mixed, when the dataset is a ``batchd.Mix`` (then ``dataset`` is its name)"""
+    source_pipelines = Setting[dict[str, pb.Pipeline | None]]()
+    """a mix's pipeline per source, wire form ({} for one dataset)"""

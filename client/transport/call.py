@@ -43,6 +43,12 @@ class ServerRefused(BatchdError):
     dataset is not the one the call expects. ``message`` is the server's explanation."""
 
 
+class WeightsNotHeld(errors.ConnectionError):
+    """The server does not hold the sampler's weights (FAILED_PRECONDITION, ``WeightsNotFound``: it
+    restarted, or dropped them to stay within its max_weights_bytes): a ConnectionError, so the
+    server's link opens the call again, the weights sent first (``ServerConnection.request``)."""
+
+
 class ServerTooOld(BatchdError, RuntimeError):
     """The server does not implement ``Batches`` (UNIMPLEMENTED): it is older than this client."""
 
@@ -224,6 +230,8 @@ def batches_error(e: grpc.RpcError, address: str) -> Exception:
                 detail.ParseFromString(value)
         if detail.type == "DatasetChangedError" or not detail.type:
             return ServerRefused(f"{address}: {e.details() or detail.message}")
+        if detail.type == "WeightsNotFound":
+            return WeightsNotHeld(f"{address}: {e.details() or detail.message}")
     return translate(e, address)
 
 

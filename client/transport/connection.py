@@ -27,11 +27,11 @@ import tenacity
 
 from batchd import errors
 from batchd.client import forks
-from batchd.client.transport import buffers, relay
+from batchd.client.transport import buffers, orders, relay
 from batchd.client.transport.call import BatchesCall
 from batchd.client.transport.channel import open_channel, wait_for_server
 from batchd.client.transport.dataplane import DataLink
-from batchd.client.transport.datasets import DatasetInfo, Difference, describe, difference
+from batchd.client.transport.datasets import DatasetInfo, Difference, difference
 from batchd.client.transport.outbox import Outbox
 from batchd.client.transport.shm import SharedMemorySession, SharedMemoryUnavailable
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
@@ -84,6 +84,9 @@ class ServerConnection:
                              max_message=options.max_message_bytes)
         self.tag = uuid.uuid4().hex[:12]  # its calls' stream_tags begin with it (unique across clients)
         self.describes = 0  # DescribeDataset calls made (one per server process, unless its data changed)
+        # the sampler's weights are held there: sent before the first call, again after the server
+        # restarted (another id), a restart of the session or a WeightsNotHeld (the link resets it)
+        self.weights_sent = False
         try:
             self.info: DatasetInfo = self._describe(options.connect_timeout)
         except BaseException:
@@ -92,7 +95,7 @@ class ServerConnection:
 
     def _describe(self, timeout: float) -> DatasetInfo:
         self.describes += 1
-        return describe(self._channel, self.address, self.options.dataset, timeout=timeout)
+        return orders.describe(self._channel, self.address, self.options, timeout)
 
     @property
     def closed(self) -> bool:
@@ -138,7 +141,10 @@ class ServerConnection:
 
     def new_session(self) -> None:
         """After a broken call (a restarted server has new shared memory): close the old session
-        (it ends once the batches still held on it are freed) and open a new one on next use."""
+        (it ends once the batches still held on it are freed) and open a new one on next use. The
+        sampler's weights are sent again before the next call (the server may have restarted, or
+        dropped them: ``WeightsNotHeld``)."""
+        self.weights_sent = False
         if self._shm is not None:
             self._shm.close()
         self._shm, self._shm_tried = None, False
@@ -150,14 +156,19 @@ class ServerConnection:
         under ``strict`` (the server refuses the call otherwise). ``transport``: the call's (a
         later ``open`` keeps its call's); None: chosen now, opening the shared-memory session on
         first use (see ``shared_memory``). ``tag``: the call's stream_tag (the server records the
-        leases it sends under it; a broken call is reported by it)."""
+        leases it sends under it; a broken call is reported by it). A weighted sampler's weights
+        go to the server first (PutWeights) before a call's first ``open`` (``transport`` None)
+        unless sent already: once per server process, not per pass (``weights_sent``)."""
         o, info = self.options, self.info
+        if transport is None and orders.needs_upload(o) and not self.weights_sent:
+            orders.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
+            self.weights_sent = True
         if transport is None:
             shm = self.shared_memory()
             transport = (pb.TRANSPORT_SHARED_MEMORY if shm is not None else
                          pb.TRANSPORT_SOCKET if self.wants_socket() else pb.TRANSPORT_INLINE)
         shm = self._shm if transport == pb.TRANSPORT_SHARED_MEMORY else None
-        return pb.StreamBatchesRequest(
+        return orders.apply(pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
             seed=o.seed, epoch=epoch, drop_last=o.drop_last, rank=o.rank, world_size=o.world_size,
             transport=transport, session=shm.session if shm is not None else "", compression=o.compression,
@@ -167,7 +178,7 @@ class ServerConnection:
             data_messages=transport == pb.TRANSPORT_SOCKET,
             expect_fingerprint=info.fingerprint if o.strict else "",
             expect_build_fingerprint=info.build_fingerprint if o.strict else "",
-        )
+        ), o, info)
 
     def open_call(self, request: pb.StreamBatchesRequest, progress: Any, take_releases: Callable[[], list[int]],
                   pending: Callable[[], bool]) -> BatchesCall:
@@ -231,6 +242,7 @@ class ServerConnection:
         DatasetNotFoundError if it no longer serves the dataset.
         """
         now = self._describe(timeout)
+        self.weights_sent = self.weights_sent and now.server_id == self.info.server_id
         changed = difference(self.info, now)
         if changed.refused(self.options.strict):
             raise DatasetChangedError(self.options.dataset, self.address, changed.fingerprints, changed.num_samples)

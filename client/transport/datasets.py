@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from batchd.client.transport.channel import open_channel, resolve_token, tls_settings, translate
 from batchd.v1 import loader_pb2 as pb
@@ -30,6 +31,13 @@ class DatasetInfo:
         batches itself (``decode_on_client``) does the same. "raise" from an older server.
     server_id: the server process that described it (random per process: a restart gets a new
         one); "" from an older server. Not part of ``identity``.
+    weights_digest: the weights the server's config gives the dataset (for
+        ``WeightedRandomSampler("dataset", ...)``), by digest; "" when it has none.
+    class_counts: samples per class (label l: ``class_counts[l]``) where the server holds every
+        label in an index (fashion-mnist, imagefolder, manifest, webdataset); () otherwise.
+    labels: every sample's label, int64 [num_samples], when described with ``labels=True`` (the
+        same kinds as class_counts), else None: for class balancing (docs/sampling.md).
+    sources: a mix's (``batchd.Mix``) description of each source, in order; () for one dataset.
     """
 
     name: str
@@ -43,12 +51,18 @@ class DatasetInfo:
     build: Mapping[str, str] = field(default_factory=dict, hash=False)
     on_error: str = "raise"
     server_id: str = ""
+    weights_digest: str = ""
+    class_counts: tuple[int, ...] = ()
+    labels: np.ndarray | None = field(default=None, compare=False, hash=False, repr=False)
+    sources: tuple["DatasetInfo", ...] = ()
 
     @classmethod
     def from_proto(cls, m: pb.DatasetInfo) -> "DatasetInfo":
         image = next((t for t in m.sample if t.name == "image"), pb.TensorSpec(dtype="uint8"))
+        labels = np.frombuffer(m.labels, "<i8").astype(np.int64) if m.labels else None
         return cls(m.name, m.kind, m.num_samples, tuple(m.class_names), tuple(image.shape), image.dtype,
-                   m.fingerprint, m.build_fingerprint, dict(m.build), m.on_error or "raise", m.server_id)
+                   m.fingerprint, m.build_fingerprint, dict(m.build), m.on_error or "raise", m.server_id,
+                   m.weights_digest, tuple(m.class_counts), labels)
 
     def identity(self) -> dict[str, Any]:
         """``{"fingerprint", "build_fingerprint", "build"}``: what ``mismatches`` compares (JSON-able)."""
@@ -112,11 +126,12 @@ def difference(before: DatasetInfo, now: DatasetInfo) -> Difference:
     return Difference(size, tuple(mismatches(before.identity(), now.identity())))
 
 
-def describe(channel: grpc.Channel, address: str, name: str, timeout: float) -> DatasetInfo:
+def describe(channel: grpc.Channel, address: str, name: str, timeout: float, labels: bool = False) -> DatasetInfo:
     """Raises DatasetNotFoundError, ConnectionError or TimeoutError."""
     stub = loader_pb2_grpc.BatchLoaderStub(channel)
     try:
-        return DatasetInfo.from_proto(stub.DescribeDataset(pb.DescribeDatasetRequest(name=name), timeout=timeout))
+        return DatasetInfo.from_proto(stub.DescribeDataset(pb.DescribeDatasetRequest(name=name, labels=labels),
+                                                           timeout=timeout))
     except grpc.RpcError as e:
         raise translate(e, address) from None
 
@@ -140,13 +155,15 @@ def list_datasets(address: str, *, timeout: float = 10.0, tls=None, tls_ca=None,
     return [DatasetInfo.from_proto(d) for d in reply.datasets]
 
 
-def describe_dataset(address: str, name: str, *, timeout: float = 10.0, tls=None, tls_ca=None, tls_cert=None,
-                     tls_key=None, token: str | None = None) -> DatasetInfo:
-    """One dataset at ``address``. Raises DatasetNotFoundError, ConnectionError, or (with auth)
-    AuthenticationError / PermissionDeniedError. TLS and token arguments as for RemoteDataLoader."""
+def describe_dataset(address: str, name: str, *, timeout: float = 10.0, labels: bool = False, tls=None, tls_ca=None,
+                     tls_cert=None, tls_key=None, token: str | None = None) -> DatasetInfo:
+    """One dataset at ``address``. labels: also every sample's label (``DatasetInfo.labels``, int64
+    [num_samples]; 8 bytes a sample, so for a class-balancing recipe rather than every call).
+    Raises DatasetNotFoundError, ConnectionError, or (with auth) AuthenticationError /
+    PermissionDeniedError. TLS and token arguments as for RemoteDataLoader."""
     channel = open_channel(address, connect_timeout=timeout, tls=tls_settings(tls, tls_ca, tls_cert, tls_key),
                            token=resolve_token(token))
     try:
-        return describe(channel, address, name, timeout)
+        return describe(channel, address, name, timeout, labels)
     finally:
         channel.close()

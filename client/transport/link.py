@@ -22,8 +22,8 @@ everything that blocks for this server:
 * after ``close``: ends the call (``done``, or cancelled mid-pass), then releases what the
   caller still holds (``Releases.drain``) and closes the connection.
 
-The pass (``batchd.client.iteration.epoch.Epoch``) is a sink with ``link_up``, ``link_down``,
-``link_failed``, ``arrived``, ``fail``, ``progress``, ``where``, ``epoch``, ``start_position``.
+The pass (``iteration.epoch.Epoch``) is a sink: ``link_up``, ``link_down``, ``link_failed``,
+``arrived``, ``fail``, ``progress``, ``where``, ``epoch``, ``start_position``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from batchd.client import forks
-from batchd.client.transport.call import BatchesCall, ServerRefused
+from batchd.client.transport.call import BatchesCall, ServerRefused, WeightsNotHeld
 from batchd.client.transport.connection import ServerConnection, probe
 from batchd.client.transport.datasets import DatasetInfo
 from batchd.client.transport.redial import FellBack
@@ -164,8 +164,7 @@ class ServerLink:
             call.outbox.close()
 
     def ending(self) -> BatchesCall | None:
-        """The call being ended by ``close`` (None once over): the loader cancels what is left of
-        it after a grace."""
+        """The call being ended by ``close`` (None once over): the loader cancels it after a grace."""
         return self._call
 
     @property
@@ -176,9 +175,7 @@ class ServerLink:
 
     def sweep(self) -> None:
         """Unmap idle mappings of segments the server unlinked (``SharedMemorySession.sweep``)."""
-        conn = self.conn
-        shm = conn.shm if conn is not None else None
-        if shm is not None:
+        if (conn := self.conn) is not None and (shm := conn.shm) is not None:
             shm.sweep()
 
     # --- the thread --------------------------------------------------------------------------------
@@ -199,8 +196,7 @@ class ServerLink:
 
     def _wait_for_pass(self) -> Any:
         with self._lock:
-            while not self._closing and (self._pass is None or self._pass.closed):
-                self._wake.wait()
+            self._wake.wait_for(lambda: self._closing or (self._pass is not None and not self._pass.closed))
             return None if self._closing else self._pass
 
     def _sleep(self, seconds: float) -> None:
@@ -261,8 +257,6 @@ class ServerLink:
             self._left_out(conn.refusal(e, self.options.connect_timeout))
         except ConnectionError as e:
             self._ended(e)
-            if isinstance(e, FellBack):  # (warned once by the DataLink: the next call goes inline)
-                self._count("data_plane_fallbacks")
             if not self._closing:
                 self._reconnect(e)
         except (DatasetChangedError, DatasetNotFoundError) as e:
@@ -342,9 +336,12 @@ class ServerLink:
         shared-memory session if the server restarted), else fresh connections, the first after
         ``_backoff`` seconds, then at longer intervals up to ``probe_interval``."""
         self.error = str(error)
-        (log.info if isinstance(error, FellBack) else log.warning)("lost the call to %s (%s); reconnecting",
-                                                                   self.address, error)
+        fell_back = isinstance(error, FellBack)  # (warned once by the DataLink: the next call goes inline)
+        self._count("data_plane_fallbacks", int(fell_back))
+        (log.info if fell_back else log.warning)("lost the call to %s (%s); reconnecting", self.address, error)
         conn = self.conn
+        if conn is not None and isinstance(error, WeightsNotHeld):  # (it dropped the sampler's weights)
+            conn.weights_sent = False  # (sent again before the next call)
         if conn is not None and conn.wait_ready(RECONNECT_S):
             if conn.shm is not None and conn.shm.gone:  # (a restart ends the session)
                 conn.new_session()

@@ -27,6 +27,57 @@ ENCODINGS = {pb.IMAGE_ENCODING_DECODED: "decoded", pb.IMAGE_ENCODING_JPEG: "jpeg
 
 
 @dataclass(frozen=True, slots=True)
+class WeightedSpec:
+    """A request's weighted sampler (``WeightedSampler`` in loader.proto): the weights by digest
+    (``weights_digest``, sent with PutWeights) or the dataset's own (``dataset_weights``),
+    ``num_samples`` draws per epoch, with or without ``replacement``."""
+
+    weights_digest: str = ""
+    dataset_weights: bool = False
+    num_samples: int = 0
+    replacement: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class MixSourceSpec:
+    """One source of a request's mix (``MixSource``): its dataset, weight, pipeline (preset name or
+    albumentations JSON, as the request's own) and expectations. ``pipeline_name``,
+    ``pipeline_key`` and ``pipeline_json`` are resolved by ``Loader.open_stream``."""
+
+    dataset: str
+    weight: float = 0.0
+    preset: str = ""
+    albumentations_json: str = ""
+    expect_num_samples: int = 0
+    expect_fingerprint: str = ""
+    expect_build_fingerprint: str = ""
+    pipeline_name: str = ""
+    pipeline_key: str = ""
+    pipeline_json: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class MixSpec:
+    """A request's mix (``Mix``): its sources, in order (a batch's ``source`` k is ``sources[k]``),
+    and ``num_samples`` positions per epoch."""
+
+    sources: tuple[MixSourceSpec, ...] = ()
+    num_samples: int = 0
+
+    @property
+    def name(self) -> str:
+        """How logs and stats name the mix: ``mix(a,b,c)``."""
+        return "mix(" + ",".join(s.dataset for s in self.sources) + ")"
+
+
+def _pipeline_fields(msg: pb.Pipeline | None) -> tuple[str, str]:
+    """(preset, albumentations_json) of a Pipeline message (unset: both empty)."""
+    which = msg.WhichOneof("source") if msg is not None else None
+    return (msg.preset if which == "preset" else "",
+            msg.albumentations_json if which == "albumentations_json" else "")
+
+
+@dataclass(frozen=True, slots=True)
 class StreamRequest:
     """One StreamBatches call's request (see ``loader.proto`` for every field).
 
@@ -44,6 +95,11 @@ class StreamRequest:
     peer: the client, as gRPC names it (logs and stats).
     granted: a Batches call (the client grants the batch indices; start_batch, batch_stride,
     batch_offset, end_batch and prefetch are 0 and unused), not a StreamBatches call.
+    sampler: a weighted epoch (``WeightedSpec``), or None. mix: a mixed epoch (``MixSpec``; then
+    ``dataset`` is the mix's name, ``MixSpec.name``, and the pipeline fields are unused), or None.
+    order_key: what the epoch's order depends on beyond (dataset, shuffle, seed, epoch): the
+    sampler's weights digest, num_samples and replacement, or the mix's sources, weights,
+    pipelines and num_samples, hashed ("" for a plain epoch); resolved by ``Loader.open_stream``.
     """
 
     dataset: str
@@ -70,10 +126,13 @@ class StreamRequest:
     hedge: bool = False
     peer: str = ""
     granted: bool = False  # a Batches call (not part of the key: it shares with StreamBatches)
+    sampler: WeightedSpec | None = None
+    mix: MixSpec | None = None
     # resolved by Loader.open_stream
     pipeline_name: str = ""  # preset name, "none", or "custom:<key prefix>"
     pipeline_key: str = ""
     pipeline_json: str = ""
+    order_key: str = ""
 
     @classmethod
     def from_proto(cls, msg: pb.StreamBatchesRequest, peer: str = "") -> "StreamRequest":
@@ -88,12 +147,20 @@ class StreamRequest:
         if msg.image_encoding not in ENCODINGS:
             raise ValueError(f"image_encoding: unknown value {msg.image_encoding} (known: "
                              + ", ".join(f"{pb.ImageEncoding.Name(v)}={v}" for v in ENCODINGS) + ")")
-        which = msg.pipeline.WhichOneof("source") if msg.HasField("pipeline") else None
+        preset, albumentations_json = _pipeline_fields(msg.pipeline if msg.HasField("pipeline") else None)
         shared = msg.transport == pb.TRANSPORT_SHARED_MEMORY and bool(msg.session)
+        sampler = mix = None
+        if msg.HasField("sampler"):
+            w = msg.sampler
+            sampler = WeightedSpec(w.weights_digest, w.dataset_weights, w.num_samples, w.replacement)
+        if msg.HasField("mix"):
+            mix = MixSpec(tuple(
+                MixSourceSpec(m.dataset, m.weight, *_pipeline_fields(m.pipeline if m.HasField("pipeline") else None),
+                              m.expect_num_samples, m.expect_fingerprint, m.expect_build_fingerprint)
+                for m in msg.mix.sources), msg.mix.num_samples)
         return cls(
-            dataset=msg.dataset,
-            preset=msg.pipeline.preset if which == "preset" else "",
-            albumentations_json=msg.pipeline.albumentations_json if which == "albumentations_json" else "",
+            dataset=mix.name if mix is not None and not msg.dataset else msg.dataset,
+            preset=preset, albumentations_json=albumentations_json,
             batch_size=msg.batch_size, shuffle=msg.shuffle, seed=msg.seed, epoch=msg.epoch, drop_last=msg.drop_last,
             rank=msg.rank, world_size=msg.world_size, start_batch=msg.start_batch, prefetch=msg.prefetch,
             batch_stride=msg.batch_stride, batch_offset=msg.batch_offset,
@@ -101,7 +168,7 @@ class StreamRequest:
             session=msg.session,
             compression=COMPRESSIONS[msg.compression], stream_tag=msg.stream_tag,
             image_encoding=ENCODINGS[msg.image_encoding], start_position=msg.start_position,
-            end_batch=msg.end_batch, hedge=msg.hedge, peer=peer,
+            end_batch=msg.end_batch, hedge=msg.hedge, peer=peer, sampler=sampler, mix=mix,
         )
 
     @property
@@ -119,7 +186,18 @@ class StreamRequest:
         equal keys can share a computation. Meaningful once validated (pipeline_key resolved)."""
         return (self.dataset, self.pipeline_key, self.batch_size, self.shuffle, self.seed, self.epoch,
                 self.drop_last, self.rank, self.world_size or 1, self.stride, self.first_batch % self.stride,
-                self.image_encoding, self.start_position, self.end_batch)
+                self.image_encoding, self.start_position, self.end_batch, self.order_key)
+
+    @property
+    def datasets(self) -> tuple[str, ...]:
+        """The datasets this request reads: its mix's sources, or its dataset."""
+        return tuple(s.dataset for s in self.mix.sources) if self.mix is not None else (self.dataset,)
+
+    @property
+    def drawn(self) -> bool:
+        """A weighted or mixed epoch: a sample may come twice, so its own randomness is keyed to its
+        position (``batchd.sampler.draw_key``)."""
+        return self.sampler is not None or self.mix is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +267,10 @@ class Task:
     skip_bad_samples: leave out samples that raise SampleError instead of failing.
     max_batch_bytes: fail with ResourceExhaustedError before writing a batch larger than this (0: no limit).
     encoding: "decoded" (pixels through the pipeline) or "jpeg" (the files' bytes, ``server/compute/encoded.py``).
+    sources: a mix's (dataset, pipeline_key, pipeline_json) per source (empty: every sample is of
+    ``dataset`` through the task's pipeline); source_ids: int64 [B], sample j's source (a mix only).
+    drawn: the epoch is weighted or mixed: a dataset's own randomness (kind python) is keyed to the
+    sample's position (``batchd.sampler.draw_key``), not its index.
     """
 
     task_id: int
@@ -203,22 +285,30 @@ class Task:
     skip_bad_samples: bool = False
     max_batch_bytes: int = 0
     encoding: str = "decoded"
+    sources: tuple[tuple[str, str, str], ...] = ()
+    source_ids: np.ndarray | None = None
+    drawn: bool = False
 
     def __reduce__(self):
         # pickled once per batch by the scheduler: the arrays go as their raw bytes (numpy's own
         # reduction costs a few microseconds per array, each way); the worker gets read-only views
+        ids = None if self.source_ids is None else np.ascontiguousarray(self.source_ids, np.int64).tobytes()
         return (_task, (self.task_id, self.dataset, self.pipeline_key, self.pipeline_json,
                         np.ascontiguousarray(self.indices, np.int64).tobytes(),
                         np.ascontiguousarray(self.random_key, np.uint64).tobytes(),
                         np.ascontiguousarray(self.positions, np.int64).tobytes(),
-                        self.slot_name, self.slot_capacity, self.skip_bad_samples, self.max_batch_bytes, self.encoding))
+                        self.slot_name, self.slot_capacity, self.skip_bad_samples, self.max_batch_bytes, self.encoding,
+                        self.sources, ids, self.drawn))
 
 
 def _task(task_id, dataset, pipeline_key, pipeline_json, indices: bytes, random_key: bytes, positions: bytes,
-          *rest) -> Task:
+          slot_name, slot_capacity, skip_bad_samples, max_batch_bytes, encoding, sources=(), source_ids=None,
+          drawn=False) -> Task:
     """A ``Task`` as ``Task.__reduce__`` pickled it."""
     return Task(task_id, dataset, pipeline_key, pipeline_json, np.frombuffer(indices, np.int64),
-                np.frombuffer(random_key, np.uint64), np.frombuffer(positions, np.int64), *rest)
+                np.frombuffer(random_key, np.uint64), np.frombuffer(positions, np.int64), slot_name, slot_capacity,
+                skip_bad_samples, max_batch_bytes, encoding, sources,
+                None if source_ids is None else np.frombuffer(source_ids, np.int64), drawn)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ batchd cannot key (``recheck``).
 
 from __future__ import annotations
 
+from batchd.sampler import draw_key
 from batchd.server.compute import prefix as prefixes
 from batchd.server.compute.build import build_fingerprint, build_parts
 from batchd.server.compute.plan import Plan
@@ -42,11 +43,15 @@ class WorkerSamples:
         read ahead. Raises SampleError for a sample that cannot be read or decoded, or whose
         targets are bad."""
         clock = self.clock  # (its enter calls only for timed samples: clock.on)
-        if data is None and task.task_id not in self.reader:  # in memory: nothing to read
+        if data is None and (task.task_id not in self.reader or not ds.concurrent_reads):  # in memory: nothing to read
+            if task.sources:  # (a mix's source in memory, beside sources read from storage)
+                self.reader.forget(task.task_id, k)
             if clock.on:
                 clock.enter(DECODE)
-            sample = ds.load_sample(index, min_size, key=task.random_key)
-            self.recheck(ds, index, task.random_key, sample)
+            # a weighted or mixed epoch may hold the sample twice: its own randomness keyed to its position
+            key = draw_key(task.random_key, int(task.positions[k])) if task.drawn else task.random_key
+            sample = ds.load_sample(index, min_size, key=key)
+            self.recheck(ds, index, key, sample)
             return self._checked(ds, index, plan, sample)
         if data is None:
             data = self._take(ds, task, k, index)
@@ -117,10 +122,11 @@ class WorkerSamples:
             e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
             raise
 
-    def _reads(self, task: Task, ds: Dataset):
+    def _reads(self, task: Task, ds: Dataset, plan: Plan | None = None):
         """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that
-        returns None for samples already cached (their bytes are not needed)."""
-        plan = self._plan(task.pipeline_key, task.pipeline_json)
+        returns None for samples already cached (their bytes are not needed). plan: the samples'
+        pipeline (default: the task's)."""
+        plan = plan if plan is not None else self._plan(task.pipeline_key, task.pipeline_json)
         if task.encoding == "jpeg" or self._cache_key(ds, plan, 0) is None:
             return ds.read_bytes
         cache = self.cache

@@ -220,7 +220,7 @@ class Scheduler:
         for index, path, reason in skipped:
             log.warning("computation %d: skipped dataset %r sample %d (%s): %s", stream.id, req.dataset, index, path, reason)
         stream.samples_skipped += len(skipped)
-        allowed = self._max_skipped_fraction.get(req.dataset, 0.0) * len(stream.indices)
+        allowed = min(self._max_skipped_fraction.get(d, 0.0) for d in req.datasets) * len(stream.indices)
         if stream.samples_skipped > allowed:
             index, path, reason = skipped[-1]
             stream.fail(SampleError(
@@ -286,9 +286,10 @@ class Scheduler:
                 self.slots.release(slot)
                 continue
             req = stream.request
+            mix = req.mix
             task = Task(
                 task_id=next(self._task_ids),
-                dataset=req.dataset,
+                dataset=req.dataset if mix is None else mix.sources[0].dataset,
                 pipeline_key=req.pipeline_key,
                 pipeline_json=req.pipeline_json,
                 indices=stream.batch_indices(b),
@@ -299,6 +300,9 @@ class Scheduler:
                 skip_bad_samples=self._skip.get(req.dataset, False),
                 max_batch_bytes=self.max_batch_bytes,
                 encoding=req.image_encoding,
+                sources=() if mix is None else tuple((m.dataset, m.pipeline_key, m.pipeline_json) for m in mix.sources),
+                source_ids=stream.batch_sources(b),
+                drawn=req.drawn,
             )
             self._in_flight[task.task_id] = InFlight(stream, b, slot, w.worker_id, time.monotonic(), len(task.indices))
             w.tasks.add(task.task_id)

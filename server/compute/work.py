@@ -69,6 +69,11 @@ class Work(Protocol):
         """The sample indices of batch b: int64 [B] (the last batch of an epoch may be shorter)."""
         ...
 
+    def batch_sources(self, b: int) -> np.ndarray | None:
+        """A mix's source of each of batch b's samples, int64 [B] (``request.mix.sources[k]``); None
+        when every sample is of ``request.dataset``."""
+        ...
+
     def batch_positions(self, b: int) -> np.ndarray:
         """The global positions of batch b's samples (``batchd.sampler.global_positions``): int64 [B]."""
         ...

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from batchd.errors import SampleError
+from batchd.errors import SampleError, ShapeMismatchError
 from batchd.server.compute import encoded, python_pipeline
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.compute.collate import BatchWriter
@@ -41,7 +41,7 @@ from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, Tas
 from batchd.server.compute.samples import DECODE_KINDS, WorkerSamples
 from batchd.server.compute.stages import IDLE, PIPELINE, WRITE, StageBoard, StageClock
 from batchd.server.data.cache import SharedCache
-from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, open_dataset
+from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, FieldSpec, open_dataset
 from batchd.server.data.datasets.python import add_python_path
 from batchd.server.data.datasets.values import as_value
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
@@ -95,11 +95,30 @@ class _Worker(WorkerSamples):
         """Start reading ``task``'s samples (after those of the tasks before it), if its dataset
         reads from storage. Never raises: a task whose dataset cannot be opened fails in ``run``."""
         try:
+            if task.sources:
+                self._prefetch_mix(task)
+                return
             ds = self.dataset(task.dataset)
             if ds.concurrent_reads:
                 self.reader.add(task.task_id, self._reads(task, ds), task.indices.tolist())
         except Exception:
             pass
+
+    def _prefetch_mix(self, task: Task) -> None:
+        """A mix's task: the reader's item k is sample k, read from its source's storage (nothing for
+        a source held in memory: ``_load`` forgets those)."""
+        reads = []
+        for name, key, text in task.sources:
+            ds = self.dataset(name)
+            reads.append(self._reads(task, ds, self._plan(key, text)) if ds.concurrent_reads else None)
+        if all(r is None for r in reads):
+            return
+        ids, indices = task.source_ids.tolist(), task.indices.tolist()
+
+        def read(k: int):
+            r = reads[ids[k]]
+            return None if r is None else r(indices[k])
+        self.reader.add(task.task_id, read, range(len(indices)))
 
     def dataset(self, name: str) -> Dataset:
         ds = self.datasets.get(name)
@@ -195,22 +214,33 @@ class _Worker(WorkerSamples):
         per_object = self.per_object[ds.name]
         skipped: list[tuple[int, str, str]] = []
         slot: list = [None, False]  # the segment written, and whether it is a new (grown) one
+        mix = _MixSources(self, task) if task.sources else None
+        skip = task.skip_bad_samples
 
         def alloc(nbytes: int, keep: int) -> memoryview:
             seg, grown = self._slot(task, nbytes, slot[0] if keep else None, keep)
             slot[0], slot[1] = seg, slot[1] or grown
             return seg.buf
-        writer = BatchWriter(len(task.indices), per_object=per_object, alloc=alloc, max_bytes=task.max_batch_bytes,
-                             describe=lambda i: f"sample {i} ({ds.source(i)})", specs=ds.fields, dataset=ds.name)
+        if mix is None:
+            writer = BatchWriter(len(task.indices), per_object=per_object, alloc=alloc, max_bytes=task.max_batch_bytes,
+                                 describe=lambda i: f"sample {i} ({ds.source(i)})", specs=ds.fields, dataset=ds.name)
+        else:
+            writer = mix.writer(len(task.indices), alloc, task.max_batch_bytes)
         self.prefetch(task)  # no-op if it came ahead of time
         clock, self.cache_lookups, self.cache_misses = self.clock, 0, 0
         self.decodes, self.decoded_pixels = dict.fromkeys(DECODE_KINDS, 0), 0
         # a first random crop drawn ahead of a decode at the scale it needs (region.py): reduced
         # decoding on, samples read from storage (such a pipeline is never cached: _cache_key)
-        region = plan.first is not None and task.task_id in self.reader and getattr(ds, "reduced_decode", False)
+        # (per source in a mix)
+        reads = task.task_id in self.reader
+        region = reads and plan.first is not None and getattr(ds, "reduced_decode", False) and ds.concurrent_reads
         indices, positions = task.indices.tolist(), task.positions.tolist()
         for k in clock.samples(len(indices), WRITE):  # timed one in clock.every (the rest: their share)
             index, position, on = indices[k], positions[k], clock.on
+            if mix is not None:
+                ds, plan, skip = mix.source(k, index)
+                region = (reads and plan.first is not None and getattr(ds, "reduced_decode", False)
+                          and ds.concurrent_reads)
             try:
                 sample, data = self._region(ds, task, k, index, position, plan) if region else (None, None)
                 if sample is None:
@@ -219,16 +249,21 @@ class _Worker(WorkerSamples):
                         clock.enter(PIPELINE)
                     sample = self._pipeline(plan, ds, task, sample, prefixed, index, position)
             except SampleError as e:
-                if not task.skip_bad_samples:
+                if not skip:
                     raise
                 skipped.append((index, e.path, e.reason))
                 continue
             image = sample.get("image")
             if image is not None and getattr(image, "ndim", 3) != 3:
                 sample = {**sample, "image": _as_hwc_array(image, ds.name, index)}
+            if mix is not None:
+                sample = mix.tagged(sample, k, ds, index)
             if on:
                 clock.enter(WRITE)
-            writer.add(sample, index, position)
+            if mix is None:
+                writer.add(sample, index, position)
+            else:
+                mix.add(writer, sample, index, position)
         layout = writer.finish()
         seg, grown = slot
         return BatchDone(task.task_id, self.worker_id, seg.name, seg.capacity, grown, layout, self.timings(task),
@@ -276,6 +311,60 @@ class _Worker(WorkerSamples):
             previous.unlink()
         self.segments[seg.name] = seg
         return seg, True
+
+
+class _MixSources:
+    """A mix's task in the worker: each sample's dataset, plan and on_error by its source
+    (``Task.source_ids``), the ``source`` field it gains (int64, the source's place in the mix),
+    and messages naming the source of a sample that does not collate with the others."""
+
+    def __init__(self, worker: _Worker, task: Task):
+        self.sources = [(worker.dataset(name), worker._plan(key, text),
+                         getattr(worker.dataset_configs[name], "on_error", "raise") == "skip")
+                        for name, key, text in task.sources]
+        self.ids = task.source_ids.tolist()
+        self.where: dict[int, Dataset] = {}  # sample index -> the dataset of its first sample in this batch (messages)
+        self.current: tuple[int, Dataset] | None = None  # the sample being added
+        self.names = [ds.name for ds, _, _ in self.sources]
+        self.per_object = [worker.per_object[name] for name in self.names]  # a field per-object in any source
+
+    def source(self, k: int, index: int) -> tuple[Dataset, Plan, bool]:
+        """(dataset, plan, skip bad samples) of sample k."""
+        found = self.sources[self.ids[k]]
+        self.where.setdefault(index, found[0])
+        self.current = (index, found[0])
+        return found
+
+    def tagged(self, sample: dict, k: int, ds: Dataset, index: int) -> dict:
+        """The sample with its ``source``. Raises ValueError if it has a field of that name."""
+        if "source" in sample:
+            raise ValueError(f"dataset {ds.name!r}, sample {index}: it has a field 'source', which a mix adds (the "
+                             "sample's source); rename the field to mix this dataset")
+        return {**sample, "source": self.ids[k]}
+
+    def writer(self, capacity: int, alloc, max_bytes: int) -> BatchWriter:
+        first = self.sources[0][0]
+        return BatchWriter(capacity, per_object=lambda field: any(po(field) for po in self.per_object),
+                           alloc=alloc, max_bytes=max_bytes, describe=self._describe,
+                           specs=(*first.fields, FieldSpec("source", "int64", ())), dataset=self.name)
+
+    @property
+    def name(self) -> str:
+        return "mix(" + ",".join(self.names) + ")"
+
+    def _describe(self, index: int) -> str:
+        """The sample being added if it has this index, else the batch's first sample of that index."""
+        ds = self.current[1] if self.current is not None and self.current[0] == index else self.where.get(index)
+        return f"sample {index}" if ds is None else f"sample {index} of {ds.name!r} ({ds.source(index)})"
+
+    def add(self, writer: BatchWriter, sample: dict, index: int, position: int) -> None:
+        try:
+            writer.add(sample, index, position)
+        except ShapeMismatchError as e:
+            e.add_note(f"the sources of a mix ({', '.join(self.names)}) must give samples that collate (the same "
+                       "fields, dtypes and, for stacked fields, shapes): give each source a pipeline that makes them "
+                       "alike (transform={name: pipeline})")
+            raise
 
 
 def _as_hwc_array(image: Any, dataset: str, index: int) -> np.ndarray:

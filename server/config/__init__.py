@@ -125,6 +125,9 @@ class ServerConfig(StrictModel):
         waiting to be sent hold shared-memory slots, so max_slots bounds them as well.
     max_batch_bytes: a batch larger than this (all its tensors) fails its stream (RESOURCE_EXHAUSTED).
     max_request_bytes: gRPC receive limit for requests (they are small; batches are only sent).
+    max_weights_bytes: weight vectors (weighted sampling) clients sent with PutWeights that the
+        server holds, bytes (8 per weight); beyond it those used least recently are dropped (a
+        client sends them again when it needs them). Datasets' own weights do not count.
     pipeline_limits: what a client-sent albumentations pipeline may contain (see allowlist.py).
     cache: the decoded-sample cache (``{memory_bytes, disk_dir, disk_bytes}``, see CacheConfig).
     data_plane: the TCP port that carries batch bytes to remote clients beside their calls
@@ -160,6 +163,7 @@ class ServerConfig(StrictModel):
     max_grants: int = Field(default=256, ge=1)
     max_batch_bytes: int = Field(default=1 << 30, ge=MiB)
     max_request_bytes: int = Field(default=MiB, ge=64 * 1024)
+    max_weights_bytes: int = Field(default=256 * MiB, ge=MiB)
     pipeline_limits: PipelineLimits = Field(default_factory=PipelineLimits)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)

@@ -110,11 +110,17 @@ class ImageFolderConfig(_ImageFilesBase):
 
 
 class ManifestConfig(_ImageFilesBase):
-    """A CSV or Parquet table with columns ``path`` and ``label``; paths relative to its folder."""
+    """A CSV or Parquet table with columns ``path`` and ``label``; paths relative to its folder.
+
+    weight_column: a numeric column of per-sample weights, the dataset's own weights for weighted
+        sampling (``batchd.WeightedRandomSampler("dataset", num_samples)``; docs/sampling.md):
+        finite, non-negative, not all zero (the server refuses the table otherwise, naming the row).
+    """
 
     kind: Literal["manifest"]
     path: Location
     root: Location | None = Field(default=None, description="where relative paths start; default: the table's folder")
+    weight_column: str | None = Field(default=None, min_length=1)
 
 
 class WebDatasetConfig(_ImageFilesBase):

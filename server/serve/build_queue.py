@@ -19,7 +19,7 @@ from batchd.server.compute.work import ReadyBatch
 class BuildQueue:
     """Mixed into ``Computation``: needs its ``_cond``, ``closed``, ``_readers``, ``_queue``,
     ``_queued``, ``_retry``, ``_in_flight``, ``_ready``, ``_failed``, ``error``, ``attempts``,
-    ``num_batches``, ``request``, ``indices``, ``_wanted``, ``_settle``, ``_back`` and
+    ``num_batches``, ``request``, ``indices``, ``sources``, ``_wanted``, ``_settle``, ``_back`` and
     ``_release_slot``; every method takes ``_cond``."""
 
     def _buildable(self, b: int, limit: int) -> bool:
@@ -63,6 +63,13 @@ class BuildQueue:
     def batch_indices(self, b: int) -> np.ndarray:
         bs = self.request.batch_size
         return self.indices[b * bs : (b + 1) * bs]
+
+    def batch_sources(self, b: int) -> np.ndarray | None:
+        """A mix's source of each of batch b's samples, int64 [B]; None for one dataset."""
+        if self.sources is None:
+            return None
+        bs = self.request.batch_size
+        return self.sources[b * bs : (b + 1) * bs]
 
     def batch_positions(self, b: int) -> np.ndarray:
         """Global positions (``batchd.sampler.global_positions``) of batch b's samples: int64 [B]."""

@@ -85,17 +85,18 @@ class Computation(BuildQueue):
     """The batches of one request key, built once for every stream reading it.
 
     indices: this shard's sample order, int64 [N] (of the epoch's remainder from
-    ``request.start_position``). num_batches: nothing at or past this batch index is built (the
+    ``request.start_position``); sources: a mix's source of each, int64 [N] (None otherwise). num_batches: nothing at or past this batch index is built (the
     epoch's end, or ``request.end_batch``). window: how far (batches) ordered readers may drift
     behind the front before they are moved to a computation of their own, and how many built
     batches no reader needs are kept as history.
     """
 
     def __init__(self, request: StreamRequest, indices: np.ndarray, num_batches: int, *,
-                 release_slot: Callable[[Segment], None], window: int):
+                 release_slot: Callable[[Segment], None], window: int, sources: np.ndarray | None = None):
         self.id = next(_computation_ids)
         self.request = request
         self.indices = indices
+        self.sources = sources
         self.num_batches = num_batches
         self.window = window
         self.stride = request.stride  # ordered positions step by this; window and prefetch count steps

@@ -126,9 +126,10 @@ _METHODS = {
     "OpenSession": (pb.OpenSessionRequest, pb.SessionEvent.SerializeToString, "stream"),
     "ReleaseLeases": (pb.ReleaseLeasesRequest, pb.ReleaseLeasesResponse.SerializeToString, "unary"),
     "Stats": (pb.StatsRequest, pb.StatsResponse.SerializeToString, "unary"),
+    "PutWeights": (pb.WeightsChunk, pb.PutWeightsResponse.SerializeToString, "upload"),
 }
 _HANDLERS = {"unary": grpc.unary_unary_rpc_method_handler, "stream": grpc.unary_stream_rpc_method_handler,
-             "bidi": grpc.stream_stream_rpc_method_handler}
+             "bidi": grpc.stream_stream_rpc_method_handler, "upload": grpc.stream_unary_rpc_method_handler}
 
 
 def add_to_server(service, server: grpc.Server) -> None:
@@ -142,6 +143,6 @@ def add_to_server(service, server: grpc.Server) -> None:
     for method, (request_type, serialize, kind) in _METHODS.items():
         if not hasattr(service, method):
             continue
-        handlers[method] = _HANDLERS[kind](_guarded(method, getattr(service, method), streaming=kind != "unary"),
+        handlers[method] = _HANDLERS[kind](_guarded(method, getattr(service, method), streaming=kind in ("stream", "bidi")),
                                            request_deserializer=_lenient(request_type), response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

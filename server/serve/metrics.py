@@ -124,9 +124,12 @@ def _server_families(s: "stats.ServerStats"):
     rpcs = CounterMetricFamily("batchd_control_rpcs", "Unary calls served, by method (the control path; "
                                "divide by batchd_batches_sent_total for a per-batch cost).", labels=["method"])
     for method, value in (("DescribeDataset", t.describe_dataset_calls), ("ListDatasets", t.list_datasets_calls),
-                          ("ReleaseLeases", t.release_leases_calls), ("Stats", t.stats_calls)):
+                          ("ReleaseLeases", t.release_leases_calls), ("Stats", t.stats_calls),
+                          ("PutWeights", t.put_weights_calls)):
         rpcs.add_metric([method], value)
     yield rpcs
+    yield _counter("batchd_weights_bytes_received", "Weight bytes received by PutWeights (weighted sampling: "
+                   "sent once per loader and server process).", t.weights_bytes_received)
     yield _counter("batchd_batches_calls_started", "Batches calls opened (also counted in batchd_streams_started).",
                    t.batches_calls_started)
     yield _counter("batchd_control_messages", "BatchesControl messages received on Batches calls (the open "

@@ -20,7 +20,10 @@ import logging
 import threading
 import time
 
+from typing import Callable
+
 import grpc
+import numpy as np
 
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
 from batchd.server.compute import build
@@ -34,6 +37,7 @@ from batchd.server.serve.handlers import ERROR_DETAIL_KEY
 from batchd.server.serve.security import OPEN, Authenticator, Redactor, Scope
 from batchd.server.serve.sending import _POLL_S, BatchSending
 from batchd.server.serve.stream import Stream
+from batchd.server.serve.weights import WeightsNotFoundError
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -46,9 +50,12 @@ OPEN_TIMEOUT_S = 30.0  # a Batches call whose first message (open) does not come
 
 def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
     """DescribeDataset's answer: size, classes, the sample's fields (``Dataset.fields``, then index
-    and position), the dataset and build fingerprints, on_error."""
+    and position), the dataset and build fingerprints, on_error, the dataset's own weights by
+    digest and its class counts (where the kind holds its labels; ``Dataset.labels``)."""
     ds = loader.dataset(name)
     parts = build.build_parts(ds.decode_settings, cache=loader.cache is not None)
+    labels = ds.labels()
+    own = loader.dataset_weights.get(name)
     return pb.DatasetInfo(
         name=name,
         kind=ds.kind,
@@ -63,12 +70,29 @@ def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
         build_fingerprint=build.served_fingerprint(parts),
         build=parts,
         on_error=loader.config.datasets[name].on_error,
+        weights_digest=own.digest if own is not None else "",
+        class_counts=(np.bincount(labels, minlength=len(ds.classes)).tolist()
+                      if labels is not None and len(labels) else []),
     )
 
 
-def expected_mismatch(request: pb.StreamBatchesRequest, info: pb.DatasetInfo) -> list[str]:
-    """What differs between the dataset a request expects (its ``expect_*`` fields, where set) and
-    ``info``: ``"num_samples A vs B"``, ``"dataset fingerprint A vs B"``, ``"build fingerprint A vs
+def expected_mismatches(request: pb.StreamBatchesRequest, info: Callable[[str], pb.DatasetInfo]) -> list[str]:
+    """``expected_mismatch`` of the request's dataset, or of each source of its mix (each named);
+    ``info(name)`` describes a dataset."""
+    if not request.HasField("mix"):
+        if not (request.expect_num_samples or request.expect_fingerprint or request.expect_build_fingerprint):
+            return []
+        return expected_mismatch(request, info(request.dataset))
+    found = []
+    for source in request.mix.sources:
+        if source.expect_num_samples or source.expect_fingerprint or source.expect_build_fingerprint:
+            found += [f"source {source.dataset!r}: {d}" for d in expected_mismatch(source, info(source.dataset))]
+    return found
+
+
+def expected_mismatch(request: pb.StreamBatchesRequest | pb.MixSource, info: pb.DatasetInfo) -> list[str]:
+    """What differs between the dataset a request (or a mix's source) expects (its ``expect_*``
+    fields, where set) and ``info``: ``"num_samples A vs B"``, ``"dataset fingerprint A vs B"``, ``"build fingerprint A vs
     B"`` (expected vs served), as the client names changes. Empty: it matches."""
     found = []
     if request.expect_num_samples and request.expect_num_samples != info.num_samples:
@@ -133,9 +157,41 @@ class BatchLoaderService(BatchSending):
         self.loader.count("describe_dataset_calls")
         self._check_dataset(context, request.name)
         try:
-            return self.info(request.name)
+            info = self.info(request.name)
         except DatasetNotFoundError as e:  # the name echoed as sent: a path or not, the same answer
             context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.name,)))
+        if not request.labels:
+            return info
+        labels = self.loader.dataset(request.name).labels()
+        with_labels = pb.DatasetInfo()
+        with_labels.CopyFrom(info)
+        if labels is not None:
+            with_labels.labels = np.ascontiguousarray(labels, "<i8").tobytes()
+        return with_labels
+
+    def PutWeights(self, chunks, context: grpc.ServicerContext) -> pb.PutWeightsResponse:
+        """Hold a weight vector (``WeightsStore.put``): INVALID_ARGUMENT for a malformed upload or bad
+        weights, RESOURCE_EXHAUSTED beyond max_weights_bytes."""
+        self.loader.count("put_weights_calls")
+        received = [0]
+
+        def checked():
+            for chunk in chunks:
+                if not isinstance(chunk, pb.WeightsChunk):
+                    raise ValueError("PutWeights: a WeightsChunk is not a valid protobuf message")
+                received[0] += len(chunk.weights)
+                yield chunk
+        try:
+            weights = self.loader.weights.put(checked())
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ResourceExhaustedError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        finally:
+            self.loader.count("weights_bytes_received", received[0])
+        log.info("holding weights %s... (%d weights, %d non-zero) from %s", weights.digest[:12], len(weights.values),
+                 weights.nonzero, context.peer())
+        return pb.PutWeightsResponse()
 
     def _admit(self, context: grpc.ServicerContext, method: str) -> None:
         """Count a long-lived call in, or refuse it (RESOURCE_EXHAUSTED) at ``max_long_calls``: the
@@ -174,8 +230,16 @@ class BatchLoaderService(BatchSending):
         for event in waiting:
             event.set()
 
+    def _check_datasets(self, context: grpc.ServicerContext, request: pb.StreamBatchesRequest) -> None:
+        """``_check_dataset`` for the request's dataset, or for every source of its mix."""
+        if request.HasField("mix"):
+            for source in request.mix.sources:
+                self._check_dataset(context, source.dataset)
+        else:
+            self._check_dataset(context, request.dataset)
+
     def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext):
-        self._check_dataset(context, request.dataset)
+        self._check_datasets(context, request)
         self._admit(context, "StreamBatches")
         try:
             try:
@@ -208,7 +272,7 @@ class BatchLoaderService(BatchSending):
                 return  # the client went away first
             open_seq = 0
             while request is not None:
-                self._check_dataset(context, request.dataset)
+                self._check_datasets(context, request)
                 try:
                     args = StreamRequest.from_proto(request, context.peer())
                 except ValueError as e:
@@ -284,6 +348,10 @@ class BatchLoaderService(BatchSending):
             return self.loader.open_stream(args, open_seq=open_seq)
         except DatasetNotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, self.redact(str(e), keep=(request.dataset,)))
+        except WeightsNotFoundError as e:  # the client sends them again (PutWeights) and opens again
+            detail = pb.ErrorDetail(type="WeightsNotFound", message=str(e), dataset=request.dataset)
+            context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.redact(str(e)))
         except ResourceExhaustedError as e:
@@ -295,12 +363,15 @@ class BatchLoaderService(BatchSending):
     def _check_expected(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext) -> None:
         """FAILED_PRECONDITION (ErrorDetail type DatasetChangedError) unless the dataset served is the
         one the request expects. Raises DatasetNotFoundError."""
-        if not (request.expect_num_samples or request.expect_fingerprint or request.expect_build_fingerprint):
-            return
-        differ = expected_mismatch(request, self.info(request.dataset))
+        try:
+            differ = expected_mismatches(request, self.info)
+        except DatasetNotFoundError:
+            if not request.HasField("mix"):
+                raise
+            differ = []  # (an unknown source: open_stream names it, INVALID_ARGUMENT)
         if not differ:
             return
-        message = (f"dataset {request.dataset!r} on this server is not the one the client expects: "
+        message = (f"dataset {request.dataset or 'mix'!r} on this server is not the one the client expects: "
                    f"{'; '.join(differ)} (expected vs served)")
         log.warning("refused a stream from %s: %s", context.peer(), message)
         detail = pb.ErrorDetail(type="DatasetChangedError", message=message, dataset=request.dataset)

@@ -154,6 +154,8 @@ class Totals:
     leases_released_by_rpc: int = 0  # ... by ReleaseLeases.leases
     control_frames: int = 0  # grants, revokes, progress read on data connections (control.py, apply_frame)
     data_messages: int = 0  # Batch messages sent in band on data connections (sending.py)
+    put_weights_calls: int = 0  # PutWeights calls served (weights.py): one per loader and server process
+    weights_bytes_received: int = 0  # ... and the weight bytes they carried
     # the data plane (server/serve/dataplane.py): payload bytes copied out of slots, bytes written on
     # data connections (headers and padding included), connections accepted and refused
     bytes_copied_socket: int = 0
@@ -208,7 +210,8 @@ SENT = ("batches_sent", "samples_sent", "bytes_sent", "samples_skipped")
 # Loader.counters keys of the control path (Loader.count), reported as they are
 CONTROL = ("describe_dataset_calls", "list_datasets_calls", "release_leases_calls", "stats_calls",
            "batches_calls_started", "control_messages", "batches_granted", "batches_revoked",
-           "leases_released_on_calls", "leases_released_by_rpc", "control_frames", "data_messages")
+           "leases_released_on_calls", "leases_released_by_rpc", "control_frames", "data_messages",
+           "put_weights_calls", "weights_bytes_received")
 
 
 def stream_outcome(stream: "Stream") -> str:

@@ -161,6 +161,15 @@ class Paced:
         return {"image": np.full((4, 4), i % 256, np.uint8), "label": i}
 
 
+class WeightedPaced(Paced):
+    """Paced with weights of its own, for weighted sampling (``weights``: sample i weighs i % 5, so
+    every fifth weighs 0); ``bad``: one weight too few (the server refuses it at start)."""
+
+    def __init__(self, n: int = 50, bad: bool = False):
+        super().__init__(n)
+        self.weights = (np.arange(n - 1 if bad else n) % 5).astype(np.float64)
+
+
 def _pattern(i: int, size: int) -> np.ndarray:
     """uint8 [size, size, 3]: every pixel different (so a flip or a transpose shows), shifted by i."""
     return ((np.arange(size * size * 3).reshape(size, size, 3) * 7 + i) % 251).astype(np.uint8)

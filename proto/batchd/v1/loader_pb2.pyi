@@ -87,10 +87,12 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class DescribeDatasetRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "labels")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    labels: bool
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -103,7 +105,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build", "on_error", "server_id")
+    __slots__ = ("name", "kind", "num_samples", "class_names", "sample", "fingerprint", "build_fingerprint", "build", "on_error", "server_id", "weights_digest", "class_counts", "labels")
     class BuildEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,9 @@ class DatasetInfo(_message.Message):
     BUILD_FIELD_NUMBER: _ClassVar[int]
     ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     num_samples: int
@@ -131,7 +136,10 @@ class DatasetInfo(_message.Message):
     build: _containers.ScalarMap[str, str]
     on_error: str
     server_id: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ..., on_error: _Optional[str] = ..., server_id: _Optional[str] = ...) -> None: ...
+    weights_digest: str
+    class_counts: _containers.RepeatedScalarFieldContainer[int]
+    labels: bytes
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., sample: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., build_fingerprint: _Optional[str] = ..., build: _Optional[_Mapping[str, str]] = ..., on_error: _Optional[str] = ..., server_id: _Optional[str] = ..., weights_digest: _Optional[str] = ..., class_counts: _Optional[_Iterable[int]] = ..., labels: _Optional[bytes] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("preset", "albumentations_json")
@@ -142,7 +150,7 @@ class Pipeline(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., albumentations_json: _Optional[str] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding", "start_position", "end_batch", "hedge", "expect_num_samples", "expect_fingerprint", "expect_build_fingerprint", "data_messages")
+    __slots__ = ("dataset", "pipeline", "batch_size", "shuffle", "seed", "epoch", "drop_last", "rank", "world_size", "start_batch", "prefetch", "transport", "session", "compression", "batch_stride", "batch_offset", "stream_tag", "image_encoding", "start_position", "end_batch", "hedge", "expect_num_samples", "expect_fingerprint", "expect_build_fingerprint", "data_messages", "sampler", "mix")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +176,8 @@ class StreamBatchesRequest(_message.Message):
     EXPECT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXPECT_BUILD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DATA_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    MIX_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     pipeline: Pipeline
     batch_size: int
@@ -193,7 +203,59 @@ class StreamBatchesRequest(_message.Message):
     expect_fingerprint: str
     expect_build_fingerprint: str
     data_messages: bool
-    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ..., expect_num_samples: _Optional[int] = ..., expect_fingerprint: _Optional[str] = ..., expect_build_fingerprint: _Optional[str] = ..., data_messages: _Optional[bool] = ...) -> None: ...
+    sampler: WeightedSampler
+    mix: Mix
+    def __init__(self, dataset: _Optional[str] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., drop_last: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_batch: _Optional[int] = ..., prefetch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., session: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., stream_tag: _Optional[str] = ..., image_encoding: _Optional[_Union[ImageEncoding, str]] = ..., start_position: _Optional[int] = ..., end_batch: _Optional[int] = ..., hedge: _Optional[bool] = ..., expect_num_samples: _Optional[int] = ..., expect_fingerprint: _Optional[str] = ..., expect_build_fingerprint: _Optional[str] = ..., data_messages: _Optional[bool] = ..., sampler: _Optional[_Union[WeightedSampler, _Mapping]] = ..., mix: _Optional[_Union[Mix, _Mapping]] = ...) -> None: ...
+
+class WeightedSampler(_message.Message):
+    __slots__ = ("weights_digest", "dataset_weights", "num_samples", "replacement")
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATASET_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    weights_digest: str
+    dataset_weights: bool
+    num_samples: int
+    replacement: bool
+    def __init__(self, weights_digest: _Optional[str] = ..., dataset_weights: _Optional[bool] = ..., num_samples: _Optional[int] = ..., replacement: _Optional[bool] = ...) -> None: ...
+
+class MixSource(_message.Message):
+    __slots__ = ("dataset", "weight", "pipeline", "expect_num_samples", "expect_fingerprint", "expect_build_fingerprint")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_BUILD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    weight: float
+    pipeline: Pipeline
+    expect_num_samples: int
+    expect_fingerprint: str
+    expect_build_fingerprint: str
+    def __init__(self, dataset: _Optional[str] = ..., weight: _Optional[float] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., expect_num_samples: _Optional[int] = ..., expect_fingerprint: _Optional[str] = ..., expect_build_fingerprint: _Optional[str] = ...) -> None: ...
+
+class Mix(_message.Message):
+    __slots__ = ("sources", "num_samples")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[MixSource]
+    num_samples: int
+    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("digest", "num_weights", "weights")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    num_weights: int
+    weights: bytes
+    def __init__(self, digest: _Optional[str] = ..., num_weights: _Optional[int] = ..., weights: _Optional[bytes] = ...) -> None: ...
+
+class PutWeightsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class BatchesControl(_message.Message):
     __slots__ = ("open", "grant", "revoke", "release", "progress", "done", "open_seq")
@@ -444,7 +506,7 @@ class PoolStats(_message.Message):
     def __init__(self, workers: _Optional[int] = ..., ready: _Optional[int] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., utilization: _Optional[float] = ..., tasks_in_flight: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., max_slots: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., sessions: _Optional[int] = ..., batches_rebuilt: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., cpu_quota: _Optional[float] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ..., worker_stats: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., scheduler_rounds: _Optional[int] = ..., scheduler_waits: _Optional[int] = ..., scheduler_timeouts: _Optional[int] = ..., scheduler_wakeups: _Optional[int] = ..., scheduler_dispatches: _Optional[int] = ..., scheduler_passes: _Optional[int] = ...) -> None: ...
 
 class StatsTotals(_message.Message):
-    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent", "describe_dataset_calls", "list_datasets_calls", "release_leases_calls", "stats_calls", "batches_calls_started", "control_messages", "batches_granted", "batches_revoked", "leases_released_on_calls", "leases_released_by_rpc", "control_frames", "data_messages", "bytes_copied_socket", "data_plane_bytes_sent", "data_connections_accepted", "data_connections_refused")
+    __slots__ = ("streams_started", "streams_finished", "streams_failed", "streams_cancelled", "batches_sent", "samples_sent", "bytes_sent", "samples_skipped", "bytes_copied_shm", "bytes_copied_inline", "hedge_streams_started", "hedge_batches_built", "hedge_batches_sent", "describe_dataset_calls", "list_datasets_calls", "release_leases_calls", "stats_calls", "batches_calls_started", "control_messages", "batches_granted", "batches_revoked", "leases_released_on_calls", "leases_released_by_rpc", "control_frames", "data_messages", "put_weights_calls", "weights_bytes_received", "bytes_copied_socket", "data_plane_bytes_sent", "data_connections_accepted", "data_connections_refused")
     STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -470,6 +532,8 @@ class StatsTotals(_message.Message):
     LEASES_RELEASED_BY_RPC_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FRAMES_FIELD_NUMBER: _ClassVar[int]
     DATA_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PUT_WEIGHTS_CALLS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_SOCKET_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     DATA_CONNECTIONS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -499,11 +563,13 @@ class StatsTotals(_message.Message):
     leases_released_by_rpc: int
     control_frames: int
     data_messages: int
+    put_weights_calls: int
+    weights_bytes_received: int
     bytes_copied_socket: int
     data_plane_bytes_sent: int
     data_connections_accepted: int
     data_connections_refused: int
-    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ..., hedge_streams_started: _Optional[int] = ..., hedge_batches_built: _Optional[int] = ..., hedge_batches_sent: _Optional[int] = ..., describe_dataset_calls: _Optional[int] = ..., list_datasets_calls: _Optional[int] = ..., release_leases_calls: _Optional[int] = ..., stats_calls: _Optional[int] = ..., batches_calls_started: _Optional[int] = ..., control_messages: _Optional[int] = ..., batches_granted: _Optional[int] = ..., batches_revoked: _Optional[int] = ..., leases_released_on_calls: _Optional[int] = ..., leases_released_by_rpc: _Optional[int] = ..., control_frames: _Optional[int] = ..., data_messages: _Optional[int] = ..., bytes_copied_socket: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ..., data_connections_accepted: _Optional[int] = ..., data_connections_refused: _Optional[int] = ...) -> None: ...
+    def __init__(self, streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., streams_failed: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., batches_sent: _Optional[int] = ..., samples_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., samples_skipped: _Optional[int] = ..., bytes_copied_shm: _Optional[int] = ..., bytes_copied_inline: _Optional[int] = ..., hedge_streams_started: _Optional[int] = ..., hedge_batches_built: _Optional[int] = ..., hedge_batches_sent: _Optional[int] = ..., describe_dataset_calls: _Optional[int] = ..., list_datasets_calls: _Optional[int] = ..., release_leases_calls: _Optional[int] = ..., stats_calls: _Optional[int] = ..., batches_calls_started: _Optional[int] = ..., control_messages: _Optional[int] = ..., batches_granted: _Optional[int] = ..., batches_revoked: _Optional[int] = ..., leases_released_on_calls: _Optional[int] = ..., leases_released_by_rpc: _Optional[int] = ..., control_frames: _Optional[int] = ..., data_messages: _Optional[int] = ..., put_weights_calls: _Optional[int] = ..., weights_bytes_received: _Optional[int] = ..., bytes_copied_socket: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ..., data_connections_accepted: _Optional[int] = ..., data_connections_refused: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("uptime_seconds", "version", "streams", "pool", "totals", "cache")

@@ -69,6 +69,11 @@ class BatchLoaderStub:
                 request_serializer=batchd_dot_v1_dot_loader__pb2.StatsRequest.SerializeToString,
                 response_deserializer=batchd_dot_v1_dot_loader__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.PutWeights = channel.stream_unary(
+                '/batchd.v1.BatchLoader/PutWeights',
+                request_serializer=batchd_dot_v1_dot_loader__pb2.WeightsChunk.SerializeToString,
+                response_deserializer=batchd_dot_v1_dot_loader__pb2.PutWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class BatchLoaderServicer:
@@ -146,6 +151,20 @@ class BatchLoaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutWeights(self, request_iterator, context):
+        """Hold a weight vector for WeightedSampler.weights_digest: sent once per loader and server
+        process (a million weights are 8 MB: not a request per epoch), in chunks that each fit the
+        server's max_request_bytes. The server keeps weights it was sent up to its max_weights_bytes,
+        dropping those used least recently first; a request naming weights it does not hold is
+        refused (FAILED_PRECONDITION, ErrorDetail type "WeightsNotFound") and the client sends them
+        again. INVALID_ARGUMENT: the digest does not match the weights, or a weight is negative, NaN
+        or infinite, or all are zero (naming the first bad one); RESOURCE_EXHAUSTED: more weights
+        than max_weights_bytes holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BatchLoaderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +202,11 @@ def add_BatchLoaderServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=batchd_dot_v1_dot_loader__pb2.StatsRequest.FromString,
                     response_serializer=batchd_dot_v1_dot_loader__pb2.StatsResponse.SerializeToString,
+            ),
+            'PutWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutWeights,
+                    request_deserializer=batchd_dot_v1_dot_loader__pb2.WeightsChunk.FromString,
+                    response_serializer=batchd_dot_v1_dot_loader__pb2.PutWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -374,6 +398,33 @@ class BatchLoader:
             '/batchd.v1.BatchLoader/Stats',
             batchd_dot_v1_dot_loader__pb2.StatsRequest.SerializeToString,
             batchd_dot_v1_dot_loader__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/batchd.v1.BatchLoader/PutWeights',
+            batchd_dot_v1_dot_loader__pb2.WeightsChunk.SerializeToString,
+            batchd_dot_v1_dot_loader__pb2.PutWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -190,6 +190,18 @@ class Dataset(abc.ABC):
         index = getattr(self, "_index", None)
         return str(index.meta.get("fingerprint", "")) if index is not None else ""
 
+    def labels(self) -> np.ndarray | None:
+        """Every sample's label, int64 [n], for kinds that hold them in an index (cheap: no sample is
+        read); None for the others (coco and segmentation samples have no single label; a python
+        dataset's only through a ``labels`` attribute)."""
+        labels = getattr(self, "_labels", None)
+        return None if labels is None else np.asarray(labels, np.int64)
+
+    def weights(self) -> np.ndarray | None:
+        """The dataset's own weights for weighted sampling, float64 [n] (a manifest's ``weight_column``,
+        a python dataset's ``weights``), or None (the default)."""
+        return None
+
     @property
     def info(self) -> dict[str, str]:
         """Facts about the dataset a trainer may need beyond its fields, name -> value as text:

@@ -7,6 +7,8 @@ import pathlib
 
 import numpy as np
 
+from batchd.sampler import check_weights
+
 from ..decode import DEFAULT_MAX_PIXELS
 from ..storage import Storage, is_remote, local_copy, local_path, parent, safe_url
 from ._cache import ArrayFile, ArrayFileWriter, cache_path, file_fingerprint, legacy_prefix, open_cached, remove_stale
@@ -17,8 +19,8 @@ COLUMNS = ("path", "label")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
-def _read_table(path: str):
-    """The table's ``path`` (string) and ``label`` columns as a pyarrow Table."""
+def _read_table(path: str, weight_column: str | None = None):
+    """The table's ``path`` (string) and ``label`` columns (and ``weight_column``) as a pyarrow Table."""
     import pyarrow as pa
     import pyarrow.csv as pv
     import pyarrow.parquet as pq
@@ -34,19 +36,22 @@ def _read_table(path: str):
         if isinstance(e, FileNotFoundError):
             raise FileNotFoundError(f"{path}: manifest not found") from None
         raise ValueError(f"{path}: cannot read the manifest's {'schema' if is_parquet else 'header'}: {e}") from None
-    for col in COLUMNS:
+    columns = list(COLUMNS) + ([weight_column] if weight_column else [])
+    for col in columns:
         if col not in names:
-            raise ValueError(f"{path}: manifest has no column {col!r} (its columns: {', '.join(map(str, names)) or 'none'})")
+            what = "weight_column " if col == weight_column else ""
+            raise ValueError(f"{path}: manifest has no {what}column {col!r} (its columns: "
+                             f"{', '.join(map(str, names)) or 'none'})")
     try:
         if is_parquet:
-            return pq.read_table(path, columns=list(COLUMNS))
+            return pq.read_table(path, columns=columns)
         # streamed in 16 MB blocks (read_csv holds the whole file as well as the table: a 10M-row,
         # 559 MB CSV peaked at 1.49 GB RSS that way, 0.79 GB streamed; the same table either way)
         reader = pv.open_csv(
             path,
             read_options=pv.ReadOptions(block_size=16 << 20),
             convert_options=pv.ConvertOptions(
-                include_columns=list(COLUMNS),
+                include_columns=columns,
                 column_types={"path": pa.string()},
                 null_values=[""],  # only empty cells are missing; "NA" may be a class
                 strings_can_be_null=True,
@@ -115,22 +120,44 @@ def _labels(path: str, column) -> tuple[np.ndarray, list[str]]:
     raise ValueError(f"{path}: label column has type {t}; expected integers or strings")
 
 
-def _build(table_path: str, out: pathlib.Path, fingerprint) -> None:
+def _weights(path: str, name: str, column) -> np.ndarray:
+    """float64 [n] from the numeric ``weight_column``; ValueError naming the row of a null,
+    negative, NaN or infinite weight, or all zero (``batchd.sampler.check_weights``)."""
+    import pyarrow as pa
+
+    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+        raise ValueError(f"{path}: weight_column {name!r} has type {column.type}; expected numbers")
+    _check_no_nulls(path, f"weight (column {name!r})", column)
+    weights = column.to_numpy().astype(np.float64)
+    try:
+        check_weights(weights, f"weight_column {name!r}")
+    except ValueError as e:  # "weight_column 'w'[3] is nan; ..." -> the row
+        bad = ~np.isfinite(weights) | (weights < 0)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(f"{path}: row {row} (0-based, header not counted) has weight {float(weights[row])!r} in "
+                             f"weight_column {name!r}; weights must be finite and non-negative") from None
+        raise ValueError(f"{path}: {e}") from None
+    return weights
+
+
+def _build(table_path: str, out: pathlib.Path, fingerprint, weight_column: str | None = None) -> None:
     import pyarrow as pa
 
     try:
-        _build_from_arrow(table_path, out, fingerprint)
+        _build_from_arrow(table_path, out, fingerprint, weight_column)
     finally:
         pa.default_memory_pool().release_unused()  # else the pool keeps ~1.6 GB after a 10M-row CSV
 
 
-def _build_from_arrow(table_path: str, out: pathlib.Path, fingerprint) -> None:
+def _build_from_arrow(table_path: str, out: pathlib.Path, fingerprint, weight_column: str | None = None) -> None:
     import pyarrow as pa
 
-    table = _read_table(table_path)
+    table = _read_table(table_path, weight_column)
     if table.num_rows == 0:
         raise ValueError(f"{table_path}: manifest has no rows")
     paths, labels_col = table.column("path"), table.column("label")
+    weights = _weights(table_path, weight_column, table.column(weight_column)) if weight_column else None
     del table
     if not (pa.types.is_string(paths.type) or pa.types.is_large_string(paths.type)):
         try:
@@ -150,6 +177,8 @@ def _build_from_arrow(table_path: str, out: pathlib.Path, fingerprint) -> None:
         w.add_chunks("path_bytes", np.uint8, (int(offsets[-1]),), pieces)
         w.add("path_offsets", offsets)
         w.add("labels", labels)
+        if weights is not None:
+            w.add("weights", weights)
         w.meta.update(kind=Manifest.kind, source=fingerprint, classes=classes, fingerprint=content)
 
 
@@ -169,6 +198,10 @@ class Manifest(FileDataset):
     row) for a missing ``path``/``label`` column, a null or empty value, a negative or
     non-integer, non-string label, or an empty table, and ``_cache.IndexMissingError``
     (``build=False``) if the server has not built the index. load_image raises SampleError.
+
+    ``cfg.weight_column``: a numeric column of per-sample weights for weighted sampling
+    (``weights()``, float64 [n]; ``batchd.WeightedRandomSampler("dataset", ...)``), read with the
+    index; ValueError naming the row of a missing, negative, NaN or infinite weight, or all zero.
     """
 
     kind = "manifest"
@@ -190,28 +223,35 @@ class Manifest(FileDataset):
                 fingerprint = file_fingerprint(table_path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{safe_url(table_path)}: manifest not found (dataset {name!r})") from None
-        out = cache_path(cache_dir, self.kind, safe_url(table_path), fingerprint,
-                         identity=options.fingerprint_part() if remote else None)
+        weight_column = getattr(cfg, "weight_column", None)
+        identity = options.fingerprint_part() if remote else None
+        if weight_column:  # another index (it holds the weights): its own file
+            identity = {"storage": identity, "weight_column": weight_column}
+        out = cache_path(cache_dir, self.kind, safe_url(table_path), fingerprint, identity=identity)
         index = None
         if build:
             try:
                 index = ArrayFile(out)
             except (FileNotFoundError, ValueError):
                 if remote:
-                    _build_remote(storage, table_path, out, fingerprint)
+                    _build_remote(storage, table_path, out, fingerprint, weight_column)
                 else:
-                    _build(table_path, out, fingerprint)
+                    _build(table_path, out, fingerprint, weight_column)
                 remove_stale(out, legacy_prefix(self.kind, safe_url(table_path)) if remote else None)
         if index is None:
             index = open_cached(out, what=f"dataset {name!r} ({self.kind}, {safe_url(table_path)})")
         self._attach(index, root)
+        self._weights = index.arrays.get("weights") if weight_column else None
+
+    def weights(self) -> np.ndarray | None:
+        return None if self._weights is None else np.asarray(self._weights, np.float64)
 
 
-def _build_remote(storage: Storage, url: str, out: pathlib.Path, fingerprint) -> None:
+def _build_remote(storage: Storage, url: str, out: pathlib.Path, fingerprint, weight_column: str | None = None) -> None:
     """Build the index of a manifest on remote storage from a local copy next to ``out``
     (streamed to disk, deleted afterwards: memory stays as for a local table)."""
     with local_copy(storage, url, out) as copy:
         try:
-            _build(copy, out, fingerprint)
+            _build(copy, out, fingerprint, weight_column)
         except ValueError as e:  # name the manifest, not our copy
             raise ValueError(str(e).replace(copy, safe_url(url))) from None

@@ -366,6 +366,39 @@ class PythonDataset(Dataset):
     def source(self, index: int) -> str:
         return f"#{index}"
 
+    def weights(self) -> np.ndarray | None:
+        """The object's ``weights`` (an attribute, or a method taking no argument): one number per
+        sample, for weighted sampling; None without one."""
+        return self._array("weights", np.float64)
+
+    def labels(self) -> np.ndarray | None:
+        """The object's ``labels`` (an attribute, or a method taking no argument) when it is one
+        non-negative integer per sample; None otherwise (without one, or one of another meaning:
+        ``labels`` is a common name, so it is not an error)."""
+        try:
+            labels = self._array("labels", np.float64)
+        except ValueError:
+            return None
+        if labels is None or not np.isfinite(labels).all() or (labels != np.round(labels)).any() or (labels < 0).any():
+            return None
+        return labels.astype(np.int64)
+
+    def _array(self, attribute: str, dtype) -> np.ndarray | None:
+        """The object's ``attribute`` (called if callable) as a 1-D array of ``dtype`` with one entry
+        per sample, or None if it has none. Raises ValueError naming the dataset otherwise."""
+        value = getattr(self.obj, attribute, None)
+        value = value() if callable(value) else value
+        if value is None:
+            return None
+        try:
+            array = np.asarray(to_numpy(value), dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"dataset {self.name!r}: {attribute} must be numbers, one per sample: {e}") from None
+        if array.shape != (self._len,):
+            raise ValueError(f"dataset {self.name!r}: {attribute} must have one entry per sample ({self._len}), "
+                             f"got shape {list(array.shape)}")
+        return array
+
 
 def _dtype_name(dtype: Any) -> str:
     """A declared dtype's canonical name: numpy's ("float" -> "float64"), or "str" / "bytes"."""
