@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 import compose_stacks
+from engine_fixtures import engine, images, logs_dir, run_id  # noqa: F401 (pytest fixtures)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"

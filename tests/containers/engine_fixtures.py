@@ -6,6 +6,9 @@ debootstrap, ``base_image.py``, then every image the Compose files build, ``imag
 run's images removed at the end, earlier tags given back). Logs (dockerd, debootstrap, builds,
 every container's output) go to ``logs_dir``: ``BATCHD_CONTAINER_LOGS`` or a pytest temporary
 folder, named in each failure.
+
+A module of its own, imported by the test module, not a ``conftest.py``: a second ``conftest``
+module would shadow ``tests/conftest.py``, which the other tests import by name.
 """
 
 from __future__ import annotations
