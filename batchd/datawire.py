@@ -15,10 +15,10 @@ TCP connection of its own beside the call (plain, or TLS when the gRPC port uses
 * where the server offers it (initial metadata ``batchd-data-control: 1``; plain TCP only, see
   below), the client may write on the same connection, after its token, the call's grants and
   revokes: each a ``CONTROL`` header (8 bytes, little-endian: magic ``b"BDC1"``, length u32)
-  and a serialized ``BatchesControl`` carrying ``grant``, ``revoke`` and ``progress`` only
-  (``open``, ``done`` and ``release`` stay on the call), applied as if they came on the call. A
-  grant written there costs the client one ``send`` in the thread that grants, where one on the
-  call wakes gRPC's request thread and its channel thread (Table 18). Not with TLS:
+  and a serialized ``BatchesControl`` carrying ``grant``, ``revoke``, ``progress`` and, where
+  offered (below), ``release`` (``open`` and ``done`` stay on the call), applied as if they came
+  on the call. A grant written there costs the client one ``send`` in the thread that grants,
+  where one on the call wakes gRPC's request thread and its channel thread (Table 18). Not with TLS:
   the server's sends and reads would then share one ``SSLSocket`` from two threads, which
   OpenSSL does not allow.
 * where the client asked for it (``StreamBatchesRequest.data_messages``) and the server says so
@@ -30,6 +30,14 @@ TCP connection of its own beside the call (plain, or TLS when the gRPC port uses
   between two frames. This saves a gRPC message per batch on both sides (the server's sending
   thread waits for gRPC to take each one; the client's gRPC threads wake for each):
   ``python -m bench.probes.in_band``. TLS or not.
+* a ``TRANSPORT_SHARED_MEMORY`` call may use the data connection the same way, for its
+  messages and control frames only (``data_messages``): each frame is a ``MESSAGE_MAGIC``
+  header and a ``Batch`` message that names the batch's lease and slot, and no payload (length
+  0); the bytes stay in shared memory. Where the server says so (initial metadata
+  ``batchd-data-releases: 1``), control frames may also carry ``release`` (the leases the
+  client freed): a batch then costs no gRPC message on either side (the control path's CPU
+  per batch: Table 22, issue 36). A ``unix:`` server, or one without a data plane, sends the
+  messages on the call.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ PORT_KEY = "batchd-data-port"
 TOKEN_KEY = "batchd-data-token"
 CONTROL_KEY = "batchd-data-control"
 MESSAGES_KEY = "batchd-data-messages"
+RELEASES_KEY = "batchd-data-releases"
 MAX_MESSAGE = 64 << 20  # bytes: a longer in-band Batch message is a protocol error
 CONTROL_MAGIC = b"BDC1"
 CONTROL = struct.Struct("<4sI")  # magic, length of the BatchesControl that follows: 8 bytes
@@ -111,9 +120,10 @@ def pack_control(message: bytes) -> bytes:
 
 def metadata(port: int, token: bytes, *, control: bool = False, messages: bool = False) -> tuple[tuple[str, str], ...]:
     """The initial metadata entries that offer a data connection (``control``: and that the
-    server reads control frames on it; ``messages``: that the Batch messages come on it)."""
+    server reads control frames on it, releases included; ``messages``: that the Batch messages
+    come on it)."""
     entries = ((PORT_KEY, str(port)), (TOKEN_KEY, token.hex()))
-    entries += ((CONTROL_KEY, "1"),) if control else ()
+    entries += ((CONTROL_KEY, "1"), (RELEASES_KEY, "1")) if control else ()
     return entries + ((MESSAGES_KEY, "1"),) if messages else entries
 
 
@@ -128,6 +138,11 @@ def _flag(entries, key: str) -> bool:
 def controls(entries) -> bool:
     """Whether a call's initial metadata says the server reads control frames on its data connection."""
     return _flag(entries, CONTROL_KEY)
+
+
+def releases(entries) -> bool:
+    """Whether a call's initial metadata says its control frames may carry ``release``."""
+    return _flag(entries, RELEASES_KEY)
 
 
 def messages(entries) -> bool:

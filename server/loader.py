@@ -194,7 +194,8 @@ class Loader:
                                             tuple(len(self.dataset(d)) for d in request.datasets))
         if started is not None:
             self.pool.add_computation(started)
-        log.info(
+        log.log(  # a Batches call's later passes at debug (one line per epoch would flood a small dataset's log)
+            logging.INFO if open_seq == 0 else logging.DEBUG,
             "stream %d started: dataset=%s pipeline=%s batch_size=%d order=%s seed=%d epoch=%d rank=%d/%d "
             "%s%s prefetch=%d transport=%s client=%s; %s", stream.id, args.dataset, name, args.batch_size,
             request.order_key[:16] or ("shuffled" if args.shuffle else "sequential"), args.seed, args.epoch, args.rank,
@@ -384,7 +385,8 @@ class Loader:
         if reason == "finished" and not stream.completed:
             reason = "ended early (the client stopped reading)"
         elapsed = time.monotonic() - stream.started
-        log.info(
+        log.log(
+            logging.INFO if stream.open_seq == 0 else logging.DEBUG,
             "stream %d %s after %d of %d batches (%d samples, %.1f MB sent, %.0f images/s, %d samples skipped, %.1f s)",
             stream.id, reason, stream.batches_sent, stream.batches_due, stream.samples_sent,
             stream.bytes_sent / 1e6, stream.samples_sent / elapsed if elapsed > 0 else 0.0, stream.samples_skipped, elapsed,

@@ -65,7 +65,7 @@ class BatchesCall:
                  data: DataLink | None = None):
         self.address = address
         self.outbox = outbox
-        self.data = data  # a TRANSPORT_SOCKET call: how to open and read its data connection
+        self.data = data  # how to open and read its data connection (TRANSPORT_SOCKET; lent: messages only)
         self._data_socket: DataSocket | None = None
         self._owner = forks.owner()
         forks.keep(self)
@@ -78,6 +78,7 @@ class BatchesCall:
         self.cancelled = False
         self._in_band = False  # the call's Batch messages come on its data connection
         self._direct = False  # grants are to go on the data connection once a batch came on it
+        self._direct_releases = False  # ... and releases with them (the server reads them there)
 
     def server_id(self) -> str:
         """The server's ``batchd-server-id`` ("" if it sent none). Raises the call's error if it
@@ -161,9 +162,14 @@ class BatchesCall:
             metadata = self.call.initial_metadata() or ()
         except grpc.RpcError as e:
             raise batches_error(e, self.address) from None
+        lent = self.data.lent
         ds = self.data.connect(metadata, ended=self.call.done)
+        if ds is not None and lent and not datawire.messages(metadata):
+            ds.close()  # (a lent batch has no payload to read there: its messages come on the call)
+            ds = None
         if ds is None:
-            _say_inline(self.address)
+            if not lent:
+                _say_inline(self.address)
         else:
             forks.keep(ds)
             self._data_socket = ds
@@ -173,13 +179,14 @@ class BatchesCall:
             # grants go on it once the server sent a byte there: a connection it refused (and
             # the client dials again, batchd.client.transport.redial) must not take them with it
             self._direct = datawire.controls(metadata) and ds.controls
+            self._direct_releases = datawire.releases(metadata)
         return ds
 
     def _confirmed(self, ds) -> None:
         """A batch came on the data connection: from now on grants go there where they may."""
         if self._direct:
             self._direct = False
-            self.outbox.direct(ds.send_control)
+            self.outbox.direct(ds.send_control, releases=self._direct_releases)
 
     def _error_or(self, e: ConnectionError) -> Exception:
         """The call's own error if it ends with one within ``REFUSAL_WAIT_S`` (``batches_error``),

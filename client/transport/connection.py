@@ -82,6 +82,10 @@ class ServerConnection:
         self.data = DataLink(address, options.tls, pool, connect_timeout=options.connect_timeout,
                              timeout=options.timeout, optional=options.transport == "auto", relay=link_relay,
                              max_message=options.max_message_bytes)
+        # a shared-memory call's messages and control frames (no payload: never through the relay)
+        self.lent_messages = DataLink(address, options.tls, buffers.BufferPool(buffers.pageable),
+                                      connect_timeout=options.connect_timeout, timeout=options.timeout,
+                                      optional=True, max_message=options.max_message_bytes, lent=True)
         self.tag = uuid.uuid4().hex[:12]  # its calls' stream_tags begin with it (unique across clients)
         self.describes = 0  # DescribeDataset calls made (one per server process, unless its data changed)
         # the sampler's weights are held there: sent before the first call, again after the server
@@ -175,7 +179,9 @@ class ServerConnection:
             stream_tag=tag,
             image_encoding=pb.IMAGE_ENCODING_JPEG if o.decode_on_client else pb.IMAGE_ENCODING_DECODED,
             start_position=start_position, expect_num_samples=info.num_samples,
-            data_messages=transport == pb.TRANSPORT_SOCKET,
+            data_messages=transport == pb.TRANSPORT_SOCKET or (
+                transport == pb.TRANSPORT_SHARED_MEMORY and self.lent_messages.possible
+                and self.lent_messages.reachable),
             expect_fingerprint=info.fingerprint if o.strict else "",
             expect_build_fingerprint=info.build_fingerprint if o.strict else "",
         ), o, info)
@@ -191,8 +197,9 @@ class ServerConnection:
                         sent=shm.forget if shm is not None else None,
                         unsent=(lambda leases: [self.freed(shm.session, lease) for lease in leases])
                         if shm is not None else None)
-        return BatchesCall(self._channel, self.address, outbox,
-                           data=self.data if request.transport == pb.TRANSPORT_SOCKET else None)
+        data = (self.data if request.transport == pb.TRANSPORT_SOCKET else
+                self.lent_messages if request.data_messages else None)
+        return BatchesCall(self._channel, self.address, outbox, data=data)
 
     def release(self, session: str, leases: list[int] = (), *, abandoned: str = "",
                 received: list[int] = ()) -> bool:

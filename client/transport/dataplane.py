@@ -185,12 +185,13 @@ class DataSocket(Closable):
         return payload
 
     def receive_next(self, pool: buffers.BufferPool, stopping: threading.Event | None = None,
-                     ended: Callable[[], bool] | None = None) -> tuple[wire.WireBatch, int] | None:
+                     ended: Callable[[], bool] | None = None, lent: bool = False) -> tuple[wire.WireBatch, int] | None:
         """The next batch of a call whose Batch messages come on this connection
         (``datawire.MESSAGE_MAGIC``): its message and payload, the payload received into a buffer
         of ``pool`` (``WireBatch.payload``: the fields as views of it), and the bytes read for it;
         None once the server closed the connection between two batches (the call's status says
-        how it ended).
+        how it ended). ``lent``: a shared-memory call's connection, whose frames carry no payload
+        (a batch lent in place, or one the server copied into its message: ``datawire``).
 
         Waits for the next header as long as the call lasts (``ended()``: the call is over; then
         until ``ENDED_GRACE_S`` or ``timeout`` seconds, the shorter, pass without a byte: a server
@@ -210,8 +211,9 @@ class DataSocket(Closable):
                 f"a message of at most {self.max_message} bytes) was due")
         message = bytearray(size)
         self._read_into(memoryview(message), stopping)
-        batch = framed_batch(bytes(message), index, length, self.address)  # (its tensors end at ``length``)
-        batch = dataclasses.replace(batch, payload=self._payload(batch, length, pool, stopping, in_band=True))
+        batch = framed_batch(bytes(message), index, length, self.address, lent)  # (its tensors end at ``length``)
+        if not lent:
+            batch = dataclasses.replace(batch, payload=self._payload(batch, length, pool, stopping, in_band=True))
         self.last_received = datawire.HEADER.size + size + length
         return batch, self.last_received
 
@@ -308,12 +310,15 @@ class DataLink:
     (``batchd.client.transport.redial``), makes ``reachable`` False, once, with a warning, and
     the call fails with ``FellBack`` (the loader counts it: ``stats()["data_plane_fallbacks"]``):
     the server's calls go inline from then on. With ``transport="socket"`` it stays a broken
-    call, reconnected as any.
+    call, reconnected as any. ``lent``: the link of shared-memory calls, whose connections bring
+    Batch messages only (their bytes stay in shared memory, ``datawire``): unreachable, their
+    messages come on the calls from then on (said at info: nothing is copied either way).
     """
 
     def __init__(self, address: str, tls: TLS | None, pool: buffers.BufferPool, *, connect_timeout: float,
-                 timeout: float, optional: bool = True, relay: Any = None, max_message: int = datawire.MAX_MESSAGE):
-        self.address, self.tls, self.pool = address, tls, pool
+                 timeout: float, optional: bool = True, relay: Any = None, max_message: int = datawire.MAX_MESSAGE,
+                 lent: bool = False):
+        self.address, self.tls, self.pool, self.lent = address, tls, pool, lent
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.max_message = min(max_message, datawire.MAX_MESSAGE)
         self.optional = optional
@@ -352,6 +357,10 @@ class DataLink:
         if not (self.optional and self.reachable):
             return e
         self.reachable = False
+        if self.lent:
+            log.info("%s; the Batch messages of shared-memory batches from %s come on the gRPC calls from now on",
+                     e, self.address)
+            return redial.FellBack(f"{e}; falling back to Batch messages on the call")
         log.warning("%s; batches from %s come inside the gRPC messages from now on (open the server's data "
                     "port %d to this client, or set transport='inline')", e, self.address, port)
         return redial.FellBack(f"{e}; falling back to batches inside the gRPC messages")
@@ -362,7 +371,8 @@ class DataLink:
 
     def receive_next(self, ds: DataSocket, ended: Callable[[], bool]) -> tuple[wire.WireBatch, int] | None:
         """The next batch of a call whose messages come on ``ds`` (``DataSocket.receive_next``)."""
-        return ds.receive_next(self.pool, ended=ended)
+        # (a relayed socket never serves a lent call: only a DataSocket is told ``lent``)
+        return ds.receive_next(self.pool, ended=ended, **({"lent": True} if self.lent else {}))
 
 
 def take(pool: buffers.BufferPool, nbytes: int, address: str, what: str):
@@ -376,13 +386,13 @@ def take(pool: buffers.BufferPool, nbytes: int, address: str, what: str):
                                      f"{address}: {type(e).__name__}: {e}") from None
 
 
-def framed_batch(message: bytes, index: int, length: int, address: str) -> wire.WireBatch:
+def framed_batch(message: bytes, index: int, length: int, address: str, lent: bool = False) -> wire.WireBatch:
     """The ``Batch`` of an in-band frame whose header named batch ``index`` and ``length`` payload
-    bytes. Raises ConnectionError naming the server at ``address`` if it does not parse or does
-    not match the header."""
+    bytes (``lent``: a shared-memory call's frame, which has none). Raises ConnectionError naming
+    the server at ``address`` if it does not parse or does not match the header."""
     try:
         batch = wire.decode_batch(message)
-        expected = buffers.payload_length(batch)
+        expected = 0 if lent else buffers.payload_length(batch)
     except ValueError as e:
         raise errors.ConnectionError(f"the data connection of the batchd server at {address} sent a Batch message "
                                      f"that does not parse: {e}") from None

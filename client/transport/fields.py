@@ -18,6 +18,7 @@ batch is where it is used: a copy to a GPU copies its values once (``map_values`
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Union
@@ -49,6 +50,7 @@ Field = Union[torch.Tensor, Ragged, list]  # a list of B str or B bytes
 Unpacked = Union[torch.Tensor, list]  # a stacked tensor [B, ...], or a list of B tensors / str / bytes
 
 
+@functools.lru_cache(maxsize=64)  # (a few names, looked up per field and batch)
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a tensor's elements ("str" and "bytes" are uint8).
 
@@ -62,6 +64,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+@functools.lru_cache(maxsize=64)
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a tensor's elements ("str" and "bytes" are uint8). Raises ValueError."""
     if name in STRINGS:

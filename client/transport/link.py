@@ -142,6 +142,12 @@ class ServerLink:
         if not forks.forked(self._owner):
             self._released.put(session, lease)
 
+    def send_freed(self) -> None:
+        """Send the freed leases now, if any wait (the consumer is about to wait for a batch that a
+        server at its session's lease cap holds back for one; else they ride on the next grant)."""
+        if self._released.pending() and (call := self._call) is not None:
+            call.outbox.wake()
+
     def close(self, cancel: bool = False) -> None:
         """End the call: ``done`` (the server counts it finished), or cancel it (``cancel``: the
         loader closed in the middle of a pass: counted cancelled, and reported with the leases
@@ -170,8 +176,7 @@ class ServerLink:
     @property
     def describes(self) -> int:
         """DescribeDataset calls this link made (one per server process, unless its data changed)."""
-        conn = self.conn
-        return self._described + (conn.describes if conn is not None else 0)
+        return self._described + (conn.describes if (conn := self.conn) is not None else 0)
 
     def sweep(self) -> None:
         """Unmap idle mappings of segments the server unlinked (``SharedMemorySession.sweep``)."""
@@ -246,8 +251,9 @@ class ServerLink:
                     self.error = ""  # (it sends: whatever went wrong before is over)
                 with self._lock:
                     sink = self._pass if raw.open_seq == self._seq else None
-                if sink is None:
-                    _drop(raw, conn)  # (an earlier pass's, sent before the switch)
+                if sink is None:  # (an earlier pass's, sent before the switch: its lease goes back)
+                    if raw.segment and conn.shm is not None:
+                        conn.shm.release_unused(raw.lease)
                 else:
                     sink.arrived(self, raw, received, nbytes, conn.shm if raw.segment else None)
                 raw = None
@@ -298,13 +304,7 @@ class ServerLink:
         finally:
             watchdog.cancel()
         conn.check_server(server_id, self.options.connect_timeout)
-        broken, self._broken = self._broken, None
-        shm = conn.shm
-        if broken is not None and shm is not None and shm.session == broken[0] and not shm.gone:
-            # the server lives on (same session): it releases what it sent on the broken call and
-            # never delivered; a restarted one kept nothing
-            conn.release(broken[0], abandoned=broken[1], received=shm.held())
-        if broken is not None:
+        if self._release_broken(conn) is not None:
             self._count("reconnects")
             log.info("resumed the stream from %s at %s", self.address, pass_.where())
         with self._lock:
@@ -377,8 +377,15 @@ class ServerLink:
 
     def _take_releases(self) -> list[int]:
         """The call's share of the freed leases (gRPC's request thread)."""
-        conn = self.conn
-        return self._released.take(conn.shm if conn is not None else None)
+        return self._released.take(conn.shm if (conn := self.conn) is not None else None)
+
+    def _release_broken(self, conn: ServerConnection) -> tuple[str, str] | None:
+        """Report the call that broke, (session, tag), if any: a server that lives on (the same
+        session) releases what it sent on it that never came; a restarted one kept nothing."""
+        broken, self._broken = self._broken, None
+        if broken is not None and (shm := conn.shm) is not None and shm.session == broken[0] and not shm.gone:
+            conn.release(broken[0], abandoned=broken[1], received=shm.held())
+        return broken
 
     def _drain(self) -> None:
         """After the last call: report a call ``close`` cancelled, release what the caller frees
@@ -386,15 +393,6 @@ class ServerLink:
         conn = self.conn
         if conn is None or forks.forked(self._owner):
             return
-        shm = conn.shm
-        broken, self._broken = self._broken, None
-        if broken is not None and shm is not None and shm.session == broken[0] and not shm.gone:
-            conn.release(broken[0], abandoned=broken[1], received=shm.held())
+        self._release_broken(conn)
         self._released.drain(conn)
         conn.close()
-
-
-def _drop(raw: Any, conn: ServerConnection) -> None:
-    """A batch nobody takes: its shared-memory lease goes back."""
-    if raw.segment and conn.shm is not None:
-        conn.shm.release_unused(raw.lease)

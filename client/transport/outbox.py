@@ -21,7 +21,10 @@ Once the call's data connection is open and its server reads control frames ther
 thread that grants, with the pass's ``open_seq`` (the server holds a frame of a later ``open``
 until it switched, and ignores one of an earlier): a grant then costs one ``send``, not a wake-up
 of gRPC's request thread and its channel thread (Table 18, issue 28). A send that fails puts the
-message back on the call, the progress it carried included.
+message back on the call, the progress it carried included. Where the server reads releases there
+too (``batchd-data-releases``; a shared-memory call whose messages come on its data connection),
+the leases freed so far ride on each grant's frame, and those freed while no grant comes go alone
+in a frame within ``_LEASE_POLL_S``: such a call sends no gRPC message per batch at all.
 
 Thread-safety: every method may be called from any thread; ``release`` needs no lock (freed
 tensors' finalizers queue leases on the caller's ``take_releases`` source, never here).
@@ -78,6 +81,7 @@ class Outbox:
         self._last_progress = time.monotonic()
         self._pairs = False  # a release went out: grants wait a little for the next one
         self._direct: Callable[[bytes], None] | None = None  # sends a control frame on the data connection
+        self._direct_releases = False  # ... releases included (the server reads them there)
         self._unsent_progress: pb.StreamProgress | None = None  # in a frame that could not be sent: on the call
         self.frames = 0  # control frames sent on the data connection
         self.messages = 0  # messages handed to gRPC (the opens included)
@@ -114,13 +118,15 @@ class Outbox:
             self._cond.notify()
             return self.seq
 
-    def direct(self, send: Callable[[bytes], None]) -> None:
+    def direct(self, send: Callable[[bytes], None], releases: bool = False) -> None:
         """From now on send grants and revokes (with the progress when due) as control frames by
-        ``send`` (the call's data connection), those queued first (module docstring)."""
+        ``send`` (the call's data connection), those queued first (module docstring);
+        ``releases``: the server reads releases there too, so freed leases ride on those frames,
+        and go alone in one when no grant comes."""
         with self._cond:
             if self._aborted or self._closed:
                 return
-            self._direct = send
+            self._direct, self._direct_releases = send, releases
             queued = [item for item in self._items if item[0] in (_GRANT, _REVOKE)]
             self._items = collections.deque(item for item in self._items if item[0] not in (_GRANT, _REVOKE))
             for n, (kind, seq, batches) in enumerate(queued):
@@ -135,15 +141,46 @@ class Outbox:
         progress = self._due_progress(force=False)
         if progress is not None:
             message.progress.CopyFrom(progress)
+        releases = self._releases() if self._direct_releases else []
+        message.release.extend(releases)
+        if not self._frame(message, releases):
+            self._unsent_progress = progress  # (counted reported: the call's next message carries it)
+            return False
+        return True
+
+    def _frame(self, message: pb.BatchesControl, releases: list[int]) -> bool:  # (under the lock)
+        """Send ``message`` as a control frame: True if it went; else the data connection is given
+        up for frames (what it carried goes on the call: ``releases`` back to the caller's queue)."""
         try:
             self._direct(datawire.pack_control(message.SerializeToString()))
         except (OSError, ValueError) as e:
             log.debug("a control frame could not be sent on the data connection (%s): on the call instead", e)
             self._direct = None
-            self._unsent_progress = progress  # (counted reported: the call's next message carries it)
+            if releases and self._unsent is not None:
+                self._unsent(releases)
             return False
         self.frames += 1
+        if releases and self._sent is not None:
+            self._sent(releases)
         return True
+
+    def _direct_only(self, releases: list[int]) -> bool:
+        """With grants going as frames, what is due without a grant (``releases``, where the server
+        reads them in frames; the progress, when due) in a control frame: True if it went, or
+        nothing was due; False: it goes on the call (the progress with it)."""
+        with self._cond:
+            if self._direct is None or (releases and not self._direct_releases):
+                return False
+            progress = self._due_progress(force=False)
+            if not releases and progress is None:
+                return True
+            message = pb.BatchesControl(release=releases, open_seq=self.seq)
+            if progress is not None:
+                message.progress.CopyFrom(progress)
+            if self._frame(message, []):
+                return True
+            self._unsent_progress = progress
+            return False
 
     def close(self) -> None:
         """Half-close once what is queued is sent (with the final progress), in a message marked ``done``."""
@@ -181,6 +218,10 @@ class Outbox:
                 if releases and self._unsent is not None:
                     self._unsent(releases)  # (taken, never sent: released another way)
                 return
+            if not (grants or revokes or closing) and opening is None and self._direct_only(releases):
+                if releases and self._sent is not None:
+                    self._sent(releases)
+                continue
             progress = None
             if opening is not None or closing or self._direct is None:
                 progress = self._due_progress(force=opening is not None or closing)

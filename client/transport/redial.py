@@ -86,9 +86,9 @@ class RedialingSocket:
         return self._read(lambda sock: sock.receive(batch, pool, stopping))
 
     def receive_next(self, pool: Any, stopping: threading.Event | None = None,
-                     ended: Callable[[], bool] | None = None) -> Any:
+                     ended: Callable[[], bool] | None = None, **lent: bool) -> Any:
         """As ``DataSocket.receive_next``; dialed again if refused (module docstring)."""
-        return self._read(lambda sock: sock.receive_next(pool, stopping, ended))
+        return self._read(lambda sock: sock.receive_next(pool, stopping, ended, **lent))
 
     def close(self) -> None:
         """Close the connection; no dial follows. Idempotent."""

@@ -28,6 +28,7 @@ never see its slot reused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -57,11 +58,11 @@ class SharedMemoryUnavailable(RuntimeError):
     """This process cannot read the server's shared memory (another host or IPC namespace)."""
 
 
-def _segment_path(name: str) -> pathlib.Path:
+def _segment_path(name: str) -> str:
     """The file of a segment the server named: a plain name in SHM_DIR, never a path elsewhere."""
     if not name or "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
         raise SharedMemoryUnavailable(f"the server named an invalid shared-memory segment {name[:80]!r}")
-    return SHM_DIR / name
+    return os.path.join(SHM_DIR, name)  # (a str: pathlib costs more than the mmap per batch)
 
 
 def map_private(name: str, length: int) -> mmap.mmap:
@@ -232,8 +233,10 @@ class SharedMemorySession:
         bytes are copies), holding the batch's lease until all are freed. Raises ValueError naming a
         field the server sent malformed (the caller then releases the lease)."""
         out = {}
-        with warnings.catch_warnings():  # a read-only base (host_tensors) is never written: see there
-            warnings.simplefilter("ignore", UserWarning)
+        quiet = warnings.catch_warnings() if not base.flags.writeable else contextlib.nullcontext()
+        with quiet:  # a read-only base (host_tensors) is never written: see there
+            if not base.flags.writeable:
+                warnings.simplefilter("ignore", UserWarning)
             for t in batch.tensors:
                 values = base[t.offset : t.offset + fields.nbytes(t)].view(fields.numpy_dtype(t.dtype))
                 out[t.name] = fields.field(t, torch.from_numpy(values))

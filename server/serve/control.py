@@ -15,10 +15,11 @@ reads it: ``CallControl`` starts a thread per call that does.
   stream's grants are revoked and it is ended as finished (``Stream.switch``), the request waits
   in ``next_open`` for the servicer (``take_next_open``), which opens its stream (``open_seq`` one
   more) and attaches it; the rest of that message is applied to the new stream.
-* Grants, revokes and progress may also come as control frames on the call's data connection
-  (``apply_frame``, from that connection's reader thread: ``batchd.datawire``), applied as
-  these messages are; anything else in a frame (``open``, ``done``, ``release``),
-  a frame that does not parse, or a refused grant ends the call with that error as well. A
+* Grants, revokes, releases and progress may also come as control frames on the call's data
+  connection (``apply_frame``, from that connection's reader thread: ``batchd.datawire``),
+  applied as these messages are (a frame's releases whatever ``open`` it names: leases belong
+  to the session); ``open`` or ``done`` in a frame, a frame that does not parse, or a refused
+  grant ends the call with that error as well. A
   frame's grant after ``done`` is ignored (the call is ending): a frame's grant is applied wholly
   before ``done`` is marked, or not at all (one lock orders the two). A frame names the ``open``
   it belongs to (``BatchesControl.open_seq``): one of an earlier ``open`` is ignored, one of a
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -181,7 +182,7 @@ class CallControl:
     # --- the data connection's reader thread ---------------------------------------------------
 
     def apply_frame(self, data: bytes) -> bool:
-        """Apply one control frame's message (``batchd.datawire``: grant, revoke, progress), first
+        """Apply one control frame's message (``batchd.datawire``: grant, revoke, release, progress), first
         waiting for ``attach`` (a frame may come before the servicer handed the stream over).
         False once the call is ending or the frame ended it (``fail``)."""
         while not self._attached.wait(_ATTACH_POLL_S):
@@ -193,10 +194,20 @@ class CallControl:
             except Exception:  # (protobuf's DecodeError)
                 raise ValueError("Batches: a control frame on the data connection is not a valid BatchesControl") \
                     from None
-            if msg.HasField("open") or msg.done or msg.release:
-                raise ValueError("Batches: a control frame on the data connection may carry grant, revoke and "
-                                 "progress only")
+            if msg.HasField("open") or msg.done:
+                raise ValueError("Batches: a control frame on the data connection may carry grant, revoke, "
+                                 "release and progress only")
             self._count("control_frames", 1)
+            if msg.release:  # (leases belong to the session, not to a pass: whatever its open_seq)
+                with self._lock:
+                    stream = self._stream
+                if stream is not None and not stream.request.session:
+                    raise ValueError("Batches: a control frame on the data connection may carry release only on "
+                                     "a shared-memory call (this call holds no leases)")
+                self._release(msg.release, stream)
+                if not (msg.grant or msg.revoke or msg.HasField("progress")):
+                    return True
+                del msg.release[:]
             with self._lock:  # a frame of a later `open` waits for the switch to it (no order with the call)
                 while True:
                     seq = self._seq if self._stream is not None else -1
@@ -230,6 +241,15 @@ class CallControl:
         if stream is not None:
             stream.interrupt(half_closed=True, done=True)
 
+    def _release(self, leases, stream: Any = None) -> None:
+        """Release ``leases`` of the attached (or given) stream's shared-memory session."""
+        if stream is None:
+            with self._lock:
+                stream = self._stream
+        if stream is not None and stream.request.session:
+            self._count("leases_released_on_calls", self._transport.release_leases(stream.request.session,
+                                                                                   list(leases)))
+
     def apply(self, msg: pb.BatchesControl) -> bool:
         """Apply one message to the attached stream: grants first, then revokes, releases, progress.
         False if no stream is attached any more (the call is ending). Raises ValueError or
@@ -242,9 +262,8 @@ class CallControl:
             self._count("batches_granted", stream.grant(list(msg.grant), max_grants=self._max_grants))
         if msg.revoke:
             self._count("batches_revoked", stream.revoke(list(msg.revoke)))
-        if msg.release and stream.request.session:
-            self._count("leases_released_on_calls",
-                        self._transport.release_leases(stream.request.session, list(msg.release)))
+        if msg.release:
+            self._release(msg.release, stream)
         if msg.HasField("progress"):
             progress(stream, msg.progress)
         return True

@@ -80,7 +80,9 @@ class DataConnection:
             out += message
         total = len(out) + length
         at = 0
-        self._cork(True)
+        cork = bool(pieces)  # (a message alone, a lent batch's, is one send: nothing to hold back)
+        if cork:
+            self._cork(True)
         try:
             for piece in pieces:
                 if piece.offset < at:
@@ -102,7 +104,8 @@ class DataConnection:
                 raise ConnectionAbortedError(f"data connection to {self.peer} closed") from None
             raise
         finally:
-            self._cork(False)
+            if cork:
+                self._cork(False)
         self.bytes_sent += total
         self._plane._sent(total)
         return total

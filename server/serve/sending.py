@@ -5,7 +5,8 @@ stops as soon as ``context.is_active()`` turns false (client gone), the client h
 got every grant, a control message was refused, or the server drains. Each batch is serialized
 for its transport (``Transport.encode``: lent in place, copied inline, or its payload's place for
 the data connection), and with the socket transport its payload follows on the call's data
-connection (``CallSender``). The call's stream is closed at the end, with how it ended
+connection (``CallSender``); a shared-memory call that asked for it (``data_messages``) sends
+its messages alone on that connection. The call's stream is closed at the end, with how it ended
 (``Loader.close_stream``'s reason).
 """
 
@@ -55,6 +56,7 @@ class BatchSending:
         end = _Ending()
         transport = self.loader.transport
         lag = LagLog(stream, self.loader)
+        lent = stream.transport == "shm"  # (with a sender: the message alone goes on the data connection)
         try:
             while not self._call_ended(stream, context, control, end):
                 waits = stream.ordered or bool(stream.granted)  # a call with nothing granted waits for its client
@@ -86,7 +88,7 @@ class BatchSending:
                         stream.waiting_since = None
                     continue
                 lag.got_batch(batch.batch_index)
-                data = self._send(stream, batch, context, hold=sender is not None)
+                data = self._send(stream, batch, context, hold=sender is not None and not lent)
                 if data is None:  # the call ended, or the server began draining, while a lease was awaited
                     if self.loader.draining:
                         continue  # the check above ends the call
@@ -95,7 +97,7 @@ class BatchSending:
                 stream.bytes_sent += len(data)
                 if sender is None:
                     yield data
-                elif not (yield from self._send_payload(stream, batch, data, sender, context, end)):
+                elif not (yield from self._send_payload(stream, batch, data, sender, context, end, lent)):
                     return
         finally:
             self.loader.close_stream(stream, end.reason)
@@ -128,17 +130,20 @@ class BatchSending:
         return False
 
     def _send_payload(self, stream: Stream, batch, data: bytes, sender: CallSender, context: grpc.ServicerContext,
-                      end: _Ending):
+                      end: _Ending, lent: bool = False):
         """Yield the batch's message ``data``, then write its payload on the call's data connection
         (once gRPC has taken the message), or write both there (``sender.messages``: the
-        message in band, nothing yielded), and let go of the batch. Returns False if the call ends
-        (``end.reason`` says why); a connection that broke while the client is still there ends
-        the call UNAVAILABLE (the client resumes elsewhere)."""
+        message in band, nothing yielded), and let go of the batch. ``lent``: a shared-memory
+        call's batch, lent already (``_send`` let go of it): its message alone goes in band, no
+        payload. Returns False if the call ends (``end.reason`` says why); a connection that
+        broke while the client is still there ends the call UNAVAILABLE (the client resumes
+        elsewhere)."""
         sent = False
         try:
             if not sender.messages:
                 yield data
-            stream.data_bytes_sent += sender.send(batch.batch_index, batch.slot, *socket_payload(batch),
+            pieces, length = ((), 0) if lent else socket_payload(batch)
+            stream.data_bytes_sent += sender.send(batch.batch_index, batch.slot, pieces, length,
                                                   message=data if sender.messages else None)
             if sender.messages:
                 self.loader.count("data_messages", 1)
@@ -153,9 +158,10 @@ class BatchSending:
             end.reason = "ended: its data connection broke"
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the data connection of this call broke: {e}")
         finally:
-            stream.release(batch, sent=sent)
-            if stream.ordered:  # the server grants its next batch: work for the pool
-                self.loader.pool.wake(WAKE_STREAM)
+            if not lent:
+                stream.release(batch, sent=sent)
+                if stream.ordered:  # the server grants its next batch: work for the pool
+                    self.loader.pool.wake(WAKE_STREAM)
         return True
 
     def _send(self, stream, batch, context: grpc.ServicerContext, hold: bool = False) -> bytes | None:

@@ -8,8 +8,8 @@ loop of ``sending.py``; a Batches call's requests are read on a thread of their 
 Both calls send initial metadata ``batchd-server-id`` (``Loader.server_id``) before anything
 else, and refuse a request whose ``expect_*`` fields do not match the dataset served
 (FAILED_PRECONDITION, ErrorDetail type "DatasetChangedError"). DescribeDataset and ListDatasets
-answer from a per-dataset cache of ``DatasetInfo`` (the build parts and fingerprints are computed
-once per dataset per process). Every unary call and every control message is counted
+answer from a per-dataset cache of ``DatasetInfo`` (server/serve/described.py; the build parts
+and fingerprints are computed once per dataset per process). Every unary call and every control message is counted
 (``Loader.count``; StatsTotals), so per-batch control costs show as numbers.
 """
 
@@ -20,19 +20,17 @@ import logging
 import threading
 import time
 
-from typing import Callable
-
 import grpc
 import numpy as np
 
 from batchd.errors import DatasetNotFoundError, ResourceExhaustedError
-from batchd.server.compute import build
 from batchd.server.compute.protocol import StreamRequest
 from batchd.server.loader import Loader
 from batchd.server.serve import stats
 from batchd.server.serve.control import CallControl
 from batchd.server.serve.data_connection import CallSender
 from batchd.server.serve.dataplane import DataPlane
+from batchd.server.serve.described import dataset_info, expected_mismatches
 from batchd.server.serve.handlers import ERROR_DETAIL_KEY
 from batchd.server.serve.security import OPEN, Authenticator, Redactor, Scope
 from batchd.server.serve.sending import _POLL_S, BatchSending
@@ -46,62 +44,6 @@ SERVER_ID_KEY = "batchd-server-id"
 WORKERS_KEY = "batchd-workers"  # the server's worker processes (a Batches call's initial metadata)
 MAX_LEASES_KEY = "batchd-max-leases"  # slots a shared-memory session may hold at once
 OPEN_TIMEOUT_S = 30.0  # a Batches call whose first message (open) does not come within this is refused
-
-
-def dataset_info(loader: Loader, name: str) -> pb.DatasetInfo:
-    """DescribeDataset's answer: size, classes, the sample's fields (``Dataset.fields``, then index
-    and position), the dataset and build fingerprints, on_error, the dataset's own weights by
-    digest and its class counts (where the kind holds its labels; ``Dataset.labels``)."""
-    ds = loader.dataset(name)
-    parts = build.build_parts(ds.decode_settings, cache=loader.cache is not None)
-    labels = ds.labels()
-    own = loader.dataset_weights.get(name)
-    return pb.DatasetInfo(
-        name=name,
-        kind=ds.kind,
-        num_samples=len(ds),
-        class_names=list(ds.classes),
-        sample=[
-            *(pb.TensorSpec(name=f.name, dtype=f.dtype, shape=list(f.shape)) for f in ds.fields),
-            pb.TensorSpec(name="index", dtype="int64", shape=[]),
-            pb.TensorSpec(name="position", dtype="int64", shape=[]),  # in the epoch's global order (server/compute/worker.py)
-        ],
-        fingerprint=ds.fingerprint,
-        build_fingerprint=build.served_fingerprint(parts),
-        build=parts,
-        on_error=loader.config.datasets[name].on_error,
-        weights_digest=own.digest if own is not None else "",
-        class_counts=(np.bincount(labels, minlength=len(ds.classes)).tolist()
-                      if labels is not None and len(labels) else []),
-    )
-
-
-def expected_mismatches(request: pb.StreamBatchesRequest, info: Callable[[str], pb.DatasetInfo]) -> list[str]:
-    """``expected_mismatch`` of the request's dataset, or of each source of its mix (each named);
-    ``info(name)`` describes a dataset."""
-    if not request.HasField("mix"):
-        if not (request.expect_num_samples or request.expect_fingerprint or request.expect_build_fingerprint):
-            return []
-        return expected_mismatch(request, info(request.dataset))
-    found = []
-    for source in request.mix.sources:
-        if source.expect_num_samples or source.expect_fingerprint or source.expect_build_fingerprint:
-            found += [f"source {source.dataset!r}: {d}" for d in expected_mismatch(source, info(source.dataset))]
-    return found
-
-
-def expected_mismatch(request: pb.StreamBatchesRequest | pb.MixSource, info: pb.DatasetInfo) -> list[str]:
-    """What differs between the dataset a request (or a mix's source) expects (its ``expect_*``
-    fields, where set) and ``info``: ``"num_samples A vs B"``, ``"dataset fingerprint A vs B"``, ``"build fingerprint A vs
-    B"`` (expected vs served), as the client names changes. Empty: it matches."""
-    found = []
-    if request.expect_num_samples and request.expect_num_samples != info.num_samples:
-        found.append(f"num_samples {request.expect_num_samples} vs {info.num_samples}")
-    if request.expect_fingerprint and request.expect_fingerprint != info.fingerprint:
-        found.append(f"dataset fingerprint {request.expect_fingerprint} vs {info.fingerprint or '(none)'}")
-    if request.expect_build_fingerprint and request.expect_build_fingerprint != info.build_fingerprint:
-        found.append(f"build fingerprint {request.expect_build_fingerprint} vs {info.build_fingerprint}")
-    return found
 
 
 class BatchLoaderService(BatchSending):
@@ -282,6 +224,8 @@ class BatchLoaderService(BatchSending):
                 if open_seq == 0 and args.transport == "socket":
                     sender = (self._data_sender(context, control, request.data_messages)
                               if args.compression == "none" else None)
+                elif open_seq == 0 and args.transport == "shm" and request.data_messages:
+                    sender = self._data_sender(context, control, True)  # (messages and frames only: none, no data plane)
                 if args.transport == "socket" and sender is None:
                     # no data plane here, or the client asked for compressed bytes: inline
                     args = dataclasses.replace(args, transport="inline")
@@ -292,6 +236,8 @@ class BatchLoaderService(BatchSending):
                 yield from self._serve(stream, context, control, sender)
                 request = control.take_next_open()  # the client switched the call to the next epoch
                 open_seq += 1
+            if open_seq > 1:  # (its later passes were logged at debug)
+                log.info("Batches call from %s ended after %d passes", context.peer(), open_seq)
         finally:
             if sender is not None:
                 sender.close()

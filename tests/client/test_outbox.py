@@ -146,3 +146,52 @@ def test_freed_leases_ride_on_the_next_message_without_a_lock():
     outbox.close()
     thread.join(10)
     assert sorted(b for m in got for b in m.release) == [11, 12] == sorted(told)
+
+
+def test_where_the_server_reads_releases_in_frames_no_message_goes_on_the_call_per_batch():
+    """A shared-memory call whose server reads releases in frames (``batchd-data-releases``):
+    the leases freed ride on each grant's frame; those freed while no grant comes go alone in a
+    frame within the lease poll, and so does the progress when due; the call carries only its
+    open and its last message. A frame that cannot be sent gives its leases back to be released
+    another way (``unsent``), never lost."""
+    import queue as queue_mod
+
+    freed: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+
+    def take() -> list[int]:
+        out = []
+        while not freed.empty():
+            out.append(freed.get_nowait())
+        return out
+
+    told: list[int] = []
+    progress, sent = Progress(), []
+    outbox = Outbox(pb.StreamBatchesRequest(dataset="d"), progress=progress, take_releases=take,
+                    pending=lambda: True, sent=told.extend, progress_every=0.2)
+    got, thread = drain(outbox)
+    assert wait_until(lambda: got)  # (the open)
+    outbox.direct(sent.append, releases=True)
+    freed.put(11)
+    outbox.grant([0], 0)
+    assert [(list(f.grant), list(f.release)) for f in frames(sent)] == [([0], [11])]
+    freed.put(12)  # no grant follows: a frame of its own within the lease poll
+    assert wait_until(lambda: any(12 in f.release for f in frames(sent)), 2.0)
+    progress.taken = 3  # and the progress, once due, without a grant
+    assert wait_until(lambda: any(f.progress.batches_taken == 3 for f in frames(sent)), 2.0)
+    assert len(got) == 1, "a message went on the call"
+    assert sorted(told) == [11, 12]
+
+    unsent: list[int] = []
+    broken = Outbox(pb.StreamBatchesRequest(dataset="d"), take_releases=take, pending=lambda: True,
+                    sent=told.extend, unsent=unsent.extend)
+
+    def refuse(frame: bytes) -> None:
+        raise OSError("the data connection is closed")
+
+    broken.direct(refuse, releases=True)
+    freed.put(21)
+    broken.grant([1], 0)  # the frame fails: the grant goes on the call, the lease back to its owner
+    assert unsent == [21] and 21 not in told
+    outbox.close()
+    thread.join(10)
+    assert got[-1].done and sorted(b for m in got for b in m.release) == []

@@ -39,6 +39,7 @@ pytestmark = pytest.mark.timeout(120)
 MAX_SLOTS = 2
 MAX_LEASES = 4  # per session
 HELD = 3  # batches the loop keeps alive (a loop that keeps its last outputs, as a metric's window does)
+COPIES_IN_FLIGHT = 2  # the "host" path's sources kept at most (with the prefetched batches: MAX_LEASES)
 BATCHES = 200
 DELETED = " (deleted)"  # /proc/self/maps: the mapped file was unlinked
 
@@ -71,8 +72,12 @@ def mapped(address: int, size: int, maps: dict[int, tuple[int, str]] | None = No
 class ModelTransfer:
     """``CudaTransfer``'s shared-memory path on the CPU: ``register`` and ``unregister`` record the
     registered ranges, each of which must be mapped when it is registered and still mapped when
-    it is unregistered; ``to_device`` copies a batch (clones) and keeps its source until the next
-    copy, as the real one keeps it until its copy's event has completed."""
+    it is unregistered; ``to_device`` copies a batch (clones) and keeps its sources, as the real
+    one keeps each until its copy's event has completed: here until ``COPIES_IN_FLIGHT`` are
+    kept, then all at once but the newest (a GPU whose copies complete in bursts: the client's leases rise past the server's
+    slots and fall back, so the server lends segments beyond its slots and unlinks them again;
+    releases come back within a batch on the data connection, and a transfer that gave each
+    source up at the next copy would never make it lend)."""
 
     maps_host_memory = True
 
@@ -81,7 +86,7 @@ class ModelTransfer:
         self.registered: dict[int, int] = {}  # address -> bytes
         self.segments: list[str] = []  # the segment of each registration, in order
         self.unmapped_first: list[int] = []  # addresses unmapped before they were unregistered
-        self._source = None
+        self._sources: list = []
 
     def register(self, address: int, size: int) -> bool:
         maps = batchd_mappings()
@@ -102,14 +107,16 @@ class ModelTransfer:
     def to_device(self, batch, stopping=None, *, registered=False, finish=None, seed=0, epoch=0, marks=None):
         assert registered, "a shared-memory batch did not come in registered memory"
         out = {name: fields.map_values(t, torch.clone) for name, t in batch.items()}
-        self._source = batch  # the previous copy has completed: its source goes (its lease comes back)
+        if len(self._sources) == COPIES_IN_FLIGHT:
+            self._sources.clear()  # the earlier copies have completed: their sources go (their leases come back)
+        self._sources.append(batch)
         return out, object()
 
     def hand_over(self, batch, event):
         return batch
 
     def close(self) -> None:
-        self._source = None
+        self._sources.clear()
 
 
 @pytest.fixture(scope="module")

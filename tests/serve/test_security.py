@@ -640,7 +640,7 @@ def test_client_maps_only_plain_segment_names():
     for name in ("../../etc/passwd", "/etc/passwd", "", "..", "a\x00b"):
         with pytest.raises(client_shm.SharedMemoryUnavailable):
             client_shm._segment_path(name)
-    assert client_shm._segment_path("batchd-1-slot-3").name == "batchd-1-slot-3"
+    assert os.path.basename(client_shm._segment_path("batchd-1-slot-3")) == "batchd-1-slot-3"
 
 
 # --- unix sockets -------------------------------------------------------------------------------

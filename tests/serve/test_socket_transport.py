@@ -264,8 +264,8 @@ def test_a_bad_frame_or_a_closed_data_connection_ends_the_call(server, stub, cas
         with pytest.raises(grpc.RpcError) as e:
             for _ in messages:
                 pass
-    want = {"open": (grpc.StatusCode.INVALID_ARGUMENT, "grant, revoke and progress only"),
-            "release": (grpc.StatusCode.INVALID_ARGUMENT, "grant, revoke and progress only"),
+    want = {"open": (grpc.StatusCode.INVALID_ARGUMENT, "grant, revoke, release and progress only"),
+            "release": (grpc.StatusCode.INVALID_ARGUMENT, "release only on a shared-memory call"),
             "magic": (grpc.StatusCode.INVALID_ARGUMENT, "magic b'XXXX'"),
             "not-protobuf": (grpc.StatusCode.INVALID_ARGUMENT, "not a valid BatchesControl"),
             "closed": (grpc.StatusCode.UNAVAILABLE, "data connection from 127.0.0.1")}[case]
