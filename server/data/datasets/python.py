@@ -20,7 +20,8 @@ the two builds, the operating system's entropy read during the second, or a diff
 them refuses the dataset (``UnkeyableRandomnessError``, naming it, what was found and where the
 randomness must go), or only warns with ``deterministic: false`` (whose samples are then never
 cached nor checked). The server checks sample 0 and ``KEYED_CHECKS - 1`` others at start-up;
-each worker checks a sample at random intervals while serving (``worker.RECHECK_EVERY``).
+each worker checks a sample at random intervals while serving (``recheck.RECHECK_EVERY``,
+server/compute/recheck.py).
 Samples whose ``__getitem__`` drew are never cached either (their bytes depend on the epoch).
 
 Fields: ``fields`` on the dataset (an attribute or a method) mapping name -> (dtype, shape) or
