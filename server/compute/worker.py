@@ -17,31 +17,35 @@ server cache (config ``cache:``), a sample's decode and its pipeline's determini
 there (``samples.py``); the pipeline's random rest runs here as before (its plan: ``plan.py``). A
 sample for which the prefix would draw a random number (``prefix.RandomDrawn``) is built by the
 whole pipeline instead, and not cached.
+
+What is not the batch's build lives beside it: the pipe's end (``inbox.py``: tasks in,
+exceptions out as ``TaskFailed``), a mix's per-source handling (``mix.py``), and the recheck of
+``kind: python`` samples while serving (``recheck.py``, mixed in).
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import pickle
-import random
 import signal
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import numpy as np
 
-from batchd.errors import SampleError, ShapeMismatchError
+from batchd.errors import SampleError
 from batchd.server.compute import encoded, python_pipeline
 from batchd.server.compute import pipeline as pipelines
 from batchd.server.compute.collate import BatchWriter
+from batchd.server.compute.inbox import Inbox, failure, parent_alive
+from batchd.server.compute.mix import MixSources, prefetch_mix
 from batchd.server.compute.plan import Plan, make_plan
-from batchd.server.compute.protocol import BatchDone, Ready, Shutdown, Task, TaskFailed
+from batchd.server.compute.protocol import BatchDone, Ready, Task, TaskFailed
+from batchd.server.compute.recheck import Rechecks
 from batchd.server.compute.samples import DECODE_KINDS, WorkerSamples
 from batchd.server.compute.stages import IDLE, PIPELINE, WRITE, StageBoard, StageClock
 from batchd.server.data.cache import SharedCache
-from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, FieldSpec, open_dataset
+from batchd.server.data.datasets import PER_OBJECT_FIELDS, Dataset, open_dataset
 from batchd.server.data.datasets.python import add_python_path
 from batchd.server.data.datasets.values import as_value
 from batchd.server.data.reader import DEFAULT_READS_IN_FLIGHT, SampleReader
@@ -49,16 +53,13 @@ from batchd.server.shm import Segment
 
 _CACHED_SEGMENTS = 16
 _CACHED_PIPELINES = 32
-# mean number of samples between two checks of a kind: python dataset's keying while serving
-# (``_Worker.recheck``: the sample built a second time, watched); the gaps are random
-RECHECK_EVERY = 256
 
 
-class _Worker(WorkerSamples):
+class _Worker(WorkerSamples, Rechecks):
     """Builds batches in a worker process: opens datasets and pipelines on first use (kept), reads
     the samples of its tasks ahead, and writes each batch into its slot (``run``). One sample's
     way through read, decode and the cached prefix is ``samples.py``'s; the pipeline's plan
-    ``plan.py``'s."""
+    ``plan.py``'s; a python sample's recheck ``recheck.py``'s."""
 
     def __init__(self, worker_id: int, dataset_configs: dict[str, Any], cache_dir, new_segment_prefix: str,
                  reduced_decode: bool = True, reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
@@ -84,10 +85,7 @@ class _Worker(WorkerSamples):
         # seconds per stage of the running batch (BatchDone.timings), and its stage on the server's board
         self.clock = StageClock(StageBoard.attach(new_segment_prefix), worker_id)
         self.cache_lookups = self.cache_misses = 0  # samples of the running batch looked up in the cache, computed
-        # when to check a kind: python sample's keying next (recheck): drawn by batchd's own
-        # generator, seeded by the OS, never one a dataset draws from (so the bytes do not depend on it)
-        self._gaps = random.Random()
-        self._until_recheck = self._gap()
+        self._start_rechecks()  # when to check a kind: python sample's keying next (recheck.py)
         self.decodes = dict.fromkeys(DECODE_KINDS, 0)  # the running batch's decodes by kind (samples.py)
         self.decoded_pixels = 0  # ... and the pixels they decoded
 
@@ -96,29 +94,13 @@ class _Worker(WorkerSamples):
         reads from storage. Never raises: a task whose dataset cannot be opened fails in ``run``."""
         try:
             if task.sources:
-                self._prefetch_mix(task)
+                prefetch_mix(self, task)
                 return
             ds = self.dataset(task.dataset)
             if ds.concurrent_reads:
                 self.reader.add(task.task_id, self._reads(task, ds), task.indices.tolist())
         except Exception:
             pass
-
-    def _prefetch_mix(self, task: Task) -> None:
-        """A mix's task: the reader's item k is sample k, read from its source's storage (nothing for
-        a source held in memory: ``_load`` forgets those)."""
-        reads = []
-        for name, key, text in task.sources:
-            ds = self.dataset(name)
-            reads.append(self._reads(task, ds, self._plan(key, text)) if ds.concurrent_reads else None)
-        if all(r is None for r in reads):
-            return
-        ids, indices = task.source_ids.tolist(), task.indices.tolist()
-
-        def read(k: int):
-            r = reads[ids[k]]
-            return None if r is None else r(indices[k])
-        self.reader.add(task.task_id, read, range(len(indices)))
 
     def dataset(self, name: str) -> Dataset:
         ds = self.datasets.get(name)
@@ -127,24 +109,6 @@ class _Worker(WorkerSamples):
             declared = {f.name: f.per_object for f in ds.fields}
             self.per_object[name] = lambda field: declared.get(field, field in PER_OBJECT_FIELDS)
         return ds
-
-    def _gap(self) -> int:
-        """Samples until the next ``recheck``: 1 + exponential of mean ``RECHECK_EVERY`` - 1."""
-        return 1 + int(self._gaps.expovariate(1.0 / max(RECHECK_EVERY - 1, 1e-9))) if RECHECK_EVERY > 1 else 1
-
-    def recheck(self, ds: Dataset, index: int, key: np.ndarray, sample: dict) -> None:
-        """At random intervals (``RECHECK_EVERY`` samples on average), build a ``kind: python``
-        sample (just built: ``sample``) a second time under the same key and raise
-        ``UnkeyableRandomnessError`` naming the dataset if randomness batchd cannot key shows
-        (``PythonDataset.check_keyed``). Not for ``deterministic: false`` datasets."""
-        check = getattr(ds, "check_keyed", None)
-        if check is None or not getattr(ds, "deterministic", True):
-            return
-        self._until_recheck -= 1
-        if self._until_recheck > 0:
-            return
-        self._until_recheck = self._gap()
-        check(index, key, sample)
 
     def pipeline(self, key: str, text: str) -> tuple[Any, tuple[int, int] | None]:
         """(Compose or None, the size images may be decoded down to) for a pipeline, cached."""
@@ -214,7 +178,7 @@ class _Worker(WorkerSamples):
         per_object = self.per_object[ds.name]
         skipped: list[tuple[int, str, str]] = []
         slot: list = [None, False]  # the segment written, and whether it is a new (grown) one
-        mix = _MixSources(self, task) if task.sources else None
+        mix = MixSources(self, task) if task.sources else None
         skip = task.skip_bad_samples
 
         def alloc(nbytes: int, keep: int) -> memoryview:
@@ -313,60 +277,6 @@ class _Worker(WorkerSamples):
         return seg, True
 
 
-class _MixSources:
-    """A mix's task in the worker: each sample's dataset, plan and on_error by its source
-    (``Task.source_ids``), the ``source`` field it gains (int64, the source's place in the mix),
-    and messages naming the source of a sample that does not collate with the others."""
-
-    def __init__(self, worker: _Worker, task: Task):
-        self.sources = [(worker.dataset(name), worker._plan(key, text),
-                         getattr(worker.dataset_configs[name], "on_error", "raise") == "skip")
-                        for name, key, text in task.sources]
-        self.ids = task.source_ids.tolist()
-        self.where: dict[int, Dataset] = {}  # sample index -> the dataset of its first sample in this batch (messages)
-        self.current: tuple[int, Dataset] | None = None  # the sample being added
-        self.names = [ds.name for ds, _, _ in self.sources]
-        self.per_object = [worker.per_object[name] for name in self.names]  # a field per-object in any source
-
-    def source(self, k: int, index: int) -> tuple[Dataset, Plan, bool]:
-        """(dataset, plan, skip bad samples) of sample k."""
-        found = self.sources[self.ids[k]]
-        self.where.setdefault(index, found[0])
-        self.current = (index, found[0])
-        return found
-
-    def tagged(self, sample: dict, k: int, ds: Dataset, index: int) -> dict:
-        """The sample with its ``source``. Raises ValueError if it has a field of that name."""
-        if "source" in sample:
-            raise ValueError(f"dataset {ds.name!r}, sample {index}: it has a field 'source', which a mix adds (the "
-                             "sample's source); rename the field to mix this dataset")
-        return {**sample, "source": self.ids[k]}
-
-    def writer(self, capacity: int, alloc, max_bytes: int) -> BatchWriter:
-        first = self.sources[0][0]
-        return BatchWriter(capacity, per_object=lambda field: any(po(field) for po in self.per_object),
-                           alloc=alloc, max_bytes=max_bytes, describe=self._describe,
-                           specs=(*first.fields, FieldSpec("source", "int64", ())), dataset=self.name)
-
-    @property
-    def name(self) -> str:
-        return "mix(" + ",".join(self.names) + ")"
-
-    def _describe(self, index: int) -> str:
-        """The sample being added if it has this index, else the batch's first sample of that index."""
-        ds = self.current[1] if self.current is not None and self.current[0] == index else self.where.get(index)
-        return f"sample {index}" if ds is None else f"sample {index} of {ds.name!r} ({ds.source(index)})"
-
-    def add(self, writer: BatchWriter, sample: dict, index: int, position: int) -> None:
-        try:
-            writer.add(sample, index, position)
-        except ShapeMismatchError as e:
-            e.add_note(f"the sources of a mix ({', '.join(self.names)}) must give samples that collate (the same "
-                       "fields, dtypes and, for stacked fields, shapes): give each source a pipeline that makes them "
-                       "alike (transform={name: pipeline})")
-            raise
-
-
 def _as_hwc_array(image: Any, dataset: str, index: int) -> np.ndarray:
     if not isinstance(image, np.ndarray):
         raise TypeError(
@@ -376,64 +286,6 @@ def _as_hwc_array(image: Any, dataset: str, index: int) -> np.ndarray:
     if image.ndim == 2:
         image = image[:, :, None]
     return image
-
-
-def _failure(task_id: int, worker_id: int, exc: BaseException) -> TaskFailed:
-    tb = "".join(traceback.format_exception(exc))
-    try:
-        pickle.loads(pickle.dumps(exc))  # some exceptions pickle but do not unpickle
-        error = exc
-    except Exception:
-        error = None
-    # notes (e.g. "while applying the pipeline to dataset ..., sample ...") name the sample; the
-    # message is all a client sees when the exception travels as a WorkerError
-    message = "\n".join([str(exc), *(n for n in getattr(exc, "__notes__", ()) if isinstance(n, str))])
-    return TaskFailed(task_id, worker_id, error, type(exc).__name__, message, tb)
-
-
-def _parent_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-class _Inbox:
-    """The worker's end of the pipe: tasks taken as soon as they arrive (started reading, then run
-    in arrival order), and whether the server said Shutdown or went away (``open`` False)."""
-
-    def __init__(self, conn: Connection, worker: _Worker):
-        self.conn, self.worker = conn, worker
-        self.tasks: collections.deque[Task] = collections.deque()
-        self.open = True
-
-    def drain(self) -> None:
-        """Take every message already in the pipe, without waiting."""
-        try:
-            while self.open and self.conn.poll():
-                self._put(self.conn.recv())
-        except (EOFError, OSError):
-            self.open = False
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a message; True if one came (or the pipe closed)."""
-        try:
-            if not self.conn.poll(timeout):
-                return False
-            self._put(self.conn.recv())
-        except (EOFError, OSError):
-            self.open = False
-        return True
-
-    def _put(self, msg) -> None:
-        if isinstance(msg, Shutdown):
-            self.open = False
-        else:
-            self.tasks.append(msg)
-            self.worker.prefetch(msg)
 
 
 def worker_main(
@@ -462,7 +314,7 @@ def worker_main(
     cv2.setNumThreads(1)  # one worker per core; OpenCV's own threads would oversubscribe
     worker = _Worker(worker_id, dataset_configs, cache_dir, segment_prefix, reads_in_flight=reads_in_flight,
                      python_pipelines=python_pipelines)
-    inbox = _Inbox(conn, worker)
+    inbox = Inbox(conn, worker)
     worker.between_samples = inbox.drain
     conn.send(Ready(worker_id, os.getpid()))
     while True:
@@ -470,17 +322,17 @@ def worker_main(
         if not inbox.open:
             return
         if not inbox.tasks:
-            if not inbox.wait(1.0) and not _parent_alive(server_pid):
+            if not inbox.wait(1.0) and not parent_alive(server_pid):
                 return
             continue
         task = inbox.tasks.popleft()
         try:
             reply: BatchDone | TaskFailed = worker.run(task)
         except Exception as e:
-            reply = _failure(task.task_id, worker_id, e)
+            reply = failure(task.task_id, worker_id, e)
         try:
             conn.send(reply)
         except (BrokenPipeError, OSError):
             return
         except Exception as e:  # the reply itself did not pickle
-            conn.send(_failure(task.task_id, worker_id, e))
+            conn.send(failure(task.task_id, worker_id, e))

@@ -223,10 +223,10 @@ def test_randomness_that_starts_while_serving_is_caught_by_a_workers_rechecks(te
     """A dataset that draws from a module-level generator only after its first 30 samples passes
     the start-up check; a worker building each sample a second time (RECHECK_EVERY 1) refuses the
     batch, naming the dataset. With ``deterministic: false``, no check."""
-    from batchd.server.compute import worker
+    from batchd.server.compute import recheck
     from inworker import InWorker
 
-    monkeypatch.setattr(worker, "RECHECK_EVERY", 1)
+    monkeypatch.setattr(recheck, "RECHECK_EVERY", 1)
     late = python("Unkeyable", source="module_numpy", after=30)
     with InWorker({"late": late, "free": {**late, "deterministic": False}}, tmp_path) as w:
         w.batch("late", list(range(10)))  # (the worker's own dataset object: 10 calls, 10 more to check them)
