@@ -138,9 +138,9 @@ bench-deps:
 	$(call apt_provide,mate-backgrounds,$(MATE_PHOTOS),the photo benchmark (bench/fixtures/make_photos.py))
 
 bench: install bench-deps
-	$(PY) -c 'import matplotlib, tensorflow' 2>/dev/null || $(PY) -m pip install -e '.[client,bench]' \
+	$(PY) -c 'import matplotlib, psutil, tensorflow' 2>/dev/null || $(PY) -m pip install -e '.[client,bench]' \
 	  || { echo '!! the bench extra did not install: Table 1 skips the tf.data peers' >&2; \
-	       $(PY) -m pip install 'matplotlib>=3.7'; }
+	       $(PY) -m pip install 'matplotlib>=3.7' 'psutil>=5.9'; }
 	$(PY) -m bench.run_all $(ARGS)
 
 clean:

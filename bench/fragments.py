@@ -37,11 +37,15 @@ HEADLINE = (
     ("table10", "cache in RAM", "decoded-sample cache in RAM: epochs 2-3 vs epoch 1"),
     ("table13", "batchd shm, no cache >= 1.0x DataLoader images/s (COCO", "COCO boxes + masks: batchd vs PyTorch DataLoader"),
     ("table6", "2 servers (1 worker each)", "one loader over 2 servers vs 1 (1 worker each)"),
-    ("table17", "3 servers (128 + 47 + 80 img/s): dynamic", "servers of unequal speed in one loader vs the sum of each alone"),
+    ("table17", "3 servers (128 + 47 + 80 img/s): one loader", "servers of unequal speed in one loader vs the sum of each alone"),
+    ("table17", "sidecar (1 worker, 8 ms per batch) + pool (4 workers, 800 ms",
+     "a fast sidecar beside a slow 4-worker pool (8 and 200 ms per batch alone): together vs the sum, per run"),
     ("table18", "data plane (relay): trainer CPU", "a remote trainer's CPU per GB received (relay; others in brackets)"),
     ("table20", "batchd >= 1.3x a DataLoader running the same albumentations pipeline (large photos",
      "large photos, RandomResizedCrop(224) + flip, 2 workers: batchd vs PyTorch DataLoader"),
     ("table16", "server main process <= 1 ms", "server main process CPU per batch (shared memory, batch 64 / 256)"),
+    ("table22", "control path from outside (psutil): server main process",
+     "server main process CPU per batch from outside (psutil; batch x batches per epoch)"),
 )
 
 

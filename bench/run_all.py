@@ -10,17 +10,19 @@ JPEG decoding; alias: profile), table6 (one loader over 1-3 servers; alias: scal
 (several experiments on one loader; alias: sharing), table8 (cost of per-sample random
 streams; alias: seeding), table9 (images/s against storage latency through FUSE and S3; alias: latency), table10
 (the decoded-sample cache over 3 epochs; alias: cache), table11 (what batching samples as dicts of
-fields costs a worker; alias: collate), table12 (hedged requests with one of 3 servers stalling; alias:
-hedge), table13 (COCO detection with boxes and masks: batchd vs DataLoader, and loading time per
+fields costs a worker; alias: collate), table12 (a stalled server's batches granted to the others, one of 3
+servers stalling; alias: hedge), table13 (COCO detection with boxes and masks: batchd vs DataLoader, and loading time per
 sample beside a training step; alias: detection), table14 (the cost of per-batch timings; alias:
 timings), table15 (workers sized to demand vs fixed pools; alias: autoscale), table16 (CPU per batch of
 the server's main process and the trainer, against DataLoader's main process; alias: control), table17
-(servers of unequal speed, a stalled server, a sidecar plus a TCP server in one loader; alias: fullspeed),
-table18 (trainer and server CPU per GB and images/s over the socket data plane, inline TCP and shared
+(servers of unequal speed, a fast sidecar beside a slow pool, a hung and a stalled server in one loader; alias:
+fullspeed), table18 (trainer and server CPU per GB and images/s over the socket data plane, inline TCP and shared
 memory; alias: network), table19 (a remote trainer's images/s while idle connections flood the data
 port; alias: dataplane), table20 (RandomResizedCrop(224) + flip on large photos: region decoding against a
 DataLoader and tf.data's decode_and_crop_jpeg, decoded pixels per image; alias: decode), table21 (weighted
-and mixed epochs vs the plain epoch and vs DataLoader's WeightedRandomSampler; alias: sampling). Results:
+and mixed epochs vs the plain epoch and vs DataLoader's WeightedRandomSampler; alias: sampling), table22 (the
+client after issue 36: threads per loader, lines of code, the control path's CPU per batch measured from
+outside; alias: client). Results:
 ``results.json`` (raw numbers; a run replaces the tables it ran and keeps the others), ``results.md`` (tables
 and PASS/FAIL targets), ``throughput.png`` and ``latency.png`` (Table 9), and ``fragments/`` (the tables the docs include, bench/fragments.py)
 in ``--out`` (default bench/results; for --quick, /tmp/batchd-bench-quick, so that a smoke run never
@@ -41,20 +43,20 @@ import time
 from bench import ROOT, chart, fragments, machine, measure, noise, report
 from bench.fixtures import data
 from bench.settings import Settings
-from bench.tables import (table_autoscale, table_batch, table_cache, table_collate, table_control, table_dataplane,
-                          table_decode, table_detection, table_fullspeed, table_hedge, table_latency, table_network,
-                          table_overlap, table_profile, table_sampling, table_scale, table_scaleout, table_seeding,
-                          table_sharing, table_timings, table_workers)
+from bench.tables import (table_autoscale, table_batch, table_cache, table_client, table_collate, table_control,
+                          table_dataplane, table_decode, table_detection, table_fullspeed, table_hedge, table_latency,
+                          table_network, table_overlap, table_profile, table_sampling, table_scale, table_scaleout,
+                          table_seeding, table_sharing, table_timings, table_workers)
 
 MODULES = (table_workers, table_batch, table_overlap, table_scale, table_profile, table_scaleout, table_sharing,
            table_seeding, table_latency, table_cache, table_collate, table_hedge, table_detection, table_timings,
            table_autoscale, table_control, table_fullspeed, table_network, table_dataplane, table_decode,
-           table_sampling)
+           table_sampling, table_client)
 ALIASES = {"workers": "table1", "batch": "table2", "overlap": "table3", "scale": "table4", "profile": "table5",
            "scaleout": "table6", "sharing": "table7", "seeding": "table8", "latency": "table9", "cache": "table10",
            "collate": "table11", "hedge": "table12", "detection": "table13", "timings": "table14",
            "autoscale": "table15", "control": "table16", "fullspeed": "table17", "network": "table18",
-           "dataplane": "table19", "decode": "table20", "sampling": "table21"}
+           "dataplane": "table19", "decode": "table20", "sampling": "table21", "client": "table22"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
