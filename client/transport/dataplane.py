@@ -44,11 +44,8 @@ import time
 from typing import Any, Callable
 
 from batchd import datawire, errors, sockets, wire
-from batchd.client.transport import addresses
-from batchd.client.transport import buffers
-from batchd.client.transport import fields
-from batchd.client.transport import redial
 from batchd.client import forks
+from batchd.client.transport import addresses, buffers, fields, redial
 from batchd.client.transport.channel import TLS
 
 log = logging.getLogger("batchd.client.loader")
@@ -318,10 +315,9 @@ class DataLink:
     def __init__(self, address: str, tls: TLS | None, pool: buffers.BufferPool, *, connect_timeout: float,
                  timeout: float, optional: bool = True, relay: Any = None, max_message: int = datawire.MAX_MESSAGE,
                  lent: bool = False):
-        self.address, self.tls, self.pool, self.lent = address, tls, pool, lent
+        self.address, self.tls, self.pool, self.lent, self.optional = address, tls, pool, lent, optional
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.max_message = min(max_message, datawire.MAX_MESSAGE)
-        self.optional = optional
         self.relay = relay  # a batchd.client.transport.relay.Relay holds the connections (pool: its RelayBuffers), or None
         self.reachable = True
 
@@ -370,8 +366,8 @@ class DataLink:
         return dataclasses.replace(batch, payload=ds.receive(batch, self.pool))
 
     def receive_next(self, ds: DataSocket, ended: Callable[[], bool]) -> tuple[wire.WireBatch, int] | None:
-        """The next batch of a call whose messages come on ``ds`` (``DataSocket.receive_next``)."""
-        # (a relayed socket never serves a lent call: only a DataSocket is told ``lent``)
+        """The next batch of a call whose messages come on ``ds`` (``DataSocket.receive_next``; a
+        relayed socket never serves a lent call, so only a DataSocket is told ``lent``)."""
         return ds.receive_next(self.pool, ended=ended, **({"lent": True} if self.lent else {}))
 
 

@@ -21,6 +21,7 @@ import collections
 import gc
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 MAX_SLOTS = 2
 MAX_LEASES = 4  # per session
 HELD = 3  # batches the loop keeps alive (a loop that keeps its last outputs, as a metric's window does)
+PAUSE_EVERY, PAUSE_S = 20, 0.2  # the host path's pauses: the server's lent segments come back, and go
 COPIES_IN_FLIGHT = 2  # the "host" path's sources kept at most (with the prefetched batches: MAX_LEASES)
 BATCHES = 200
 DELETED = " (deleted)"  # /proc/self/maps: the mapped file was unlinked
@@ -156,6 +158,9 @@ def test_unlinked_segments_are_unmapped_once_their_tensors_are_gone(server, path
             assert batch["image"].shape[0] == 50
             held.append(batch)  # the last HELD batches stay alive: their leases make the server lend beyond its slots
             del batch
+            if transfer is not None and n % PAUSE_EVERY == 0:  # the host path's leases fall to none for a while
+                transfer.close()  # (the "GPU" drains its copies, as at an evaluation step)
+                time.sleep(PAUSE_S)
             maps = batchd_mappings()
             segments.update(p.removesuffix(DELETED) for _, p in maps.values())
             most = max(most, len(maps))

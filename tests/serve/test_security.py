@@ -392,9 +392,9 @@ def test_no_request_data_is_unpickled():
                               text)
             if hits:
                 users[str(path.relative_to(root))] = hits
-    assert users == {"server/compute/worker.py": ["pickle.loads("]}, users
-    worker = (root / "server" / "compute" / "worker.py").read_text()
-    assert "pickle.loads(pickle.dumps(exc))" in worker  # its own exception, round-tripped
+    assert users == {"server/compute/inbox.py": ["pickle.loads("]}, users
+    inbox = (root / "server" / "compute" / "inbox.py").read_text()  # (the worker's side of its pipe)
+    assert "pickle.loads(pickle.dumps(exc))" in inbox  # its own exception, round-tripped
 
 
 # --- client pipelines ---------------------------------------------------------------------------
