@@ -20,7 +20,7 @@ from bench.fixtures import data
 from bench.fixtures.server_proc import ServerProcess
 from bench.measure import cpu_seconds, harness_tids, median
 from bench.placement import tree
-from bench.tables.table_control import r224
+from bench.tables.table_control import _endless, r224
 
 NAME = "table22"
 WORKERS = 2
@@ -91,14 +91,6 @@ class Snapshot:
             except psutil.Error:
                 pass
         self.children = children
-
-
-def _endless(loader):
-    epoch = 0
-    while True:
-        loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 def _control_one(srv: ServerProcess, dataset: str, bs: int, total: int, seed: int, loader_per_epoch: bool = False) -> dict:

@@ -121,9 +121,8 @@ def test_reopen_switches_the_call_and_drops_what_an_earlier_pass_grants_late():
     assert got[-1].done and got[-1].progress.batches_taken == 1
 
 
-def test_freed_leases_ride_on_the_next_message_without_a_lock():
-    """Leases freed (queued by finalizers, lock-free) go with the next grant, or alone within
-    the lease poll while any is outstanding; ``sent`` hears each once."""
+def _freed_leases():
+    """A lock-free queue of freed leases (as finalizers fill one) and the ``take_releases`` that empties it."""
     import queue as queue_mod
 
     freed: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
@@ -134,6 +133,13 @@ def test_freed_leases_ride_on_the_next_message_without_a_lock():
             out.append(freed.get_nowait())
         return out
 
+    return freed, take
+
+
+def test_freed_leases_ride_on_the_next_message_without_a_lock():
+    """Leases freed (queued by finalizers, lock-free) go with the next grant, or alone within
+    the lease poll while any is outstanding; ``sent`` hears each once."""
+    freed, take = _freed_leases()
     told: list[int] = []
     outbox = Outbox(pb.StreamBatchesRequest(dataset="d"), take_releases=take, pending=lambda: True,
                     sent=told.extend)
@@ -154,16 +160,7 @@ def test_where_the_server_reads_releases_in_frames_no_message_goes_on_the_call_p
     frame within the lease poll, and so does the progress when due; the call carries only its
     open and its last message. A frame that cannot be sent gives its leases back to be released
     another way (``unsent``), never lost."""
-    import queue as queue_mod
-
-    freed: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
-
-    def take() -> list[int]:
-        out = []
-        while not freed.empty():
-            out.append(freed.get_nowait())
-        return out
-
+    freed, take = _freed_leases()
     told: list[int] = []
     progress, sent = Progress(), []
     outbox = Outbox(pb.StreamBatchesRequest(dataset="d"), progress=progress, take_releases=take,
