@@ -32,6 +32,7 @@ they do into it (reconnects, failovers, stalls). ``snapshot()`` is a plain dict,
   its batches granted to the others: ``batchd.client.iteration.credit``),
   ``data_plane_fallbacks`` (a server whose data port could not be used, or refused every dial
   of a call's data connection, with ``transport="auto"``: its calls go inline from then on;
+  over shared memory, its calls' Batch messages come on the calls, the bytes still in place;
   ``batchd.client.transport.redial``).
 
 Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
