@@ -84,14 +84,10 @@ def shard_indices(
     int64 [shard_size].
 
     Raises ValueError if rank is not in [0, world_size), the dataset is empty or start_position
-    is not in [0, num_samples).
+    is not in [0, num_samples) (``shard_of``'s checks).
     """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if num_samples < 1:
         raise ValueError("the dataset has no samples")
-    if not 0 <= start_position < num_samples:
-        raise ValueError(f"start_position {start_position} is not in [0, {num_samples}) (the epoch's samples)")
     order = epoch_order(num_samples, shuffle=shuffle, seed=seed, epoch=epoch)
     return shard_of(order, rank=rank, world_size=world_size, drop_last=drop_last, start_position=start_position)
 

@@ -103,7 +103,8 @@ def test_a_loop_that_keeps_batches_at_the_lease_cap_never_waits_for_the_poll(mak
     and that grant waits for the batch: the consumer, about to wait, sends them itself
     (``Link.send_freed``). Before it, every batch past the 5th waited for the request thread's
     0.5 s poll (98 s for 200 batches of 50, against 2 s). Every batch in shared memory, each
-    sample once; the longest wait well under the poll."""
+    sample once; the median wait far under the poll (a median: a loaded machine's scheduling
+    hiccup on one batch is not what this looks for; the defect cost every batch the poll)."""
     srv = make_server(datasets=fmnist_test_config(fmnist_root), workers=2, max_slots=2, max_leases_per_session=4,
                       share_window=0)
     before = _counts(srv)
@@ -124,5 +125,5 @@ def test_a_loop_that_keeps_batches_at_the_lease_cap_never_waits_for_the_poll(mak
     assert stats["bytes_received"]["inline"] == 0 and stats["bytes_received"]["shm"] > 0
     assert torch.equal(torch.cat(indices), torch.arange(60 * 50))
     assert _counts(srv)["data_messages"] - before["data_messages"] >= 60
-    slow = sorted(waits)[-5:]
-    assert max(waits[5:]) < 0.25, f"the longest waits {['%.3f' % w for w in slow]} s: freed leases waited for the poll"
+    median = sorted(waits[5:])[len(waits[5:]) // 2]
+    assert median < 0.1, f"median wait {median:.3f} s per batch: freed leases waited for the poll"
