@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import pathlib
+import queue
 import socket
 import subprocess
 import sys
@@ -54,12 +55,15 @@ AVAILABLE = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 class RelayBuffers:
     """``allocate`` for a ``BufferPool`` whose buffers the relay writes: each a uint8 [nbytes]
-    tensor over a memfd mapping, with an id and the fd to pass (``lookup``). Thread-safe."""
+    tensor over a memfd mapping, with an id and the fd to pass (``lookup``). Thread-safe. A buffer's
+    finalizer takes no lock (the garbage collector may run it in a thread that holds ``_lock``):
+    it closes the memfd and queues the address, forgotten under the lock by the next call."""
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._by_address: dict[int, tuple[int, int, int]] = {}  # data_ptr -> (id, fd, size)
+        self._dropped: queue.SimpleQueue = queue.SimpleQueue()  # addresses of buffers gone (finalizers)
 
     def __call__(self, nbytes: int) -> torch.Tensor:
         """A buffer of ``nbytes``. Raises what the memfd, its size or its mapping raised (OSError,
@@ -78,6 +82,7 @@ class RelayBuffers:
             raise
         address = buf.data_ptr()
         with self._lock:
+            self._forget_dropped()  # (before: a freed buffer's address may be this one's)
             self._by_address[address] = (next(self._ids), fd, nbytes)
         weakref.finalize(buf, self._drop, address, fd)
         return buf
@@ -85,12 +90,20 @@ class RelayBuffers:
     def lookup(self, buf: torch.Tensor) -> tuple[int, int, int]:
         """(id, fd, size) of a buffer this made. KeyError for another."""
         with self._lock:
+            self._forget_dropped()
             return self._by_address[buf.data_ptr()]
 
     def _drop(self, address: int, fd: int) -> None:
-        with self._lock:
-            self._by_address.pop(address, None)
+        """A buffer's finalizer: no lock (class docstring)."""
         os.close(fd)
+        self._dropped.put(address)
+
+    def _forget_dropped(self) -> None:  # (under _lock)
+        while True:
+            try:
+                self._by_address.pop(self._dropped.get_nowait(), None)
+            except queue.Empty:
+                return
 
 
 class Relay:

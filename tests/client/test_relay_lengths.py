@@ -20,6 +20,7 @@ import gc
 import os
 import socket
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -130,6 +131,30 @@ def test_a_buffer_that_cannot_be_made_leaks_no_descriptor():
         with pytest.raises((OverflowError, OSError, ValueError, MemoryError)):
             relay.shared().buffers(nbytes)
     assert open_fds() == fds
+
+
+def test_a_buffer_freed_in_a_thread_that_holds_the_buffers_lock_does_not_deadlock():
+    """A buffer's finalizer may run wherever the garbage collector does, in a thread that holds
+    ``RelayBuffers``' lock too (a collection triggered by an allocation inside it): the finalizer
+    takes no lock, closes the memfd at once, and the address is forgotten by the next call. Before,
+    the finalizer took the lock: this thread hung."""
+    buffers_ = relay.RelayBuffers()
+    buf = buffers_(4096)
+    _, fd, _ = buffers_.lookup(buf)
+    done = threading.Event()
+
+    def free_inside_the_lock():
+        nonlocal buf
+        with buffers_._lock:
+            buf = None  # its finalizer runs here, in the thread that holds the lock
+        done.set()
+
+    threading.Thread(target=free_inside_the_lock, daemon=True).start()
+    assert done.wait(10), "the finalizer waited for the lock its own thread held"
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the memfd is closed at once
+    other = buffers_(4096)
+    assert buffers_.lookup(other)[2] == 4096 and len(buffers_._by_address) == 1  # the freed one forgotten
 
 
 ERRORS = {
