@@ -10,9 +10,10 @@ it, any number of times, and the first copy to arrive is the one the loop gets. 
   ``MIN_HORIZON_S``): enough to keep its workers busy while its batches travel, and every
   server's deliveries spread over the same horizon, so that a fast server's credit covers a slow
   one's latency. Credit is at least the loader's ``prefetch`` and at most ``MAX_CREDIT``; over
-  shared memory its grants plus its batches waiting to be taken stay below the server's lease
-  cap (``batchd-max-leases``) less ``LEASE_RESERVE`` (the loop's own), but for the batch the loop
-  waits for (refusing it would wait on leases only the loop can free).
+  shared memory its grants plus the leases of its session this client holds (batches waiting
+  to be taken, the loop's) stay below the server's lease cap (``batchd-max-leases``) with one
+  lease left for the batch the loop waits for, which is granted whatever the leases (refusing
+  it would wait on leases only the loop can free; ``Holder.room``).
 * **Need.** The lowest batch not granted goes to the server with free credit that would
   deliver it soonest (``(outstanding // W + 1) x t``), or to its *home* (batch b's home is the
   (b mod n)-th server by address, the same in every loader, so identical loaders ask the same
@@ -47,9 +48,9 @@ from dataclasses import dataclass
 from typing import Hashable
 
 from batchd.client.iteration.loop_pace import LoopPace
-from batchd.client.iteration.holder import DEFAULT_BUILD_S, LEASE_RESERVE, STALL_FACTOR, STALL_SLACK_S, Capacity, Holder
+from batchd.client.iteration.holder import DEFAULT_BUILD_S, STALL_FACTOR, STALL_SLACK_S, Capacity, Holder
 
-__all__ = ["Arrival", "Capacity", "Credit", "Holder", "DEFAULT_BUILD_S", "LEASE_RESERVE", "STALL_FACTOR",
+__all__ = ["Arrival", "Capacity", "Credit", "Holder", "DEFAULT_BUILD_S", "STALL_FACTOR",
            "STALL_SLACK_S"]
 
 MIN_HORIZON_S = 0.1  # the shortest horizon credit is sized to (seconds)
@@ -319,7 +320,6 @@ class Credit:
                 del self._holders[b]
             return Arrival(False, {})
         self._arrived[b] = key
-        h.held += 1
         h.delivered += 1
         if b in self._lost_set:  # (granted again meanwhile, not yet to anyone)
             self._lost_set.discard(b)
@@ -345,9 +345,6 @@ class Credit:
         if b != self.base or b not in self._arrived:
             raise RuntimeError(f"batch {b} taken out of order (next is {self.base}, arrived: {b in self._arrived})")
         key = self._arrived.pop(b)
-        h = self.holders.get(key)
-        if h is not None:
-            h.held -= 1
         self.base += 1
         return key
 
@@ -359,7 +356,6 @@ class Credit:
             return
         h = self.holders.get(key)
         if h is not None:
-            h.held -= 1
             h.delivered -= 1
         self._lose(b)
 

@@ -115,6 +115,7 @@ class Epoch(Conversion):
                 capacity = self.servers.capacity(link)
                 capacity.workers = link.workers or capacity.workers
                 capacity.max_leases = link.max_leases
+                capacity.leases_held = link.leases_held
                 if link not in self.credit.holders:
                     self.credit.add(link, capacity, link.address, stalled=self.servers.was_stalled(link))
                 again = self.credit.opened(link)

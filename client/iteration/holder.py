@@ -13,10 +13,9 @@ import collections
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 DEFAULT_BUILD_S = 0.1  # a server's seconds per batch while none is measured (seconds)
-LEASE_RESERVE = 2  # leases of a shared-memory session left to the loop (the batch it holds, the next)
 STALL_FACTOR = 2.0  # a grant is late past this many times the latency its server's capacity implies
 STALL_SLACK_S = 0.1  # ... plus this (scheduling, a garbage collection, the network; seconds)
 _BUILD_WINDOW = 32  # recent batches whose build times make a server's median
@@ -25,13 +24,16 @@ _BUILD_WINDOW = 32  # recent batches whose build times make a server's median
 class Capacity:
     """What one server can build, as it says: ``workers`` (its worker processes) and the median
     worker seconds per batch of its recent batches (``build_time``, None before its first);
-    ``max_leases`` over shared memory (None otherwise). Kept by its link across passes."""
+    ``max_leases`` over shared memory (None otherwise), and ``leases_held()``: how many of its
+    session's leases this client holds now (batches waiting to be taken, and the loop's, not yet
+    freed). Kept by its link across passes."""
 
-    __slots__ = ("workers", "max_leases", "_builds", "_median")
+    __slots__ = ("workers", "max_leases", "leases_held", "_builds", "_median")
 
-    def __init__(self, workers: int = 1, max_leases: int | None = None):
+    def __init__(self, workers: int = 1, max_leases: int | None = None, leases_held: Callable[[], int] = lambda: 0):
         self.workers = max(1, workers)
         self.max_leases = max_leases
+        self.leases_held = leases_held
         self._builds: collections.deque[float] = collections.deque(maxlen=_BUILD_WINDOW)
         self._median: float | None = None
 
@@ -52,7 +54,7 @@ class Capacity:
 @dataclass(eq=False)
 class Holder:
     """One server in one pass: the batches granted to it and not arrived (``outstanding``: batch
-    -> when granted, monotonic s), its batches waiting to be taken (``held``), its state."""
+    -> when granted, monotonic s), its state."""
 
     key: Hashable
     capacity: Capacity
@@ -61,7 +63,6 @@ class Holder:
     stalled: bool = False
     probe: int | None = None  # a stalled server's one grant left
     outstanding: dict[int, float] = field(default_factory=dict)
-    held: int = 0
     credit: int = 1
     # this pass's counts (``Credit.figures``)
     delivered: int = 0  # batches it sent first
@@ -85,11 +86,20 @@ class Holder:
         return STALL_FACTOR * rounds * (t if t is not None else max(default, DEFAULT_BUILD_S)) + STALL_SLACK_S
 
     def room(self, b: int, base: int) -> bool:
-        """Whether batch b may be granted to it now: free credit, and over shared memory free
-        leases, but for the batch the loop waits for (``base``: the batches it holds wait for it)."""
+        """Whether batch b may be granted to it now: free credit, and over shared memory a lease
+        for it that leaves one for the batch the loop waits for (``base``), which is granted
+        whatever the leases (the batches the loop holds wait for it, and it frees them).
+
+        The leases counted are what the server will count: its grants, and every lease of its
+        session this client holds (``Capacity.leases_held``: batches waiting here, the loop's).
+        A batch granted past them would take the lease ``base`` needs; the server, at its cap,
+        then holds ``base`` back for a lease only ``base`` can free, until its ``LEASE_WAIT_S``
+        (2 s) runs out and it copies it inline: a loop that keeps its last batches saw that
+        whenever the server finished a later batch first."""
         if self.stalled or not self.open or len(self.outstanding) >= self.credit:
             return False
         leases = self.capacity.max_leases
         if leases is None or b == base:
             return True
-        return len(self.outstanding) + self.held < max(1, leases - LEASE_RESERVE)
+        spoken_for = len(self.outstanding) + (base not in self.outstanding)
+        return spoken_for + self.capacity.leases_held() < leases

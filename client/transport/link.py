@@ -142,6 +142,13 @@ class ServerLink:
         if not forks.forked(self._owner):
             self._released.put(session, lease)
 
+    def leases_held(self) -> int:
+        """Leases of its shared-memory session this client holds as the server will count them
+        (received, not freed: batches waiting to be taken, tensors alive); 0 without one. A
+        freed lease waiting to be sent is not counted: it rides ahead of the next grant."""
+        shm = conn.shm if (conn := self.conn) is not None else None
+        return 0 if shm is None else max(0, shm.outstanding - self._released.count())
+
     def send_freed(self) -> None:
         """Send the freed leases now, if any wait (the consumer is about to wait for a batch that a
         server at its session's lease cap holds back for one; else they ride on the next grant)."""

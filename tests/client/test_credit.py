@@ -14,6 +14,7 @@ credit, one that stalls again and again from the first batch, a slow pool beside
 
 from __future__ import annotations
 
+import collections
 import heapq
 
 import numpy as np
@@ -44,10 +45,13 @@ class Server:
 def simulate(servers, total, *, step=0.0, prefetch=2, regrant=True, until=None, held=1):
     """Run ``total`` batches through a Credit over ``servers``. Returns (seconds, the loop's wait
     per batch, the Credit, the order batches were taken in, copies built per server). ``held``:
-    batches the loop holds (their leases) besides those waiting."""
+    batches the loop holds (their leases) besides those waiting: over shared memory a server's
+    ``leases_held`` counts its batches waiting and those of the loop's that it sent."""
     c = Credit(0, total, prefetch=prefetch, regrant=regrant)
     by = {s.name: s for s in servers}
+    loop_holds = collections.deque(maxlen=held)  # who sent the batches the loop holds
     for s in servers:
+        s.capacity.leases_held = lambda k=s.name: len(c.arrived_from(k)) + sum(1 for x in loop_holds if x == k)
         c.add(s.name, s.capacity, s.name)
         c.opened(s.name)
     events, seq = [], [0]
@@ -106,7 +110,7 @@ def simulate(servers, total, *, step=0.0, prefetch=2, regrant=True, until=None, 
         while c.has(c.base) and t >= free_at:
             c.loop.asked(asked_at)
             taken.append(c.base)
-            c.take(c.base)
+            loop_holds.append(c.take(c.base))
             c.loop.handed(t)
             waits.append(max(0.0, t - asked_at))
             free_at = asked_at = t + step
@@ -271,3 +275,22 @@ def test_lookahead_and_credit_stay_bounded():
     grants = c.plan(0.0)
     assert max(grants.values(), key=len) and all(len(v) <= 32 for v in grants.values())
     assert c.next_new - c.base <= MAX_LOOKAHEAD
+
+
+def test_over_shared_memory_grants_leave_the_next_batch_a_lease():
+    """A server lending at most 4 leases, a loop holding 3 of them: only the batch the loop waits
+    for is granted (a later one, built first, would take the lease it needs: the server would
+    hold it back 2 s). Once the loop holds 1: grants up to the cap, the next batch's included."""
+    held = [3]
+    c = Credit(0, 100, prefetch=4)
+    c.add("shm", Capacity(4, 4, leases_held=lambda: held[0]), "shm")
+    c.opened("shm")
+    assert c.plan(0.0) == {"shm": [0]}
+    assert c.plan(0.0) == {}  # (and nothing more while it holds 3)
+    held[0] = 1
+    assert c.plan(0.0) == {"shm": [1, 2]}  # 0, 1, 2 granted + 1 held = the cap
+    held[0] = 0
+    c.arrived("shm", 0, 0.0)
+    held[0] = 1  # (batch 0 waits to be taken: its lease is held)
+    c.take(0)
+    assert c.plan(0.0) == {"shm": [3]}
