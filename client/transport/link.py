@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
-import time
 from typing import Any
 
 from batchd.client import forks
@@ -143,17 +141,14 @@ class ServerLink:
             self._released.put(session, lease)
 
     def leases_held(self) -> int:
-        """Leases of its shared-memory session this client holds as the server will count them
-        (received, not freed: batches waiting to be taken, tensors alive); 0 without one. A
-        freed lease waiting to be sent is not counted: it rides ahead of the next grant."""
+        """Leases of its shared-memory session held here, not freed (those freed go ahead of the next grant)."""
         shm = conn.shm if (conn := self.conn) is not None else None
         return 0 if shm is None else max(0, shm.outstanding - self._released.count())
 
     def send_freed(self) -> None:
-        """Send the freed leases now, if any wait (the consumer is about to wait for a batch that a
-        server at its session's lease cap holds back for one; else they ride on the next grant)."""
+        """Send the freed leases now, if any (the consumer is about to wait: the server may be at its cap)."""
         if self._released.pending() and (call := self._call) is not None:
-            call.outbox.wake()
+            call.outbox.send_releases()
 
     def close(self, cancel: bool = False) -> None:
         """End the call: ``done`` (the server counts it finished), or cancel it (``cancel``: the
@@ -382,8 +377,7 @@ class ServerLink:
             conn.close()
         self._sleep(self.options.probe_interval)
 
-    def _take_releases(self) -> list[int]:
-        """The call's share of the freed leases (gRPC's request thread)."""
+    def _take_releases(self) -> list[int]:  # (the call's share of the freed leases: gRPC's request thread)
         return self._released.take(conn.shm if (conn := self.conn) is not None else None)
 
     def _release_broken(self, conn: ServerConnection) -> tuple[str, str] | None:
@@ -397,8 +391,7 @@ class ServerLink:
     def _drain(self) -> None:
         """After the last call: report a call ``close`` cancelled, release what the caller frees
         until nothing is held (``Releases.drain``), then close the connection."""
-        conn = self.conn
-        if conn is None or forks.forked(self._owner):
+        if (conn := self.conn) is None or forks.forked(self._owner):
             return
         self._release_broken(conn)
         self._released.drain(conn)

@@ -198,6 +198,19 @@ class Outbox:
             self._items.clear()
             self._cond.notify_all()
 
+    def send_releases(self) -> None:
+        """Send the leases freed so far now: in a control frame from this thread where the server
+        reads them there (no wake-up of the request thread); else the request thread sends them
+        on the call at once."""
+        with self._cond:
+            if self._direct is not None and self._direct_releases:
+                releases = self._releases()
+                if not releases:
+                    return
+                if self._frame(pb.BatchesControl(release=releases, open_seq=self.seq), releases):
+                    return  # (else they are queued again and the data connection given up: on the call)
+            self._cond.notify()
+
     def wake(self) -> None:
         """Look for freed leases now."""
         with self._cond:

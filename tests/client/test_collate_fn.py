@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from helpers import wait_until
 pytestmark = pytest.mark.timeout(60)
 
 N, B = 10, 4
+SLOW_S = 0.5  # seconds per batch of test_collate_fn_with_several_servers' slow server
 
 
 class Samples(Dataset):
@@ -151,12 +153,17 @@ def test_where_shapes_differ_default_collate_refuses_and_the_batch_has_lists(ser
         assert_same(batch[name], default_collate([s[name] for s in samples]), name)
 
 
-def test_collate_fn_with_several_servers(server):
-    """Batches from two servers go through one collate_fn. Both servers are unmeasured as the
-    first pass begins, so each is granted its home batches (b mod 2, by address): the second
-    server sends some whatever the timing."""
-    with BatchServer(batches.detection_samples, N) as other:
-        with batchd.RemoteDataLoader([server.address, other.address], "handmade", batch_size=B,
+def _slow_samples(idx):
+    time.sleep(SLOW_S)
+    return batches.detection_samples(idx)
+
+
+def test_collate_fn_with_several_servers():
+    """Batches from two servers go through one collate_fn. One server takes SLOW_S per batch, so
+    the other, up well before the pass could end without it (under load too: the pass begins with
+    the servers that are up), sends some."""
+    with BatchServer(_slow_samples, N) as slow, BatchServer(batches.detection_samples, N) as other:
+        with batchd.RemoteDataLoader([slow.address, other.address], "handmade", batch_size=B,
                                      collate_fn=COLLATE["pad"]) as loader:
             got = list(loader)
         assert other.layouts, "the second server sent nothing"

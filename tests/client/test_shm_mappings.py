@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 MAX_SLOTS = 2
 MAX_LEASES = 4  # per session
 HELD = 3  # batches the loop keeps alive (a loop that keeps its last outputs, as a metric's window does)
-PAUSE_EVERY, PAUSE_S = 20, 0.2  # the host path's pauses: the server's lent segments come back, and go
+PAUSE_EVERY, PAUSE_S = 20, 0.2  # the loop's pauses: the server's lent segments come back, and go
 COPIES_IN_FLIGHT = 2  # the "host" path's sources kept at most (with the prefetched batches: MAX_LEASES)
 BATCHES = 200
 DELETED = " (deleted)"  # /proc/self/maps: the mapped file was unlinked
@@ -158,8 +158,10 @@ def test_unlinked_segments_are_unmapped_once_their_tensors_are_gone(server, path
             assert batch["image"].shape[0] == 50
             held.append(batch)  # the last HELD batches stay alive: their leases make the server lend beyond its slots
             del batch
-            if transfer is not None and n % PAUSE_EVERY == 0:  # the host path's leases fall to none for a while
-                transfer.close()  # (the "GPU" drains its copies, as at an evaluation step)
+            if n % PAUSE_EVERY == 0:  # the leases fall to none for a while (an evaluation step): the
+                held.clear()  # segments lent beyond the slots come back to a full pool, and are unlinked
+                if transfer is not None:
+                    transfer.close()  # (the "GPU" drains its copies)
                 time.sleep(PAUSE_S)
             maps = batchd_mappings()
             segments.update(p.removesuffix(DELETED) for _, p in maps.values())
