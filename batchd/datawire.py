@@ -56,6 +56,7 @@ TOKEN_KEY = "batchd-data-token"
 CONTROL_KEY = "batchd-data-control"
 MESSAGES_KEY = "batchd-data-messages"
 RELEASES_KEY = "batchd-data-releases"
+OPENS_KEY = "batchd-data-opens"
 MAX_MESSAGE = 64 << 20  # bytes: a longer in-band Batch message is a protocol error
 CONTROL_MAGIC = b"BDC1"
 CONTROL = struct.Struct("<4sI")  # magic, length of the BatchesControl that follows: 8 bytes
@@ -120,10 +121,10 @@ def pack_control(message: bytes) -> bytes:
 
 def metadata(port: int, token: bytes, *, control: bool = False, messages: bool = False) -> tuple[tuple[str, str], ...]:
     """The initial metadata entries that offer a data connection (``control``: and that the
-    server reads control frames on it, releases included; ``messages``: that the Batch messages
-    come on it)."""
+    server reads control frames on it, releases and later ``open``s included; ``messages``: that
+    the Batch messages come on it)."""
     entries = ((PORT_KEY, str(port)), (TOKEN_KEY, token.hex()))
-    entries += ((CONTROL_KEY, "1"), (RELEASES_KEY, "1")) if control else ()
+    entries += ((CONTROL_KEY, "1"), (RELEASES_KEY, "1"), (OPENS_KEY, "1")) if control else ()
     return entries + ((MESSAGES_KEY, "1"),) if messages else entries
 
 
@@ -143,6 +144,11 @@ def controls(entries) -> bool:
 def releases(entries) -> bool:
     """Whether a call's initial metadata says its control frames may carry ``release``."""
     return _flag(entries, RELEASES_KEY)
+
+
+def opens(entries) -> bool:
+    """Whether a call's initial metadata says its control frames may carry a later ``open`` (the next pass)."""
+    return _flag(entries, OPENS_KEY)
 
 
 def messages(entries) -> bool:

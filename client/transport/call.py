@@ -79,6 +79,7 @@ class BatchesCall:
         self._in_band = False  # the call's Batch messages come on its data connection
         self._direct = False  # grants are to go on the data connection once a batch came on it
         self._direct_releases = False  # ... and releases with them (the server reads them there)
+        self._direct_opens = False  # ... and the next passes' opens
 
     def server_id(self) -> str:
         """The server's ``batchd-server-id`` ("" if it sent none). Raises the call's error if it
@@ -180,13 +181,14 @@ class BatchesCall:
             # the client dials again, batchd.client.transport.redial) must not take them with it
             self._direct = datawire.controls(metadata) and ds.controls
             self._direct_releases = datawire.releases(metadata)
+            self._direct_opens = datawire.opens(metadata)
         return ds
 
     def _confirmed(self, ds) -> None:
         """A batch came on the data connection: from now on grants go there where they may."""
         if self._direct:
             self._direct = False
-            self.outbox.direct(ds.send_control, releases=self._direct_releases)
+            self.outbox.direct(ds.send_control, releases=self._direct_releases, opens=self._direct_opens)
 
     def _error_or(self, e: ConnectionError) -> Exception:
         """The call's own error if it ends with one within ``REFUSAL_WAIT_S`` (``batches_error``),

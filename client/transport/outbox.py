@@ -24,7 +24,9 @@ of gRPC's request thread and its channel thread (Table 18, issue 28). A send tha
 message back on the call, the progress it carried included. Where the server reads releases there
 too (``batchd-data-releases``; a shared-memory call whose messages come on its data connection),
 the leases freed so far ride on each grant's frame, and those freed while no grant comes go alone
-in a frame within ``_LEASE_POLL_S``: such a call sends no gRPC message per batch at all.
+in a frame within ``_LEASE_POLL_S``: such a call sends no gRPC message per batch at all. Where
+it reads later ``open``s there too (``batchd-data-opens``), ``reopen`` sends the pass's last
+progress and the next ``open`` as frames from the caller's thread: nor one per pass.
 
 Thread-safety: every method may be called from any thread; ``release`` needs no lock (freed
 tensors' finalizers queue leases on the caller's ``take_releases`` source, never here).
@@ -82,6 +84,7 @@ class Outbox:
         self._pairs = False  # a release went out: grants wait a little for the next one
         self._direct: Callable[[bytes], None] | None = None  # sends a control frame on the data connection
         self._direct_releases = False  # ... releases included (the server reads them there)
+        self._direct_opens = False  # ... and later opens
         self._unsent_progress: pb.StreamProgress | None = None  # in a frame that could not be sent: on the call
         self.frames = 0  # control frames sent on the data connection
         self.messages = 0  # messages handed to gRPC (the opens included)
@@ -109,24 +112,38 @@ class Outbox:
 
     def reopen(self, request: pb.StreamBatchesRequest, progress: Any = None) -> int:
         """Switch the call to ``request`` (the next pass): returns its ``seq``. The current pass's
-        last progress goes first. Raises RuntimeError once the call is closing."""
+        last progress goes first; both in control frames from this thread where the server reads
+        opens there, else on the call. Raises RuntimeError once the call is closing."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the call is closing")
             self.seq += 1
-            self._items.append((_OPEN, request, progress))
-            self._cond.notify()
+            if not (self._direct is not None and self._direct_opens and self._open_direct(request, progress)):
+                self._items.append((_OPEN, request, progress))
+                self._cond.notify()
             return self.seq
 
-    def direct(self, send: Callable[[bytes], None], releases: bool = False) -> None:
+    def _open_direct(self, request: pb.StreamBatchesRequest, progress: Any) -> bool:  # (under the lock)
+        """``reopen`` in frames: the last progress of the pass before (its ``open_seq``), then the
+        ``open`` (``self.seq``). False: it goes on the call (a progress sent stays sent)."""
+        last = self._due_progress(force=True)
+        if last is not None and not self._frame(pb.BatchesControl(progress=last, open_seq=self.seq - 1), []):
+            self._unsent_progress = last
+            return False
+        if not self._frame(pb.BatchesControl(open=request, open_seq=self.seq), []):
+            return False
+        self._progress, self._last_progress = progress, time.monotonic()
+        return True
+
+    def direct(self, send: Callable[[bytes], None], releases: bool = False, opens: bool = False) -> None:
         """From now on send grants and revokes (with the progress when due) as control frames by
         ``send`` (the call's data connection), those queued first (module docstring);
         ``releases``: the server reads releases there too, so freed leases ride on those frames,
-        and go alone in one when no grant comes."""
+        and go alone in one when no grant comes; ``opens``: and later ``open``s (``reopen``)."""
         with self._cond:
             if self._aborted or self._closed:
                 return
-            self._direct, self._direct_releases = send, releases
+            self._direct, self._direct_releases, self._direct_opens = send, releases, opens
             queued = [item for item in self._items if item[0] in (_GRANT, _REVOKE)]
             self._items = collections.deque(item for item in self._items if item[0] not in (_GRANT, _REVOKE))
             for n, (kind, seq, batches) in enumerate(queued):

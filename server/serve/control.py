@@ -18,8 +18,10 @@ reads it: ``CallControl`` starts a thread per call that does.
 * Grants, revokes, releases and progress may also come as control frames on the call's data
   connection (``apply_frame``, from that connection's reader thread: ``batchd.datawire``),
   applied as these messages are (a frame's releases whatever ``open`` it names: leases belong
-  to the session); ``open`` or ``done`` in a frame, a frame that does not parse, or a refused
-  grant ends the call with that error as well. A
+  to the session); a frame may also switch the call to its next pass (a later ``open``, whose
+  ``open_seq`` must be the next: ``_open_frame``, as a message's ``open`` does), so that a pass
+  costs no gRPC message either; ``done`` in a frame, an ``open`` that is not the next, a frame
+  that does not parse, or a refused grant ends the call with that error as well. A
   frame's grant after ``done`` is ignored (the call is ending): a frame's grant is applied wholly
   before ``done`` is marked, or not at all (one lock orders the two). A frame names the ``open``
   it belongs to (``BatchesControl.open_seq``): one of an earlier ``open`` is ignored, one of a
@@ -182,9 +184,9 @@ class CallControl:
     # --- the data connection's reader thread ---------------------------------------------------
 
     def apply_frame(self, data: bytes) -> bool:
-        """Apply one control frame's message (``batchd.datawire``: grant, revoke, release, progress), first
-        waiting for ``attach`` (a frame may come before the servicer handed the stream over).
-        False once the call is ending or the frame ended it (``fail``)."""
+        """Apply one control frame's message (``batchd.datawire``: grant, revoke, release, progress,
+        a later open), first waiting for ``attach`` (a frame may come before the servicer handed
+        the stream over). False once the call is ending or the frame ended it (``fail``)."""
         while not self._attached.wait(_ATTACH_POLL_S):
             if not self._is_active():
                 return False
@@ -194,9 +196,9 @@ class CallControl:
             except Exception:  # (protobuf's DecodeError)
                 raise ValueError("Batches: a control frame on the data connection is not a valid BatchesControl") \
                     from None
-            if msg.HasField("open") or msg.done:
+            if msg.done:
                 raise ValueError("Batches: a control frame on the data connection may carry grant, revoke, "
-                                 "release and progress only")
+                                 "release, progress and a later open only")
             self._count("control_frames", 1)
             if msg.release:  # (leases belong to the session, not to a pass: whatever its open_seq)
                 with self._lock:
@@ -205,26 +207,46 @@ class CallControl:
                     raise ValueError("Batches: a control frame on the data connection may carry release only on "
                                      "a shared-memory call (this call holds no leases)")
                 self._release(msg.release, stream)
-                if not (msg.grant or msg.revoke or msg.HasField("progress")):
+                if not (msg.grant or msg.revoke or msg.HasField("progress") or msg.HasField("open")):
                     return True
                 del msg.release[:]
-            with self._lock:  # a frame of a later `open` waits for the switch to it (no order with the call)
+            # a frame of a later `open` waits for the switch to it, one that opens it for the one before
+            after = msg.open_seq - 1 if msg.HasField("open") else msg.open_seq
+            with self._lock:
                 while True:
                     seq = self._seq if self._stream is not None else -1
-                    if msg.open_seq <= seq:
+                    if after <= seq:
                         break
                     if not self._is_active() or self.gone or self.error is not None:
                         return False
                     self._attach_changed.wait(_ATTACH_POLL_S)
+            if msg.HasField("open"):
+                return self._open_frame(msg, seq)
             if msg.open_seq < seq:
                 return True  # (of an earlier `open`: its batches are no longer wanted)
             with self._done_order:
                 if self._done and msg.grant:
                     return True  # (the call is ending: the client granted before it said done)
                 return self.apply(msg)
+        except grpc.RpcError:  # (the call ended while a frame's `open` switched it)
+            return False
         except Exception as e:
             self.fail(e)
             return False
+
+    def _open_frame(self, msg: pb.BatchesControl, seq: int) -> bool:
+        """A frame's later ``open`` (``msg.open_seq``: the pass after ``seq``, the one attached):
+        switch the call to it as the call's own messages do, then apply the rest of the frame to
+        the new stream. Ignored once the client said ``done`` (one lock orders the two, held
+        across the switch). Raises ValueError for an ``open_seq`` other than the next."""
+        if msg.open_seq != seq + 1:
+            raise ValueError(f"Batches: a control frame's open names open_seq {msg.open_seq}; the next is {seq + 1}")
+        with self._done_order:
+            if self._done:
+                return True  # (the call is ending: the client opened before it said done)
+            self._switch(msg.open)
+            msg.ClearField("open")
+            return self.apply(msg)
 
     def fail(self, error: BaseException) -> None:
         """End the call with ``error`` (a bad frame on the data connection), as a bad message does."""

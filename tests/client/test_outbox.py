@@ -3,7 +3,8 @@ network: once ``direct`` is on, grants, revokes and due progress go as control f
 ``send`` (naming their pass's open_seq) and the call carries only its opens and last message; a
 frame that cannot be sent puts its grant and the progress it carried back on the call; ``reopen``
 switches the call to the next pass (its last progress first), and grants of an earlier pass are
-dropped; freed leases, queued without a lock, ride on the next message."""
+dropped (as frames too, where the server reads opens there); freed leases, queued without a lock,
+ride on the next message."""
 
 from __future__ import annotations
 
@@ -119,6 +120,36 @@ def test_reopen_switches_the_call_and_drops_what_an_earlier_pass_grants_late():
     assert [b for m in got[opens[1]:] for b in m.grant] == [0]
     assert [(f.grant[0], f.open_seq) for f in frames(sent)] == [(3, 1)]
     assert got[-1].done and got[-1].progress.batches_taken == 1
+
+
+def test_where_the_server_reads_opens_in_frames_a_pass_sends_no_message_on_the_call():
+    """``direct(opens=True)``: ``reopen`` writes the pass's last progress (its open_seq) and then
+    the next ``open`` (one more) as frames from the caller's thread; the call carries its first
+    open and its done only. A frame that cannot be sent puts the ``open`` on the call."""
+    first, second, third, sent = Progress(), Progress(), Progress(), []
+    outbox = Outbox(pb.StreamBatchesRequest(dataset="d", epoch=0), progress=first, progress_every=60.0)
+    got, thread = drain(outbox)
+    outbox.direct(sent.append, opens=True)
+    outbox.grant([0], 0)
+    first.taken = 1
+    assert outbox.reopen(pb.StreamBatchesRequest(dataset="d", epoch=1), second) == 1
+    outbox.grant([0], 1)
+    want = [(0, "grant", None), (0, "progress", 1), (1, "open", 1), (1, "grant", None)]
+    kinds = [(f.open_seq, "open", f.open.epoch) if f.HasField("open") else
+             (f.open_seq, "progress", f.progress.batches_taken) if f.HasField("progress") else
+             (f.open_seq, "grant", None) for f in frames(sent)]
+    assert kinds == want, kinds
+
+    def broken(frame: bytes) -> None:
+        raise OSError("the data connection is closed")
+
+    outbox.direct(broken, opens=True)
+    second.taken = 2
+    assert outbox.reopen(pb.StreamBatchesRequest(dataset="d", epoch=2), third) == 2  # on the call instead
+    outbox.close()
+    thread.join(10)
+    assert [m.open.epoch for m in got if m.HasField("open")] == [0, 2]
+    assert got[-1].done
 
 
 def _freed_leases():

@@ -3,8 +3,8 @@ the wire (``rawclient.RawBatches``) with the client's ``DataSocket``: the bytes 
 inline and over shared memory; a server without a data plane, a compressed call and a
 StreamBatches call answer inline; a client that never connects, and a data connection killed
 mid-call, end the call UNAVAILABLE with every slot back; the statistics count the data plane;
-grants, revokes and progress written on a plain data connection (control frames) are applied as
-on the call, and a bad frame or the client's end closing ends the call; on a TLS server with
+grants, revokes, progress and a later open written on a plain data connection (control frames) are
+applied as on the call, and a bad frame or the client's end closing ends the call; on a TLS server with
 tokens, the data connection is TLS (no control frames offered) and nobody without the call's
 token (no bearer token on the call, a wrong or reused token, plaintext) gets a byte."""
 
@@ -247,7 +247,42 @@ def test_grants_revokes_and_progress_on_the_data_connection_are_applied_as_on_th
     assert wait_until(lambda: not server.loader.streams and server.loader.slots.in_use == 0)
 
 
-@pytest.mark.parametrize("case", ["open", "release", "magic", "not-protobuf", "closed"])
+def test_a_later_open_on_the_data_connection_switches_the_call_as_on_the_call(server, stub):
+    """The next pass in a frame (``open``, ``open_seq`` 1, with its first grants and the leases of
+    nothing): the call switches to it as a message's ``open`` does. Each pass's batches equal
+    StreamBatches' of its epoch, and carry their ``open_seq``; the call's only messages are its
+    first ``open`` and its ``done``."""
+    inline = {e: {b.batch_index: digest(tensors(b)) for b in stub.StreamBatches(_open(seed=83, epoch=e), timeout=120)}
+              for e in (2, 3)}
+    before = stub.Stats(pb.StatsRequest(), timeout=10).totals
+    call = RawBatches(stub, _open(transport=pb.TRANSPORT_SOCKET, seed=83, epoch=2), grant=[0, 1, 2])
+    port, token = datawire.offered(call.call.initial_metadata())
+    pool, got = buffers.BufferPool(), {2: {}, 3: {}}
+    with DataSocket.connect(server.address, port, token) as ds:
+        messages = iter(call.call)
+        ds.send_control(_frame(grant=list(range(3, NUM_BATCHES)), open_seq=0))
+        for _ in range(NUM_BATCHES):
+            raw = wire.decode_batch(next(messages).SerializeToString())
+            assert raw.open_seq == 0
+            got[2][raw.batch_index] = digest(socket_arrays(raw, ds, pool))
+        ds.send_control(_frame(open=_open(transport=pb.TRANSPORT_SOCKET, seed=83, epoch=3), open_seq=1,
+                               grant=[0, 1]))
+        ds.send_control(_frame(grant=list(range(2, NUM_BATCHES)), open_seq=1))
+        for _ in range(NUM_BATCHES):
+            raw = wire.decode_batch(next(messages).SerializeToString())
+            assert raw.open_seq == 1, "a batch of the second pass without its open_seq"
+            got[3][raw.batch_index] = digest(socket_arrays(raw, ds, pool))
+        call.close()
+        assert next(messages, None) is None
+    assert call.call.code() == grpc.StatusCode.OK
+    assert got == inline
+    after = stub.Stats(pb.StatsRequest(), timeout=10).totals
+    assert after.control_messages - before.control_messages == 2, "the second open went on the call"
+    assert after.batches_calls_started - before.batches_calls_started == 1
+    assert wait_until(lambda: not server.loader.streams and server.loader.slots.in_use == 0)
+
+
+@pytest.mark.parametrize("case", ["open", "done", "release", "magic", "not-protobuf", "closed"])
 def test_a_bad_frame_or_a_closed_data_connection_ends_the_call(server, stub, case):
     call = RawBatches(stub, _open(transport=pb.TRANSPORT_SOCKET, seed=82), grant=[0])
     port, token = datawire.offered(call.call.initial_metadata())
@@ -257,14 +292,15 @@ def test_a_bad_frame_or_a_closed_data_connection_ends_the_call(server, stub, cas
         if case == "closed":  # as a relay that died does: grants sent into it may be lost
             ds.close()
         else:
-            frame = {"open": _frame(open=_open()), "release": _frame(release=[1]),
+            frame = {"open": _frame(open=_open()), "done": _frame(done=True), "release": _frame(release=[1]),
                      "magic": b"XXXX" + _frame(grant=[1])[4:],
                      "not-protobuf": datawire.pack_control(b"\xff\xff\xff")}[case]
             ds.send_control(frame)
         with pytest.raises(grpc.RpcError) as e:
             for _ in messages:
                 pass
-    want = {"open": (grpc.StatusCode.INVALID_ARGUMENT, "grant, revoke, release and progress only"),
+    want = {"open": (grpc.StatusCode.INVALID_ARGUMENT, "open names open_seq 0; the next is 1"),
+            "done": (grpc.StatusCode.INVALID_ARGUMENT, "release, progress and a later open only"),
             "release": (grpc.StatusCode.INVALID_ARGUMENT, "release only on a shared-memory call"),
             "magic": (grpc.StatusCode.INVALID_ARGUMENT, "magic b'XXXX'"),
             "not-protobuf": (grpc.StatusCode.INVALID_ARGUMENT, "not a valid BatchesControl"),
