@@ -35,15 +35,14 @@ they do into it (reconnects, failovers, stalls). ``snapshot()`` is a plain dict,
   over shared memory, its calls' Batch messages come on the calls, the bytes still in place;
   ``batchd.client.transport.redial``).
 
-Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
-counters are bumped from the servers' and the loader's threads.
+Thread-safe: the counters are bumped from the servers' and the loader's threads.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +61,6 @@ class LoaderStats:
         self._waits: collections.deque[float] = collections.deque(maxlen=window)
         self._counters: collections.Counter[str] = collections.Counter()
         self._received: dict[str, int] = dict.fromkeys(TRANSPORTS, 0)
-        self._listeners: list[Callable[[float, Any], None]] = []
         self.batches = 0
         self.samples = 0
         self.wait_seconds = 0.0
@@ -83,9 +81,6 @@ class LoaderStats:
             self.wait_seconds += seconds
             self._waits.append(seconds)
             self._last_handed = now
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener(seconds, batch)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to one of ``COUNTERS``."""
@@ -98,11 +93,6 @@ class LoaderStats:
         """A batch of ``nbytes`` bytes came by ``transport`` (one of ``TRANSPORTS``; lane threads)."""
         with self._lock:
             self._received[transport] += nbytes
-
-    def add_listener(self, listener: Callable[[float, Any], None]) -> None:
-        """Call ``listener(wait_seconds, batch)`` for every batch handed over from now on."""
-        with self._lock:
-            self._listeners.append(listener)
 
     def waits(self) -> np.ndarray:
         """The recent per-batch waits, oldest first: float64 [<= window], seconds."""

@@ -185,13 +185,3 @@ class AddressSource:
         except (OSError, ValueError):
             return None
         return out or None
-
-
-def single_address(address: str | Iterable[str]) -> str:
-    """The one address of a single-server loader (a one-element list is unwrapped)."""
-    if isinstance(address, str):
-        return address
-    items = list(address) if address is not None else []
-    if len(items) != 1 or not isinstance(items[0], str):
-        raise ValueError(f"expected one server address, got {address!r}")
-    return items[0]

@@ -123,7 +123,6 @@ class DataSocket(Closable):
         self.max_message = min(max_message, datawire.MAX_MESSAGE)
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.controls = not self.tls  # control frames may be written here (module docstring)
-        self.bytes_received = 0
         self.first_byte = False
         self.last_received = 0  # bytes of the last batch received (header included)
         self._header = bytearray(datawire.HEADER.size)
@@ -287,7 +286,6 @@ class DataSocket(Closable):
             got += n
             self.first_byte = True
             last = time.monotonic()
-        self.bytes_received += total
         return True
 
 

@@ -67,10 +67,6 @@ class RedialingSocket:
         return self._sock.tls
 
     @property
-    def bytes_received(self) -> int:
-        return self._sock.bytes_received
-
-    @property
     def last_received(self) -> int:
         return self._sock.last_received
 

@@ -61,7 +61,6 @@ class RelayedSocket(dataplane.Closable):
         self.tls = tls
         self.controls = not tls
         self.max_message = max_message
-        self.bytes_received = 0
         self.first_byte = False  # the server sent a byte (the relay's answers say: ``X`` before one)
         self.last_received = 0
         self._sent: set[int] = set()  # buffer ids whose fd the relay has for this connection
@@ -94,7 +93,6 @@ class RelayedSocket(dataplane.Closable):
         DONE.unpack(reply)
         self.first_byte = True
         self.last_received = datawire.HEADER.size + length
-        self.bytes_received += length
         return buffers.tensors(batch, buf, length, pool.give_back)
 
     def receive_next(self, pool: buffers.BufferPool, stopping: threading.Event | None = None,
@@ -143,7 +141,6 @@ class RelayedSocket(dataplane.Closable):
             raise
         self._frame_bytes = length + mlen
         self.last_received = datawire.HEADER.size + mlen + length
-        self.bytes_received += mlen + length
         try:
             payload = buffers.tensors(batch, buf, length, pool.give_back)
         except ValueError as e:  # (the buffer went back: ``tensors`` gives it back on error)

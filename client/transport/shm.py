@@ -303,11 +303,6 @@ class SharedMemorySession:
         except ValueError:
             return True
 
-    @property
-    def ended(self) -> bool:
-        with self._lock:
-            return self._ended
-
     def close(self) -> None:
         """End the session once the last outstanding lease is released (``end_if_done``, at once
         if none is). Idempotent."""
