@@ -47,6 +47,7 @@ import torch
 
 from batchd import errors, wire
 from batchd.client.transport import fields
+from batchd.client.transport.buffers import payload_length
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class SharedMemorySession:
         """Writable CPU tensors on a copy-on-write mapping of the batch's slot (no copy; ragged
         fields one flat tensor each, ``batchd.client.transport.fields``); its lease is released when they are
         all freed."""
-        end = _end(batch)
+        end = payload_length(batch)
         # every tensor below is a view of this array (a zero-length mmap is not allowed)
         base = np.frombuffer(map_private(batch.segment, end), dtype=np.uint8) if end else np.zeros(0, np.uint8)
         return self._wrap(base, batch)
@@ -205,7 +206,7 @@ class SharedMemorySession:
                 self._host_maps[batch.segment] = entry
             entry.leases.add(batch.lease)
             self._host_leases[batch.lease] = batch.segment
-        return self._wrap(np.frombuffer(entry.mm, dtype=np.uint8, count=_end(batch)), batch), entry.registered
+        return self._wrap(np.frombuffer(entry.mm, dtype=np.uint8, count=payload_length(batch)), batch), entry.registered
 
     def _drop_host_maps(self, leases: list[int]) -> None:
         """The batches of ``leases`` are gone (their releases sent): unmap the mappings that no
@@ -309,11 +310,6 @@ class SharedMemorySession:
         with self._lock:
             self._closing = True
         self.end_if_done()
-
-
-def _end(batch: wire.WireBatch) -> int:
-    """Bytes of the batch's slot its tensors span."""
-    return max((t.offset + fields.nbytes(t) for t in batch.tensors), default=0)
 
 
 def _first(call, timeout: float) -> pb.SessionEvent:
