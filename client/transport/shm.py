@@ -187,15 +187,12 @@ class SharedMemorySession:
 
     def host_tensors(self, batch: wire.WireBatch, register: Callable[[int, int], bool],
                      unregister: Callable[[int], None]) -> tuple[dict[str, fields.Field], bool]:
-        """Read-only CPU tensors on the batch's slot, for a copy to a GPU straight from it.
-
-        Each segment is mapped once (shared, read-only: these tensors are never handed to the
-        caller, only copied from) and passed once to ``register(address, size) -> bool`` (a
-        ``CudaTransfer.register``). The mapping is unregistered (``unregister(address)``, a
-        ``CudaTransfer.unregister``) and unmapped once the server has unlinked the segment and no
-        batch's tensors use it (see the module docstring).
-        Returns the tensors and whether their memory is registered. Raises OSError if the
-        segment cannot be mapped (FileNotFoundError: the server unlinked it).
+        """Read-only CPU tensors on the batch's slot, for a copy to a GPU straight from it (module
+        docstring): these tensors are never handed to the caller, only copied from. A segment's
+        mapping is passed once to ``register(address, size) -> bool`` (``CudaTransfer.register``),
+        and to ``unregister(address)`` before it is unmapped. Returns the tensors and whether their
+        memory is registered. Raises OSError if the segment cannot be mapped (FileNotFoundError: the
+        server unlinked it).
         """
         with self._maps_lock:
             entry = self._host_maps.get(batch.segment)
