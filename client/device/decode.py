@@ -23,8 +23,7 @@ A file the decoder refuses is the dataset's ``on_error`` (``DatasetInfo.on_error
 server reports): "raise" raises SampleError naming the dataset and sample; "skip" leaves the
 sample out of the batch and adds its index to ``skipped``, as the server does for a file it
 cannot read. (The server has checked each file's headers; what it cannot see, e.g. a missing
-quantisation table, fails here. nvJPEG decodes a batch in one call: when the call fails, each
-file is decoded alone to find the culprit.)
+quantisation table, fails here.)
 """
 
 from __future__ import annotations
@@ -326,9 +325,8 @@ def decode_batch(batch: dict[str, torch.Tensor], options: Any, transfer: Any, st
 
     on_error: the dataset's (``DatasetInfo.on_error``); with "skip", files the decoder refuses are
     left out (``leave_out``). With a CUDA ``transfer`` and torchvision: decoded on the transfer's
-    side stream, which no other receiver uses meanwhile (``CudaTransfer.exclusive``: nvJPEG writes
-    from a stream of its own into memory allocated on it), then this thread waits for the decode
-    to finish (the files may lie on a leased slot that goes back when they are freed). Otherwise
+    side stream, to this thread alone (``CudaTransfer.exclusive``), which waits for the decode to
+    finish (the files may lie on a leased slot that goes back when they are freed). Otherwise
     OpenCV on the CPU, then the copy as for any batch. Raises TransferStopped if ``stopping`` is
     set, and the errors of ``decode_cpu`` / ``decode_gpu``.
     """

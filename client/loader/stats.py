@@ -1,12 +1,10 @@
 """The client's own figures: how long the training loop waited for batches, and what the loader
 did meanwhile (``RemoteDataLoader.stats()``).
 
-``batchd.client.loader.timings.timed`` wraps the iterator a loader hands to the training loop: the time
-each ``__next__`` takes is the time the loop waited for that batch (nothing else runs there); it
-reports each wait here and to the loader's ``LoopTimings`` (``loader.profile()``), one
-measurement for both. ``LoaderStats`` keeps those waits and the loader's counters; the servers' loaders count what
-they do into it (reconnects, failovers, stalls). ``snapshot()`` is a plain dict, with these keys
-(units in the names: seconds, or a ratio in [0, 1]):
+``LoaderStats`` keeps the loop's waits as ``batchd.client.loader.timings.timed`` measures them
+(one measurement for this and ``loader.profile()``), and the counters the servers' loaders bump
+(reconnects, failovers, stalls). ``snapshot()`` is a plain dict, with these keys (units in the
+names: seconds, or a ratio in [0, 1]):
 
 * ``batches``, ``samples``: batches and samples yielded to the training loop, all iterations
   (samples as the server sent them, whatever ``collate_fn`` made of the batch);

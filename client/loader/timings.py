@@ -9,9 +9,8 @@ once they have completed (until then they count as 0); without a device ``gpu_tr
 its CPU time and ``copy`` is 0.
 
 The training loop's side is ``LoopTimings``, fed by ``RemoteDataLoader.__iter__``: ``wait`` is
-the time ``__next__`` blocked for a batch (inside a ``torch.profiler.record_function("batchd.wait")``
-range while a profiler runs, and an NVTX range of that name on CUDA, so traces show it), and
-``step`` is the time between two ``__next__`` calls (the training step). The first batch of an
+the time ``__next__`` blocked for a batch (a ``batchd.wait`` range in profiler and NVTX traces:
+``waiting``), and ``step`` is the time between two ``__next__`` calls (the training step). The first batch of an
 iteration is not counted as wait (it includes connecting and the pipeline's warm-up): it is
 ``startup``. ``wait_ratio`` = wait / (wait + step), over the epoch so far; a moving version
 (about the last ``progress.WINDOW_S`` seconds) is what the loader reports to each server
