@@ -220,11 +220,10 @@ def wait_for_server(channel: grpc.Channel, timeout: float, address: str = "") ->
     UNAUTHENTICATED, is a server. Not ``grpc.channel_ready_future``: its connectivity polling
     thread can deadlock a later ``channel.close()`` (grpc/grpc#20026; seen here in CI).
 
-    The call's own deadline ends it; this thread waits for it no longer than that deadline plus
-    ``_DEADLINE_GRACE_S``. A call that outlives it means gRPC does not run in this process: in a
-    child forked from a process that had loaded gRPC, raises the RuntimeError that says so
-    (``forks.grpc_stalled``; the call and the channel are then held, never touched again, as
-    anything done with them there would hang too); elsewhere the server did not answer (False).
+    The call's own deadline ends it; this thread waits no longer than that plus
+    ``_DEADLINE_GRACE_S``. Past it, in a child forked from a process that had loaded gRPC (where
+    gRPC cannot run: ``batchd.client.forks``), raises ``forks.grpc_stalled``'s RuntimeError, the
+    call and the channel held (anything done with them would hang too); elsewhere, False.
     """
     timeout = max(0.0, timeout)
     call = health_pb2_grpc.HealthStub(channel).Check.future(health_pb2.HealthCheckRequest(), timeout=timeout,
