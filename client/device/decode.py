@@ -215,23 +215,16 @@ def _tiff_orientation(tiff: bytes) -> int:
     return 1
 
 
+# EXIF orientation -> (whether [C, H, W] is transposed first, the dimensions then flipped)
+_ORIENTATIONS = {2: (False, (-1,)), 3: (False, (-2, -1)), 4: (False, (-2,)), 5: (True, ()),
+                 6: (True, (-1,)), 7: (True, (-2, -1)), 8: (True, (-2,))}
+
+
 def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
     """``image`` [C, H, W] as displayed for EXIF ``orientation`` (what OpenCV's IMREAD_COLOR applies)."""
-    if orientation == 2:
-        return image.flip(-1)
-    if orientation == 3:
-        return image.flip(-2, -1)
-    if orientation == 4:
-        return image.flip(-2)
-    if orientation == 5:
-        return image.transpose(-2, -1)
-    if orientation == 6:
-        return image.transpose(-2, -1).flip(-1)
-    if orientation == 7:
-        return image.transpose(-2, -1).flip(-2, -1)
-    if orientation == 8:
-        return image.transpose(-2, -1).flip(-2)
-    return image
+    transpose, flips = _ORIENTATIONS.get(orientation, (False, ()))
+    image = image.transpose(-2, -1) if transpose else image
+    return image.flip(flips) if flips else image
 
 
 def resize_bilinear(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

@@ -102,10 +102,8 @@ class LoopTimings:
         if s is not None:
             for stage, attr in _SERVER_ATTRS:
                 totals[stage] += getattr(s, attr)
-        totals["receive"] += times.receive
-        totals["unpack"] += times.unpack
-        totals["copy"] += times.copy
-        totals["gpu_transform"] += times.gpu_transform
+        for stage in CLIENT_STAGES:  # (copy and gpu_transform: 0 until resolved, when CUDA times are pending)
+            totals[stage] += getattr(times, stage)
 
     def _resolve(self, wait: bool = False) -> None:
         """Add the CUDA times of batches whose copies have completed."""
