@@ -15,12 +15,10 @@ names: seconds, or a ratio in [0, 1]):
   ``wait_fraction``: ``wait_seconds / wall_seconds`` (0.0 before the first batch), the share of
   the training loop's time spent waiting for data;
 * ``batches_per_server``: {address: batches yielded that this server sent first, all iterations};
-* ``servers``: {address: {``batches`` (as above), ``share`` (of the batches of the epoch in
-  progress, else the last one, 0..1), ``credit`` (grants it may hold now), ``up``, ``stalled``,
-  ``stalls`` (times it was found stalled), ``regranted`` (its batches granted to another server
-  when it stalled or broke), ``duplicates`` (its copies that came after another's), ``workers``
-  and ``build_seconds`` (its median worker seconds per batch), as the server says}} (of the
-  epoch in progress, else the last one);
+* ``servers``: {address: {``batches`` (as above), and of the epoch in progress (else the last):
+  ``share`` (0..1), ``credit``, ``up``, ``stalled``, ``stalls`` (times it was found stalled),
+  ``regranted``, ``duplicates``, ``workers``, ``build_seconds``, as ``loader.server_stats()``
+  has them (``batchd.client.iteration.servers.Servers.server_stats``)}};
 * ``bytes_received``: {``"shm"``, ``"socket"``, ``"inline"``: bytes of batches received that way,
   all iterations}: for shared memory the tensors' bytes mapped from the server's slots, for the
   socket data plane the bytes read from data connections (headers included), inline the gRPC
