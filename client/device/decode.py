@@ -7,17 +7,13 @@ would have decoded each at) besides ``label``, ``index``, ``position``. Here the
 ``image`` uint8 [B, H, W, 3] (RGB) again, then ``gpu_transform`` runs as for a decoded batch:
 
 * on a CUDA device, when torchvision >= 0.19 imports (the first to decode lists on CUDA; the
-  ``gpu`` extra): ``torchvision.io.decode_jpeg(files, device=...)``, one batched nvJPEG call on
-  the loader's side stream, then the ``jpeg_reduce`` the server would have decoded at (nvJPEG
-  has no DCT scaling: an n x n mean, as libjpeg's scaled IDCT nearly is), the EXIF orientation
-  (torchvision ignores it on CUDA; OpenCV, hence the server, applies it) and the resize
-  (``interpolate(mode="bilinear", align_corners=False)``, rounded: OpenCV's INTER_LINEAR up to
-  its fixed-point rounding). Not the same bytes as OpenCV's decode (IDCT and chroma upsampling
-  differ), but the same scale of detail;
-* otherwise (CPU, or torchvision missing): OpenCV, exactly as the server decodes:
-  ``cv2.imdecode(IMREAD_COLOR, or IMREAD_REDUCED_COLOR_n as jpeg_reduce says)``,
-  ``cv2.cvtColor(BGR2RGB)``, ``cv2.resize(INTER_LINEAR)`` unless the image already has the size
-  (albumentations' Resize): the same bytes as the server's decoded stream.
+  ``gpu`` extra): one batched nvJPEG call on the loader's side stream (``decode_gpu``), then what
+  OpenCV, hence the server, does and nvJPEG does not: the ``jpeg_reduce`` scaling (nvJPEG has no
+  DCT scaling), the EXIF orientation (torchvision ignores it on CUDA) and the resize. Not the
+  same bytes as OpenCV's decode (IDCT and chroma upsampling differ), but the same scale of detail;
+* otherwise (CPU, or torchvision missing): OpenCV, exactly as the server decodes (``decode_cpu``,
+  resizing unless the image already has the size, as albumentations' Resize): the same bytes as
+  the server's decoded stream.
 
 A file the decoder refuses is the dataset's ``on_error`` (``DatasetInfo.on_error``, which the
 server reports): "raise" raises SampleError naming the dataset and sample; "skip" leaves the
