@@ -22,9 +22,8 @@ the parent's sockets. gRPC's own fork handlers are off (``batchd._grpc_fork``), 
   never connects), which is the price of the handlers being off.
 * where the parent used gRPC itself, outside batchd (its own channels), ``check_grpc`` cannot know:
   the connection's first call then never ends, not even at its own deadline (gRPC's timers do not
-  run in the child). ``client/transport/channel.py`` waits for it no longer than that deadline and a grace
-  (``wait_for_server``), and in a child forked from a process that had loaded gRPC raises the
-  RuntimeError of ``grpc_stalled``: the cause, and what to do.
+  run in the child); ``channel.wait_for_server`` gives up on it and raises ``grpc_stalled``'s
+  RuntimeError: the cause, and what to do.
 
 Nothing runs before a fork: the parent's streams go on undisturbed, and pausing them at every
 fork (DataLoader forks its workers each epoch) would buy nothing once a child never enters gRPC.

@@ -1,21 +1,11 @@
 """``collate_fn``: a received batch handed to the user's function as B samples, as torch's
-``DataLoader`` hands a batch of ``Dataset`` items to its ``collate_fn``.
+``DataLoader`` hands a batch of ``Dataset`` items to its ``collate_fn`` (what a sample holds:
+``RemoteDataLoader``'s ``collate_fn``; a 0-d tensor for a field of one number per sample, as a
+``Dataset`` returning tensors would: ``int(sample["index"])`` for a Python int).
 
-``RemoteDataLoader(..., collate_fn=fn)`` yields ``fn(samples)`` instead of the dict batch, where
-``samples`` is a list of B dicts, sample i holding
-
-* row i of each stacked field: a tensor of the sample's own shape (a view, no copy); a field of
-  one number per sample (``label``, ``index``, ``position``) gives a 0-d tensor, as a ``Dataset``
-  returning tensors would (``int(sample["index"])`` for a Python int);
-* the i-th tensor of each ragged field (a view of the field's one buffer);
-* the i-th str / bytes of a str / bytes field.
-
-So ``torch.utils.data.default_collate`` rebuilds the dict batch wherever shapes agree, and
-``detection_collate`` (below) gives torchvision's detection models their (images, targets), as
+``detection_collate`` gives torchvision's detection models their (images, targets), as
 ``tuple(zip(*x))`` does over its references' (image, target) samples (``tuple(zip(*x))`` over
 dict samples gives the dicts' keys, with DataLoader too).
-A batch's ``skipped`` indices (dataset ``on_error: skip``) are not a sample: ``fn`` gets the
-B - K samples that were read.
 """
 
 from __future__ import annotations

@@ -5,10 +5,7 @@
 connection filled, or in its gRPC message) into the loader's batch: tensors on the device (a
 CUDA copy on a side stream, ``batchd.client.device.transfer``), finished by ``gpu_transform``,
 JPEGs decoded for ``decode_on_client`` (``batchd.client.device.decode``), ragged fields split
-into per-sample views, collated by ``collate_fn``. ``deliver`` waits for the copy on the
-consumer's stream, runs a ``collate_fn`` that needs the device batch, and counts the batch as
-taken. ``inline`` says when conversion is cheap enough for the consumer's own thread (CPU tensors
-as they came): the pass then needs no converter (``batchd.client.iteration.epoch``).
+into per-sample views, collated by ``collate_fn``.
 """
 
 from __future__ import annotations
@@ -27,9 +24,9 @@ from batchd.client.transport.receiver import BatchTimes, Received, delivered, to
 
 
 def inline(options: Any, transfer: Any) -> bool:
-    """Whether converting a batch is cheap enough for the training loop's own thread: CPU tensors
-    over the bytes as they came (no device copy, ``gpu_transform``, ``decode_on_client`` or
-    ``collate_fn``)."""
+    """Whether converting a batch is cheap enough for the training loop's own thread, so that the
+    pass needs no converter (``batchd.client.iteration.epoch``): CPU tensors over the bytes as they
+    came (no device copy, ``gpu_transform``, ``decode_on_client`` or ``collate_fn``)."""
     o = options
     return transfer is None and o.gpu_transform is None and not o.decode_on_client and o.collate_fn is None
 

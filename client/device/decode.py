@@ -7,24 +7,19 @@ would have decoded each at) besides ``label``, ``index``, ``position``. Here the
 ``image`` uint8 [B, H, W, 3] (RGB) again, then ``gpu_transform`` runs as for a decoded batch:
 
 * on a CUDA device, when torchvision >= 0.19 imports (the first to decode lists on CUDA; the
-  ``gpu`` extra): ``torchvision.io.decode_jpeg(files, device=...)``, one batched nvJPEG call on
-  the loader's side stream, then the ``jpeg_reduce`` the server would have decoded at (nvJPEG
-  has no DCT scaling: an n x n mean, as libjpeg's scaled IDCT nearly is), the EXIF orientation
-  (torchvision ignores it on CUDA; OpenCV, hence the server, applies it) and the resize
-  (``interpolate(mode="bilinear", align_corners=False)``, rounded: OpenCV's INTER_LINEAR up to
-  its fixed-point rounding). Not the same bytes as OpenCV's decode (IDCT and chroma upsampling
-  differ), but the same scale of detail;
-* otherwise (CPU, or torchvision missing): OpenCV, exactly as the server decodes:
-  ``cv2.imdecode(IMREAD_COLOR, or IMREAD_REDUCED_COLOR_n as jpeg_reduce says)``,
-  ``cv2.cvtColor(BGR2RGB)``, ``cv2.resize(INTER_LINEAR)`` unless the image already has the size
-  (albumentations' Resize): the same bytes as the server's decoded stream.
+  ``gpu`` extra): one batched nvJPEG call on the loader's side stream (``decode_gpu``), then what
+  OpenCV, hence the server, does and nvJPEG does not: the ``jpeg_reduce`` scaling (nvJPEG has no
+  DCT scaling), the EXIF orientation (torchvision ignores it on CUDA) and the resize. Not the
+  same bytes as OpenCV's decode (IDCT and chroma upsampling differ), but the same scale of detail;
+* otherwise (CPU, or torchvision missing): OpenCV, exactly as the server decodes (``decode_cpu``,
+  resizing unless the image already has the size, as albumentations' Resize): the same bytes as
+  the server's decoded stream.
 
 A file the decoder refuses is the dataset's ``on_error`` (``DatasetInfo.on_error``, which the
 server reports): "raise" raises SampleError naming the dataset and sample; "skip" leaves the
 sample out of the batch and adds its index to ``skipped``, as the server does for a file it
 cannot read. (The server has checked each file's headers; what it cannot see, e.g. a missing
-quantisation table, fails here. nvJPEG decodes a batch in one call: when the call fails, each
-file is decoded alone to find the culprit.)
+quantisation table, fails here.)
 """
 
 from __future__ import annotations
@@ -216,23 +211,16 @@ def _tiff_orientation(tiff: bytes) -> int:
     return 1
 
 
+# EXIF orientation -> (whether [C, H, W] is transposed first, the dimensions then flipped)
+_ORIENTATIONS = {2: (False, (-1,)), 3: (False, (-2, -1)), 4: (False, (-2,)), 5: (True, ()),
+                 6: (True, (-1,)), 7: (True, (-2, -1)), 8: (True, (-2,))}
+
+
 def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
     """``image`` [C, H, W] as displayed for EXIF ``orientation`` (what OpenCV's IMREAD_COLOR applies)."""
-    if orientation == 2:
-        return image.flip(-1)
-    if orientation == 3:
-        return image.flip(-2, -1)
-    if orientation == 4:
-        return image.flip(-2)
-    if orientation == 5:
-        return image.transpose(-2, -1)
-    if orientation == 6:
-        return image.transpose(-2, -1).flip(-1)
-    if orientation == 7:
-        return image.transpose(-2, -1).flip(-2, -1)
-    if orientation == 8:
-        return image.transpose(-2, -1).flip(-2)
-    return image
+    transpose, flips = _ORIENTATIONS.get(orientation, (False, ()))
+    image = image.transpose(-2, -1) if transpose else image
+    return image.flip(flips) if flips else image
 
 
 def resize_bilinear(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -326,9 +314,8 @@ def decode_batch(batch: dict[str, torch.Tensor], options: Any, transfer: Any, st
 
     on_error: the dataset's (``DatasetInfo.on_error``); with "skip", files the decoder refuses are
     left out (``leave_out``). With a CUDA ``transfer`` and torchvision: decoded on the transfer's
-    side stream, which no other receiver uses meanwhile (``CudaTransfer.exclusive``: nvJPEG writes
-    from a stream of its own into memory allocated on it), then this thread waits for the decode
-    to finish (the files may lie on a leased slot that goes back when they are freed). Otherwise
+    side stream, to this thread alone (``CudaTransfer.exclusive``), which waits for the decode to
+    finish (the files may lie on a leased slot that goes back when they are freed). Otherwise
     OpenCV on the CPU, then the copy as for any batch. Raises TransferStopped if ``stopping`` is
     set, and the errors of ``decode_cpu`` / ``decode_gpu``.
     """

@@ -4,29 +4,20 @@ shared-memory slots copied from directly.
 Pattern from ffcv's ``loader/epoch_iterator.py`` and spdl's ``io/_transfer.py``:
 
 * the copy to the device is issued on a side stream (``non_blocking=True``), in the loader's
-  converter thread (``batchd.client.delivery``), while the training step runs on the default stream;
+  converter thread (``batchd.client.device.convert``), while the training step runs on the
+  default stream;
 * inline batches go through ``slots`` pinned host buffers per tensor name, allocated once (grown
   if a batch is larger) and reused round robin; before slot k is overwritten we wait on the
   (blocking, so the thread sleeps rather than spins) event recorded after the last copy out of
   it, so a copy in flight is never corrupted;
-* same-host batches are copied straight from the server's shared-memory slot: each segment is
-  mapped read-only once and registered with CUDA once (``cudaHostRegister``, from a helper
-  thread: client/device/host_register.py), and the batch (its lease) is kept until its copy's event has
-  completed; once the server has unlinked a segment and no batch uses it, the session
-  unregisters and unmaps it (client/transport/shm.py); if CUDA refuses, batches go through the pinned
-  buffers;
-* ``hand_over`` makes the consumer's current stream wait for that copy's event and marks the
-  device tensors as used on it (``record_stream``), so the caching allocator never recycles
-  them early;
-* an error after a copy was queued (in ``gpu_transform``, say) waits for the side stream before
-  it propagates: the lease or pinned buffer being copied from is let go only once it is read.
+* same-host batches are copied straight from the server's shared-memory slot, registered with
+  CUDA once (client/device/host_register.py, client/transport/shm.py), the batch (its lease) kept
+  until its copy's event has completed; if CUDA refuses, they go through the pinned buffers.
 
 ``to_device`` may be called from several converter threads (a new iteration's, and one of an
 iteration that ended and outlives its ``close()``): it holds the copy lock, and refuses
 (``TransferStopped``) a call whose iteration is stopping, so a stale thread never fills a slot the
-live one uses. ``hand_over`` (the
-consumer's thread) takes only the lock of the batches held for copies, never the copy lock, so
-it does not wait for a receiver's whole memcpy.
+live one uses. ``hand_over`` (the consumer's thread) never takes the copy lock.
 """
 
 from __future__ import annotations
@@ -40,10 +31,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from batchd.client.transport import fields
-
 from batchd.client import forks
 from batchd.client.device.host_register import HostRegistry
+from batchd.client.transport import fields
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +58,8 @@ def finish(batch: dict[str, fields.Field], gpu_transform: Callable[..., torch.Te
     """Replace ``batch["image"]`` by ``gpu_transform(image, position, seed=seed, epoch=epoch)``.
 
     image: the batch's uint8 [B, H, W, C] tensor (on the device after the copy, or on CPU);
-    position: int64 [B], each sample's position in the epoch's global order. Raises ValueError if
-    the batch has no "position" tensor (the server does not send it) or no stacked "image" (its
-    images have different sizes: a ragged field), TypeError if the result is not a tensor.
+    position: int64 [B], each sample's position in the epoch's global order. Raises ValueError as
+    ``check_finishable``, TypeError if the result is not a tensor.
     """
     check_finishable(batch)
     out = gpu_transform(batch["image"], batch["position"], seed=seed, epoch=epoch)
@@ -224,8 +213,9 @@ class CudaTransfer:
         return event
 
     def hand_over(self, batch: dict[str, torch.Tensor], event: torch.cuda.Event) -> dict[str, torch.Tensor]:
-        """Call in the consumer's thread: its current stream waits for the copy, then uses the tensors.
-        Never waits for the copy lock (a receiver may hold it through a whole batch's copy)."""
+        """Call in the consumer's thread: its current stream waits for the copy, then uses the tensors
+        (``record_stream``: the caching allocator never recycles them early). Never waits for the
+        copy lock (a receiver may hold it through a whole batch's copy)."""
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
         for t in batch.values():

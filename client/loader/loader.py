@@ -16,7 +16,7 @@ import torch
 from batchd.client import forks
 from batchd.client.iteration import elastic
 from batchd.client.iteration.servers import Servers
-from batchd.client.loader.options import TRANSPORTS, LoaderOptions, LoaderSettings  # noqa: F401  (TRANSPORTS: public name)
+from batchd.client.loader.options import LoaderOptions, LoaderSettings
 from batchd.client.loader import sampling
 from batchd.client.loader.profile import Profile, make_profile
 from batchd.client.loader.sampling import Mix, WeightedRandomSampler

@@ -16,10 +16,9 @@ verdict from five rules, applied in order (the thresholds are the constants belo
    ready but reached the loop late (waiting in the reorder buffer, on the network, in
    unpacking). The evidence names the largest of those stages.
 
-Shares are within groups, each adding up to 1: ``loop`` (wait, step: the training loop's time),
-``server`` (queued, read, decode, pipeline, cache, write, reorder, send: each batch's time on
-the server, from its task being sent to a worker to its message being ready) and ``client``
-(receive, unpack, copy, gpu_transform: the client's threads' time per batch).
+Shares are within groups (``GROUPS``, of the stages ``batchd.client.loader.timings`` defines),
+each adding up to 1: ``loop`` (the training loop's time), ``server`` (each batch's time on the server,
+from its task being sent to a worker to its message being ready) and ``client`` (the client's threads').
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ Both are plain objects checked on construction (ValueError naming the argument a
 say what the epoch's order is; the server draws it (``batchd.sampler``: the formulas, shared with
 the server) and every batch stays a pure function of the request, so ranks, exact and elastic
 resume, several servers, hedging and sharing between identical loaders work as for a plain epoch
-(docs/sampling.md). The loader reads them here: its options (``resolve``), the epoch's length
-(``epoch_length``) and what ``state_dict`` records (``settings``); what goes on the wire (a
-mix's description, the request's fields, the weights' upload) is ``batchd.client.transport.orders``.
+(docs/sampling.md). The loader reads them here (``resolve``, ``epoch_length``, ``settings``); what
+goes on the wire is ``batchd.client.transport.orders``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The client's own figures: how long the training loop waited for batches, and what the loader
 did meanwhile (``RemoteDataLoader.stats()``).
 
-``batchd.client.loader.timings.timed`` wraps the iterator a loader hands to the training loop: the time
-each ``__next__`` takes is the time the loop waited for that batch (nothing else runs there); it
-reports each wait here and to the loader's ``LoopTimings`` (``loader.profile()``), one
-measurement for both. ``LoaderStats`` keeps those waits and the loader's counters; the servers' loaders count what
-they do into it (reconnects, failovers, stalls). ``snapshot()`` is a plain dict, with these keys
-(units in the names: seconds, or a ratio in [0, 1]):
+``LoaderStats`` keeps the loop's waits as ``batchd.client.loader.timings.timed`` measures them
+(one measurement for this and ``loader.profile()``), and the counters the servers' loaders bump
+(reconnects, failovers, stalls). ``snapshot()`` is a plain dict, with these keys (units in the
+names: seconds, or a ratio in [0, 1]):
 
 * ``batches``, ``samples``: batches and samples yielded to the training loop, all iterations
   (samples as the server sent them, whatever ``collate_fn`` made of the batch);
@@ -17,12 +15,10 @@ they do into it (reconnects, failovers, stalls). ``snapshot()`` is a plain dict,
   ``wait_fraction``: ``wait_seconds / wall_seconds`` (0.0 before the first batch), the share of
   the training loop's time spent waiting for data;
 * ``batches_per_server``: {address: batches yielded that this server sent first, all iterations};
-* ``servers``: {address: {``batches`` (as above), ``share`` (of the batches of the epoch in
-  progress, else the last one, 0..1), ``credit`` (grants it may hold now), ``up``, ``stalled``,
-  ``stalls`` (times it was found stalled), ``regranted`` (its batches granted to another server
-  when it stalled or broke), ``duplicates`` (its copies that came after another's), ``workers``
-  and ``build_seconds`` (its median worker seconds per batch), as the server says}} (of the
-  epoch in progress, else the last one);
+* ``servers``: {address: {``batches`` (as above), and of the epoch in progress (else the last):
+  ``share`` (0..1), ``credit``, ``up``, ``stalled``, ``stalls`` (times it was found stalled),
+  ``regranted``, ``duplicates``, ``workers``, ``build_seconds``, as ``loader.server_stats()``
+  has them (``batchd.client.iteration.servers.Servers.server_stats``)}};
 * ``bytes_received``: {``"shm"``, ``"socket"``, ``"inline"``: bytes of batches received that way,
   all iterations}: for shared memory the tensors' bytes mapped from the server's slots, for the
   socket data plane the bytes read from data connections (headers included), inline the gRPC
@@ -35,15 +31,14 @@ they do into it (reconnects, failovers, stalls). ``snapshot()`` is a plain dict,
   over shared memory, its calls' Batch messages come on the calls, the bytes still in place;
   ``batchd.client.transport.redial``).
 
-Other readers (per-batch profiles) take ``waits()`` or ``add_listener``. Thread-safe: the
-counters are bumped from the servers' and the loader's threads.
+Thread-safe: the counters are bumped from the servers' and the loader's threads.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +57,6 @@ class LoaderStats:
         self._waits: collections.deque[float] = collections.deque(maxlen=window)
         self._counters: collections.Counter[str] = collections.Counter()
         self._received: dict[str, int] = dict.fromkeys(TRANSPORTS, 0)
-        self._listeners: list[Callable[[float, Any], None]] = []
         self.batches = 0
         self.samples = 0
         self.wait_seconds = 0.0
@@ -83,9 +77,6 @@ class LoaderStats:
             self.wait_seconds += seconds
             self._waits.append(seconds)
             self._last_handed = now
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener(seconds, batch)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to one of ``COUNTERS``."""
@@ -98,11 +89,6 @@ class LoaderStats:
         """A batch of ``nbytes`` bytes came by ``transport`` (one of ``TRANSPORTS``; lane threads)."""
         with self._lock:
             self._received[transport] += nbytes
-
-    def add_listener(self, listener: Callable[[float, Any], None]) -> None:
-        """Call ``listener(wait_seconds, batch)`` for every batch handed over from now on."""
-        with self._lock:
-            self._listeners.append(listener)
 
     def waits(self) -> np.ndarray:
         """The recent per-batch waits, oldest first: float64 [<= window], seconds."""

@@ -9,12 +9,11 @@ once they have completed (until then they count as 0); without a device ``gpu_tr
 its CPU time and ``copy`` is 0.
 
 The training loop's side is ``LoopTimings``, fed by ``RemoteDataLoader.__iter__``: ``wait`` is
-the time ``__next__`` blocked for a batch (inside a ``torch.profiler.record_function("batchd.wait")``
-range while a profiler runs, and an NVTX range of that name on CUDA, so traces show it), and
-``step`` is the time between two ``__next__`` calls (the training step). The first batch of an
+the time ``__next__`` blocked for a batch (a ``batchd.wait`` range in profiler and NVTX traces:
+``waiting``), and ``step`` is the time between two ``__next__`` calls (the training step). The first batch of an
 iteration is not counted as wait (it includes connecting and the pipeline's warm-up): it is
 ``startup``. ``wait_ratio`` = wait / (wait + step), over the epoch so far; a moving version
-(about the last ``WINDOW_S`` seconds) is what the loader reports to each server
+(about the last ``progress.WINDOW_S`` seconds) is what the loader reports to each server
 (``StreamProgress.wait_ratio``), so a server sizes its workers by the recent wait, not the
 epoch's.
 
@@ -25,17 +24,17 @@ totals into ``loader.profile()``'s verdict.
 from __future__ import annotations
 
 import functools
-import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from batchd.client.transport.progress import WINDOW_S, WaitMeter  # noqa: F401  (WINDOW_S: the docs name it here)
-from batchd.client.transport.receiver import BatchTimes, delivered, take_delivered  # noqa: F401  (public here too)
-from batchd.wire import WireTimings
+from batchd.client.transport.progress import WaitMeter
+from batchd.client.transport.receiver import BatchTimes, delivered, take_delivered
+
+# BatchTimes, delivered and take_delivered are the receiver's, public here too (bench/tables/table_timings.py)
+__all__ = ["BatchTimes", "LoopTimings", "delivered", "take_delivered", "timed", "waiting"]
 
 T = TypeVar("T")
 WAIT_RANGE = "batchd.wait"  # the profiler / NVTX range around the loop's wait for a batch
@@ -103,10 +102,8 @@ class LoopTimings:
         if s is not None:
             for stage, attr in _SERVER_ATTRS:
                 totals[stage] += getattr(s, attr)
-        totals["receive"] += times.receive
-        totals["unpack"] += times.unpack
-        totals["copy"] += times.copy
-        totals["gpu_transform"] += times.gpu_transform
+        for stage in CLIENT_STAGES:  # (copy and gpu_transform: 0 until resolved, when CUDA times are pending)
+            totals[stage] += getattr(times, stage)
 
     def _resolve(self, wait: bool = False) -> None:
         """Add the CUDA times of batches whose copies have completed."""

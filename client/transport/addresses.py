@@ -1,8 +1,7 @@
 """Which servers an ``address`` names: one, a list, a DNS name with several A records, or a file.
 
 ``RemoteDataLoader(address, ...)`` reads from several servers when ``server_addresses(address)``
-returns more than one, or when ``address`` may name more later (``may_grow``: a ``file:`` list
-or a ``dns:`` name):
+returns more than one, or when ``address`` may name more later (``may_grow``):
 
 * a list or tuple of addresses: each one, expanded as below (duplicates dropped, order kept);
 * ``dns:///NAME:PORT`` (gRPC's name syntax) or a plain ``NAME:PORT``: every IPv4 address that
@@ -16,11 +15,11 @@ or a ``dns:`` name):
 * ``unix:PATH``, an IP literal ``IP:PORT`` / ``[IPv6]:PORT``: that one server.
 
 Names and files are read when the loader is built and again while it runs (``AddressSource``,
-every ``probe_interval``; a file when it changed): servers that appear are probed and given
-work, servers no longer listed get none. A plain ``NAME:PORT`` with one address is one server
-(a single-server loader, as gRPC resolves it); ``dns:///NAME:PORT`` or ``file:PATH`` keep a
-several-servers loader even while they list one server, so that others can join. To read
-through a name from one server only, resolve it yourself.
+every ``probe_interval``): servers that appear are probed and given work, servers no longer listed
+get none. A plain ``NAME:PORT`` with one address is one server (a single-server loader, as gRPC
+resolves it); ``dns:///NAME:PORT`` or ``file:PATH`` keep a several-servers loader even while they
+list one server, so that others can join. To read through a name from one server only, resolve
+it yourself.
 """
 
 from __future__ import annotations
@@ -185,13 +184,3 @@ class AddressSource:
         except (OSError, ValueError):
             return None
         return out or None
-
-
-def single_address(address: str | Iterable[str]) -> str:
-    """The one address of a single-server loader (a one-element list is unwrapped)."""
-    if isinstance(address, str):
-        return address
-    items = list(address) if address is not None else []
-    if len(items) != 1 or not isinstance(items[0], str):
-        raise ValueError(f"expected one server address, got {address!r}")
-    return items[0]

@@ -5,10 +5,8 @@ A fresh buffer costs a page fault per 4 KiB on its first write (about 2,400 for 
 x 3 uint8 batch: measured, receiving into fresh buffers cost the trainer 0.4-0.5 s of CPU per GB
 against 0.1-0.2 into reused ones); a reused one costs nothing. So ``BufferPool.take`` hands out a
 free buffer big enough, allocating only when none is, and the pool keeps as many buffers as were
-ever in use at once; ``tensors`` builds the batch's fields as views of the
-buffer (no copy) and puts a ``weakref.finalize`` on their common base, which gives the buffer
-back to the pool once the last of them is freed, exactly as a shared-memory lease goes back
-(client/transport/shm.py). A batch the caller keeps keeps its buffer; the pool never reuses it meanwhile.
+ever in use at once. A batch's fields are views of its buffer (``tensors``), which goes back to the
+pool once the last of them is freed, exactly as a shared-memory lease goes back (client/transport/shm.py).
 
 Where the loader copies batches to a CUDA device the pool's buffers are pinned (page-locked:
 ``allocate=pinned``), so the copy reads them directly, asynchronously, with no staging copy

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -110,27 +111,18 @@ def resolve_token(token: str | None) -> str | None:
 
 class _Token(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call on the channel."""
+    """Adds ``authorization: Bearer <token>`` to every call on the channel (one method for the four kinds)."""
 
     def __init__(self, token: str):
         self._entry = ("authorization", f"Bearer {token}")
 
-    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._entry],
-                            details.credentials, getattr(details, "wait_for_ready", None),
-                            getattr(details, "compression", None))
+    def _intercept(self, continuation, details: grpc.ClientCallDetails, request):
+        details = _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._entry],
+                               details.credentials, getattr(details, "wait_for_ready", None),
+                               getattr(details, "compression", None))
+        return continuation(details, request)
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
+    intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _intercept
 
 
 @dataclass(frozen=True)
@@ -202,6 +194,21 @@ def open_channel(address: str, *, connect_timeout: float = 10.0,
     return channel
 
 
+@contextlib.contextmanager
+def one_off(address: str, timeout: float, tls: Any = None, tls_ca: Any = None, tls_cert: Any = None,
+            tls_key: Any = None, token: str | None = None) -> Iterator[grpc.Channel]:
+    """A ready channel for a request or two (``list_datasets``, ``get_stats``; the arguments as theirs),
+    closed after them; a failed call raises ``translate``'s error. Raises as ``open_channel``."""
+    channel = open_channel(address, connect_timeout=timeout, tls=tls_settings(tls, tls_ca, tls_cert, tls_key),
+                           token=resolve_token(token))
+    try:
+        yield channel
+    except grpc.RpcError as e:
+        raise translate(e, address) from None
+    finally:
+        channel.close()
+
+
 _DEADLINE_GRACE_S = 1.0  # how long past its own deadline a call may take to end before gRPC counts as stalled
 
 
@@ -213,11 +220,10 @@ def wait_for_server(channel: grpc.Channel, timeout: float, address: str = "") ->
     UNAUTHENTICATED, is a server. Not ``grpc.channel_ready_future``: its connectivity polling
     thread can deadlock a later ``channel.close()`` (grpc/grpc#20026; seen here in CI).
 
-    The call's own deadline ends it; this thread waits for it no longer than that deadline plus
-    ``_DEADLINE_GRACE_S``. A call that outlives it means gRPC does not run in this process: in a
-    child forked from a process that had loaded gRPC, raises the RuntimeError that says so
-    (``forks.grpc_stalled``; the call and the channel are then held, never touched again, as
-    anything done with them there would hang too); elsewhere the server did not answer (False).
+    The call's own deadline ends it; this thread waits no longer than that plus
+    ``_DEADLINE_GRACE_S``. Past it, in a child forked from a process that had loaded gRPC (where
+    gRPC cannot run: ``batchd.client.forks``), raises ``forks.grpc_stalled``'s RuntimeError, the
+    call and the channel held (anything done with them would hang too); elsewhere, False.
     """
     timeout = max(0.0, timeout)
     call = health_pb2_grpc.HealthStub(channel).Check.future(health_pb2.HealthCheckRequest(), timeout=timeout,

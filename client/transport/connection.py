@@ -2,16 +2,13 @@
 
 Its channel, the dataset's ``DatasetInfo`` (described once per server process: again only when
 the server's id changed, ``check_server``), its shared-memory session (opened on first use), its
-``DataLink`` (the socket data plane: ``transport`` "auto" for a server whose shared memory is not
-readable here, or "socket"; the call asks for TRANSPORT_SOCKET and reads each batch's bytes from a
-data connection beside it, ``batchd.client.transport.dataplane``), and the ``Batches`` call it
-opens (``open_call``, ``batchd.client.transport.call``), whose request stream carries a pass's
-``open`` and then its grants, revokes, lease releases and progress. A server's link
+``DataLink`` (the socket data plane, ``wants_socket``), and the ``Batches`` call it opens
+(``open_call``, ``batchd.client.transport.call``), whose request stream carries a pass's ``open``
+and then its grants, revokes, lease releases and progress. A server's link
 (``batchd.client.transport.link``) holds one connection at a time and replaces it when the
 server comes back after a failure.
 
-``options`` is the loader's ``batchd.client.loader.options.LoaderOptions`` (transport/ does not
-import the facade).
+``options`` is the loader's ``LoaderOptions`` (transport/ does not import the facade).
 """
 
 from __future__ import annotations
@@ -160,9 +157,8 @@ class ServerConnection:
         under ``strict`` (the server refuses the call otherwise). ``transport``: the call's (a
         later ``open`` keeps its call's); None: chosen now, opening the shared-memory session on
         first use (see ``shared_memory``). ``tag``: the call's stream_tag (the server records the
-        leases it sends under it; a broken call is reported by it). A weighted sampler's weights
-        go to the server first (PutWeights) before a call's first ``open`` (``transport`` None)
-        unless sent already: once per server process, not per pass (``weights_sent``)."""
+        leases it sends under it; a broken call is reported by it). A call's first ``open``
+        (``transport`` None) sends a weighted sampler's weights first unless ``weights_sent``."""
         o, info = self.options, self.info
         if transport is None and orders.needs_upload(o) and not self.weights_sent:
             orders.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
@@ -236,26 +232,18 @@ class ServerConnection:
             self.check_unchanged(timeout)
 
     def check_unchanged(self, timeout: float) -> Difference:
-        """Describe the dataset again and compare it with ``self.info``
-        (``batchd.client.transport.datasets.difference``): a restarted server may serve other files
-        under the same name. Called when a call shows another server id, or the server refused a
-        call's expected dataset.
+        """Describe the dataset again and compare it with ``self.info`` (``accepted``): a restarted
+        server may serve other files under the same name. Called when a call shows another server
+        id, or the server refused a call's expected dataset.
 
-        Returns what differs (empty: nothing known). ``self.info`` becomes the new description;
-        where fingerprints differ without ``options.strict``, a warning says so. Raises
-        DatasetChangedError (a ValueError) naming the dataset, this address and what changed if
-        the number of samples differs, or (strict) a dataset or build fingerprint; ConnectionError
-        or TimeoutError if the server does not answer within ``timeout`` seconds;
-        DatasetNotFoundError if it no longer serves the dataset.
+        Returns what differs (empty: nothing known); ``self.info`` becomes the new description.
+        Raises DatasetChangedError as ``accepted``; ConnectionError or TimeoutError if the server
+        does not answer within ``timeout`` seconds; DatasetNotFoundError if it no longer serves the
+        dataset.
         """
         now = self._describe(timeout)
         self.weights_sent = self.weights_sent and now.server_id == self.info.server_id
-        changed = difference(self.info, now)
-        if changed.refused(self.options.strict):
-            raise DatasetChangedError(self.options.dataset, self.address, changed.fingerprints, changed.num_samples)
-        if changed:
-            log.warning("dataset %r at %s changed since the loader last read it (a restart): %s (before vs now); going on "
-                        "with the new data (strict=False)", self.options.dataset, self.address, changed)
+        changed = accepted(self.options, self.address, self.info, now, " (a restart)")
         self.info = now
         return changed
 
@@ -294,14 +282,26 @@ class ServerConnection:
             self._finalizer()
 
 
+def accepted(options: Any, address: str, before: DatasetInfo, now: DatasetInfo, how: str = "") -> Difference:
+    """How ``now`` differs from ``before`` (``datasets.difference``), where the loader may read on:
+    raises DatasetChangedError (a ValueError) naming the dataset, ``address`` and what changed if
+    the number of samples differs, or (``options.strict``) a dataset or build fingerprint; else
+    warns where fingerprints differ (``how``: said after "changed", e.g. " (a restart)")."""
+    changed = difference(before, now)
+    if changed.refused(options.strict):
+        raise DatasetChangedError(options.dataset, address, changed.fingerprints, changed.num_samples)
+    if changed:
+        log.warning("dataset %r at %s changed since the loader last read it%s: %s (before vs now); going on "
+                    "with the new data (strict=False)", options.dataset, address, how, changed)
+    return changed
+
+
 def probe(address: str, options: Any, transfer: Any, freed: Callable[[str, int], None], warned: set,
           reference: DatasetInfo | None, timeout: float) -> ServerConnection:
     """A fresh connection to a server that was down (or never answered), checked: its health
-    service says SERVING and it serves ``reference``'s dataset (under ``options.strict`` the same
-    fingerprints; else a warning where they differ). ``timeout``: seconds to connect and ask.
-
-    Raises ConnectionError or TimeoutError (not there, or not SERVING), DatasetChangedError (a
-    ValueError: it serves another dataset), and what a first description raises.
+    service says SERVING and it serves ``reference``'s dataset (``accepted``). ``timeout``:
+    seconds to connect and ask. Raises ConnectionError or TimeoutError (not there, or not
+    SERVING), DatasetChangedError, and what a first description raises.
     """
     fresh = ServerConnection(address, dataclasses.replace(options, connect_timeout=timeout), transfer, freed,
                              warned=warned)
@@ -309,12 +309,7 @@ def probe(address: str, options: Any, transfer: Any, freed: Callable[[str, int],
         if not fresh.serving(timeout):
             raise errors.ConnectionError(f"batchd server {address}: its health service does not say SERVING")
         if reference is not None:
-            changed = difference(reference, fresh.info)
-            if changed.refused(options.strict):
-                raise DatasetChangedError(options.dataset, address, changed.fingerprints, changed.num_samples)
-            if changed:
-                log.warning("dataset %r at %s changed since the loader last read it: %s (before vs now); going on "
-                            "with the new data (strict=False)", options.dataset, address, changed)
+            accepted(options, address, reference, fresh.info)
     except BaseException:
         fresh.close()
         raise

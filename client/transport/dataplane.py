@@ -1,36 +1,19 @@
 """The data plane, client side: the connection that brings one ``Batches`` call's batch bytes
 (``TRANSPORT_SOCKET``; docs/design/network-path.md, the format in ``batchd.datawire``).
 
-``DataSocket.connect`` dials the port the server offered on the host the gRPC channel dialed
-(``data_host``), speaks TLS with the loader's own settings when its channel does (the server's
-certificate checked against ``tls.ca``, or the system roots, for ``tls.server_name`` or that
-host; the client certificate presented if given) and sends the call's one-time token.
-``DataSocket.receive`` then reads, for the call's next ``Batch`` message, the 24-byte header and
-the payload with ``socket.recv_into`` straight into a buffer of a ``BufferPool``
-(client/transport/buffers.py) and returns the batch's tensors as views of it. The kernel copies each byte
-once, into that buffer, and the wait releases the GIL (with TLS, the decryption runs here too,
-also off the GIL). Where the call's Batch messages come on the connection too (in-band frames,
-``datawire.MESSAGE_MAGIC``), ``DataSocket.receive_next`` reads the next frame whole: header,
-message, payload; ``None`` once the server closed the connection between frames (the call's
-status follows on the call).
+``DataSocket.receive`` reads the 24-byte header and the payload with ``socket.recv_into``
+straight into a buffer of a ``BufferPool`` (client/transport/buffers.py): the kernel copies each
+byte once, into that buffer, and the wait releases the GIL (with TLS, the decryption runs here
+too, also off the GIL). ``receive_next`` reads an in-band frame (the call's Batch messages on
+the connection too) whole. ``DataLink`` is what one server's ``Batches`` calls share to do this.
 
-Never hang: every read waits at most ``SLICE_S`` before looking at ``stopping``, and a
-connection that brings no byte for ``timeout`` seconds (between two in-band frames: as long as
-the call lasts, then ``ENDED_GRACE_S``) is a broken one. Every failure is a
-ConnectionError naming the server (a broken data connection is a broken call, resumed as one):
-the header's magic, batch index or length not those the call's message announced, the
-connection closed or reset, the handshake refused.
+Never hang: every read waits at most ``SLICE_S`` before looking at ``stopping``, and a silent
+connection is a broken one. Every failure is a ConnectionError naming the server: a broken data
+connection is a broken call, resumed as one.
 
-``DataLink`` is what one server's ``Batches`` calls share to do this: the server's address, the
-loader's TLS settings and timeouts, and the buffer pool (``receive``: a batch's message in, the
-same batch with its ``payload`` out).
-
-``DataSocket.send_control`` writes a control frame (the call's grants and revokes, where the
-server reads them there: ``batchd.datawire``) from the thread that grants; only a plain TCP
-connection does (``controls``): one ``SSLSocket`` must not be read and written by two threads.
-
-A forked child never touches the connection (``close`` there does nothing): its socket is the
-parent's (``batchd.client.forks``).
+Control frames (the call's grants and revokes, ``batchd.datawire``) are written from the thread
+that grants, so only on a plain TCP connection (``controls``): one ``SSLSocket`` must not be read
+and written by two threads.
 """
 
 from __future__ import annotations
@@ -76,9 +59,8 @@ def client_tls_context(tls: TLS) -> ssl.SSLContext:
 
 
 class Closable:
-    """What both forms of a data connection (``DataSocket``, ``batchd.client.transport.relay.RelayedSocket``)
-    share: ``close`` from any thread, once, and never in a forked child (its socket is the
-    parent's). Needs ``_sock``, ``_lock``, ``_closed`` and ``_owner``."""
+    """What both forms of a data connection (``DataSocket``, ``relayed_socket.RelayedSocket``)
+    share: ``close``. Needs ``_sock``, ``_lock``, ``_closed`` and ``_owner``."""
 
     _sock: socket.socket
     _lock: threading.Lock
@@ -86,10 +68,10 @@ class Closable:
     _owner: int
 
     def close(self) -> None:
-        """Close the connection (a ``receive`` in another thread fails at once). Idempotent;
-        nothing in a forked child. The socket is shut down at the kernel first, never through its
-        TLS object (``batchd.sockets``: ``SSLSocket.shutdown`` from another thread let a racing
-        read take the raw TLS records as batch bytes)."""
+        """Close the connection, from any thread (a ``receive`` in another thread fails at once).
+        Idempotent; nothing in a forked child (its socket is the parent's). The socket is shut down
+        at the kernel first, never through its TLS object (``batchd.sockets``: ``SSLSocket.shutdown``
+        from another thread let a racing read take the raw TLS records as batch bytes)."""
         if forks.forked(self._owner):
             return
         with self._lock:
@@ -123,7 +105,6 @@ class DataSocket(Closable):
         self.max_message = min(max_message, datawire.MAX_MESSAGE)
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.controls = not self.tls  # control frames may be written here (module docstring)
-        self.bytes_received = 0
         self.first_byte = False
         self.last_received = 0  # bytes of the last batch received (header included)
         self._header = bytearray(datawire.HEADER.size)
@@ -184,18 +165,16 @@ class DataSocket(Closable):
     def receive_next(self, pool: buffers.BufferPool, stopping: threading.Event | None = None,
                      ended: Callable[[], bool] | None = None, lent: bool = False) -> tuple[wire.WireBatch, int] | None:
         """The next batch of a call whose Batch messages come on this connection
-        (``datawire.MESSAGE_MAGIC``): its message and payload, the payload received into a buffer
-        of ``pool`` (``WireBatch.payload``: the fields as views of it), and the bytes read for it;
-        None once the server closed the connection between two batches (the call's status says
-        how it ended). ``lent``: a shared-memory call's connection, whose frames carry no payload
-        (a batch lent in place, or one the server copied into its message: ``datawire``).
+        (``datawire.MESSAGE_MAGIC``), its payload received into a buffer of ``pool``
+        (``WireBatch.payload``), and the bytes read for it; None once the server closed the
+        connection between two batches (the call's status says how it ended). ``lent``: a
+        shared-memory call's connection, whose frames carry no payload (``datawire``).
 
-        Waits for the next header as long as the call lasts (``ended()``: the call is over; then
-        until ``ENDED_GRACE_S`` or ``timeout`` seconds, the shorter, pass without a byte: a server
-        whose host vanished sends no close, and the call's status says why). Raises ConnectionError naming
-        the server for a header or message that is not a frame's, a payload length other than
-        the message's, a connection that closed inside a frame, broke, or went silent inside one
-        for ``timeout`` seconds; ConnectionAbortedError once ``stopping`` is set or the
+        Waits for the next header as long as the call lasts, then (``ended()``) until the shorter
+        of ``ENDED_GRACE_S`` and ``timeout`` passes without a byte: a server whose host vanished
+        sends no close. Raises ConnectionError naming the server for a malformed frame (its
+        header, message or payload length), a connection that closed, broke or went silent for
+        ``timeout`` seconds inside one; ConnectionAbortedError once ``stopping`` is set or the
         connection closed.
         """
         if not self._read_into(memoryview(self._header), stopping, ended):
@@ -248,9 +227,8 @@ class DataSocket(Closable):
 
     def _read_into(self, view: memoryview, stopping: threading.Event | None,
                    ended: Callable[[], bool] | None = None) -> bool:
-        """Fill ``view``; True. With ``ended`` (a frame's header: between batches), waits for the
-        first byte while ``ended()`` is false, then at most ``ENDED_GRACE_S`` seconds without a
-        byte, and returns False if the connection closes before that byte."""
+        """Fill ``view``; True. With ``ended`` (a frame's header), waits for the first byte as
+        ``receive_next`` says, and returns False if the connection closes before it."""
         got, total = 0, len(view)
         last = time.monotonic()
         while got < total:
@@ -287,7 +265,6 @@ class DataSocket(Closable):
             got += n
             self.first_byte = True
             last = time.monotonic()
-        self.bytes_received += total
         return True
 
 
@@ -301,13 +278,10 @@ class DataLink:
     max_message: bytes an in-band Batch message may have (the loader's ``max_message_bytes``).
     relay: the process that holds the connections and receives into ``pool``'s buffers
     (client/transport/relay.py), or None: this process receives. optional: the loader chose the
-    data plane itself (``transport="auto"``): a data port this client cannot reach (a firewall,
-    a Service that forwards only the gRPC port), or whose connections are refused or reset
-    before their first byte however often they are dialed again
-    (``batchd.client.transport.redial``), makes ``reachable`` False, once, with a warning, and
-    the call fails with ``FellBack`` (the loader counts it: ``stats()["data_plane_fallbacks"]``):
-    the server's calls go inline from then on. With ``transport="socket"`` it stays a broken
-    call, reconnected as any. ``lent``: the link of shared-memory calls, whose connections bring
+    data plane itself (``transport="auto"``): a data port it cannot use (unreachable: a firewall,
+    a Service that forwards only the gRPC port; or refusing every dial,
+    ``batchd.client.transport.redial``) sends the server's calls inline from then on
+    (``_unusable``). ``lent``: the link of shared-memory calls, whose connections bring
     Batch messages only (their bytes stay in shared memory, ``datawire``): unreachable, their
     messages come on the calls from then on (said at info: nothing is copied either way).
     """
@@ -349,7 +323,8 @@ class DataLink:
 
     def _unusable(self, e: ConnectionError, port: int) -> ConnectionError:
         """The error of a data port that could not be used (``e``, after the redials): with
-        ``optional``, the first time, a warning and ``FellBack`` (calls go inline from now on)."""
+        ``optional``, the first time, a warning and ``FellBack`` (calls go inline from now on;
+        the loader counts it: ``stats()["data_plane_fallbacks"]``); else ``e``, a broken call."""
         if not (self.optional and self.reachable):
             return e
         self.reachable = False

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from batchd.client.transport.channel import open_channel, resolve_token, tls_settings, translate
+from batchd.client.transport.channel import one_off, translate
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 
@@ -144,14 +144,8 @@ def list_datasets(address: str, *, timeout: float = 10.0, tls=None, tls_ca=None,
     Raises ConnectionError if no server answers within ``timeout`` seconds, AuthenticationError
     without a valid token (for a server with auth).
     """
-    channel = open_channel(address, connect_timeout=timeout, tls=tls_settings(tls, tls_ca, tls_cert, tls_key),
-                           token=resolve_token(token))
-    try:
+    with one_off(address, timeout, tls, tls_ca, tls_cert, tls_key, token) as channel:
         reply = loader_pb2_grpc.BatchLoaderStub(channel).ListDatasets(pb.ListDatasetsRequest(), timeout=timeout)
-    except grpc.RpcError as e:
-        raise translate(e, address) from None
-    finally:
-        channel.close()
     return [DatasetInfo.from_proto(d) for d in reply.datasets]
 
 
@@ -161,9 +155,5 @@ def describe_dataset(address: str, name: str, *, timeout: float = 10.0, labels: 
     [num_samples]; 8 bytes a sample, so for a class-balancing recipe rather than every call).
     Raises DatasetNotFoundError, ConnectionError, or (with auth) AuthenticationError /
     PermissionDeniedError. TLS and token arguments as for RemoteDataLoader."""
-    channel = open_channel(address, connect_timeout=timeout, tls=tls_settings(tls, tls_ca, tls_cert, tls_key),
-                           token=resolve_token(token))
-    try:
+    with one_off(address, timeout, tls, tls_ca, tls_cert, tls_key, token) as channel:
         return describe(channel, address, name, timeout, labels)
-    finally:
-        channel.close()

@@ -1,5 +1,5 @@
-"""A received field as the batch holds it: stacked, ragged (one flat buffer, split into per-sample
-views), or strings.
+"""A received field as the batch holds it (``field``): stacked, ragged (one flat buffer, split into
+per-sample views), or strings; a malformed one raises ValueError naming it, never a crash or a misread.
 
 loader.proto's ``Tensor`` lays out each field of a batch for all B samples at once:
 
@@ -8,12 +8,9 @@ loader.proto's ``Tensor`` lays out each field of a batch for all B samples at on
   each sample's shape and B + 1 element offsets, as Arrow's list arrays;
 * "str" / "bytes": ragged uint8 values, one UTF-8 string or byte string per sample.
 
-``field`` turns a tensor's received values (a view of the message, or of a shared-memory slot)
-into a stacked ``torch.Tensor``, a ``Ragged`` (the flat values plus the validated shapes and
-offsets) or a ``list`` of B str / bytes, checking everything the server sent (a malformed field
-raises ValueError naming it, never a crash or a misread). A ``Ragged`` stays one tensor until the
-batch is where it is used: a copy to a GPU copies its values once (``map_values``), and
-``unpack`` then splits it into B views of those values, on whatever device they are.
+A ``Ragged`` stays one tensor until the batch is where it is used: a copy to a GPU copies its
+values once (``map_values``), and ``unpack`` then splits it into B views of those values, on
+whatever device they are.
 """
 
 from __future__ import annotations

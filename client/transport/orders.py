@@ -1,11 +1,9 @@
 """An epoch's order as the wire carries it: a weighted sampler's or a mix's part of the request.
 
 The transport's side of ``batchd.client.loader.sampling``: the loader's ``info`` at a server
-(``describe``: a dataset, or a mix's every source, with the sampler's weights checked against
-the dataset), the request's ``sampler`` or ``mix`` fields (``apply``), and the weights' upload
-(``put_weights``, PutWeights in chunks), which a connection makes once per server process
-(``needs_upload``; again after a broken call: the server may have restarted, or dropped them,
-docs/design/sampling.md). Mirrors server/serve/orders.py.
+(``describe``), the request's fields (``apply``) and the weights' upload (``put_weights``), which
+a connection makes once per server process (again after a broken call: the server may have
+restarted, or dropped them, docs/design/sampling.md). Mirrors server/serve/orders.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""What a received batch becomes before the loop takes it: ``to_tensors`` (an inline batch's
-fields as views of its message), ``Received`` (a converted batch, ``batchd.client.device.convert``,
-as the pass hands it to the consumer), its ``BatchTimes`` (the server's stages and the client's),
-and ``delivered``/``take_delivered``, which hand a batch's times to the loop's timing
-(``batchd.client.loader.timings.timed``) in the consumer's thread."""
+"""What a received batch becomes before the loop takes it: an inline batch's fields
+(``to_tensors``), a converted batch as the pass hands it to the consumer (``Received``), its
+``BatchTimes``, and their way to the loop's timing (``delivered``)."""
 
 from __future__ import annotations
 

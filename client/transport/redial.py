@@ -10,13 +10,11 @@ is refused too, and the call's own status says what happened. The dials stop onc
 over (``ended()``: a call with nothing to send closes its connection without a byte, legitimately)
 and once the connection is closed (``close``).
 
-When every dial was refused, ``unusable(error)`` decides: the ``DataLink`` of a loader with
-``transport="auto"`` warns once and answers ``FellBack`` (its server's calls go inline from
-then on; the loader counts it in ``stats()["data_plane_fallbacks"]``); with ``transport="socket"``
-the error stays a broken call, reconnected as any.
+When every dial was refused, ``unusable(error)`` decides what to raise (``DataLink._unusable``:
+``FellBack`` where the loader falls back to inline).
 
-``RedialingSocket`` has the interface of ``DataSocket`` and ``RelayedSocket``
-(client/transport/dataplane.py, client/transport/relay.py); both say whether the server sent a byte (``first_byte``).
+A call reads a ``RedialingSocket`` as it would a ``DataSocket`` or ``RelayedSocket`` (dataplane.py,
+relayed_socket.py); both say whether the server sent a byte (``first_byte``).
 """
 
 from __future__ import annotations
@@ -63,20 +61,8 @@ class RedialingSocket:
         return self._sock.controls
 
     @property
-    def tls(self) -> bool:
-        return self._sock.tls
-
-    @property
-    def bytes_received(self) -> int:
-        return self._sock.bytes_received
-
-    @property
     def last_received(self) -> int:
         return self._sock.last_received
-
-    @property
-    def first_byte(self) -> bool:
-        return self._sock.first_byte
 
     def send_control(self, frame: bytes) -> None:
         self._sock.send_control(frame)
@@ -97,12 +83,6 @@ class RedialingSocket:
             sock = self._sock
         if sock is not None:
             sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # --- dials -----------------------------------------------------------------------------------
 

@@ -11,17 +11,15 @@ for a batch, one to hear it arrived, and tensors that are views of a buffer it m
   ``subprocess``: never a fork of the trainer, whose gRPC threads and CUDA context it must not
   inherit), one per trainer process (``shared()``), started on the first data connection. It
   ends when the trainer closes it (at exit) or dies (EOF on its control socket).
-* ``RelayBuffers`` makes the receive buffers (``BufferPool``'s ``allocate``): memfd-backed
-  shared memory, mapped here as a uint8 tensor; a buffer's fd goes to the relay once per
-  connection, which maps it once, so a buffer reused batch after batch costs no page faults.
-* ``RelayedSocket`` is one connection, with ``DataSocket``'s interface: the trainer's side of
-  the per-connection messages to the relay (client/transport/relayed_socket.py).
+* ``RelayBuffers`` makes the receive buffers (memfd-backed): a buffer's fd goes to the relay once
+  per connection, which maps it once, so a buffer reused batch after batch costs no page faults.
+* ``RelayedSocket`` is one connection, with ``DataSocket``'s interface (relayed_socket.py).
 
 Failure: a relay that dies (killed, out of memory) breaks the connections it held: each
 ``receive`` raises ConnectionError naming the relay, which the loader resumes as any broken call
 (the batches granted again: nothing lost or repeated; tests/client/test_relay.py kills it with
 SIGKILL mid-epoch), and the next connection starts a new relay (logged; ``Relay.started``
-counts). A buffer the relay may still be writing (a receive abandoned mid-read) is never reused.
+counts).
 """
 
 from __future__ import annotations

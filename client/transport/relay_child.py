@@ -143,11 +143,9 @@ class Connection:
                     pass
 
     def _frame(self, op: bytes, buf_id: int, size: int) -> bool:
-        """``N``: read the next frame's header and message (waiting as long as it takes: the
-        trainer watches the call), then its payload into buffer ``buf_id`` with the message after
-        it, and answer ``M``; or, when the buffer is smaller than both, keep the message and answer
-        ``S`` (the trainer sends ``P`` with a larger buffer). False once the server closed the
-        connection between frames (answered ``F``). Failed for a header that is not a frame's."""
+        """Answer ``N`` or ``P`` into buffer ``buf_id`` (module docstring). False once the server
+        closed the connection between frames (answered ``F``). Failed for a header that is not a
+        frame's."""
         if op == b"N":
             if self.pending is not None:
                 raise Failed("a READ of the next frame before the last one's payload")

@@ -1,17 +1,10 @@
-"""One data connection held by the receive relay, seen from the trainer: ``RelayedSocket``.
+"""One data connection held by the receive relay, seen from the trainer: ``RelayedSocket``, with
+``DataSocket``'s interface (client/transport/dataplane.py).
 
 The relay process and its buffers are client/transport/relay.py's (``Relay.open`` has the relay
-dial a connection and returns this); the relay's side of these messages is
-client/transport/relay_child.py's.
-
-* ``RelayedSocket`` is one connection, with ``DataSocket``'s interface (client/transport/dataplane.py):
-  ``receive`` sends ``READ`` with the buffer and waits for ``DONE``; ``receive_next`` (the
-  call's messages in band) sends ``N`` with a buffer the size of the last frame and gets the
-  message after the payload (``M``; ``S`` then ``P`` when it does not fit; ``F`` at the
-  connection's end). The header's checks and the ``timeout`` run in the relay, and its errors
-  come back with their text. ``send_control``
-  sends ``C`` + a control frame (the call's grants and revokes), which the relay writes on the
-  data connection (plain TCP only, as ``DataSocket``).
+dial a connection and returns this); the messages on the pair (``R``, ``N``, ``P``, ``C`` and
+their answers) are specified in client/transport/relay_child.py. The header's checks and the
+``timeout`` run in the relay, and its errors come back with their text.
 
 Failure: a relay that dies closes the pair without an answer (``_Gone``: the buffer goes back,
 the relay writes no more); a receive abandoned mid-read (``stopping``, a timeout) discards its
@@ -58,10 +51,8 @@ class RelayedSocket(dataplane.Closable):
                  max_message: int = datawire.MAX_MESSAGE):
         pair.settimeout(SLICE_S)
         self._sock, self.address, self.timeout, self._relay, self.pid = pair, address, timeout, relay, pid
-        self.tls = tls
-        self.controls = not tls
+        self.controls = not tls  # (as DataSocket's: control frames on plain TCP only)
         self.max_message = max_message
-        self.bytes_received = 0
         self.first_byte = False  # the server sent a byte (the relay's answers say: ``X`` before one)
         self.last_received = 0
         self._sent: set[int] = set()  # buffer ids whose fd the relay has for this connection
@@ -94,19 +85,14 @@ class RelayedSocket(dataplane.Closable):
         DONE.unpack(reply)
         self.first_byte = True
         self.last_received = datawire.HEADER.size + length
-        self.bytes_received += length
         return buffers.tensors(batch, buf, length, pool.give_back)
 
     def receive_next(self, pool: buffers.BufferPool, stopping: threading.Event | None = None,
                      ended: Callable[[], bool] | None = None) -> tuple[wire.WireBatch, int] | None:
-        """As ``DataSocket.receive_next``: the next in-band frame (message and payload), read by the
-        relay into a buffer of ``pool`` sized as the last frame (``N``), the message after the
-        payload. A frame that does not fit comes as ``S`` and its message (``m`` answers): the
-        message is checked (its length against ``max_message``, its tensors against the
-        header's payload length: ``dataplane.framed_batch``) before a larger buffer is taken
-        (``P``). None once the server closed the connection between batches (``F``). Raises as
-        ``receive`` (ConnectionError for a malformed frame too); waits for the frame as long as
-        the call lasts (``ended()``), then ``dataplane.ENDED_GRACE_S`` seconds more."""
+        """As ``DataSocket.receive_next``, read by the relay into a buffer of ``pool`` sized as the
+        last frame (``N``). The message of a frame that does not fit (``S``) is checked
+        (``_message``, ``dataplane.framed_batch``) before a larger buffer is taken (``P``). Raises
+        as ``receive`` (ConnectionError for a malformed frame too)."""
         doing = f"receiving the next batch from {self.address}"
         buf = dataplane.take(pool, self._frame_bytes, self.address, "the next batch")
         try:
@@ -143,7 +129,6 @@ class RelayedSocket(dataplane.Closable):
             raise
         self._frame_bytes = length + mlen
         self.last_received = datawire.HEADER.size + mlen + length
-        self.bytes_received += mlen + length
         try:
             payload = buffers.tensors(batch, buf, length, pool.give_back)
         except ValueError as e:  # (the buffer went back: ``tensors`` gives it back on error)

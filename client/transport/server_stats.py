@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
-from batchd.client.transport.channel import open_channel, resolve_token, tls_settings, translate
+from batchd.client.transport.channel import one_off
 from batchd.v1 import loader_pb2 as pb
 from batchd.v1 import loader_pb2_grpc
 
@@ -20,14 +19,8 @@ def get_stats(address: str, *, timeout: float = 5.0, tls=None, tls_ca=None, tls_
     answers too slowly, BatchdError for other failures (e.g. a server without the Stats RPC;
     AuthenticationError without a valid token).
     """
-    channel = open_channel(address, connect_timeout=timeout, tls=tls_settings(tls, tls_ca, tls_cert, tls_key),
-                           token=resolve_token(token))
-    try:
+    with one_off(address, timeout, tls, tls_ca, tls_cert, tls_key, token) as channel:
         return loader_pb2_grpc.BatchLoaderStub(channel).Stats(pb.StatsRequest(), timeout=timeout)
-    except grpc.RpcError as e:
-        raise translate(e, address) from None
-    finally:
-        channel.close()
 
 
 def stats_dict(reply: pb.StatsResponse) -> dict:

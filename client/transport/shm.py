@@ -47,6 +47,7 @@ import torch
 
 from batchd import errors, wire
 from batchd.client.transport import fields
+from batchd.client.transport.buffers import payload_length
 from batchd.v1 import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -179,22 +180,19 @@ class SharedMemorySession:
         """Writable CPU tensors on a copy-on-write mapping of the batch's slot (no copy; ragged
         fields one flat tensor each, ``batchd.client.transport.fields``); its lease is released when they are
         all freed."""
-        end = _end(batch)
+        end = payload_length(batch)
         # every tensor below is a view of this array (a zero-length mmap is not allowed)
         base = np.frombuffer(map_private(batch.segment, end), dtype=np.uint8) if end else np.zeros(0, np.uint8)
         return self._wrap(base, batch)
 
     def host_tensors(self, batch: wire.WireBatch, register: Callable[[int, int], bool],
                      unregister: Callable[[int], None]) -> tuple[dict[str, fields.Field], bool]:
-        """Read-only CPU tensors on the batch's slot, for a copy to a GPU straight from it.
-
-        Each segment is mapped once (shared, read-only: these tensors are never handed to the
-        caller, only copied from) and passed once to ``register(address, size) -> bool`` (a
-        ``CudaTransfer.register``). The mapping is unregistered (``unregister(address)``, a
-        ``CudaTransfer.unregister``) and unmapped once the server has unlinked the segment and no
-        batch's tensors use it (see the module docstring).
-        Returns the tensors and whether their memory is registered. Raises OSError if the
-        segment cannot be mapped (FileNotFoundError: the server unlinked it).
+        """Read-only CPU tensors on the batch's slot, for a copy to a GPU straight from it (module
+        docstring): these tensors are never handed to the caller, only copied from. A segment's
+        mapping is passed once to ``register(address, size) -> bool`` (``CudaTransfer.register``),
+        and to ``unregister(address)`` before it is unmapped. Returns the tensors and whether their
+        memory is registered. Raises OSError if the segment cannot be mapped (FileNotFoundError: the
+        server unlinked it).
         """
         with self._maps_lock:
             entry = self._host_maps.get(batch.segment)
@@ -205,7 +203,7 @@ class SharedMemorySession:
                 self._host_maps[batch.segment] = entry
             entry.leases.add(batch.lease)
             self._host_leases[batch.lease] = batch.segment
-        return self._wrap(np.frombuffer(entry.mm, dtype=np.uint8, count=_end(batch)), batch), entry.registered
+        return self._wrap(np.frombuffer(entry.mm, dtype=np.uint8, count=payload_length(batch)), batch), entry.registered
 
     def _drop_host_maps(self, leases: list[int]) -> None:
         """The batches of ``leases`` are gone (their releases sent): unmap the mappings that no
@@ -303,22 +301,12 @@ class SharedMemorySession:
         except ValueError:
             return True
 
-    @property
-    def ended(self) -> bool:
-        with self._lock:
-            return self._ended
-
     def close(self) -> None:
         """End the session once the last outstanding lease is released (``end_if_done``, at once
         if none is). Idempotent."""
         with self._lock:
             self._closing = True
         self.end_if_done()
-
-
-def _end(batch: wire.WireBatch) -> int:
-    """Bytes of the batch's slot its tensors span."""
-    return max((t.offset + fields.nbytes(t) for t in batch.tensors), default=0)
 
 
 def _first(call, timeout: float) -> pb.SessionEvent:
