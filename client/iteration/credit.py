@@ -366,10 +366,6 @@ class Credit:
     def arrived_from(self, key: Hashable) -> list[int]:
         return sorted(b for b, k in self._arrived.items() if k == key)
 
-    def holding(self, b: int) -> list[Hashable]:
-        """The servers holding a grant of batch b."""
-        return list(self._holders.get(b, ()))
-
     @property
     def done(self) -> bool:
         return self.base >= self.total

@@ -97,11 +97,13 @@ class BatchesCall:
     def metadata(self) -> dict[str, str]:
         """The call's initial metadata (text values). Waits for it; raises the call's error if it
         failed before sending it."""
+        return {k: v if isinstance(v, str) else v.decode(errors="replace") for k, v in self._initial_metadata()}
+
+    def _initial_metadata(self) -> tuple:
         try:
-            metadata = self.call.initial_metadata() or ()
+            return self.call.initial_metadata() or ()
         except grpc.RpcError as e:
             raise batches_error(e, self.address) from None
-        return {k: v if isinstance(v, str) else v.decode(errors="replace") for k, v in metadata}
 
     def messages(self) -> Iterator[tuple[wire.WireBatch, float, int]]:
         """(batch, seconds waited for it, bytes received for it), until the call ends OK.
@@ -159,10 +161,7 @@ class BatchesCall:
 
     def _open_data(self) -> DataSocket | None:
         """The call's data connection, if its server offered one (its initial metadata)."""
-        try:
-            metadata = self.call.initial_metadata() or ()
-        except grpc.RpcError as e:
-            raise batches_error(e, self.address) from None
+        metadata = self._initial_metadata()
         lent = self.data.lent
         ds = self.data.connect(metadata, ended=self.call.done)
         if ds is not None and lent and not datawire.messages(metadata):
