@@ -324,7 +324,8 @@ class Epoch(Conversion):
                 names = ", ".join(link.address for link in self._seqs) or ", ".join(self.servers.addresses)
                 raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
             for link in self._seqs:
-                link.send_freed()  # (a server at its lease cap waits for them)
+                if (h := self.credit.holders.get(link)) is not None and h.at_lease_cap():
+                    link.send_freed()  # (it waits for them)
             self._cond.wait(min(_MAX_WAIT_S, deadline - now))
 
     # --- the end -------------------------------------------------------------------------------------

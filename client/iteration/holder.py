@@ -90,12 +90,13 @@ class Holder:
         for it that leaves one for the batch the loop waits for (``base``), which is granted
         whatever the leases (the batches the loop holds wait for it, and it frees them).
 
-        The leases counted are what the server will count: its grants, and every lease of its
-        session this client holds (``Capacity.leases_held``: batches waiting here, the loop's).
-        A batch granted past them would take the lease ``base`` needs; the server, at its cap,
-        then holds ``base`` back for a lease only ``base`` can free, until its ``LEASE_WAIT_S``
-        (2 s) runs out and it copies it inline: a loop that keeps its last batches saw that
-        whenever the server finished a later batch first."""
+        The leases counted are what the server counts: its grants, and every lease of its
+        session not released yet (``Capacity.leases_held``: batches waiting here, the loop's, and
+        those freed that ride on the next grant). A batch granted past them would take the lease
+        ``base`` needs; the server, at its cap, then holds ``base`` back for a lease only ``base``
+        can free, until its ``LEASE_WAIT_S`` (2 s) runs out and it copies it inline: a loop that
+        keeps its last batches saw that whenever the server finished a later batch first. So
+        only ``base`` can bring the server to its cap (``at_lease_cap``)."""
         if self.stalled or not self.open or len(self.outstanding) >= self.credit:
             return False
         leases = self.capacity.max_leases
@@ -103,3 +104,10 @@ class Holder:
             return True
         spoken_for = len(self.outstanding) + (base not in self.outstanding)
         return spoken_for + self.capacity.leases_held() < leases
+
+    def at_lease_cap(self) -> bool:
+        """Whether its grants and the leases not released reach its cap: it may hold a batch back
+        until one comes back (the loop, about to wait, sends what it freed at once: else those
+        ride on the next grant, as ``room`` leaves the server a lease for each)."""
+        leases = self.capacity.max_leases
+        return leases is not None and len(self.outstanding) + self.capacity.leases_held() >= leases

@@ -213,7 +213,7 @@ class DataSocket(Closable):
                                          f"{batch.batch_index} malformed: {e}") from None
 
     def send_control(self, frame: bytes) -> None:
-        """Write one control frame (``batchd.datawire.pack_control``); one writer at a time (the
+        """Write whole control frames (``batchd.datawire.pack_control``); one writer at a time (the
         call's ``Outbox`` holds its lock). Raises OSError (TimeoutError after ``SLICE_S`` seconds
         without room) if it cannot; the connection is then closed (part of a frame may have gone:
         the server must not read on from there), so the call breaks and is resumed."""

@@ -141,9 +141,9 @@ class ServerLink:
             self._released.put(session, lease)
 
     def leases_held(self) -> int:
-        """Leases of its shared-memory session held here, not freed (those freed go ahead of the next grant)."""
+        """Leases of its shared-memory session the server counts held: received, not released yet."""
         shm = conn.shm if (conn := self.conn) is not None else None
-        return 0 if shm is None else max(0, shm.outstanding - self._released.count())
+        return 0 if shm is None else shm.outstanding
 
     def send_freed(self) -> None:
         """Send the freed leases now, if any (the consumer is about to wait: the server may be at its cap)."""

@@ -124,13 +124,14 @@ class Outbox:
             return self.seq
 
     def _open_direct(self, request: pb.StreamBatchesRequest, progress: Any) -> bool:  # (under the lock)
-        """``reopen`` in frames: the last progress of the pass before (its ``open_seq``), then the
-        ``open`` (``self.seq``). False: it goes on the call (a progress sent stays sent)."""
+        """``reopen`` in frames, one write: the last progress of the pass before (its ``open_seq``),
+        then the ``open`` (``self.seq``). False: both go on the call."""
         last = self._due_progress(force=True)
-        if last is not None and not self._frame(pb.BatchesControl(progress=last, open_seq=self.seq - 1), []):
+        opening = pb.BatchesControl(open=request, open_seq=self.seq)
+        sent = (self._frame(opening, []) if last is None else
+                self._frame(pb.BatchesControl(progress=last, open_seq=self.seq - 1), [], opening))
+        if not sent:
             self._unsent_progress = last
-            return False
-        if not self._frame(pb.BatchesControl(open=request, open_seq=self.seq), []):
             return False
         self._progress, self._last_progress = progress, time.monotonic()
         return True
@@ -165,18 +166,19 @@ class Outbox:
             return False
         return True
 
-    def _frame(self, message: pb.BatchesControl, releases: list[int]) -> bool:  # (under the lock)
-        """Send ``message`` as a control frame: True if it went; else the data connection is given
-        up for frames (what it carried goes on the call: ``releases`` back to the caller's queue)."""
+    def _frame(self, message: pb.BatchesControl, releases: list[int], *more: pb.BatchesControl) -> bool:
+        """Send ``message`` as a control frame (and ``more``, in the same write): True if it went;
+        else the data connection is given up for frames (what it carried goes on the call:
+        ``releases`` back to the caller's queue). Under the lock."""
         try:
-            self._direct(datawire.pack_control(message.SerializeToString()))
+            self._direct(b"".join(datawire.pack_control(m.SerializeToString()) for m in (message, *more)))
         except (OSError, ValueError) as e:
             log.debug("a control frame could not be sent on the data connection (%s): on the call instead", e)
             self._direct = None
             if releases and self._unsent is not None:
                 self._unsent(releases)
             return False
-        self.frames += 1
+        self.frames += 1 + len(more)
         if releases and self._sent is not None:
             self._sent(releases)
         return True

@@ -175,7 +175,7 @@ class RelayedSocket(dataplane.Closable):
             raise self._broken(what) from None
 
     def send_control(self, frame: bytes) -> None:
-        """Have the relay write one control frame on the data connection (one message on the pair:
+        """Have the relay write control frames, whole, on the data connection (one message on the pair:
         atomic beside a ``receive`` in another thread). Raises OSError if it cannot, ValueError
         for a frame longer than the relay reads (the caller sends that one on the call)."""
         if self._closed or not self.controls:

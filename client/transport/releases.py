@@ -33,10 +33,6 @@ class Releases:
         """Whether a freed lease waits (no lock)."""
         return not self._queue.empty()
 
-    def count(self) -> int:
-        """How many freed leases wait (no lock; approximate while one is put)."""
-        return self._queue.qsize()
-
     def take(self, shm: Any) -> list[int]:
         """Every lease waiting that belongs to ``shm`` (the call's ``SharedMemorySession``; those
         of another session are dropped: it ended)."""

@@ -34,11 +34,16 @@ class Progress:
 
 
 def frames(sent: list[bytes]) -> list[pb.BatchesControl]:
+    """The control frames in the writes ``sent`` (a write may hold several, whole)."""
     out = []
-    for frame in sent:
-        magic, length = datawire.CONTROL.unpack_from(frame)
-        assert magic == datawire.CONTROL_MAGIC and len(frame) == datawire.CONTROL.size + length
-        out.append(pb.BatchesControl.FromString(frame[datawire.CONTROL.size:]))
+    for data in sent:
+        at = 0
+        while at < len(data):
+            magic, length = datawire.CONTROL.unpack_from(data, at)
+            assert magic == datawire.CONTROL_MAGIC and at + datawire.CONTROL.size + length <= len(data)
+            at += datawire.CONTROL.size
+            out.append(pb.BatchesControl.FromString(data[at:at + length]))
+            at += length
     return out
 
 
@@ -66,7 +71,7 @@ def test_grants_and_progress_go_as_frames_and_the_call_carries_its_open_and_last
     assert [b for f in frames(sent) for b in f.revoke] == [1]
     assert any(f.progress.batches_taken == 1 for f in frames(sent)), "the due progress went without a frame"
     assert got[0].HasField("open") and got[-1].done and len(got) <= 3
-    assert outbox.frames == len(sent) and all(f.open_seq == 0 for f in frames(sent))
+    assert outbox.frames == len(frames(sent)) and all(f.open_seq == 0 for f in frames(sent))
 
 
 def test_a_frame_that_cannot_be_sent_puts_its_grant_and_progress_back_on_the_call():
