@@ -16,6 +16,10 @@
  *
  * Raises ValueError for a region outside the scaled image or an m outside 1..8, and RuntimeError
  * with libjpeg's message for a JPEG it cannot decode (the caller falls back to a whole decode).
+ *
+ * entropy(data, m, rows) -> None: a measuring aid (bench/probes/region_cpu.py): what decoding the
+ * first `rows` rows costs at least, their entropy-coded data read and nothing else (jpeg_skip_scanlines).
+ *
  * The GIL is released while libjpeg works. Built by setuptools as an optional extension
  * (pyproject.toml); server/data/scaled_jpeg.py decodes whole images when it is missing.
  */
@@ -124,10 +128,49 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *entropy(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    int m, rows;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*ii", &data, &m, &rows))
+        return NULL;
+    struct jpeg_decompress_struct cinfo;
+    struct error_mgr err;
+    volatile int failed = 0;
+    memset(&cinfo, 0, sizeof(cinfo));
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = error_exit;
+    err.pub.output_message = output_message;
+    err.message[0] = '\0';
+    jpeg_create_decompress(&cinfo);
+    Py_BEGIN_ALLOW_THREADS
+    if (setjmp(err.jump)) {
+        failed = 1;
+    } else {
+        jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
+        jpeg_read_header(&cinfo, TRUE);
+        cinfo.scale_num = (unsigned int)(m < 1 ? 1 : (m > 8 ? 8 : m));
+        cinfo.scale_denom = 8;
+        jpeg_start_decompress(&cinfo);
+        if (rows > 0)
+            jpeg_skip_scanlines(&cinfo, (JDIMENSION)rows < cinfo.output_height ? (JDIMENSION)rows : cinfo.output_height);
+    }
+    jpeg_destroy_decompress(&cinfo);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    if (failed) {
+        PyErr_SetString(PyExc_RuntimeError, err.message[0] ? err.message : "libjpeg failed");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(data, m, x, y, w, h) -> (pixels, x0, width): rows y..y+h-1, columns x0..x0+width-1 (x0 <= x, "
      "width >= w + x - x0) of the JPEG decoded at m/8, uint8 RGB; only the MCUs covering them are decoded."},
+    {"entropy", entropy, METH_VARARGS,
+     "entropy(data, m, rows): the first rows of the JPEG at m/8 skipped (entropy-decoded only): a measuring aid."},
     {NULL, NULL, 0, NULL},
 };
 

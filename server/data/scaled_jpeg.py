@@ -141,6 +141,12 @@ def region_available() -> bool:
     return _region() is not None
 
 
+def extension():
+    """The C extension (``_jpeg_region.c``: ``decode``, ``resample``, ``entropy``), or None when
+    it was not built."""
+    return _region()
+
+
 def scaled_window(window: tuple[int, int, int, int], m: int, height: int, width: int,
                   margin: int = 2) -> tuple[int, int, int, int]:
     """The rectangle ``(x, y, w, h)`` of an image ``height`` x ``width`` decoded at m/8 that

@@ -265,6 +265,20 @@ def test_a_decoded_region_is_that_rectangle_of_a_whole_decode(photos, m):
             assert diff.max() <= 16 and diff.mean() < 0.1, (m, window, diff.max(), diff.mean())
 
 
+def test_the_entropy_floor_aid_reads_rows_and_reports_what_libjpeg_cannot_decode(photos):
+    """``_jpeg_region.entropy`` (bench/probes/region_cpu.py's floor): decodes a JPEG's first rows'
+    entropy-coded data, any count of rows up to past its end; libjpeg's errors are RuntimeError."""
+    from batchd.server.data import scaled_jpeg
+
+    ext = scaled_jpeg.extension()
+    if ext is None:
+        pytest.skip("the C extension (server/data/_jpeg_region.c) is not built")
+    for rows in (0, 1, 100, 10_000):
+        assert ext.entropy(photos[0], 4, rows) is None
+    with pytest.raises(RuntimeError):
+        ext.entropy(b"\xff\xd8 not a jpeg", 4, 10)
+
+
 def _write_folder(root: pathlib.Path, jpegs: list[bytes]) -> pathlib.Path:
     for i, data in enumerate(jpegs):
         (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
