@@ -12,7 +12,8 @@
  * entropy-coded data is read, nothing else), jpeg_crop_scanline limits the inverse DCT, upsampling
  * and colour conversion to the iMCU columns that cover it, and decoding stops after its last row.
  * The columns come out from x0 <= x (the iMCU boundary libjpeg-turbo moved x to) for width >= w
- * + (x - x0) pixels: `pixels` is uint8 [h, width, 3] RGB, rows y .. y+h-1 of the scaled image.
+ * + (x - x0) pixels: `pixels` is uint8 [h, width, 3] RGB, rows y .. y+h-1 of the scaled image,
+ * decoded straight into the bytearray returned (allocated once libjpeg has said its width).
  *
  * Raises ValueError for a region outside the scaled image or an m outside 1..8, and RuntimeError
  * with libjpeg's message for a JPEG it cannot decode (the caller falls back to a whole decode).
@@ -59,9 +60,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     }
     struct jpeg_decompress_struct cinfo;
     struct error_mgr err;
-    PyObject *out = NULL;
-    unsigned char *volatile pixels = NULL; /* volatile: set after setjmp, read after a longjmp */
-    JSAMPROW row = NULL;
+    PyObject *volatile out = NULL; /* volatile: set after setjmp, read after a longjmp */
+    JSAMPROW row;
     JDIMENSION x0 = (JDIMENSION)x, width = (JDIMENSION)w;
     volatile int failed = 0, bad_region = 0;
     volatile unsigned int out_w = 0, out_h = 0;
@@ -90,10 +90,13 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         } else {
             if (x0 > 0 || width < out_w)
                 jpeg_crop_scanline(&cinfo, &x0, &width);
-            if (y > 0)
-                jpeg_skip_scanlines(&cinfo, (JDIMENSION)y);
-            pixels = (unsigned char *)malloc((size_t)h * width * 3);
-            if (pixels != NULL) {
+            Py_BLOCK_THREADS /* the result, at its final size: libjpeg decodes into it */
+            out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)h * width * 3);
+            Py_UNBLOCK_THREADS
+            if (out != NULL) {
+                unsigned char *pixels = (unsigned char *)PyByteArray_AS_STRING(out);
+                if (y > 0)
+                    jpeg_skip_scanlines(&cinfo, (JDIMENSION)y);
                 for (int r = 0; r < h; r++) {
                     row = pixels + (size_t)r * width * 3;
                     if (jpeg_read_scanlines(&cinfo, &row, 1) != 1) {
@@ -109,7 +112,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
     if (failed) {
-        free(pixels);
+        Py_XDECREF(out);
         PyErr_SetString(PyExc_RuntimeError, err.message[0] ? err.message : "libjpeg failed");
         return NULL;
     }
@@ -118,14 +121,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                      out_w, out_h, m);
         return NULL;
     }
-    if (pixels == NULL)
-        return PyErr_NoMemory();
-    PyObject *buffer = PyByteArray_FromStringAndSize((const char *)pixels, (Py_ssize_t)h * width * 3);
-    free(pixels);
-    if (buffer == NULL)
-        return NULL;
-    out = Py_BuildValue("(Nii)", buffer, (int)x0, (int)width);
-    return out;
+    if (out == NULL)
+        return NULL; /* (the allocation's MemoryError) */
+    return Py_BuildValue("(Nii)", out, (int)x0, (int)width);
 }
 
 static PyObject *entropy(PyObject *self, PyObject *args) {
