@@ -11,7 +11,11 @@ A. ``_Worker.run`` (server/compute/worker.py) in this process on the large photo
    ``RandomResizedCrop(224)`` + ``HorizontalFlip`` at batch 64, the dataset with ``reduced_decode``
    on (region decoding) and off (a full OpenCV decode), one OpenCV thread, ``time.process_time``
    (the one thread's CPU: what the machine's other load disturbs least); the same ``batches``
-   tasks each round, the two alternated, medians of ``rounds``.
+   tasks each round, medians of ``rounds``. The region path's rounds, B and C come first, the full
+   decodes after: a full decode's buffers (5 MB) raise glibc's mmap threshold, after which the
+   region path's allocations and page faults differ (0.1 ms per image measured), and a server's
+   worker decoding regions never saw them. To compare two commits, run this on each, one after
+   the other, a few times (the machine's load moves every figure by as much).
 B. The region path by stage: each piece wrapped in a timer (about 1 us each, in the total), one more
    round: read, header, crop draw, region decode (the C call, and its Python around it), the
    checks, the resize of the window, the rest of the first transform and the flip, the copy into
@@ -98,21 +102,18 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
-def worker_cpu(runs: dict[str, _Run], tasks: list[np.ndarray], rounds: int) -> tuple[dict, list[float]]:
-    """Part A ({name: [CPU ms per image, per round]}) and D (PSNR per image, region vs full)."""
-    out: dict[str, list[float]] = {name: [] for name in runs}
-    images: dict[str, list[np.ndarray]] = {}
-    names = list(runs)
+def worker_cpu(run: _Run, tasks: list[np.ndarray], rounds: int) -> tuple[list[float], list[np.ndarray]]:
+    """Part A for one worker: (CPU ms per image of each round, the images of the warm-up round)."""
+    out: list[float] = []
+    images: list[np.ndarray] = []
     for r in range(rounds + 1):  # the first round warms up (pipelines built, pages read), untimed
-        for name in names[r % 2:] + names[:r % 2]:
-            t0 = time.process_time()
-            got = [runs[name].batch(ix, b) for b, ix in enumerate(tasks)]
-            if r:
-                out[name].append(1000 * (time.process_time() - t0) / (len(tasks) * BATCH))
-            else:
-                images[name] = got
-    psnr = [_psnr(a, b) for x, y in zip(images["region"], images["full"]) for a, b in zip(x, y)]
-    return out, psnr
+        t0 = time.process_time()
+        got = [run.batch(ix, b) for b, ix in enumerate(tasks)]
+        if r:
+            out.append(1000 * (time.process_time() - t0) / (len(tasks) * BATCH))
+        else:
+            images = got
+    return out, images
 
 
 def stages(run: _Run, tasks: list[np.ndarray]) -> dict[str, float]:
@@ -284,21 +285,23 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     tasks = [rng.integers(0, n, BATCH) for _ in range(args.batches)]
     runs = {"region": _Run(folder, True), "full": _Run(folder, False)}
-    try:
-        cpu, psnr = worker_cpu(runs, tasks, args.rounds)
+    try:  # the region path first: a full decode's large buffers change the allocator's state after
+        region, region_images = worker_cpu(runs["region"], tasks, args.rounds)
         parts = stages(runs["region"], tasks)
+        low = floor(folder, tasks, args.rounds)
+        full, full_images = worker_cpu(runs["full"], tasks, args.rounds)
     finally:
         for run in runs.values():
             run.close()
-    region_ms, full_ms = statistics.median(cpu["region"]), statistics.median(cpu["full"])
+    psnr = [_psnr(a, b) for x, y in zip(region_images, full_images) for a, b in zip(x, y)]
+    region_ms, full_ms = statistics.median(region), statistics.median(full)
     print(f"{args.batches} tasks of {BATCH} large photos, RandomResizedCrop(224) + HorizontalFlip(p=0.5), "
-          f"one thread, medians of {args.rounds} alternated rounds\n")
+          f"one thread, medians of {args.rounds} rounds\n")
     print(md_table(["worker", "CPU ms / image"], [["reduced_decode on (region decoding)", f"{region_ms:.3f}"],
                                                   ["reduced_decode: false (full decode)", f"{full_ms:.3f}"]]))
     print("\nB. The region path by stage (one more round, each piece timed):\n")
     print(md_table(["stage", "CPU ms / image", "share"],
                    [[k, f"{v:.3f}", f"{v / parts['total']:.0%}"] for k, v in parts.items()]))
-    low = floor(folder, tasks, args.rounds)
     if low is not None:
         print("\nC. The floor under the region decode (the same decodes replayed, one thread):\n")
         print(md_table(["libjpeg", "CPU ms / image"], [[k, f"{v:.3f}"] for k, v in low.items()]))
