@@ -25,8 +25,8 @@ class Capacity:
     """What one server can build, as it says: ``workers`` (its worker processes) and the median
     worker seconds per batch of its recent batches (``build_time``, None before its first);
     ``max_leases`` over shared memory (None otherwise), and ``leases_held()``: how many of its
-    session's leases this client holds now (batches waiting to be taken, and the loop's, not yet
-    freed). Kept by its link across passes."""
+    session's leases are not released yet (batches waiting to be taken, the loop's, and those
+    freed that ride on the next grant). Kept by its link across passes."""
 
     __slots__ = ("workers", "max_leases", "leases_held", "_builds", "_median")
 

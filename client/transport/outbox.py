@@ -230,11 +230,6 @@ class Outbox:
                     return  # (else they are queued again and the data connection given up: on the call)
             self._cond.notify()
 
-    def wake(self) -> None:
-        """Look for freed leases now."""
-        with self._cond:
-            self._cond.notify()
-
     @property
     def closed(self) -> bool:
         return self._closed
