@@ -122,7 +122,9 @@ def main(argv=None) -> int:
     meter.stop()
     wall["total"] = time.perf_counter() - start
     path = report.write(out, report.render(results, MODULES, machine.render(info), wall))
-    folder = fragments.write(out, results, MODULES)  # what the docs include (bench/fragments.py)
+    # what the docs include (bench/fragments.py), from results.json as saved: its keys are sorted,
+    # and a fragment must read the same as ``python -m bench.fragments`` makes it from that file
+    folder = fragments.write(out, report.load(out), MODULES)
     if out.resolve() == (ROOT / "bench" / "results").resolve():
         fragments.sync_readme((folder / "headline.md").read_text())
     png = chart.draw(results, out / "throughput.png")
