@@ -47,6 +47,16 @@ static void error_exit(j_common_ptr cinfo) {
 
 static void output_message(j_common_ptr cinfo) { (void)cinfo; } /* warnings: as OpenCV, decode what is there */
 
+/* A decompressor whose errors longjmp to err->jump with their message (the caller calls setjmp). */
+static void create(struct jpeg_decompress_struct *cinfo, struct error_mgr *err) {
+    memset(cinfo, 0, sizeof(*cinfo));
+    cinfo->err = jpeg_std_error(&err->pub);
+    err->pub.error_exit = error_exit;
+    err->pub.output_message = output_message;
+    err->message[0] = '\0';
+    jpeg_create_decompress(cinfo);
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer data;
     int m, x, y, w, h;
@@ -66,12 +76,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     volatile int failed = 0, bad_region = 0;
     volatile unsigned int out_w = 0, out_h = 0;
 
-    memset(&cinfo, 0, sizeof(cinfo));
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = error_exit;
-    err.pub.output_message = output_message;
-    err.message[0] = '\0';
-    jpeg_create_decompress(&cinfo);
+    create(&cinfo, &err);
     Py_BEGIN_ALLOW_THREADS
     if (setjmp(err.jump)) {
         failed = 1;
@@ -135,12 +140,7 @@ static PyObject *entropy(PyObject *self, PyObject *args) {
     struct jpeg_decompress_struct cinfo;
     struct error_mgr err;
     volatile int failed = 0;
-    memset(&cinfo, 0, sizeof(cinfo));
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = error_exit;
-    err.pub.output_message = output_message;
-    err.message[0] = '\0';
-    jpeg_create_decompress(&cinfo);
+    create(&cinfo, &err);
     Py_BEGIN_ALLOW_THREADS
     if (setjmp(err.jump)) {
         failed = 1;
