@@ -219,15 +219,18 @@ class Outbox:
 
     def send_releases(self) -> None:
         """Send the leases freed so far now: in a control frame from this thread where the server
-        reads them there (no wake-up of the request thread); else the request thread sends them
-        on the call at once."""
+        reads them there (``_direct_only``: no wake-up of the request thread); else they go back
+        to their queue and the request thread sends them on the call at once."""
+        releases = self._releases()
+        if not releases:
+            return
+        if self._direct_only(releases):
+            if self._sent is not None:
+                self._sent(releases)
+            return
+        if self._unsent is not None:
+            self._unsent(releases)
         with self._cond:
-            if self._direct is not None and self._direct_releases:
-                releases = self._releases()
-                if not releases:
-                    return
-                if self._frame(pb.BatchesControl(release=releases, open_seq=self.seq), releases):
-                    return  # (else they are queued again and the data connection given up: on the call)
             self._cond.notify()
 
     @property
