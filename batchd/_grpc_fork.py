@@ -24,8 +24,10 @@ import it before.
 What remains:
 
 * a process forked from this one (no ``exec``: ``DataLoader`` workers, ``multiprocessing``'s fork)
-  inherits the handlers off, which is the point, and so cannot start gRPC itself once this
-  process used it: ``batchd.client.forks`` says so (RuntimeError) instead of hanging;
+  inherits the handlers off, which is the point, and so cannot start gRPC itself if gRPC's
+  threads ran here at the fork (this process had a channel or a server open, batchd's or its
+  own): ``batchd.client.forks`` says so (RuntimeError) before any gRPC call, which would hang or
+  abort the child;
 * a subprocess that runs a new program (``subprocess``, ``spawn``, ``forkserver``) gets the
   user's environment, not batchd's setting: if it imports batchd it turns the handlers off itself,
   if it uses grpc without batchd it gets grpc's default (on);
@@ -55,19 +57,51 @@ if not _imported_before and _value is None:
 FORK_HANDLERS: bool = _value is None or _value.strip().lower() not in _OFF
 """Whether gRPC's fork handlers run in this process (gRPC's default when the variable is unset)."""
 
+GRPC_THREADS = ("grpc_", "event_engine", "lifeguard")
+"""How gRPC core's threads begin their names in ``/proc/self/task/*/comm`` (grpcio 1.85:
+``grpc_global_tim``, ``event_engine``, ``lifeguard``). They run from a process's first channel or
+server until its last is closed."""
+
 FORKED_FROM_GRPC: int | None = None
-"""In a process forked (without exec) from one that had gRPC loaded: that process's pid (the
-nearest such ancestor); gRPC may not start here (``batchd.client.forks.grpc_stalled``). None
-elsewhere. Kept here, imported with batchd, so that every fork after ``import batchd`` is seen."""
+"""In a process forked (without exec) from one where gRPC's threads ran at the fork, or from a
+descendant of such a process: that process's pid. gRPC cannot start here (``batchd.client.forks``):
+its state is a copy of one that threads were using, and its first call hangs or aborts the process
+(an absl mutex check, ``Mutex::Fer with pending CondVar queueing``, 13 children in 40 with grpcio
+1.85). None elsewhere. Kept here, imported with batchd, so that every fork after ``import batchd``
+is seen."""
 
 _pid = os.getpid()
+_running_at_fork = False
+
+
+def grpc_running() -> bool:
+    """Whether one of gRPC core's threads (``GRPC_THREADS``) runs in this process now."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # no /proc: unknown, as if none ran
+        return False
+    for tid in tids:
+        if tid == str(_pid):  # the main thread carries the program's name, which the user may set
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(GRPC_THREADS):
+                    return True
+        except OSError:  # the thread ended meanwhile
+            continue
+    return False
+
+
+def _before_fork() -> None:
+    global _running_at_fork
+    _running_at_fork = "grpc._cython.cygrpc" in sys.modules and grpc_running()
 
 
 def _after_in_child() -> None:
     global FORKED_FROM_GRPC, _pid
-    if "grpc._cython.cygrpc" in sys.modules:
+    if _running_at_fork:
         FORKED_FROM_GRPC = _pid
     _pid = os.getpid()
 
 
-os.register_at_fork(after_in_child=_after_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_after_in_child)

@@ -18,12 +18,14 @@ the parent's sockets. gRPC's own fork handlers are off (``batchd._grpc_fork``), 
   the parent's memory, copied; a child that exits through ``os._exit`` (multiprocessing,
   DataLoader workers) or ``exec`` (subprocess) never frees it anyway.
 * using the parent's loader raises RuntimeError (``check``), and so does opening a channel
-  (``check_grpc``) where the parent had opened a channel: gRPC cannot start in such a child (its channel
-  never connects), which is the price of the handlers being off.
-* where the parent used gRPC itself, outside batchd (its own channels), ``check_grpc`` cannot know:
-  the connection's first call then never ends, not even at its own deadline (gRPC's timers do not
-  run in the child); ``channel.wait_for_server`` gives up on it and raises ``grpc_stalled``'s
-  RuntimeError: the cause, and what to do.
+  (``check_grpc``) where gRPC's threads ran in the parent at the fork (any channel or server,
+  batchd's or the program's own: ``batchd._grpc_fork.FORKED_FROM_GRPC``): gRPC cannot start in
+  such a child, whose first call would hang or abort the process. That is the price of the
+  handlers being off. A child forked before the parent's first channel, or after its last was
+  closed, may use gRPC.
+* should gRPC's threads ever run under names ``_grpc_fork`` does not know, the connection's
+  first call never ends, not even at its own deadline (gRPC's timers do not run in the child):
+  ``channel.wait_for_server`` gives up on it and raises ``grpc_stalled``'s RuntimeError.
 
 Nothing runs before a fork: the parent's streams go on undisturbed, and pausing them at every
 fork (DataLoader forks its workers each epoch) would buy nothing once a child never enters gRPC.
@@ -35,6 +37,7 @@ import ctypes
 import functools
 import logging
 import os
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -43,7 +46,7 @@ from batchd import _grpc_fork
 log = logging.getLogger("batchd.client.loader")
 
 _pid = os.getpid()  # this process; reset in each child
-_grpc_pid: int | None = None  # the process (this one or an ancestor) whose channel started gRPC
+_forked_with_grpc_loaded: int | None = None  # the nearest ancestor this process was forked from with grpc imported
 _kept: weakref.WeakSet = weakref.WeakSet()  # objects holding gRPC or CUDA state made in this process
 _HELD: list = []  # in a child: what the parent's loaders left here, never freed
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HELD))  # (not even at interpreter exit, when modules are cleared)
@@ -93,33 +96,29 @@ def hold(obj: Any) -> None:
 
 
 def check_grpc(what: str) -> None:
-    """Before opening a channel: raises RuntimeError where gRPC cannot start (a fork of a process
-    where it runs, with gRPC's fork handlers off); otherwise notes that gRPC runs here."""
-    global _grpc_pid
-    if _grpc_pid is None:
-        _grpc_pid = _pid
-    elif _grpc_pid != _pid and not _grpc_fork.FORK_HANDLERS:
-        raise RuntimeError(
-            f"cannot open a gRPC channel to {what} in process {os.getpid()}: it was forked from process {_grpc_pid}, "
-            f"where gRPC runs, and gRPC cannot start in such a child (batchd turns gRPC's fork handlers off, "
-            f"GRPC_ENABLE_FORK_SUPPORT=0, so that children live: batchd._grpc_fork). {ADVICE}; or fork before "
-            "the parent opens its first channel.")
+    """Before opening a channel to ``what``: raises RuntimeError where gRPC cannot start (a fork of
+    a process where gRPC's threads ran, with gRPC's fork handlers off)."""
+    parent = _grpc_fork.FORKED_FROM_GRPC
+    if parent is not None and not _grpc_fork.FORK_HANDLERS:
+        raise RuntimeError(f"cannot open a gRPC channel to {what} in process {os.getpid()}: " + _cause(parent))
 
 
 def grpc_stalled(what: str, deadline: float) -> RuntimeError | None:
     """The error for a gRPC call that its own deadline (``deadline`` seconds) did not end, in a
-    process forked from one that had loaded gRPC: gRPC cannot start there. None in any other
-    process (the caller reports what it would report for a call that timed out)."""
-    parent = _grpc_fork.FORKED_FROM_GRPC
-    if parent is None or _grpc_fork.FORK_HANDLERS:
+    process forked from one that had loaded gRPC (whose threads ``check_grpc`` did not recognise).
+    None in any other process (the caller reports what it would report for a call that timed out)."""
+    if _grpc_fork.FORK_HANDLERS or (_grpc_fork.FORKED_FROM_GRPC is None and _forked_with_grpc_loaded is None):
         return None
-    return RuntimeError(
-        f"cannot use gRPC in process {os.getpid()} (a call to {what} did not end even at its own deadline, "
-        f"{deadline:g} s): this process was forked from process {parent}, which had loaded gRPC, and a "
-        f"forked child of a gRPC-using process cannot start gRPC (its fork handlers are off: "
-        f"GRPC_ENABLE_FORK_SUPPORT=0, batchd._grpc_fork). Start this process with the 'spawn' or 'forkserver' "
-        f"method instead (multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context='spawn'), "
-        f"and create the loader in it, e.g. in worker_init_fn), or fork before the parent first uses gRPC.")
+    return RuntimeError(f"cannot use gRPC in process {os.getpid()} (a call to {what} did not end even at its own "
+                        f"deadline, {deadline:g} s): " + _cause(_grpc_fork.FORKED_FROM_GRPC or _forked_with_grpc_loaded))
+
+
+def _cause(parent: int) -> str:
+    return (f"this process was forked from process {parent} while gRPC ran there, and a forked child of a gRPC-using "
+            f"process cannot start gRPC (its fork handlers are off: GRPC_ENABLE_FORK_SUPPORT=0, batchd._grpc_fork). "
+            f"Start this process with the 'spawn' or 'forkserver' method instead (multiprocessing.get_context('spawn'), "
+            f"DataLoader(multiprocessing_context='spawn')) and create the loader in it, e.g. in worker_init_fn; or fork "
+            f"while the parent has no gRPC channel or server open.")
 
 
 def warn_if_handlers() -> None:
@@ -133,7 +132,9 @@ def warn_if_handlers() -> None:
 
 
 def _after_in_child() -> None:
-    global _pid, _kept
+    global _pid, _kept, _forked_with_grpc_loaded
+    if "grpc._cython.cygrpc" in sys.modules:
+        _forked_with_grpc_loaded = _pid
     _pid = os.getpid()
     _HELD.extend(_kept)
     _kept = weakref.WeakSet()
