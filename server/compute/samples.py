@@ -24,11 +24,18 @@ from batchd.server.compute.plan import Plan
 from batchd.server.compute.protocol import Task
 from batchd.server.compute.sample_checks import check_targets
 from batchd.server.compute.stages import CACHE, DECODE, PIPELINE, READ
+from batchd.server.data import scaled_jpeg
 from batchd.server.data.cache import sample_key
 from batchd.server.data.datasets import Dataset
+from batchd.server.data.decode import jpeg_orientation
 
 
-DECODE_KINDS = ("full", "scaled", "region")  # decodes counted in BatchDone.timings ("decode_<kind>")
+DECODE_KINDS = ("full", "scaled", "region", "indexed")  # decodes counted in BatchDone.timings ("decode_<kind>")
+INDEX_KEY = "jpeg-restart-index/1"  # the cache's "prefix" name of a sample's indexed JPEG (scaled_jpeg.index_jpeg)
+
+
+class _NoIndex(Exception):
+    """No indexed JPEG for this sample now (no room in the cache, or libjpeg cannot rewrite it)."""
 
 
 class WorkerSamples:
@@ -110,9 +117,11 @@ class WorkerSamples:
             raise
         if clock.on:
             clock.enter(DECODE)
-        sample = ds.decode_sample(index, data, None, eighths=drawn.eighths,
-                                  window=None if drawn.params is None else drawn.window)
-        self._decoded("full" if drawn.eighths == 8 else "region", sample.get("image"))
+        window = None if drawn.params is None else drawn.window
+        jpeg_index = None if window is None else self._indexed(ds, index, data)
+        sample = ds.decode_sample(index, data, None, eighths=drawn.eighths, window=window, jpeg_index=jpeg_index)
+        self._decoded("indexed" if jpeg_index is not None else "full" if drawn.eighths == 8 else "region",
+                      sample.get("image"))
         sample = self._checked(ds, index, plan, sample, size=drawn.shape)
         if clock.on:
             clock.enter(PIPELINE)
@@ -121,6 +130,33 @@ class WorkerSamples:
         except Exception as e:
             e.add_note(f"while applying the pipeline to dataset {ds.name!r}, sample {index} ({ds.source(index)})")
             raise
+
+    def _indexed(self, ds: Dataset, index: int, data) -> scaled_jpeg.JpegIndex | None:
+        """Sample ``index``'s JPEG with a restart marker before every MCU (``scaled_jpeg.index_jpeg``),
+        from the server's cache, or made now (about 7 ms for a 1,500 px photo, once) and stored
+        there while the cache has room; None without a cache, a dataset fingerprint, room, or for
+        a JPEG turned by its EXIF orientation (an index keeps no EXIF) or one libjpeg cannot
+        rewrite. A region decodes to the same bytes from it as from ``data``
+        (``scaled_jpeg.decode_indexed``), so whether a sample has one changes no batch."""
+        cache = self.cache
+        if cache is None or not ds.fingerprint or not getattr(ds, "deterministic", True):
+            return None
+        build = self.builds.get(ds.name)
+        if build is None:
+            build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
+
+        def make() -> dict:
+            if not cache.room(len(data) * 5 // 4) or jpeg_orientation(memoryview(data).cast("B")) != 1:
+                raise _NoIndex()
+            made = scaled_jpeg.index_jpeg(data)
+            if made is None:
+                raise _NoIndex()
+            return made.as_sample()
+        try:
+            return scaled_jpeg.JpegIndex.from_sample(
+                cache.get_or_compute(ds.name, sample_key(ds.fingerprint, index, INDEX_KEY, build), make))
+        except _NoIndex:
+            return None
 
     def _reads(self, task: Task, ds: Dataset, plan: Plan | None = None):
         """What the reader calls per sample: ``ds.read_bytes``, or with the cache a function that

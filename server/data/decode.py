@@ -242,16 +242,23 @@ def _decode_scaled(buf: np.ndarray, m: int, upright: bool) -> np.ndarray | None:
     return orient_pixels(image, orientation)
 
 
-def _decode_window(buf: np.ndarray, m: int, window: tuple[int, int, int, int], upright: bool) -> np.ndarray | None:
+def _decode_window(buf: np.ndarray, m: int, window: tuple[int, int, int, int], upright: bool,
+                   jpeg_index: "scaled_jpeg.JpegIndex | None" = None) -> np.ndarray | None:
     """The rectangle of a JPEG at m/8 that covers ``window`` (``decode_rgb``), its MCUs alone
-    decoded; None when the JPEG is turned (EXIF orientation 2-8 and ``upright``), its header
-    cannot be read, or the region decoder cannot decode it."""
+    decoded (from ``jpeg_index`` when it is this JPEG's, the same pixels); None when the JPEG is
+    turned (EXIF orientation 2-8 and ``upright``), its header cannot be read, or the region
+    decoder cannot decode it."""
     if upright and jpeg_orientation(memoryview(buf).cast("B")) != 1:
         return None
     size = upright_size(buf, upright=False)
     if size is None:
         return None
-    return scaled_jpeg.decode_region(buf, m, scaled_jpeg.scaled_window(window, m, *size))
+    rect = scaled_jpeg.scaled_window(window, m, *size)
+    if jpeg_index is not None and (int(jpeg_index.geometry[5]), int(jpeg_index.geometry[4])) == size:
+        image = scaled_jpeg.decode_indexed(jpeg_index, m, rect)
+        if image is not None:
+            return image
+    return scaled_jpeg.decode_region(buf, m, rect)
 
 
 def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None) -> np.ndarray:
@@ -269,7 +276,7 @@ def read_rgb(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[in
 
 def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, int] | None = None,
                upright: bool = True, eighths: int | None = None,
-               window: tuple[int, int, int, int] | None = None) -> np.ndarray:
+               window: tuple[int, int, int, int] | None = None, jpeg_index=None) -> np.ndarray:
     """Decode an encoded image (bytes-like or uint8 array): uint8 [H, W, 3], RGB.
 
     Decodes with ``cv2.imdecode(..., cv2.IMREAD_COLOR)``: grey images get three equal channels,
@@ -284,7 +291,8 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
     with ``window`` (x1, y1, x2, y2; full-size pixels once upright) only the rectangle
     ``scaled_jpeg.scaled_window(window, m, H, W)`` of that image, [h, w, 3] (a view): its MCUs
     alone decoded (``scaled_jpeg.decode_region``) when the JPEG is not turned (EXIF orientation
-    1, or ``upright`` False), else cut from the whole image at m/8.
+    1, or ``upright`` False), else cut from the whole image at m/8; ``jpeg_index``
+    (``scaled_jpeg.index_jpeg`` of ``data``): that rectangle cut from it, the same bytes.
     Neither: OpenCV at full size, as always (``reduced_decode: false``). Pixels are the same
     whichever library decodes a given size.
 
@@ -302,7 +310,7 @@ def decode_rgb(data, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: tuple[int, 
         raise ImageReadError(f"truncated JPEG: no end-of-image marker after the last scan ({buf.size} bytes)")
     if (eighths is not None or (min_size is not None and size is not None)) and buf[:2].tobytes() == b"\xff\xd8":
         m = eighths if eighths is not None else _eighths_for(buf, size, min_size, upright)
-        image = None if window is None else _decode_window(buf, m, window, upright)
+        image = None if window is None else _decode_window(buf, m, window, upright, jpeg_index)
         if image is None:
             image = _decode_scaled(buf, m, upright)
             if image is not None and window is not None:

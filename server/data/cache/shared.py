@@ -218,6 +218,18 @@ class SharedCache:
         except Exception:
             return False
 
+    def room(self, nbytes: int) -> bool:
+        """Whether an entry of about ``nbytes`` would be stored now (RAM or disk): a hint read
+        without the lock, for work done only to be stored (``_put`` decides). Never raises."""
+        try:
+            used, disk_used = _FILL.unpack_from(self._seg.buf, 16)
+            if (-(-used // 8) * 8 + nbytes + 4096 <= len(self._arena)
+                    and self._slots_used() < _MAX_LOAD * len(self._locs)):
+                return True
+            return self.disk_root is not None and disk_used + nbytes <= self.disk_bytes
+        except Exception:
+            return False
+
     def _slot(self, key: bytes) -> tuple[int, bool]:
         """(table slot, found): the key's slot, or the free slot where it would go (-1 if full)."""
         k0, k1 = np.frombuffer(key, np.uint64)

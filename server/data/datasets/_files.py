@@ -167,16 +167,17 @@ class FileDataset(Dataset):
                               reason=f"cannot read file: [Errno {e.errno}] {e.strerror}") from None
 
     def decode(self, index: int, data, min_size: tuple[int, int] | None = None,
-               eighths: int | None = None, window: tuple[int, int, int, int] | None = None) -> np.ndarray:
+               eighths: int | None = None, window: tuple[int, int, int, int] | None = None,
+               jpeg_index=None) -> np.ndarray:
         """Decode ``data`` (what ``read_bytes(index)`` returned): uint8 [H, W, 3] RGB.
 
-        ``min_size``, ``eighths``, ``window``: see ``decode_rgb`` (reduced JPEG decoding; all
+        ``min_size``, ``eighths``, ``window``, ``jpeg_index``: see ``decode_rgb`` (reduced JPEG decoding; all
         ignored with reduced_decode off). EXIF orientation applied if ``upright``. Raises
         SampleError (see ``decode_rgb``'s reasons).
         """
         if not self.reduced_decode:
             min_size = eighths = window = None
         try:
-            return decode_rgb(data, self.max_pixels, min_size, self.upright, eighths, window)
+            return decode_rgb(data, self.max_pixels, min_size, self.upright, eighths, window, jpeg_index)
         except ImageReadError as e:
             raise self.sample_error(index, e.reason) from None

@@ -182,10 +182,11 @@ class Coco(FileDataset):
         return upright_size(data, True) if self.apply_exif_orientation and not upright else frame
 
     def decode_sample(self, index: int, data, min_size: tuple[int, int] | None = None,
-                      eighths: int | None = None, window: tuple[int, int, int, int] | None = None) -> dict:
+                      eighths: int | None = None, window: tuple[int, int, int, int] | None = None,
+                      jpeg_index=None) -> dict:
         """Sample ``index`` (fields in the class docstring) from its image file's bytes ``data``.
         ``min_size`` is ignored (boxes and masks are in the full image's pixels); ``eighths``,
-        ``window``: the image decoded at m/8, or only a rectangle of it (``Dataset.decode_sample``;
+        ``window``, ``jpeg_index``: the image decoded at m/8, or only a rectangle of it (``Dataset.decode_sample``;
         server/compute/region.py; ``window`` in the frame served, ``decoded_size``), boxes and
         masks still those of the full image.
 
@@ -199,7 +200,8 @@ class Coco(FileDataset):
         orientation = exif_orientation(data) if upright or self.apply_exif_orientation else 1
         # a window is in the frame served: a turned image is decoded whole (at m/8) and cut once turned
         cut_here = reduced and window is not None and orientation == 1
-        image = self.decode(index, data, eighths=eighths, window=window if cut_here else None) if reduced \
+        image = self.decode(index, data, eighths=eighths, window=window if cut_here else None,
+                            jpeg_index=jpeg_index) if reduced \
             else self.decode(index, data)
         if upright:
             image = orient_pixels(image, orientation)
