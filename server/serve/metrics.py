@@ -196,7 +196,8 @@ def _pool_families(s: "stats.ServerStats"):
     yield stages
     decodes = CounterMetricFamily("batchd_decodes", "Images decoded for the batches sent, by kind: full (full size), "
                                   "scaled (whole, at m/8 for a first resize), region (at the m/8 a first random "
-                                  "crop's window needs).", labels=["kind"])
+                                  "crop's window needs), indexed (a region cut from the image's indexed JPEG in "
+                                  "the cache).", labels=["kind"])
     for kind, n in (s.decodes or {}).items():
         decodes.add_metric([kind], n)
     yield decodes

@@ -193,7 +193,8 @@ class ServerStats:
     scaling: dict[tuple[str, str], int] | None = None  # (direction, reason) -> workers started/retired; not in the proto
     # images decoded by kind over all batches sent (server/compute/samples.py DECODE_KINDS: "full" size,
     # "scaled" whole at m/8 for a first resize, "region": at the m/8 a first random crop's window
-    # needs, server/compute/region.py), and the pixels decoded; not in the proto
+    # needs, server/compute/region.py, "indexed": such a region cut from the sample's indexed JPEG
+    # in the cache, scaled_jpeg.index_jpeg), and the pixels decoded; not in the proto
     decodes: dict[str, int] | None = None
     decoded_pixels: int = 0
 

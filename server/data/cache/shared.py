@@ -280,6 +280,11 @@ class SharedCache:
         row[Field.EVICTIONS] += 1
 
     def _put(self, dataset: str, key: bytes, image: np.ndarray, row: np.ndarray) -> None:
+        arrays = [image] if isinstance(image, np.ndarray) else [v for v in image.values() if isinstance(v, np.ndarray)]
+        # full: not even encoded (a 4.5 MB decode: about 2 ms); lz4 might make it fit: tried
+        if not self.compress and not self.room(sum(a.nbytes for a in arrays)):
+            row[Field.NOT_ADMITTED] += 1
+            return
         head, payload = entry.encode(key, image, self.compress)
         size = len(head) + len(payload)
         with self._locked():
