@@ -17,7 +17,9 @@ output size, ``pipeline.decode_min_size``, and that decode may be cached with th
    stream and the same shape give the same ``params`` (``crop_coords``) as a full decode, and
    leave the stream where the full decode's first transform leaves it. Since the decode depends
    on the draw, such a sample is never served from the decoded-sample cache (cache or not, the
-   same bytes); ``reduced_decode: false`` caches full decodes instead.
+   same bytes); ``reduced_decode: false`` caches full decodes instead. The cache keeps the
+   sample's indexed JPEG (``scaled_jpeg.index_jpeg``), from which step 2 reads only the
+   window's MCUs, the same bytes.
 2. **Decode only the window, at the scale it needs**: the cheapest factor m/8 at which the window
    is still at least the output size (``scaled_jpeg.cheapest``; 1/8, 1/4, 1/2 or 1/1 on
    libjpeg-turbo 2.1, whose other M/8 factors cost more than the next power of two above them),
