@@ -90,11 +90,16 @@ class BuildQueue:
                 self._release_slot(batch.slot)  # nobody needs it (anymore)
                 return
             self._ready[b] = batch
+            wanted = False
             for r in self._readers.values():
-                if not r.ordered and b in r.granted:
+                if r.ordered:
+                    wanted = True
+                elif b in r.granted:
                     r.ready.add(b)
+                    wanted = True
             self._settle(b)
-            self._cond.notify_all()
+            if wanted:  # a batch no reader was granted (kept for another) wakes no sender
+                self._cond.notify_all()
 
     def retry(self, b: int) -> int:
         """Build batch b again (its worker died); returns how many times it has been tried."""

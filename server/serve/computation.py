@@ -308,14 +308,17 @@ class Computation(BuildQueue):
             new = stream.new_grants(indices, max_grants)
             if stream.id not in self._readers:
                 return 0  # the call is ending
+            sendable = False
             for b in new:
                 stream.add_grant(b)
                 if b in self._ready:
                     stream.ready.add(b)
                     self._history.pop(b, None)
+                    sendable = True
                 else:
                     self._want(b)
-            self._cond.notify_all()
+            if sendable:  # the call's sender waits for a ready batch (get): a grant to build wakes no one
+                self._cond.notify_all()
         if new:
             self.on_grant()
         return len(new)
