@@ -191,7 +191,7 @@ static PyObject *index_jpeg(PyObject *self, PyObject *args) {
     struct jpeg_decompress_struct src;
     struct jpeg_compress_struct dst;
     struct error_mgr err;
-    unsigned char *volatile out = NULL;
+    unsigned char *out = NULL; /* libjpeg's malloc'd output; its address is taken, so it is in memory at a longjmp */
     unsigned long outsize = 0;
     volatile int failed = 0, dst_made = 0;
     volatile int mcu_w = 0, mcu_h = 0, mx = 0, my = 0, width = 0, height = 0;
@@ -208,14 +208,12 @@ static PyObject *index_jpeg(PyObject *self, PyObject *args) {
         jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&src);
         jpeg_create_compress(&dst);
         dst_made = 1;
-        unsigned char *buffer = NULL;
-        jpeg_mem_dest(&dst, &buffer, &outsize);
+        jpeg_mem_dest(&dst, &out, &outsize);
         jpeg_copy_critical_parameters(&src, &dst);
         dst.restart_interval = 1;
         dst.optimize_coding = TRUE;
         jpeg_write_coefficients(&dst, coefficients);
         jpeg_finish_compress(&dst);
-        out = buffer;
         if (src.num_components == 1) {
             mcu_w = mcu_h = 8; /* one component: not interleaved, an MCU is one block */
         } else {
