@@ -81,6 +81,8 @@ class Transport:
         # batchd_decoded_pixels_total; the workers count them, server/compute/samples.py)
         self.decodes = dict.fromkeys(DECODE_KINDS, 0)
         self.decoded_pixels = 0
+        # slices of WAIT_SLICE_S a stream at its session's lease cap waited out with no lease back
+        self.lease_waits_run_out = 0
 
     def open(self, stream: Stream) -> None:
         """Start accounting for ``stream`` (its progress reports and released leases count as taken)."""
@@ -122,7 +124,9 @@ class Transport:
             lease = self.leases.lend(r.session, batch.slot, tag=r.stream_tag, samples=samples, stream=stream.id)
             if lease is None and self.leases.full(r.session):
                 if patient:
-                    self.leases.wait_for_room(r.session, WAIT_SLICE_S)
+                    if not self.leases.wait_for_room(r.session, WAIT_SLICE_S):
+                        with self._lock:
+                            self.lease_waits_run_out += 1
                     return None
                 self.leases.hoarding(r.session)
         if lease is not None:

@@ -233,14 +233,12 @@ if case == "closed":  # the parent's last channel closed: gRPC's threads end
 
 
 def child():
-    loader_class = batchd.RemoteDataLoader  # imports torch (about 1 s), outside the time taken
-    start = time.monotonic()
     try:
-        with loader_class(address, "fmnist-test", batch_size=64, connect_timeout=2) as loader:
+        with batchd.RemoteDataLoader(address, "fmnist-test", batch_size=64, connect_timeout=2) as loader:
             result = f"read {len(next(iter(loader))['index'])}"
     except Exception as e:
         result = f"{type(e).__name__}: {e}"
-    return json.dumps({"result": result, "seconds": time.monotonic() - start})
+    return json.dumps({"result": result})
 
 
 read, write = os.pipe()
@@ -265,10 +263,11 @@ print(data or json.dumps({"result": f"died: {os.waitstatus_to_exitcode(status)}"
 @pytest.mark.parametrize("case", ["child", "grandchild"])
 def test_a_child_forked_from_a_process_using_grpc_raises_at_once(address, case):
     """The parent used gRPC itself (its own channel, not batchd's), then forked: in the child (or a
-    child of that child) a new loader cannot connect, as gRPC cannot start there. It raises at once
-    a RuntimeError naming the cause and what to do, before any gRPC call: such a call hung past its
-    deadline, or aborted the child (an absl mutex check in gRPC core; 13 children in 40 died so
-    with grpcio 1.85)."""
+    child of that child) a new loader cannot connect, as gRPC cannot start there. It raises a
+    RuntimeError naming the cause and what to do before any gRPC call (``check_grpc``'s, raised
+    before the channel is made; not ``grpc_stalled``'s, raised once a call outlived its deadline):
+    such a call hung past its deadline, or aborted the child (an absl mutex check in gRPC core; 13
+    children in 40 died so with grpcio 1.85)."""
     out = subprocess.run([sys.executable, "-c", _FORKED_CHILD_CONNECTS, address, case], capture_output=True,
                          text=True, timeout=120, check=True)
     child = json.loads(out.stdout)
@@ -276,7 +275,6 @@ def test_a_child_forked_from_a_process_using_grpc_raises_at_once(address, case):
     assert result.startswith("RuntimeError: cannot open a gRPC channel to 127.0.0.1:"), (result, out.stderr)
     assert "forked from process" in result and "a forked child of a gRPC-using process cannot start gRPC" in result
     assert "'spawn' or 'forkserver'" in result, result
-    assert child["seconds"] < 0.5, child  # not at connect_timeout (2 s)
 
 
 def test_a_child_forked_after_the_parents_last_channel_closed_reads(address):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import batchd
+from batchd.server.serve.transport import WAIT_SLICE_S
 from procs import fmnist_test_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -55,8 +56,9 @@ def test_freed_leases_never_wait_for_the_poll(make_server, fmnist_root):
     """Freed leases ride on the next grant's frame, and that grant waits for the batch: the
     consumer, about to wait, sends them itself (``ServerLink.send_freed``). Before it, every
     batch past the 5th waited for the request thread's 0.5 s poll (98 s for 200 batches of 50,
-    against 2 s). Each sample once; the median wait far under the poll (a median: the defect cost
-    every batch the poll)."""
+    against 2 s), and the server's wait for a lease ran a 0.25 s slice out (``WAIT_SLICE_S``) about
+    once a batch. Each sample once; those slices counted by the server (``lease_waits_run_out``):
+    a few at most (a loaded machine may stall a batch), not one a batch."""
     srv = make_server(datasets=fmnist_test_config(fmnist_root), workers=2, max_slots=2, max_leases_per_session=CAP,
                       share_window=0)
     before = int(srv.loader.counters.get("data_messages", 0))
@@ -64,8 +66,8 @@ def test_freed_leases_never_wait_for_the_poll(make_server, fmnist_root):
     assert stats["bytes_received"]["shm"] > 0
     assert torch.equal(indices, torch.arange(60 * 50))
     assert int(srv.loader.counters.get("data_messages", 0)) - before >= 50  # (the data connection carried them)
-    median = sorted(waits[5:])[len(waits[5:]) // 2]
-    assert median < 0.1, f"median wait {median:.3f} s per batch: freed leases waited for the poll"
+    run_out = srv.loader.transport.lease_waits_run_out
+    assert run_out <= 5, f"{run_out} lease waits of {WAIT_SLICE_S} s ran out in 60 batches: freed leases waited"
 
 
 # batch 8 (samples 80..89) takes 0.4 s to read: the other worker builds batch 9 first
