@@ -70,6 +70,11 @@ its state is a copy of one that threads were using, and its first call hangs or 
 1.85). None elsewhere. Kept here, imported with batchd, so that every fork after ``import batchd``
 is seen."""
 
+FORKED_WITH_GRPC_LOADED: int | None = None
+"""In a process forked (without exec) from one that had imported gRPC (running or not): the
+nearest such ancestor's pid. Where gRPC's threads ran under names ``GRPC_THREADS`` does not know,
+only this says why a call outlived its deadline (``batchd.client.forks.grpc_stalled``)."""
+
 _pid = os.getpid()
 _running_at_fork = False
 
@@ -98,9 +103,11 @@ def _before_fork() -> None:
 
 
 def _after_in_child() -> None:
-    global FORKED_FROM_GRPC, _pid
+    global FORKED_FROM_GRPC, FORKED_WITH_GRPC_LOADED, _pid
     if _running_at_fork:
         FORKED_FROM_GRPC = _pid
+    if "grpc._cython.cygrpc" in sys.modules:
+        FORKED_WITH_GRPC_LOADED = _pid
     _pid = os.getpid()
 
 

@@ -37,7 +37,6 @@ import ctypes
 import functools
 import logging
 import os
-import sys
 import weakref
 from typing import Any, Callable
 
@@ -46,7 +45,6 @@ from batchd import _grpc_fork
 log = logging.getLogger("batchd.client.loader")
 
 _pid = os.getpid()  # this process; reset in each child
-_forked_with_grpc_loaded: int | None = None  # the nearest ancestor this process was forked from with grpc imported
 _kept: weakref.WeakSet = weakref.WeakSet()  # objects holding gRPC or CUDA state made in this process
 _HELD: list = []  # in a child: what the parent's loaders left here, never freed
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HELD))  # (not even at interpreter exit, when modules are cleared)
@@ -107,10 +105,11 @@ def grpc_stalled(what: str, deadline: float) -> RuntimeError | None:
     """The error for a gRPC call that its own deadline (``deadline`` seconds) did not end, in a
     process forked from one that had loaded gRPC (whose threads ``check_grpc`` did not recognise).
     None in any other process (the caller reports what it would report for a call that timed out)."""
-    if _grpc_fork.FORK_HANDLERS or (_grpc_fork.FORKED_FROM_GRPC is None and _forked_with_grpc_loaded is None):
+    parent = _grpc_fork.FORKED_WITH_GRPC_LOADED
+    if _grpc_fork.FORK_HANDLERS or parent is None:
         return None
     return RuntimeError(f"cannot use gRPC in process {os.getpid()} (a call to {what} did not end even at its own "
-                        f"deadline, {deadline:g} s): " + _cause(_grpc_fork.FORKED_FROM_GRPC or _forked_with_grpc_loaded))
+                        f"deadline, {deadline:g} s): " + _cause(parent))
 
 
 def _cause(parent: int) -> str:
@@ -132,9 +131,7 @@ def warn_if_handlers() -> None:
 
 
 def _after_in_child() -> None:
-    global _pid, _kept, _forked_with_grpc_loaded
-    if "grpc._cython.cygrpc" in sys.modules:
-        _forked_with_grpc_loaded = _pid
+    global _pid, _kept
     _pid = os.getpid()
     _HELD.extend(_kept)
     _kept = weakref.WeakSet()
