@@ -77,6 +77,17 @@ static void create(struct jpeg_decompress_struct *cinfo, struct error_mgr *err) 
     jpeg_create_decompress(cinfo);
 }
 
+/* Read `data`'s header and start decompressing at m/8 (errors longjmp, as create()'s). */
+static void start(struct jpeg_decompress_struct *cinfo, const Py_buffer *data, int m, int rgb) {
+    jpeg_mem_src(cinfo, (const unsigned char *)data->buf, (unsigned long)data->len);
+    jpeg_read_header(cinfo, TRUE);
+    if (rgb)
+        cinfo->out_color_space = JCS_RGB;
+    cinfo->scale_num = (unsigned int)m;
+    cinfo->scale_denom = 8;
+    jpeg_start_decompress(cinfo);
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer data;
     int m, x, y, w, h;
@@ -101,12 +112,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (setjmp(err.jump)) {
         failed = 1;
     } else {
-        jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
-        jpeg_read_header(&cinfo, TRUE);
-        cinfo.out_color_space = JCS_RGB;
-        cinfo.scale_num = (unsigned int)m;
-        cinfo.scale_denom = 8;
-        jpeg_start_decompress(&cinfo);
+        start(&cinfo, &data, m, 1);
         out_w = cinfo.output_width;
         out_h = cinfo.output_height;
         if ((unsigned int)x + (unsigned int)w > out_w || (unsigned int)y + (unsigned int)h > out_h
@@ -165,11 +171,7 @@ static PyObject *entropy(PyObject *self, PyObject *args) {
     if (setjmp(err.jump)) {
         failed = 1;
     } else {
-        jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
-        jpeg_read_header(&cinfo, TRUE);
-        cinfo.scale_num = (unsigned int)(m < 1 ? 1 : (m > 8 ? 8 : m));
-        cinfo.scale_denom = 8;
-        jpeg_start_decompress(&cinfo);
+        start(&cinfo, &data, m < 1 ? 1 : (m > 8 ? 8 : m), 0);
         if (rows > 0)
             jpeg_skip_scanlines(&cinfo, (JDIMENSION)rows < cinfo.output_height ? (JDIMENSION)rows : cinfo.output_height);
     }
