@@ -246,11 +246,11 @@ def decode_indexed(index: JpegIndex, m: int, rect: tuple[int, int, int, int]) ->
     [h, w, 3] RGB, of which only the MCUs under ``rect`` (and a row above and below) are read.
     None if the extension cannot cut or decode it (the caller decodes the original)."""
     ext = _region()
-    if ext is None or m not in (1, 2, 4, 8):  # iMCU columns whole pixels at m/8
+    if ext is None:
         return None
     mw, mh, mx, my, width, height = (int(v) for v in index.geometry)
     x, y, w, h = rect
-    sw, sh = mw * m // 8, mh * m // 8  # an MCU at m/8
+    sw, sh = mw * m // 8, mh * m // 8  # an MCU at m/8 (whole pixels: an MCU is 8, 16 or 32 pixels wide)
     # the MCUs under the rectangle and one more on each side: the neighbours libjpeg's upsampling
     # reads there when it decodes the original (decode_region then crops as on the original)
     c0, c1 = max(0, x // sw - 1), min(mx - 1, (x + w - 1) // sw + 1)

@@ -312,7 +312,8 @@ def test_a_first_random_crop_gives_the_same_bytes_with_and_without_the_cache(pho
     """Region decoding depends on each sample's draw, so such a pipeline's output is not cached;
     the cache keeps each sample's indexed JPEG instead (made in the first epoch, read in the
     second: scaled_jpeg.index_jpeg), from which a region decodes to the same bytes: a server with
-    a cache gives the bytes of one without it, in both epochs."""
+    a cache gives the bytes of one without it, in both epochs. A cache too small for any index
+    makes none (not admitted, every epoch: no index is built for nothing), same bytes."""
     import batchd
     from conftest import running_server
 
@@ -320,7 +321,7 @@ def test_a_first_random_crop_gives_the_same_bytes_with_and_without_the_cache(pho
     compose = A.Compose([FIRSTS["RandomSizedCrop"], *REST])
     folder = {"pics": {"kind": "imagefolder", "root": str(root)}}
     digests = []
-    for cache in (None, {"memory_bytes": "64MiB"}):
+    for cache in (None, {"memory_bytes": "64MiB"}, {"memory_bytes": "64KiB"}):
         with running_server(workers=2, cache_dir=tmp_path / "index", datasets=folder,
                             **({"cache": cache} if cache else {})) as server:
             with batchd.RemoteDataLoader(server.address, "pics", batch_size=3, shuffle=True, seed=9, transform=compose,
@@ -332,8 +333,14 @@ def test_a_first_random_crop_gives_the_same_bytes_with_and_without_the_cache(pho
             digests.append(got)
             if cache:
                 stats = server.loader.cache.stats()["pics"]
-                assert (stats["misses"], stats["hits"]) == (len(photos), len(photos)), stats
-    assert digests[0] == digests[1]
+                decodes = server.loader.transport.decodes
+                if cache["memory_bytes"] == "64MiB":  # made (and used) in epoch 0, read in epoch 1
+                    assert (stats["misses"], stats["hits"]) == (len(photos), len(photos)), stats
+                    assert decodes["indexed"] == 2 * len(photos), decodes
+                else:  # no room: looked up each epoch, never made
+                    assert (stats["misses"], stats["hits"], stats["not_admitted"]) == (2 * len(photos), 0, 0), stats
+                    assert decodes["indexed"] == 0 and decodes["region"] + decodes["full"] == 2 * len(photos), decodes
+    assert digests[0] == digests[1] == digests[2]
 
 
 @pytest.mark.parametrize("orientation", [2, 3, 6, 8])
