@@ -66,18 +66,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _decode_counters(port: int) -> tuple[float, float]:
-    """(images decoded, pixels decoded) so far, from the server's /metrics."""
+def _decode_counters(port: int) -> tuple[dict[str, float], float]:
+    """(images decoded so far by kind: full, scaled, region, indexed; pixels decoded), from the
+    server's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    images = sum(float(v) for v in re.findall(r'^batchd_decodes_total\{kind="[a-z]+"\} (\S+)$', text, re.M))
+    kinds = {k: float(v) for k, v in re.findall(r'^batchd_decodes_total\{kind="([a-z]+)"\} (\S+)$', text, re.M)}
     pixels = re.search(r"^batchd_decoded_pixels_total (\S+)$", text, re.M)
-    return images, float(pixels.group(1)) if pixels else math.nan
-
-
-def _decode_kinds(port: int) -> dict[str, float]:
-    """Images decoded so far by kind (full, scaled, region, indexed), from the server's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {k: float(v) for k, v in re.findall(r'^batchd_decodes_total\{kind="([a-z]+)"\} (\S+)$', text, re.M)}
+    return kinds, float(pixels.group(1)) if pixels else math.nan
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -118,7 +113,7 @@ def run(s, log=print) -> dict:
                 t = time_stream(rl, 0, len(paths) // BATCH if m == "batchd" else WORKERS)
                 first_epoch = t.rate if m == "batchd" else first_epoch
             srv.wait_idle()
-        indexed_before = _decode_kinds(port).get("indexed", 0.0)
+        indexed_before = _decode_counters(port)[0].get("indexed", 0.0)
 
         def one(m: str, seed: int):
             if m in peers:
@@ -136,7 +131,7 @@ def run(s, log=print) -> dict:
             finally:
                 srv.wait_idle()
                 after = _decode_counters(port)
-                pixels[m][0] += after[0] - before[0]
+                pixels[m][0] += sum(after[0].values()) - sum(before[0].values())
                 pixels[m][1] += after[1] - before[1]
 
         for r in range(rounds):
@@ -147,7 +142,7 @@ def run(s, log=print) -> dict:
                 cpus.setdefault(m, []).append(t.cpu_per_image)
             log(f"  table20: round {r + 1}/{rounds}: " + ", ".join(f"{m} {rates[m][-1]:.0f}" for m in methods))
         psnr = _region_psnr(srv.address)
-        indexed = _decode_kinds(port).get("indexed", 0.0) - indexed_before
+        indexed = _decode_counters(port)[0].get("indexed", 0.0) - indexed_before
     finally:
         del dl
         srv.stop()
