@@ -141,9 +141,7 @@ class WorkerSamples:
         cache = self.cache
         if cache is None or not ds.fingerprint or not getattr(ds, "deterministic", True):
             return None
-        build = self.builds.get(ds.name)
-        if build is None:
-            build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
+        build = self._build(ds)
 
         def make() -> dict:
             if not cache.room(len(data) * 5 // 4) or jpeg_orientation(memoryview(data).cast("B")) != 1:
@@ -179,10 +177,14 @@ class WorkerSamples:
             return None
         if plan.first is not None and getattr(ds, "reduced_decode", False):
             return None  # a first random crop decoded at the scale of its draw (region.py): never cached
+        return sample_key(ds.fingerprint, index, plan.cache_name, self._build(ds))
+
+    def _build(self, ds: Dataset) -> str:
+        """The build fingerprint of ``ds``'s cache entries (its decode settings), made once."""
         build = self.builds.get(ds.name)
         if build is None:
             build = self.builds[ds.name] = build_fingerprint(build_parts(ds.decode_settings, cache=True))
-        return sample_key(ds.fingerprint, index, plan.cache_name, build)
+        return build
 
     def _sample(self, ds: Dataset, task: Task, k: int, index: int, plan: Plan, data=None) -> tuple[dict, bool]:
         """(sample k of the task decoded, or its state after the pipeline's deterministic prefix;
