@@ -15,7 +15,8 @@ threads too, which it starts with its first channel and ends with its last) and,
 (``BEFORE_THREADS``: the old code cannot run against today's server, so the figures are quoted).
 
 B. **Lines of the client**: ``client/**/*.py`` at ``eb562ec`` (``git ls-tree`` / ``git show``;
-"n/a" without the history) and in this checkout.
+"n/a" without the history) and in this checkout, in lines and in Python statements (``ast.stmt``
+nodes); the lines of the files of features added since (``ADDED_SINCE``) are given apart.
 
 C. **The control path's CPU per batch, measured from outside** (issue 36, point 6;
 bench/tables/client_cpu.py). One ``batchd serve`` (2 workers) per batch size over a manifest of
@@ -47,6 +48,7 @@ quoted beside them with their date.
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -67,6 +69,10 @@ NAME = "table22"
 TITLE = "Table 22: the client after issue 36 (threads per loader, lines of code, control-path CPU per batch from outside)"
 TIMEOUT_S = 2400  # run_all's hang guard for this table (the warm passes decode about 21,000 photos)
 BEFORE = "eb562ec"  # the client before issue 36's rewrite
+# Client files of features that came after BEFORE (counted apart in part B): issue 39's weighted sampling and
+# mixing (the loader's side and the wire order), issue 37's redial of a data connection.
+ADDED_SINCE = {"client/loader/sampling.py": "issue 39", "client/transport/orders.py": "issue 39",
+               "client/transport/redial.py": "issue 37"}
 # Threads per loader of the client at eb562ec: measured on this machine with the probe of part A (Python
 # threads new after 20 batches, shm and socket alike), before the rewrite replaced that code (quoted).
 BEFORE_THREADS = {1: {"total": 5, "batchd": 3}, 2: {"total": 10, "batchd": 6}, 4: {"total": 18, "batchd": 10}}
@@ -146,14 +152,23 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
 
 
+def _statements(source: str) -> int:
+    """Python statements in ``source`` (``ast.stmt`` nodes): what lines count less comments, docstrings and wrapping."""
+    return sum(isinstance(n, ast.stmt) for n in ast.walk(ast.parse(source)))
+
+
+def _count(sources: dict[str, str]) -> dict:
+    return {"files": len(sources), "lines": sum(t.count("\n") for t in sources.values()),
+            "statements": sum(_statements(t) for t in sources.values()),
+            "added": {p: t.count("\n") for p, t in sources.items() if p in ADDED_SINCE}}
+
+
 def lines() -> dict:
-    now = sorted((ROOT / "client").rglob("*.py"))
-    out = {"now": {"files": len(now), "lines": sum(p.read_bytes().count(b"\n") for p in now)},
-           "before": None, "before_commit": BEFORE}
+    now = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "client").rglob("*.py"))}
+    out = {"now": _count(now), "before": None, "before_commit": BEFORE}
     try:
         paths = [p for p in _git("ls-tree", "-r", "--name-only", BEFORE, "--", "client").split() if p.endswith(".py")]
-        out["before"] = {"files": len(paths),
-                         "lines": sum(_git("show", f"{BEFORE}:{p}").count("\n") for p in paths)}
+        out["before"] = _count({p: _git("show", f"{BEFORE}:{p}") for p in paths})
     except (OSError, subprocess.CalledProcessError):
         pass  # no git, or no history: "n/a"
     return out
@@ -176,6 +191,29 @@ def _ms(x) -> str:
 
 def _med(runs: list[dict], key: str) -> float:
     return median(m[key] for m in runs)
+
+
+def _lines_table(ln: dict) -> str:
+    b, now = ln["before"], ln["now"]
+    if b is None:
+        return md_table(["", "files", "lines", "statements"], [["now", now["files"], f"{now['lines']:,}",
+                                                                 f"{now['statements']:,}"]]) + "\n\n(no git history: n/a before)"
+    added = sum(now["added"].values())
+
+    def change(key: str, less: int = 0) -> str:
+        d = now[key] - less - b[key]
+        return f"{d:+,} ({d / b[key]:+.0%})"
+    rows = [[f"before ({ln['before_commit']})", b["files"], f"{b['lines']:,}", f"{b['statements']:,}"],
+            ["now", now["files"], f"{now['lines']:,}", f"{now['statements']:,}"],
+            ["change", f"{now['files'] - b['files']:+d}", change("lines"), change("statements")]]
+    out = md_table(["", "files", "lines", "statements"], rows) + (
+        "\n\nStatements: Python statements (`ast.stmt` nodes), which comments, docstrings and line wrapping do not "
+        "move.")
+    if added:
+        parts = ", ".join(f"{p} ({n}, {ADDED_SINCE[p]})" for p, n in sorted(now["added"].items()))
+        out += (f"\n\nOf today's lines, {added:,} are in files of features that came after {ln['before_commit']}: "
+                f"{parts}. Without them the change in lines is {change('lines', added)}.")
+    return out
 
 
 def render(r: dict) -> str:
@@ -203,14 +241,7 @@ def render(r: dict) -> str:
             "channel and ends them with its last). Relay process: over socket, the threads of batchd's relay, a "
             "process of its own (one per trainer process, whatever its loaders), not in the trainer's."
             + (f" Other new threads (counted in all): {', '.join(sorted(set(others)))}." if others else ""))
-    ln = r["lines"]
-    b = ln["before"]
-    out += "\n\n**B. Lines of the client** (`client/**/*.py`)\n\n" + md_table(
-        ["", "files", "lines"],
-        [[f"before ({ln['before_commit']})", b["files"] if b else "n/a", f"{b['lines']:,}" if b else "n/a"],
-         ["now", ln["now"]["files"], f"{ln['now']['lines']:,}"],
-         ["change", f"{ln['now']['files'] - b['files']:+d}" if b else "n/a",
-          f"{ln['now']['lines'] - b['lines']:+,} ({ln['now']['lines'] / b['lines'] - 1:+.0%})" if b else "n/a"]])
+    out += "\n\n**B. Lines of the client** (`client/**/*.py`)\n\n" + _lines_table(r["lines"])
     c = r["control"]
     head = ["batch", "batches per epoch", "server main ms / batch (psutil)", "trainer ms / batch (psutil)",
             f"<= {TARGET_MS:g} ms each", "Table 16's method, same window: server / trainer",
