@@ -4,8 +4,9 @@
 
 Each configuration starts N ``batchd serve`` processes (bench/fixtures/server_proc.py) with one worker
 each over the photo dataset (its 4x manifest; pipeline L1, batch 64) and reads them through one
-``RemoteDataLoader([address, ...])``: batch b comes from server b mod N (client/multi.py), with
-the bytes inline in the gRPC messages (transport="inline"), as they travel from other hosts. We
+``RemoteDataLoader([address, ...])``: each server is granted the batches it can build (credit sized
+by its own capacity, client/iteration/credit.py), with the bytes inline in the gRPC messages
+(transport="inline"), as they travel from other hosts. We
 time ``timed`` batches after a warm-up and, over the same window, read the CPU time of every
 server process tree (server, forkserver, workers: utime + stime from /proc/PID/stat) and of
 this client process. Servers on one host share its cores, so images/s here stops growing at
