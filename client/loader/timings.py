@@ -155,7 +155,7 @@ _END = object()  # what ``next`` gives at the end (a collate_fn may return None 
 
 
 def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Callable[[float], str],
-          stats: Any = None) -> Iterator[T]:
+          stats: Any) -> Iterator[T]:
     """``batches`` as the training loop takes them, timed: each ``next`` is a wait (``waiting``), the
     time between two is a step; both go to ``timings`` and to the batch's call record (its
     progress reports them), with ``verdict(now)``, and each wait, as measured, to ``stats`` (a
@@ -164,18 +164,15 @@ def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Ca
     try:
         while True:
             asked = time.perf_counter()
-            if stats is not None:
-                stats.asking(asked)
+            stats.asking(asked)
             step = asked - handed if handed is not None else 0.0
             batch = waiting(lambda: next(batches, _END), cuda)
             if batch is _END:
-                if handed is not None:
-                    timings.finished_step(step)
+                timings.finished_step(step)  # (0 when no batch came)
                 return
             handed = time.perf_counter()
             times, record, samples = take_delivered()
-            if stats is not None:
-                stats.waited(handed - asked, batch, handed, samples)
+            stats.waited(handed - asked, batch, handed, samples)
             wait = timings.add(handed - asked, step, times, record)
             if record is not None:
                 record.loop_waited(wait, step, verdict(handed))
