@@ -34,7 +34,6 @@ fork (DataLoader forks its workers each epoch) would buy nothing once a child ne
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import weakref
@@ -67,20 +66,16 @@ def forked(pid: int) -> bool:
 
 def check(pid: int, what: str = "this RemoteDataLoader") -> None:
     """Raises RuntimeError if this process is not ``pid``, the one that made ``what``."""
-    if pid != _pid:
+    if forked(pid):
         raise RuntimeError(f"{what} was created in process {pid}, and this is process {os.getpid()}, a fork of it, "
                            f"where its gRPC channels and threads do not exist. {ADVICE}.")
 
 
 def in_owner(pid: int, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, called only in process ``pid`` (a finalizer's or an atexit hook's callback); elsewhere a no-op."""
-    return functools.partial(_call_in, pid, fn)
-
-
-def _call_in(pid: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    if pid == _pid:
-        return fn(*args, **kwargs)
-    return None
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs) if pid == _pid else None
+    return call
 
 
 def keep(obj: Any) -> None:

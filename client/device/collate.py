@@ -11,7 +11,7 @@ dict samples gives the dicts' keys, with DataLoader too).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 BATCH_FIELDS = ("skipped",)  # fields of the batch, not of its samples
 BBOX_FORMATS = ("pascal_voc", "coco", "yolo", "albumentations")  # albumentations' BboxParams formats
@@ -29,11 +29,6 @@ def samples(batch: dict[str, Any]) -> list[dict[str, Any]]:
                          + ", ".join(f"{k} {'[]' if n < 0 else n}" for k, n in counts.items()))
     b = next(iter(counts.values()), 0)
     return [{k: v[i] for k, v in per_sample.items()} for i in range(b)]
-
-
-def collate(batch: dict[str, Any], collate_fn: Callable[[list[dict[str, Any]]], Any]) -> Any:
-    """``collate_fn(samples(batch))``: what the loader yields with a ``collate_fn``."""
-    return collate_fn(samples(batch))
 
 
 def detection_collate(samples: Sequence[dict[str, Any]], *, image: str = "image",
@@ -106,19 +101,22 @@ def bind_bbox_format(collate_fn: Any, transform: Any) -> Any:
     to, so its boxes come out as xyxy pixels whatever the format. A ``functools.partial`` of
     ``detection_collate`` that names another format than the transform's raises ValueError;
     other functions, and presets (the client cannot see their format), are left as they are."""
-    ours = collate_fn is detection_collate or (isinstance(collate_fn, functools.partial)
-                                               and collate_fn.func is detection_collate)
-    fmt = _transform_bbox_format(transform) if ours else None
+    if collate_fn is detection_collate:
+        given = None
+    elif isinstance(collate_fn, functools.partial) and collate_fn.func is detection_collate:
+        given = collate_fn.keywords.get("bbox_format", "pascal_voc")
+    else:
+        return collate_fn
+    fmt = _transform_bbox_format(transform)
     if fmt is None:
         return collate_fn
-    if collate_fn is detection_collate:
+    if given is None:
         return collate_fn if fmt == "pascal_voc" else functools.partial(detection_collate, bbox_format=fmt)
-    if isinstance(collate_fn, functools.partial) and collate_fn.func is detection_collate:
-        given = collate_fn.keywords.get("bbox_format", "pascal_voc")
-        if given != fmt:
-            raise ValueError(f"detection_collate was told bbox_format={given!r}, but the transform's bbox_params "
-                             f"give the boxes in {fmt!r}: pass collate_fn=batchd.detection_collate (it takes the "
-                             "transform's format), or ask for A.BboxParams(format='pascal_voc'), torchvision's xyxy")
+    if given != fmt:
+        raise ValueError(f"detection_collate was told bbox_format={given!r}, but the transform's bbox_params "
+                         f"give the boxes in {fmt!r}: pass collate_fn=batchd.detection_collate (it takes "
+                         "the transform's format), or ask for A.BboxParams(format='pascal_voc'), torchvision's "
+                         "xyxy")
     return collate_fn
 
 

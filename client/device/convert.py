@@ -17,7 +17,7 @@ import torch
 
 from batchd import errors, wire
 from batchd.client.device import decode
-from batchd.client.device.collate import collate
+from batchd.client.device.collate import samples as samples_of
 from batchd.client.device.transfer import check_finishable, finish
 from batchd.client.transport import fields
 from batchd.client.transport.receiver import BatchTimes, Received, delivered, to_tensors
@@ -89,11 +89,11 @@ def convert(raw: wire.WireBatch, shm: Any, *, options: Any, transfer: Any, stopp
     batch = fields.unpack(batch)  # ragged fields: B views of their one (device) buffer
     # (after decode_on_client, which may leave out files under on_error: skip)
     samples = int(batch["index"].shape[0]) if isinstance(batch.get("index"), torch.Tensor) else 0
-    if o.collate_fn is None:
-        return Received(raw.batch_index, batch, event, samples, copies, times=times, record=record)
-    if event is not None:  # on the device: collated once the consumer's stream waits for the copy
-        return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn, times=times, record=record)
-    return Received(raw.batch_index, collate(batch, o.collate_fn), None, samples, times=times, record=record)
+    if event is None and o.collate_fn is not None:
+        batch = o.collate_fn(samples_of(batch))
+        return Received(raw.batch_index, batch, None, samples, times=times, record=record)
+    # on the device, collate_fn runs once the consumer's stream waits for the copy (``deliver``)
+    return Received(raw.batch_index, batch, event, samples, copies, o.collate_fn, times=times, record=record)
 
 
 def deliver(item: Received, transfer: Any) -> Any:
@@ -104,7 +104,7 @@ def deliver(item: Received, transfer: Any) -> Any:
     if item.event is not None:
         transfer.hand_over(item.copies, item.event)
     if item.collate is not None:
-        batch = collate(batch, item.collate)
+        batch = item.collate(samples_of(batch))
     if item.record is not None:
         item.record.took(item.samples)
     delivered(item.times, item.record, item.samples)  # loader.stats() and profile() (batchd.client.loader.timings)

@@ -59,23 +59,28 @@ def is_encoded(raw: wire.WireBatch) -> bool:
     return any(t.name == "jpeg" for t in raw.tensors)
 
 
-def jpeg_files(batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The B files of a JPEG batch: uint8 [n_i] CPU views of ``batch["jpeg"]`` (no copy).
+def _encoded(batch: dict[str, torch.Tensor]
+             ) -> tuple[list[tuple[torch.Tensor, int, int]], tuple[int, int] | None]:
+    """A JPEG batch's samples, each (file, index, reduce): the file a uint8 [n_i] CPU view of
+    ``batch["jpeg"]`` (no copy), its dataset index, the DCT scaling 1/reduce it decodes at; and
+    the (height, width) its images are resized to, or None (``jpeg_resize`` (0, 0)).
 
-    Raises ValueError if ``jpeg_offsets`` is not int64 [B + 1], increasing, within ``jpeg``.
+    Raises ValueError if ``jpeg_offsets`` is not int64 [B + 1], increasing, within ``jpeg``, or a
+    ``jpeg_reduce`` is not 1, 2, 4 or 8.
     """
     data, offsets = batch["jpeg"], batch["jpeg_offsets"]
     bounds = offsets.tolist()
     if (offsets.dim() != 1 or bounds[:1] != [0] or bounds[-1] != data.numel()
             or any(a > b for a, b in zip(bounds, bounds[1:]))):
         raise ValueError(f"the server sent jpeg_offsets {bounds[:8]}... that do not split jpeg of {data.numel()} bytes")
-    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def resize_of(batch: dict[str, torch.Tensor]) -> tuple[int, int] | None:
-    """(height, width) the batch's images are resized to, or None (``jpeg_resize`` (0, 0))."""
     h, w = (int(v) for v in batch["jpeg_resize"].tolist())
-    return (h, w) if h and w else None
+    files = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    reduce = batch["jpeg_reduce"].tolist() if "jpeg_reduce" in batch else [1] * len(files)
+    samples = list(zip(files, batch["index"].tolist(), reduce))
+    for _, index, n in samples:
+        if n not in (1, 2, 4, 8):
+            raise ValueError(f"the server sent jpeg_reduce {n} for sample {index} (expected 1, 2, 4 or 8)")
+    return samples, ((h, w) if h and w else None)
 
 
 def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "", on_error: str = "raise") -> Decoded:
@@ -87,15 +92,11 @@ def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "", on_error: str 
     """
     import cv2  # (here only: a loader that decodes nothing itself needs no OpenCV)
 
-    files, size = jpeg_files(batch), resize_of(batch)
-    indices = batch["index"].tolist()
-    reduce = batch["jpeg_reduce"].tolist() if "jpeg_reduce" in batch else [1] * len(files)
+    samples, size = _encoded(batch)
     flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
              8: cv2.IMREAD_REDUCED_COLOR_8}
     out, kept, left_out = None, 0, []
-    for i, (f, index, n) in enumerate(zip(files, indices, reduce)):
-        if n not in flags:
-            raise ValueError(f"the server sent jpeg_reduce {n} for sample {index} (expected 1, 2, 4 or 8)")
+    for i, (f, index, n) in enumerate(samples):
         bgr = cv2.imdecode(f.numpy(), flags[n])
         if bgr is None:
             _refused(dataset, index, f"OpenCV cannot decode the JPEG sent ({f.numel()} bytes)", on_error)
@@ -105,7 +106,7 @@ def decode_cpu(batch: dict[str, torch.Tensor], dataset: str = "", on_error: str 
         if size is not None and rgb.shape[:2] != size:
             rgb = cv2.resize(rgb, (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
         if out is None:
-            out, first = np.empty((len(files), *rgb.shape), np.uint8), index
+            out, first = np.empty((len(samples), *rgb.shape), np.uint8), index
         elif rgb.shape != out.shape[1:]:
             raise _mismatch(dataset, index, rgb.shape, first, out.shape[1:])
         out[kept] = rgb
@@ -262,33 +263,30 @@ def decode_gpu(batch: dict[str, torch.Tensor], device: torch.device, dataset: st
     if decoder is None:
         raise RuntimeError("decoding JPEG batches on the GPU needs torchvision >= 0.19 (pip install 'batchd[gpu]')")
     decode_jpeg, rgb = decoder
-    files, size = jpeg_files(batch), resize_of(batch)
-    if not files:
-        return Decoded(torch.empty((0, 0, 0, 3), dtype=torch.uint8, device=device), [])
-    indices = batch["index"].tolist()
-    reduce = batch["jpeg_reduce"].tolist() if "jpeg_reduce" in batch else [1] * len(files)
-    images, left_out = _decode_each(files, indices, lambda fs: decode_jpeg(fs, mode=rgb, device=device), dataset,
-                                    on_error)
-    out, first = [], indices[images[0][0]] if images else 0
-    for f, image, index, n in ((files[i], image, indices[i], reduce[i]) for i, image in images):
-        if n not in (1, 2, 4, 8):
-            raise ValueError(f"the server sent jpeg_reduce {n} for sample {index} (expected 1, 2, 4 or 8)")
+    samples, size = _encoded(batch)
+    decode = functools.partial(decode_jpeg, mode=rgb, device=device)
+    images, left_out = _decode_each(samples, decode, dataset, on_error) if samples else ([], [])
+    out = []  # each [H, W, 3]
+    for i, image in images:
+        f, index, n = samples[i]
         image = orient(reduce_like_libjpeg(image, n), exif_orientation(f.numpy()))
         if size is not None:
             image = resize_bilinear(image, size)
+        image = image.permute(1, 2, 0)
         if out and image.shape != out[0].shape:
-            raise _mismatch(dataset, index, image.permute(1, 2, 0).shape, first, out[0].permute(1, 2, 0).shape)
+            raise _mismatch(dataset, index, image.shape, samples[images[0][0]][1], out[0].shape)
         out.append(image)
     if not out:
         return Decoded(torch.empty((0, 0, 0, 3), dtype=torch.uint8, device=device), left_out)
-    return Decoded(torch.stack(out).permute(0, 2, 3, 1).contiguous(), left_out)
+    return Decoded(torch.stack(out), left_out)
 
 
-def _decode_each(files: list[torch.Tensor], indices: list[int],
+def _decode_each(samples: list[tuple[torch.Tensor, int, int]],
                  decode: Callable[[list[torch.Tensor]], list[torch.Tensor]], dataset: str,
                  on_error: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
-    """``decode(files)`` in one call; if it raises, file by file. Returns ([(position, image)],
-    positions left out); see ``decode_gpu`` for the errors."""
+    """``decode`` of the samples' files in one call; if it raises, file by file. Returns
+    ([(position, image)], positions left out); see ``decode_gpu`` for the errors."""
+    files = [f for f, _, _ in samples]
     try:
         return list(enumerate(decode(files))), []
     except RuntimeError as batch_error:
@@ -301,8 +299,8 @@ def _decode_each(files: list[torch.Tensor], indices: list[int],
         if len(refused) == len(files) > 1:
             raise batch_error
         for i, e in refused:
-            _refused(dataset, indices[i], f"nvJPEG cannot decode the JPEG sent ({files[i].numel()} bytes): {e}",
-                     on_error)
+            reason = f"nvJPEG cannot decode the JPEG sent ({files[i].numel()} bytes): {e}"
+            _refused(dataset, samples[i][1], reason, on_error)
         return images, [i for i, _ in refused]
 
 

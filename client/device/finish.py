@@ -229,17 +229,15 @@ class GpuTransform:
         if not isinstance(positions, torch.Tensor) or positions.shape != (b,):
             raise ValueError(f"positions must be an int64 tensor [{b}] (one per image), got {_describe(positions)}")
         lut = self._lut(images.device, channels)
+        self._finish_key(seed, epoch)  # the same argument checks with or without draws
         h, w = self.crop or (height, width)
         if b == 0:  # every sample of the batch was skipped (on_error: skip): its images may be [0, 0, 0, C]
-            finish_key(seed=seed, epoch=epoch)
             out = torch.empty((0, channels, h, w), dtype=self.dtype, device=images.device)
             return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out
         if self.hflip or self.vflip or self.crop is not None:
             p = self.params(positions, seed=seed, epoch=epoch, height=height, width=width)
             p = FinishParams(*(t.to(images.device, non_blocking=True) for t in p))
             images = _crop_flip(images, p, h, w)
-        else:
-            finish_key(seed=seed, epoch=epoch)  # the same argument checks with or without draws
         offsets = torch.arange(0, 256 * channels, 256, dtype=torch.int32, device=images.device)
         # index_select, not lut[index]: 3x faster on the CPU (bench/cuda/cuda_finish.py --cpu)
         if self.channels_last:

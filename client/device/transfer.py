@@ -110,12 +110,6 @@ class CudaTransfer:
         """Undo ``register`` (the caller guarantees no copy from it is in flight)."""
         self.host.unregister(address)
 
-    def _pinned_view(self, k: int, name: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._pinned[k].get(name)
-        if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
-            buf = self._pinned[k][name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
-        return buf[: t.numel()].view(t.shape)
-
     def _collect(self) -> None:
         """Let go of source batches whose copies have completed (their leases go back)."""
         with self._holding_lock:
@@ -168,35 +162,34 @@ class CudaTransfer:
             if stopping is not None and stopping.is_set():
                 raise TransferStopped("the receiver was stopped")
             self._collect()
-            out = {}
-            timed = marks is not None
-            if registered:
-                with self._waits_on_error(), torch.cuda.stream(self.stream):
-                    self._mark(marks)
-                    for name, t in batch.items():  # a ragged field's flat values in one copy; str stays
-                        out[name] = fields.map_values(t, lambda v: v.to(self.device, non_blocking=True))
-                    self._mark(marks)
-                    event = self._finish_and_record(out, finish, seed, epoch, timed)
-                with self._holding_lock:
-                    self._holding.append((event, batch))
-                return out, event
-            k = self._next
-            self._next = (k + 1) % len(self._events)
-            if self._events[k] is not None:
-                self._events[k].synchronize()  # the copy out of this pinned slot has finished
+            k = None  # registered: copied straight from it; else through pinned slot k
+            if not registered:
+                k, self._next = self._next, (self._next + 1) % len(self._events)
+                if self._events[k] is not None:
+                    self._events[k].synchronize()  # the copy out of this pinned slot has finished
             with self._waits_on_error(), torch.cuda.stream(self.stream):
                 self._mark(marks)
-                for name, t in batch.items():
-                    out[name] = fields.map_values(t, lambda v, name=name: self._pinned_copy(k, name, v))
+                # a ragged field's flat values in one copy; str stays
+                out = {name: fields.map_values(t, functools.partial(self._copy, k, name))
+                       for name, t in batch.items()}
                 self._mark(marks)
-                event = self._events[k] = self._finish_and_record(out, finish, seed, epoch, timed)
+                event = self._finish_and_record(out, finish, seed, epoch, marks is not None)
+            if k is not None:
+                self._events[k] = event
+            else:
+                with self._holding_lock:
+                    self._holding.append((event, batch))
             return out, event
 
-    def _pinned_copy(self, k: int, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` on the device, through pinned slot k's buffer for ``name`` (on the current stream)."""
-        pinned = self._pinned_view(k, name, t)
-        pinned.copy_(t)
-        return pinned.to(self.device, non_blocking=True)
+    def _copy(self, k: int | None, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the device, on the current stream: straight from it (``k`` None), or through
+        pinned slot k's buffer for ``name`` (allocated once, grown if ``t`` is larger)."""
+        if k is not None:
+            buf = self._pinned[k].get(name)
+            if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
+                buf = self._pinned[k][name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+            t = buf[: t.numel()].view(t.shape).copy_(t)
+        return t.to(self.device, non_blocking=True)
 
     def _mark(self, marks: list | None) -> None:
         if marks is not None:
@@ -205,7 +198,7 @@ class CudaTransfer:
             marks.append(event)
 
     def _finish_and_record(self, out: dict[str, torch.Tensor], gpu_transform, seed: int,
-                           epoch: int, timed: bool = False) -> torch.cuda.Event:
+                           epoch: int, timed: bool) -> torch.cuda.Event:
         if gpu_transform is not None:
             finish(out, gpu_transform, seed, epoch)
         event = torch.cuda.Event(blocking=True, enable_timing=timed)

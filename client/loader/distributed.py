@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
 
 def _env_int(name: str) -> int | None:
     raw = os.environ.get(name)
@@ -25,16 +27,6 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def _process_group() -> tuple[int, int] | None:
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed support
-        return None
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return None
-
-
 def rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """(rank, world_size): the given ones, else torch.distributed's, else RANK/WORLD_SIZE, else 0/1.
 
@@ -43,13 +35,12 @@ def rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, 
     """
     if rank is not None and world_size is not None:
         return rank, world_size
-    group = _process_group()
-    if group is not None:
-        env_rank, env_world = group
+    if dist.is_available() and dist.is_initialized():
+        found_rank, found_size = dist.get_rank(), dist.get_world_size()
     else:
-        env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        found_rank, found_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     if rank is None:
-        rank = env_rank if env_rank is not None else 0
+        rank = 0 if found_rank is None else found_rank
     if world_size is None:
-        world_size = env_world if env_world is not None else 1
+        world_size = 1 if found_size is None else found_size
     return rank, world_size

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from batchd.client import forks
+from batchd.client.device import transfer
 from batchd.client.iteration import elastic
 from batchd.client.iteration.servers import Servers
 from batchd.client.loader.options import LoaderOptions, LoaderSettings
@@ -219,11 +220,8 @@ class RemoteDataLoader(LoaderSettings):
             probe_interval=probe_interval, strict=strict,
             gpu_transform=gpu_transform, decode_on_client=decode_on_client, collate_fn=collate_fn, hedge=hedge,
             sampler=sampler, **extra)
-        self._transfer = None
-        if self.options.device.type == "cuda":  # here, in the caller's thread, on the resolved device
-            from batchd.client.device.transfer import CudaTransfer
-
-            self._transfer = CudaTransfer(self.options.device)
+        cuda = self.options.device.type == "cuda"  # made here, in the caller's thread, on the resolved device
+        self._transfer = transfer.CudaTransfer(self.options.device) if cuda else None
         self._stats = LoaderStats()
         try:
             self.servers = Servers(address, self.options, self._transfer, self._stats)  # one or several

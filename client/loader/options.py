@@ -56,17 +56,13 @@ def resolve_device(device: Any, current_index: Callable[[], int] | None = None) 
     CUDA is not available (only checked when the index must be looked up; ``CudaTransfer``
     checks the rest).
     """
-    if device is None:
-        return torch.device("cpu")
     try:
-        resolved = torch.device(device)
+        resolved = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}") from None
-    if resolved.type == "cpu":
-        return resolved
-    if resolved.type != "cuda":
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device!r}")
-    if resolved.index is None:
+    if resolved.type == "cuda" and resolved.index is None:
         if current_index is None:
             if not torch.cuda.is_available():
                 raise RuntimeError(f"device={device} requested but CUDA is not available")

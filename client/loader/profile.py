@@ -82,8 +82,7 @@ class Profile(dict):
                              f"{self['shares'][stage]:>6.0%}")
         return "\n".join(lines)
 
-    def __str__(self) -> str:
-        return self.table()
+    __str__ = table
 
 
 def make_profile(t: LoopTimings) -> Profile:

@@ -151,14 +151,13 @@ def resolve(dataset: Any, transform: Any, sampler: Any, shuffle: Any,
         raise ValueError("a Mix draws its own order: it takes no sampler")
     if shuffle:
         raise ValueError("a Mix draws its own order (each source shuffled): pass shuffle=False")
-    if isinstance(transform, Mapping):
-        unknown = [n for n in transform if n not in dataset.sources]
-        if unknown:
-            raise ValueError(f"transform names {unknown[0]!r}, which is not a source of the mix "
-                             f"({', '.join(dataset.sources)})")
-        per_source = {n: pipeline_of(transform.get(n)) for n in dataset.sources}
-    else:
-        per_source = {n: pipeline_of(transform) for n in dataset.sources}  # one pipeline for every source
+    if not isinstance(transform, Mapping):
+        transform = dict.fromkeys(dataset.sources, transform)  # one pipeline for every source
+    unknown = [n for n in transform if n not in dataset.sources]
+    if unknown:
+        raise ValueError(f"transform names {unknown[0]!r}, which is not a source of the mix "
+                         f"({', '.join(dataset.sources)})")
+    per_source = {n: pipeline_of(transform.get(n)) for n in dataset.sources}
     return {"dataset": dataset.name, "pipeline": None, "mix": dataset, "source_pipelines": per_source}
 
 

@@ -73,7 +73,10 @@ class LoaderStats:
         ``now`` after the loop waited ``seconds`` for it."""
         with self._lock:
             self.batches += 1
-            self.samples += samples_in(batch) if samples is None else samples
+            if samples is None:  # the length of its index tensor (0 for a batch without one)
+                index = batch.get("index") if isinstance(batch, dict) else None
+                samples = int(index.shape[0]) if index is not None and getattr(index, "ndim", 0) else 0
+            self.samples += samples
             self.wait_seconds += seconds
             self._waits.append(seconds)
             self._last_handed = now
@@ -102,7 +105,7 @@ class LoaderStats:
         p50, p95, p99 = (float(v) for v in np.percentile(waits, (50, 95, 99))) if len(waits) else (0.0, 0.0, 0.0)
         with self._lock:
             wall = (self._last_handed - self._first_ask) if self._last_handed is not None else 0.0
-            figures = {
+            return {
                 "batches": self.batches, "samples": self.samples,
                 "wait_seconds": self.wait_seconds, "wait_p50_seconds": p50, "wait_p95_seconds": p95,
                 "wait_p99_seconds": p99, "wall_seconds": wall,
@@ -112,10 +115,4 @@ class LoaderStats:
                 "bytes_received": dict(self._received),
                 **{name: self._counters[name] for name in COUNTERS},
             }
-        return figures
 
-
-def samples_in(batch: Any) -> int:
-    """Samples in a batch: the length of its ``index`` tensor (0 for a batch without one)."""
-    index = batch.get("index") if isinstance(batch, dict) else None
-    return int(index.shape[0]) if index is not None and getattr(index, "ndim", 0) else 0

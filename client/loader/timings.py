@@ -23,6 +23,7 @@ totals into ``loader.profile()``'s verdict.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,6 @@ WORKER_STAGES = ("read", "decode", "pipeline", "cache", "write")  # a worker's t
 CLIENT_STAGES = ("receive", "unpack", "copy", "gpu_transform")  # the call's and the converter's threads, per batch
 LOOP_STAGES = ("wait", "step")  # the training loop
 STAGES = (*LOOP_STAGES, *SERVER_STAGES, *CLIENT_STAGES)
-_SERVER_ATTRS = tuple((stage, f"{stage}_seconds") for stage in SERVER_STAGES)
 
 
 @dataclass
@@ -83,35 +83,25 @@ class LoopTimings:
         self.totals["step"] += step
         self.moving.add(wait, step)
         self.batches += 1
-        if times is None:
-            return wait
-        if times.server is not None:
-            self.busy[id(call)] = times.server.workers_busy_ratio
-        if times.events is not None:
-            self._pending.append(times)
-        self._count(times)
-        self._resolve()
+        if times is not None:
+            if times.server is not None:
+                self.busy[id(call)] = times.server.workers_busy_ratio
+                for stage in SERVER_STAGES:
+                    self.totals[stage] += getattr(times.server, f"{stage}_seconds")
+            for stage in CLIENT_STAGES:  # (copy and gpu_transform: 0 while their CUDA times are pending)
+                self.totals[stage] += getattr(times, stage)
+            if times.events is not None:
+                self._pending.append(times)
+            self._resolve()
         return wait
 
     def finished_step(self, step: float) -> None:
         """The loop came back after its last batch (the iteration ended): count that step."""
         self.totals["step"] += step
 
-    def _count(self, times: BatchTimes) -> None:
-        totals, s = self.totals, times.server
-        if s is not None:
-            for stage, attr in _SERVER_ATTRS:
-                totals[stage] += getattr(s, attr)
-        for stage in CLIENT_STAGES:  # (copy and gpu_transform: 0 until resolved, when CUDA times are pending)
-            totals[stage] += getattr(times, stage)
-
     def _resolve(self, wait: bool = False) -> None:
         """Add the CUDA times of batches whose copies have completed."""
-        done = []
-        for times in self._pending:
-            if times.resolve(wait):
-                done.append(times)
-        for times in done:
+        for times in [t for t in self._pending if t.resolve(wait)]:
             self._pending.remove(times)
             self.totals["copy"] += times.copy
             self.totals["gpu_transform"] += times.gpu_transform
@@ -138,19 +128,16 @@ def waiting(take: Callable[[], T], cuda: bool) -> T:
     """``take()`` inside a ``torch.profiler.record_function(WAIT_RANGE)`` range while a profiler
     runs (about 30 us a call, so not otherwise), and an NVTX range of that name when ``cuda`` and
     torch has NVTX (Nsight Systems shows it)."""
-    rf = torch.profiler.record_function(WAIT_RANGE) if torch.autograd._profiler_enabled() else None
-    if rf is not None:
-        rf.__enter__()
-    nvtx = cuda and _nvtx()
-    if nvtx:
-        torch.cuda.nvtx.range_push(WAIT_RANGE)
-    try:
-        return take()
-    finally:
+    profiled = torch.autograd._profiler_enabled()
+    with torch.profiler.record_function(WAIT_RANGE) if profiled else contextlib.nullcontext():
+        nvtx = cuda and _nvtx()
         if nvtx:
-            torch.cuda.nvtx.range_pop()
-        if rf is not None:
-            rf.__exit__(None, None, None)
+            torch.cuda.nvtx.range_push(WAIT_RANGE)
+        try:
+            return take()
+        finally:
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
 
 
 @functools.cache
@@ -168,7 +155,7 @@ _END = object()  # what ``next`` gives at the end (a collate_fn may return None 
 
 
 def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Callable[[float], str],
-          stats: Any = None) -> Iterator[T]:
+          stats: Any) -> Iterator[T]:
     """``batches`` as the training loop takes them, timed: each ``next`` is a wait (``waiting``), the
     time between two is a step; both go to ``timings`` and to the batch's call record (its
     progress reports them), with ``verdict(now)``, and each wait, as measured, to ``stats`` (a
@@ -177,18 +164,15 @@ def timed(batches: Iterator[T], timings: LoopTimings, *, cuda: bool, verdict: Ca
     try:
         while True:
             asked = time.perf_counter()
-            if stats is not None:
-                stats.asking(asked)
+            stats.asking(asked)
             step = asked - handed if handed is not None else 0.0
             batch = waiting(lambda: next(batches, _END), cuda)
             if batch is _END:
-                if handed is not None:
-                    timings.finished_step(step)
+                timings.finished_step(step)  # (0 when no batch came)
                 return
             handed = time.perf_counter()
             times, record, samples = take_delivered()
-            if stats is not None:
-                stats.waited(handed - asked, batch, handed, samples)
+            stats.waited(handed - asked, batch, handed, samples)
             wait = timings.add(handed - asked, step, times, record)
             if record is not None:
                 record.loop_waited(wait, step, verdict(handed))

@@ -86,14 +86,13 @@ def apply(request: pb.StreamBatchesRequest, options: Any, info: DatasetInfo) -> 
         request.ClearField(name)
     request.shuffle = False
     strict = options.strict
-    wire = pb.Mix(num_samples=mix.num_samples)
+    request.mix.num_samples = mix.num_samples
     for source in info.sources:
-        pipeline = options.source_pipelines.get(source.name)
-        wire.sources.add(dataset=source.name, weight=mix.sources[source.name], pipeline=pipeline,
-                         expect_num_samples=source.num_samples,
-                         expect_fingerprint=source.fingerprint if strict else "",
-                         expect_build_fingerprint=source.build_fingerprint if strict else "")
-    request.mix.CopyFrom(wire)
+        request.mix.sources.add(dataset=source.name, weight=mix.sources[source.name],
+                                pipeline=options.source_pipelines.get(source.name),
+                                expect_num_samples=source.num_samples,
+                                expect_fingerprint=source.fingerprint if strict else "",
+                                expect_build_fingerprint=source.build_fingerprint if strict else "")
     return request
 
 
@@ -108,13 +107,11 @@ def put_weights(channel: grpc.Channel, address: str, sampler: Any, timeout: floa
     Raises ValueError (the server refused them, its reason), ConnectionError, TimeoutError."""
     raw = np.ascontiguousarray(sampler.weights, "<f8")
 
-    def chunks():
-        for start in range(0, len(raw), CHUNK_WEIGHTS):
-            piece = raw[start : start + CHUNK_WEIGHTS].tobytes()
-            if start == 0:
-                yield pb.WeightsChunk(digest=sampler.digest, num_weights=len(raw), weights=piece)
-            else:
-                yield pb.WeightsChunk(weights=piece)
+    def chunks():  # the first one names the weights
+        first = raw[:CHUNK_WEIGHTS].tobytes()
+        yield pb.WeightsChunk(digest=sampler.digest, num_weights=len(raw), weights=first)
+        for start in range(CHUNK_WEIGHTS, len(raw), CHUNK_WEIGHTS):
+            yield pb.WeightsChunk(weights=raw[start : start + CHUNK_WEIGHTS].tobytes())
     rpc = channel.stream_unary(PUT_WEIGHTS_METHOD, request_serializer=pb.WeightsChunk.SerializeToString,
                                response_deserializer=pb.PutWeightsResponse.FromString)
     try:
