@@ -50,7 +50,6 @@ class RedialingSocket:
         self.where = where
         self._lock = threading.Lock()
         self._closed = False
-        self._confirmed = False  # the server sent a byte: no more dials
         self.dials = 0
         self._sock: Any = self._open(None)
 
@@ -81,14 +80,14 @@ class RedialingSocket:
         with self._lock:
             self._closed = True
             sock = self._sock
-        if sock is not None:
-            sock.close()
+        sock.close()
 
     # --- dials -----------------------------------------------------------------------------------
 
     def _read(self, read: Callable[[Any], Any]) -> Any:
-        """``read(socket)``, on a fresh connection while the server refuses them (module docstring)."""
-        if self._confirmed:
+        """``read(socket)``, on a fresh connection while the server refuses them (module docstring):
+        once it sent a byte (``first_byte``), no more dials."""
+        if self._sock.first_byte:
             return read(self._sock)
         while True:
             sock = self._sock
@@ -99,12 +98,10 @@ class RedialingSocket:
                 raise
             except ConnectionError as e:
                 if sock.first_byte:
-                    self._confirmed = True
                     raise
                 error = e
             else:
                 if result is not None or sock.first_byte:
-                    self._confirmed = True
                     return result
                 clean = True
                 error = errors.ConnectionError(f"{self.where} closed the data connection before its first byte "
@@ -130,9 +127,7 @@ class RedialingSocket:
         """A connection: dialed now (``error`` None) or, after ``error``, again after the backoff
         while dials are left. Raises the error to raise once none is (``unusable``'s, unless the
         call is over or the connection closed), ConnectionAbortedError once closed."""
-        while True:
-            if error is not None and not self._wait():
-                raise error if self._closed or self._ended() else self._unusable(error)
+        while error is None or self._wait():
             if self._closed:
                 raise ConnectionAbortedError("the data connection was closed")
             self.dials += 1
@@ -144,7 +139,8 @@ class RedialingSocket:
             except ConnectionError as e:
                 error = e
                 if time.monotonic() - t0 > self._window:  # it waited out a timeout: not again
-                    raise error if self._closed or self._ended() else self._unusable(error)
+                    break
+        raise error if self._closed or self._ended() else self._unusable(error)
 
     def _wait(self) -> bool:
         """Wait the backoff before the next dial, looking at ``ended`` and ``close``; False when no
