@@ -121,8 +121,8 @@ class BaseSocket:
         try:
             return dataclasses.replace(batch, payload=buffers.tensors(batch, buf, length, pool.give_back))
         except ValueError as e:
-            raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} sent batch "
-                                         f"{batch.batch_index} malformed: {e}") from None
+            raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} sent "
+                                         f"batch {batch.batch_index} malformed: {e}") from None
 
 
 class DataSocket(BaseSocket):
@@ -301,8 +301,7 @@ class DataLink:
                  timeout: float, optional: bool = True, relay: Any = None, max_message: int = datawire.MAX_MESSAGE,
                  lent: bool = False):
         self.address, self.tls, self.pool, self.lent, self.optional = address, tls, pool, lent, optional
-        self.connect_timeout, self.timeout = connect_timeout, timeout
-        self.max_message = min(max_message, datawire.MAX_MESSAGE)
+        self.connect_timeout, self.timeout, self.max_message = connect_timeout, timeout, max_message
         self.relay = relay  # a batchd.client.transport.relay.Relay holds the connections (pool: its RelayBuffers), or None
         self.reachable = True
 
@@ -347,14 +346,17 @@ class DataLink:
                     "port %d to this client, or set transport='inline')", e, self.address, port)
         return redial.FellBack(f"{e}; falling back to batches inside the gRPC messages")
 
-    def receive(self, ds: DataSocket, batch: wire.WireBatch) -> wire.WireBatch:
+    def receive(self, ds: redial.RedialingSocket, batch: wire.WireBatch) -> wire.WireBatch:
         """``batch`` (its call's next message) with its ``payload``: the fields received on ``ds``."""
-        return dataclasses.replace(batch, payload=ds.receive(batch, self.pool))
+        return dataclasses.replace(batch, payload=ds.read(lambda sock: sock.receive(batch, self.pool)))
 
-    def receive_next(self, ds: DataSocket, ended: Callable[[], bool]) -> tuple[wire.WireBatch, int] | None:
+    def receive_next(self, ds: redial.RedialingSocket,
+                     ended: Callable[[], bool]) -> tuple[wire.WireBatch, int] | None:
         """The next batch of a call whose messages come on ``ds`` (``DataSocket.receive_next``; a
         relayed socket never serves a lent call, so only a DataSocket is told ``lent``)."""
-        return ds.receive_next(self.pool, ended=ended, **({"lent": True} if self.lent else {}))
+        if self.lent:
+            return ds.read(lambda sock: sock.receive_next(self.pool, ended=ended, lent=True))
+        return ds.read(lambda sock: sock.receive_next(self.pool, ended=ended))
 
 
 def take(pool: buffers.BufferPool, nbytes: int, address: str, what: str):

@@ -41,7 +41,7 @@ class RedialingSocket:
     the call is over. unusable(error) -> the error to raise once the dials are spent. where: the
     data port, named in errors. window: seconds a failed dial may have taken and still be
     repeated (``WINDOW_S``). Raises (at construction) what the last dial raised, through
-    ``unusable``. ``receive`` / ``receive_next`` run in one thread; ``close`` from any."""
+    ``unusable``. ``read`` runs in one thread; ``close`` from any."""
 
     def __init__(self, dial: Callable[[], Any], ended: Callable[[], bool],
                  unusable: Callable[[ConnectionError], ConnectionError], *, where: str = "the data port",
@@ -53,7 +53,7 @@ class RedialingSocket:
         self.dials = 0
         self._sock: Any = self._open(None)
 
-    # --- DataSocket's interface ------------------------------------------------------------------
+    # --- what a call uses of the connection ---------------------------------------------------------
 
     @property
     def controls(self) -> bool:
@@ -66,15 +66,6 @@ class RedialingSocket:
     def send_control(self, frame: bytes) -> None:
         self._sock.send_control(frame)
 
-    def receive(self, batch: Any, pool: Any, stopping: threading.Event | None = None) -> Any:
-        """As ``DataSocket.receive``; dialed again if refused (module docstring)."""
-        return self._read(lambda sock: sock.receive(batch, pool, stopping))
-
-    def receive_next(self, pool: Any, stopping: threading.Event | None = None,
-                     ended: Callable[[], bool] | None = None, **lent: bool) -> Any:
-        """As ``DataSocket.receive_next``; dialed again if refused (module docstring)."""
-        return self._read(lambda sock: sock.receive_next(pool, stopping, ended, **lent))
-
     def close(self) -> None:
         """Close the connection; no dial follows. Idempotent."""
         with self._lock:
@@ -84,9 +75,10 @@ class RedialingSocket:
 
     # --- dials -----------------------------------------------------------------------------------
 
-    def _read(self, read: Callable[[Any], Any]) -> Any:
-        """``read(socket)``, on a fresh connection while the server refuses them (module docstring):
-        once it sent a byte (``first_byte``), no more dials."""
+    def read(self, read: Callable[[Any], Any]) -> Any:
+        """``read(connection)`` (its ``receive`` or ``receive_next``), on a fresh connection while
+        the server refuses them (module docstring): once it sent a byte (``first_byte``), no more
+        dials."""
         if self._sock.first_byte:
             return read(self._sock)
         while True:
