@@ -163,7 +163,7 @@ class Relay:
         server cannot be reached, the handshake failed, the relay could not be started or died)."""
         spec = {"address": address, "host": host, "port": port, "token": token.hex(), "max_message": max_message,
                 "connect_timeout": connect_timeout, "timeout": timeout,
-                "tls": None if tls is None else dataclasses.asdict(tls)}  # (its files' paths: ``os.fspath`` below)
+                "tls": None if tls is None else dataclasses.asdict(tls)}  # (paths: ``os.fspath`` below)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with self._lock:  # the relay alive and the connection handed to it: one decision
@@ -179,15 +179,14 @@ class Relay:
             raise
         finally:
             theirs.close()
-        sock = RelayedSocket(mine, address, timeout, self, pid, tls is not None, min(max_message, datawire.MAX_MESSAGE))
+        sock = RelayedSocket(mine, address, timeout, self, pid, tls is not None, max_message)
         try:
             reply = sock.wait(None, connect_timeout + 5.0, f"opening a data connection to {address}")
+            if reply[:1] != b"O":
+                raise sock.error(reply)
         except BaseException:
             sock.close()
             raise
-        if reply[:1] != b"O":
-            sock.close()
-            raise sock.error(reply)
         return sock
 
     def close(self) -> None:

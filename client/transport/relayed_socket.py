@@ -151,7 +151,10 @@ class RelayedSocket(dataplane.BaseSocket):
                 send_with_fd(self._sock, request, fd)
                 self._sent.add(buf_id)
         except OSError:
-            raise self._broken(what) from None
+            if self._closed:
+                raise self._closed_error() from None
+            raise _Gone(f"the receive relay (pid {self.pid}) is gone (receiving {what} from "
+                        f"{self.address}); the next connection starts another") from None
 
     def send_control(self, frame: bytes) -> None:
         """Have the relay write control frames, whole, on the data connection (one message on the pair:
@@ -192,9 +195,3 @@ class RelayedSocket(dataplane.BaseSocket):
             if self._closed:
                 raise self._closed_error()
             raise _Gone(f"the receive relay (pid {self.pid}) ended {doing}; the next connection starts another")
-
-    def _broken(self, what: str) -> ConnectionError:
-        if self._closed:
-            return self._closed_error()
-        return _Gone(f"the receive relay (pid {self.pid}) is gone (receiving {what} from {self.address}); the next "
-                     f"connection starts another")

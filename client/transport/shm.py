@@ -221,8 +221,7 @@ class SharedMemorySession:
         all are freed. Raises ValueError naming a field the server sent malformed (the caller then
         releases the lease)."""
         out = fields.views(batch, base)
-        with self._lock:
-            self._outstanding.add(batch.lease)
+        self.hold(batch.lease)
         weakref.finalize(base, self._freed, self.session, batch.lease)
         return out
 
@@ -248,8 +247,7 @@ class SharedMemorySession:
         """Unmap the idle mappings of segments the server unlinked after the last release round
         (called now and then with nothing to send: the server unlinks a segment only once it has
         the release, so the last round's check may come too early)."""
-        if self._host_maps:
-            self._drop_host_maps([])
+        self.forget([])
 
     def end_if_done(self) -> bool:
         """Once closing with nothing outstanding: end the session call (the server returns what is
