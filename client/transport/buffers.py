@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 import weakref
 from typing import Callable
 
@@ -36,11 +35,6 @@ def pageable(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def pinned(nbytes: int) -> torch.Tensor:
-    """A uint8 [nbytes] CPU tensor in page-locked memory (needs CUDA)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
 class PinnedPool:
     """``allocate`` for a ``BufferPool`` feeding CUDA copies: pinned buffers up to ``max_bytes`` in
     all, ordinary ones beyond (a loader may hold dozens of received batches ahead, and page-locked
@@ -50,19 +44,15 @@ class PinnedPool:
     def __init__(self, max_bytes: int = 512 << 20) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0  # pinned so far (buffers are kept by their pool, so this only grows)
-        self.failed = False
-
-    @property
-    def pinned(self) -> bool:
-        """Whether pinning works here (it did not fail): buffers are pinned within ``max_bytes``."""
-        return not self.failed
+        self.pinned = True  # pinning works here (it did not fail): buffers are pinned within ``max_bytes``
 
     def __call__(self, nbytes: int) -> torch.Tensor:
-        if not self.failed and self.bytes + nbytes <= self.max_bytes:
+        """A uint8 [nbytes] CPU tensor, page-locked while pinning works and ``max_bytes`` allows."""
+        if self.pinned and self.bytes + nbytes <= self.max_bytes:
             try:
-                buf = pinned(nbytes)
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             except RuntimeError as e:
-                self.failed = True
+                self.pinned = False
                 log.warning("cannot pin %d bytes for received batches (%s); they go to ordinary memory", nbytes, e)
             else:
                 self.bytes += nbytes
@@ -79,7 +69,7 @@ def capacity_for(nbytes: int) -> int:
 class BufferPool:
     """Reusable uint8 buffers. Thread-safe (the receiver takes; finalizers give back, from any thread).
 
-    allocate(nbytes) -> a contiguous uint8 CPU tensor of nbytes (``pageable`` or ``pinned``).
+    allocate(nbytes) -> a contiguous uint8 CPU tensor of nbytes (``pageable``, ``PinnedPool``...).
     keep: buffers the pool holds at least (free and handed out); it holds as many as were ever
     out at once (``peak``: the loader's lookahead of received batches, which may be dozens), so a
     steady stream allocates nothing: a buffer given back beyond that is dropped, the smallest
@@ -99,8 +89,8 @@ class BufferPool:
 
     @property
     def pinned(self) -> bool:
-        """Whether buffers are page-locked (``pinned``, or a ``PinnedPool`` that could pin)."""
-        return self.allocate is pinned or bool(getattr(self.allocate, "pinned", False))
+        """Whether buffers are page-locked (a ``PinnedPool`` that could pin)."""
+        return bool(getattr(self.allocate, "pinned", False))
 
     @property
     def bytes_free(self) -> int:
@@ -161,13 +151,4 @@ def tensors(batch: wire.WireBatch, buf: torch.Tensor, length: int, give_back: Ca
     # views; a slice of ``buf.numpy()`` would be skipped, its finalizer run while views live)
     base = np.frombuffer(memoryview(buf.numpy()), dtype=np.uint8, count=length)
     weakref.finalize(base, give_back, buf)
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        for t in batch.tensors:
-            end = t.offset + fields.nbytes(t)
-            if end > length:
-                raise ValueError(f"field {t.name!r} ends at byte {end}, beyond the payload's {length}")
-            values = base[t.offset : end].view(fields.numpy_dtype(t.dtype))
-            out[t.name] = fields.field(t, torch.from_numpy(values))
-    return out
+    return fields.views(batch, base)

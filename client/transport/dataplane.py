@@ -58,14 +58,27 @@ def client_tls_context(tls: TLS) -> ssl.SSLContext:
     return ctx
 
 
-class Closable:
-    """What both forms of a data connection (``DataSocket``, ``relayed_socket.RelayedSocket``)
-    share: ``close``. Needs ``_sock``, ``_lock``, ``_closed`` and ``_owner``."""
+class BaseSocket:
+    """What both forms of a call's data connection (``DataSocket``; ``relayed_socket.RelayedSocket``,
+    held by the relay) share: their state, ``close``, and the errors they raise.
 
-    _sock: socket.socket
-    _lock: threading.Lock
-    _closed: bool
-    _owner: int
+    address: the server's gRPC address (named in errors). timeout: seconds without a byte after
+    which a receive fails. max_message: bytes an in-band Batch message may have (the loader's
+    maximum, at most ``datawire.MAX_MESSAGE``). controls: control frames may be written here
+    (plain TCP only: module docstring). first_byte: whether the server sent any byte yet (a
+    connection closed or reset before it was refused: ``batchd.client.transport.redial``).
+    last_received: bytes of the last batch received (header included).
+    """
+
+    def __init__(self, sock: socket.socket, address: str, timeout: float, max_message: int, tls: bool):
+        self._sock, self.address, self.timeout = sock, address, timeout
+        self.max_message = min(max_message, datawire.MAX_MESSAGE)
+        self.controls = not tls
+        self.first_byte = False
+        self.last_received = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._owner = forks.owner()
 
     def close(self) -> None:
         """Close the connection, from any thread (a ``receive`` in another thread fails at once).
@@ -87,30 +100,39 @@ class Closable:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _check_controls(self) -> None:
+        """Raises OSError unless control frames may be written now."""
+        if self._closed or not self.controls:
+            raise OSError("the data connection is closed" if self._closed else "no control frames over TLS")
 
-class DataSocket(Closable):
-    """The client end of one call's data connection. ``receive`` runs in one thread (the call's
-    receiver); ``close`` from any.
+    def _closed_error(self) -> ConnectionAbortedError:
+        return ConnectionAbortedError(f"the data connection to {self.address} was closed")
 
-    address: the server's gRPC address (named in errors). timeout: seconds without a byte after
-    which a receive fails. max_message: bytes an in-band Batch message may have (the loader's
-    maximum, at most ``datawire.MAX_MESSAGE``). first_byte: whether the server sent any byte yet
-    (a connection closed or reset before it was refused: ``batchd.client.transport.redial``).
-    """
+    def _stopped(self, stopping: threading.Event | None) -> ConnectionAbortedError | None:
+        """The error of a read to abandon (``stopping`` set, or the connection closed), or None."""
+        if stopping is not None and stopping.is_set():
+            return ConnectionAbortedError(f"stopped reading from {self.address}")
+        return self._closed_error() if self._closed else None
+
+    def _framed(self, batch: wire.WireBatch, buf, length: int, pool: buffers.BufferPool) -> wire.WireBatch:
+        """``batch``, an in-band frame's, with its fields as views of ``buf``'s first ``length``
+        bytes (``buffers.tensors``). Raises ConnectionError for a malformed field: this connection
+        sent it (the buffer then went back to ``pool``)."""
+        try:
+            return dataclasses.replace(batch, payload=buffers.tensors(batch, buf, length, pool.give_back))
+        except ValueError as e:
+            raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} sent "
+                                         f"batch {batch.batch_index} malformed: {e}") from None
+
+
+class DataSocket(BaseSocket):
+    """The client end of one call's data connection (``BaseSocket``), received in this process.
+    ``receive`` runs in one thread (the call's receiver); ``close`` from any."""
 
     def __init__(self, sock: socket.socket, address: str, timeout: float, max_message: int = datawire.MAX_MESSAGE):
-        self._sock = sock
-        self.address = address
-        self.timeout = timeout
-        self.max_message = min(max_message, datawire.MAX_MESSAGE)
         self.tls = isinstance(sock, ssl.SSLSocket)
-        self.controls = not self.tls  # control frames may be written here (module docstring)
-        self.first_byte = False
-        self.last_received = 0  # bytes of the last batch received (header included)
+        super().__init__(sock, address, timeout, max_message, self.tls)
         self._header = bytearray(datawire.HEADER.size)
-        self._lock = threading.Lock()
-        self._closed = False
-        self._owner = forks.owner()
 
     @classmethod
     def connect(cls, address: str, port: int, token: bytes, *, tls: TLS | None = None,
@@ -158,7 +180,7 @@ class DataSocket(Closable):
                 f"the data connection of the batchd server at {self.address} sent a header for batch {index} of "
                 f"{sent} bytes (magic {bytes(magic)!r}) where batch {batch.batch_index} of {length} bytes "
                 f"(magic {datawire.MAGIC!r}) was due")
-        payload = self._payload(batch, length, pool, stopping)
+        payload = buffers.tensors(batch, self._payload(batch, length, pool, stopping), length, pool.give_back)
         self.last_received = datawire.HEADER.size + length
         return payload
 
@@ -189,36 +211,27 @@ class DataSocket(Closable):
         self._read_into(memoryview(message), stopping)
         batch = framed_batch(bytes(message), index, length, self.address, lent)  # (its tensors end at ``length``)
         if not lent:
-            batch = dataclasses.replace(batch, payload=self._payload(batch, length, pool, stopping, in_band=True))
+            batch = self._framed(batch, self._payload(batch, length, pool, stopping), length, pool)
         self.last_received = datawire.HEADER.size + size + length
         return batch, self.last_received
 
     def _payload(self, batch: wire.WireBatch, length: int, pool: buffers.BufferPool,
-                 stopping: threading.Event | None, in_band: bool = False) -> dict[str, fields.Field]:
-        """``length`` payload bytes read into a buffer of ``pool``: ``batch``'s fields as views of
-        it. ``in_band``: ``batch`` came on this connection, so a malformed field is the
-        connection's error (ConnectionError), as a buffer that cannot be had is."""
+                 stopping: threading.Event | None):
+        """A buffer of ``pool`` with ``batch``'s ``length`` payload bytes read into it (``take``)."""
         buf = take(pool, length, self.address, f"batch {batch.batch_index}")
         try:
             self._read_into(memoryview(buf.numpy())[:length], stopping)
         except BaseException:
             pool.give_back(buf)
             raise
-        try:
-            return buffers.tensors(batch, buf, length, pool.give_back)
-        except ValueError as e:
-            if not in_band:
-                raise
-            raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} sent batch "
-                                         f"{batch.batch_index} malformed: {e}") from None
+        return buf
 
     def send_control(self, frame: bytes) -> None:
         """Write whole control frames (``batchd.datawire.pack_control``); one writer at a time (the
         call's ``Outbox`` holds its lock). Raises OSError (TimeoutError after ``SLICE_S`` seconds
         without room) if it cannot; the connection is then closed (part of a frame may have gone:
         the server must not read on from there), so the call breaks and is resumed."""
-        if self._closed or not self.controls:
-            raise OSError("the data connection is closed" if self._closed else "no control frames over TLS")
+        self._check_controls()
         try:
             self._sock.sendall(frame)
         except OSError:
@@ -235,10 +248,8 @@ class DataSocket(Closable):
             try:
                 n = sockets.recv_into(self._sock, view[got:])  # (TLS: decrypted, or an error)
             except (TimeoutError, BlockingIOError, ssl.SSLWantReadError):
-                if stopping is not None and stopping.is_set():
-                    raise ConnectionAbortedError(f"stopped reading from {self.address}") from None
-                if self._closed:
-                    raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
+                if (stopped := self._stopped(stopping)) is not None:
+                    raise stopped from None
                 limit = self.timeout
                 if ended is not None and not got:
                     if not ended():
@@ -252,12 +263,12 @@ class DataSocket(Closable):
                 continue
             except (OSError, ssl.SSLError) as e:
                 if self._closed:
-                    raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
+                    raise self._closed_error() from None
                 raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} broke: "
                                              f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
             if not n:
                 if self._closed:
-                    raise ConnectionAbortedError(f"the data connection to {self.address} was closed")
+                    raise self._closed_error()
                 if ended is not None and not got:
                     return False  # the server closed it between two batches
                 raise errors.ConnectionError(f"the batchd server at {self.address} closed its data connection "
@@ -290,8 +301,7 @@ class DataLink:
                  timeout: float, optional: bool = True, relay: Any = None, max_message: int = datawire.MAX_MESSAGE,
                  lent: bool = False):
         self.address, self.tls, self.pool, self.lent, self.optional = address, tls, pool, lent, optional
-        self.connect_timeout, self.timeout = connect_timeout, timeout
-        self.max_message = min(max_message, datawire.MAX_MESSAGE)
+        self.connect_timeout, self.timeout, self.max_message = connect_timeout, timeout, max_message
         self.relay = relay  # a batchd.client.transport.relay.Relay holds the connections (pool: its RelayBuffers), or None
         self.reachable = True
 
@@ -336,14 +346,17 @@ class DataLink:
                     "port %d to this client, or set transport='inline')", e, self.address, port)
         return redial.FellBack(f"{e}; falling back to batches inside the gRPC messages")
 
-    def receive(self, ds: DataSocket, batch: wire.WireBatch) -> wire.WireBatch:
+    def receive(self, ds: redial.RedialingSocket, batch: wire.WireBatch) -> wire.WireBatch:
         """``batch`` (its call's next message) with its ``payload``: the fields received on ``ds``."""
-        return dataclasses.replace(batch, payload=ds.receive(batch, self.pool))
+        return dataclasses.replace(batch, payload=ds.read(lambda sock: sock.receive(batch, self.pool)))
 
-    def receive_next(self, ds: DataSocket, ended: Callable[[], bool]) -> tuple[wire.WireBatch, int] | None:
+    def receive_next(self, ds: redial.RedialingSocket,
+                     ended: Callable[[], bool]) -> tuple[wire.WireBatch, int] | None:
         """The next batch of a call whose messages come on ``ds`` (``DataSocket.receive_next``; a
         relayed socket never serves a lent call, so only a DataSocket is told ``lent``)."""
-        return ds.receive_next(self.pool, ended=ended, **({"lent": True} if self.lent else {}))
+        if self.lent:
+            return ds.read(lambda sock: sock.receive_next(self.pool, ended=ended, lent=True))
+        return ds.read(lambda sock: sock.receive_next(self.pool, ended=ended))
 
 
 def take(pool: buffers.BufferPool, nbytes: int, address: str, what: str):

@@ -15,8 +15,10 @@ whatever device they are.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Union
 
@@ -125,6 +127,23 @@ def field(t: wire.WireTensor, values: torch.Tensor) -> Field:
             out.append(part.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise ValueError(f"field {t.name!r}: sample {i} is not UTF-8 ({e.reason} at byte {e.start})") from None
+    return out
+
+
+def views(batch: wire.WireBatch, base: np.ndarray) -> dict[str, Field]:
+    """The batch's fields as views of ``base``, a uint8 array holding its payload (no copy; ragged
+    fields one flat tensor each, str / bytes lists are copies). Raises ValueError naming a field the
+    server sent malformed or ending beyond ``base``."""
+    out = {}
+    read_only = not base.flags.writeable  # (a slot mapped for copies to a GPU, never written: torch warns)
+    with warnings.catch_warnings() if read_only else contextlib.nullcontext():
+        if read_only:
+            warnings.simplefilter("ignore", UserWarning)
+        for t in batch.tensors:
+            end = t.offset + nbytes(t)
+            if end > len(base):
+                raise ValueError(f"field {t.name!r} ends at byte {end}, beyond the payload's {len(base)}")
+            out[t.name] = field(t, torch.from_numpy(base[t.offset : end].view(numpy_dtype(t.dtype))))
     return out
 
 

@@ -41,7 +41,7 @@ class RedialingSocket:
     the call is over. unusable(error) -> the error to raise once the dials are spent. where: the
     data port, named in errors. window: seconds a failed dial may have taken and still be
     repeated (``WINDOW_S``). Raises (at construction) what the last dial raised, through
-    ``unusable``. ``receive`` / ``receive_next`` run in one thread; ``close`` from any."""
+    ``unusable``. ``read`` runs in one thread; ``close`` from any."""
 
     def __init__(self, dial: Callable[[], Any], ended: Callable[[], bool],
                  unusable: Callable[[ConnectionError], ConnectionError], *, where: str = "the data port",
@@ -50,11 +50,10 @@ class RedialingSocket:
         self.where = where
         self._lock = threading.Lock()
         self._closed = False
-        self._confirmed = False  # the server sent a byte: no more dials
         self.dials = 0
         self._sock: Any = self._open(None)
 
-    # --- DataSocket's interface ------------------------------------------------------------------
+    # --- what a call uses of the connection ---------------------------------------------------------
 
     @property
     def controls(self) -> bool:
@@ -67,28 +66,20 @@ class RedialingSocket:
     def send_control(self, frame: bytes) -> None:
         self._sock.send_control(frame)
 
-    def receive(self, batch: Any, pool: Any, stopping: threading.Event | None = None) -> Any:
-        """As ``DataSocket.receive``; dialed again if refused (module docstring)."""
-        return self._read(lambda sock: sock.receive(batch, pool, stopping))
-
-    def receive_next(self, pool: Any, stopping: threading.Event | None = None,
-                     ended: Callable[[], bool] | None = None, **lent: bool) -> Any:
-        """As ``DataSocket.receive_next``; dialed again if refused (module docstring)."""
-        return self._read(lambda sock: sock.receive_next(pool, stopping, ended, **lent))
-
     def close(self) -> None:
         """Close the connection; no dial follows. Idempotent."""
         with self._lock:
             self._closed = True
             sock = self._sock
-        if sock is not None:
-            sock.close()
+        sock.close()
 
     # --- dials -----------------------------------------------------------------------------------
 
-    def _read(self, read: Callable[[Any], Any]) -> Any:
-        """``read(socket)``, on a fresh connection while the server refuses them (module docstring)."""
-        if self._confirmed:
+    def read(self, read: Callable[[Any], Any]) -> Any:
+        """``read(connection)`` (its ``receive`` or ``receive_next``), on a fresh connection while
+        the server refuses them (module docstring): once it sent a byte (``first_byte``), no more
+        dials."""
+        if self._sock.first_byte:
             return read(self._sock)
         while True:
             sock = self._sock
@@ -99,12 +90,10 @@ class RedialingSocket:
                 raise
             except ConnectionError as e:
                 if sock.first_byte:
-                    self._confirmed = True
                     raise
                 error = e
             else:
                 if result is not None or sock.first_byte:
-                    self._confirmed = True
                     return result
                 clean = True
                 error = errors.ConnectionError(f"{self.where} closed the data connection before its first byte "
@@ -130,9 +119,7 @@ class RedialingSocket:
         """A connection: dialed now (``error`` None) or, after ``error``, again after the backoff
         while dials are left. Raises the error to raise once none is (``unusable``'s, unless the
         call is over or the connection closed), ConnectionAbortedError once closed."""
-        while True:
-            if error is not None and not self._wait():
-                raise error if self._closed or self._ended() else self._unusable(error)
+        while error is None or self._wait():
             if self._closed:
                 raise ConnectionAbortedError("the data connection was closed")
             self.dials += 1
@@ -144,7 +131,8 @@ class RedialingSocket:
             except ConnectionError as e:
                 error = e
                 if time.monotonic() - t0 > self._window:  # it waited out a timeout: not again
-                    raise error if self._closed or self._ended() else self._unusable(error)
+                    break
+        raise error if self._closed or self._ended() else self._unusable(error)
 
     def _wait(self) -> bool:
         """Wait the backoff before the next dial, looking at ``ended`` and ``close``; False when no

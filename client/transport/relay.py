@@ -25,6 +25,7 @@ counts).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import json
 import logging
@@ -44,7 +45,8 @@ import torch
 from batchd import datawire, errors
 from batchd.client import forks
 from batchd.client.transport.channel import TLS
-from batchd.client.transport.relayed_socket import SLICE_S, RelayedSocket, send_with_fd
+from batchd.client.transport.dataplane import SLICE_S
+from batchd.client.transport.relayed_socket import RelayedSocket, send_with_fd
 
 log = logging.getLogger("batchd.client.loader")
 CHILD = pathlib.Path(__file__).with_name("relay_child.py")
@@ -130,7 +132,7 @@ class Relay:
 
     def _start(self) -> socket.socket:
         """(under _lock) The control socket of a running relay: this one, or a new one."""
-        if self._proc is not None and self._proc.poll() is None and self._control is not None:
+        if self.alive():
             return self._control
         if self._proc is not None:
             log.warning("the receive relay (pid %d) exited with code %s; starting another", self._proc.pid,
@@ -160,16 +162,15 @@ class Relay:
         in-band Batch messages of at most ``max_message`` bytes. Raises ConnectionError (the
         server cannot be reached, the handshake failed, the relay could not be started or died)."""
         spec = {"address": address, "host": host, "port": port, "token": token.hex(), "max_message": max_message,
-                "connect_timeout": connect_timeout, "timeout": timeout, "tls": None if tls is None else {
-                    "ca": None if tls.ca is None else str(tls.ca), "cert": None if tls.cert is None else str(tls.cert),
-                    "key": None if tls.key is None else str(tls.key), "server_name": tls.server_name}}
+                "connect_timeout": connect_timeout, "timeout": timeout,
+                "tls": None if tls is None else dataclasses.asdict(tls)}  # (paths: ``os.fspath`` below)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with self._lock:  # the relay alive and the connection handed to it: one decision
                 control = self._start()
                 pid = self._proc.pid
                 try:
-                    send_with_fd(control, json.dumps(spec).encode(), theirs.fileno())
+                    send_with_fd(control, json.dumps(spec, default=os.fspath).encode(), theirs.fileno())
                 except OSError:
                     raise errors.ConnectionError(f"the receive relay (pid {pid}) is gone; opening a data connection to "
                                                  f"{address} again starts another") from None
@@ -178,15 +179,14 @@ class Relay:
             raise
         finally:
             theirs.close()
-        sock = RelayedSocket(mine, address, timeout, self, pid, tls is not None, min(max_message, datawire.MAX_MESSAGE))
+        sock = RelayedSocket(mine, address, timeout, self, pid, tls is not None, max_message)
         try:
             reply = sock.wait(None, connect_timeout + 5.0, f"opening a data connection to {address}")
+            if reply[:1] != b"O":
+                raise sock.error(reply)
         except BaseException:
             sock.close()
             raise
-        if reply[:1] != b"O":
-            sock.close()
-            raise sock.error(reply)
         return sock
 
     def close(self) -> None:

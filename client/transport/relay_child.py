@@ -69,16 +69,17 @@ class Failed(Exception):
 class Connection:
     """One data connection and its pair to the trainer (one thread)."""
 
-    def __init__(self, pair: socket.socket, spec: dict, header: struct.Struct, magic: bytes, slice_s: float,
-                 frame_magic: bytes, max_message: int):
-        self.pair, self.spec, self.header, self.magic, self.slice_s = pair, spec, header, magic, slice_s
-        self.frame_magic = frame_magic  # an in-band frame's header (N), and its message's longest (the loader's)
-        self.max_message = min(max_message, spec.get("max_message", max_message))
+    def __init__(self, pair: socket.socket, spec: dict, relay: dict):  # (``OPEN``'s spec, the process's)
+        self.pair, self.spec, self.slice_s = pair, spec, relay["slice_s"]
+        self.header, self.magic = struct.Struct(relay["header"]), relay["magic"].encode("latin-1")
+        # an in-band frame's header (N), and its message's longest (the loader's)
+        self.frame_magic = relay["message_magic"].encode("latin-1")
+        self.max_message = min(relay["max_message"], spec.get("max_message", relay["max_message"]))
         self.where = f"the data port {spec['port']} of the batchd server at {spec['address']}"
         self.sock: socket.socket | None = None
         self.received = 0  # bytes read from the data connection (none: an error is a refusal, ``X``)
         self.maps: dict[int, mmap.mmap] = {}
-        self.head = bytearray(header.size)
+        self.head = bytearray(self.header.size)
         self.pending: tuple[int, int, int, bytearray] | None = None  # a frame read up to its payload (N, S)
 
     def run(self) -> None:
@@ -88,7 +89,7 @@ class Connection:
             except Failed as e:
                 self._fail(e)
                 return
-            self._send(b"O")
+            self.pair.send(b"O")
             while True:
                 msg, fds, _, _ = self.pair.recvmsg(MAX_MESSAGE, socket.CMSG_LEN(4))
                 got = _fds(fds)
@@ -129,7 +130,7 @@ class Connection:
                 finally:
                     for fd in got:
                         os.close(fd)
-                self._send(DONE.pack(b"D", length))
+                self.pair.send(DONE.pack(b"D", length))
         except OSError:
             return  # the pair broke: the trainer is gone
         finally:
@@ -150,7 +151,7 @@ class Connection:
             if self.pending is not None:
                 raise Failed("a READ of the next frame before the last one's payload")
             if not self._read(memoryview(self.head), idle=True):
-                self._send(b"F")
+                self.pair.send(b"F")
                 return False
             magic, mlen, index, length = self.header.unpack(self.head)
             if magic != self.frame_magic or mlen > self.max_message:
@@ -167,15 +168,15 @@ class Connection:
                 raise Failed(f"a buffer of {size} bytes for a frame of {length + mlen}")
             # the message first: the trainer checks it (and the payload length against its tensors)
             # before it takes a buffer of the header's length
-            self._send(FRAME.pack(b"S", mlen, index, length))
+            self.pair.send(FRAME.pack(b"S", mlen, index, length))
             for at in range(0, mlen, MESSAGE_CHUNK):
-                self._send(b"m" + bytes(message[at:at + MESSAGE_CHUNK]))
+                self.pair.send(b"m" + bytes(message[at:at + MESSAGE_CHUNK]))
             return True
         with memoryview(self.maps[buf_id]) as whole:  # (released: the mapping can close)
             self._read(whole[:length])
             whole[length:length + mlen] = message
         self.pending = None
-        self._send(FRAME.pack(b"M", mlen, index, length))
+        self.pair.send(FRAME.pack(b"M", mlen, index, length))
         return True
 
     def _connect(self) -> socket.socket:
@@ -241,13 +242,10 @@ class Connection:
         except (OSError, ssl.SSLError) as e:
             raise Failed(f"the data connection to {self.where} broke (sending a grant): {e}") from None
 
-    def _send(self, data: bytes) -> None:
-        self.pair.send(data)
-
     def _fail(self, e: Failed) -> None:
         """Answer a connection's error: ``X`` before the server sent any byte (it refused the
         connection: the trainer may dial again), ``E`` after."""
-        self._send((b"E" if self.received else b"X") + str(e).encode())
+        self.pair.send((b"E" if self.received else b"X") + str(e).encode())
 
 
 def _fds(ancillary) -> list[int]:
@@ -260,7 +258,6 @@ def _fds(ancillary) -> list[int]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
-    header, magic, slice_s = struct.Struct(spec["header"]), spec["magic"].encode("latin-1"), spec["slice_s"]
     control = socket.socket(fileno=spec["control_fd"])
     while True:
         try:
@@ -272,8 +269,7 @@ def main(argv: list[str]) -> int:
             return 0  # the trainer closed the relay, or died
         if not got:
             continue
-        conn = Connection(socket.socket(fileno=got[0]), json.loads(msg), header, magic, slice_s,
-                          spec["message_magic"].encode("latin-1"), spec["max_message"])
+        conn = Connection(socket.socket(fileno=got[0]), json.loads(msg), spec)
         threading.Thread(target=conn.run, name="relay-connection", daemon=True).start()
 
 

@@ -14,23 +14,17 @@ buffer, which the relay may still be writing: it is never reused.
 from __future__ import annotations
 
 import array
-import dataclasses
 import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
 from batchd import datawire, errors, wire
-from batchd.client import forks
-from batchd.client.transport import buffers
-from batchd.client.transport import dataplane
-from batchd.client.transport import fields
+from batchd.client.transport import buffers, dataplane, fields
 from batchd.client.transport.relay_child import DONE, FRAME, MAX_MESSAGE, REQUEST
 
 if TYPE_CHECKING:
     from batchd.client.transport.relay import Relay
-
-SLICE_S = 0.25  # a blocked wait looks at ``stopping`` and at the relay this often
 
 
 class _Gone(errors.ConnectionError):
@@ -42,24 +36,18 @@ def send_with_fd(sock: socket.socket, data: bytes, fd: int) -> None:
     sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
 
 
-class RelayedSocket(dataplane.Closable):
-    """One data connection held by the relay, with ``DataSocket``'s interface: ``receive`` runs
-    in one thread (the call's receiver), ``close`` from any (closing the pair: the relay then
-    closes the server's connection)."""
+class RelayedSocket(dataplane.BaseSocket):
+    """One data connection held by the relay (``dataplane.BaseSocket``), with ``DataSocket``'s
+    interface: ``receive`` runs in one thread (the call's receiver), ``close`` from any (closing the
+    pair: the relay then closes the server's connection)."""
 
     def __init__(self, pair: socket.socket, address: str, timeout: float, relay: Relay, pid: int, tls: bool,
                  max_message: int = datawire.MAX_MESSAGE):
-        pair.settimeout(SLICE_S)
-        self._sock, self.address, self.timeout, self._relay, self.pid = pair, address, timeout, relay, pid
-        self.controls = not tls  # (as DataSocket's: control frames on plain TCP only)
-        self.max_message = max_message
-        self.first_byte = False  # the server sent a byte (the relay's answers say: ``X`` before one)
-        self.last_received = 0
+        pair.settimeout(dataplane.SLICE_S)  # a blocked wait looks at ``stopping`` and at the relay this often
+        super().__init__(pair, address, timeout, max_message, tls)
+        self._relay, self.pid = relay, pid
         self._sent: set[int] = set()  # buffer ids whose fd the relay has for this connection
         self._frame_bytes = 0  # the last in-band frame's payload and message: the next one's buffer
-        self._lock = threading.Lock()
-        self._closed = False
-        self._owner = forks.owner()
 
     def receive(self, batch: wire.WireBatch, pool: buffers.BufferPool,
                 stopping: threading.Event | None = None) -> dict[str, fields.Field]:
@@ -69,16 +57,9 @@ class RelayedSocket(dataplane.Closable):
         buffer that cannot be had), ConnectionAbortedError once ``stopping`` is set or the socket
         closed, ValueError for a malformed tensor."""
         length = buffers.payload_length(batch)
-        buf = dataplane.take(pool, length, self.address, f"batch {batch.batch_index}")
-        try:
-            self._request(b"R", buf, batch.batch_index, length, f"batch {batch.batch_index}")
-            reply = self.wait(stopping, None, f"receiving batch {batch.batch_index} from {self.address}")
-        except _Gone:
-            pool.give_back(buf)  # the relay is finished with it
-            raise
-        except BaseException:
-            pool.discard(buf)  # the relay may still write it: never reused
-            raise
+        what = f"batch {batch.batch_index}"
+        buf = dataplane.take(pool, length, self.address, what)
+        reply = self._exchange(b"R", buf, pool, batch.batch_index, length, what, stopping)
         if reply[:1] != b"D":
             pool.give_back(buf)  # the relay sent its error and wrote no more
             raise self.error(reply)
@@ -93,28 +74,16 @@ class RelayedSocket(dataplane.Closable):
         last frame (``N``). The message of a frame that does not fit (``S``) is checked
         (``_message``, ``dataplane.framed_batch``) before a larger buffer is taken (``P``). Raises
         as ``receive`` (ConnectionError for a malformed frame too)."""
-        doing = f"receiving the next batch from {self.address}"
         buf = dataplane.take(pool, self._frame_bytes, self.address, "the next batch")
-        try:
-            self._request(b"N", buf, 0, 0, "the next batch")
-            reply = self.wait(stopping, None, doing, ended)
-            if reply[:1] == b"S":
-                _, mlen, index, length = FRAME.unpack(reply)
-                self.first_byte = True
-                pool.give_back(buf)  # (not written: the relay keeps the frame's message until P)
-                buf = None
-                dataplane.framed_batch(self._message(mlen, stopping, doing), index, length, self.address)
-                buf = dataplane.take(pool, length + mlen, self.address, f"batch {index}")
-                self._request(b"P", buf, 0, 0, "the next batch")
-                reply = self.wait(stopping, None, doing)
-        except _Gone:
-            if buf is not None:
-                pool.give_back(buf)
-            raise
-        except BaseException:
-            if buf is not None:
-                pool.discard(buf)
-            raise
+        reply = self._exchange(b"N", buf, pool, 0, 0, "the next batch", stopping, ended)
+        if reply[:1] == b"S":
+            pool.give_back(buf)  # (not written: the relay keeps the frame's message until P)
+            _, mlen, index, length = FRAME.unpack(reply)
+            self.first_byte = True
+            message = self._message(mlen, stopping, f"receiving the next batch from {self.address}")
+            dataplane.framed_batch(message, index, length, self.address)
+            buf = dataplane.take(pool, length + mlen, self.address, f"batch {index}")
+            reply = self._exchange(b"P", buf, pool, 0, 0, "the next batch", stopping)
         if reply[:1] != b"M":
             pool.give_back(buf)
             if reply[:1] == b"F":
@@ -129,12 +98,22 @@ class RelayedSocket(dataplane.Closable):
             raise
         self._frame_bytes = length + mlen
         self.last_received = datawire.HEADER.size + mlen + length
+        return self._framed(batch, buf, length, pool), self.last_received
+
+    def _exchange(self, op: bytes, buf, pool: buffers.BufferPool, index: int, length: int, what: str,
+                  stopping: threading.Event | None, ended: Callable[[], bool] | None = None) -> bytes:
+        """The relay's answer to op ``op`` into ``buf`` (``_request``, ``wait``). If none comes,
+        ``buf`` goes back to ``pool`` when the relay is gone (it writes no more), else it is
+        discarded: the relay may still write it, so it is never reused."""
         try:
-            payload = buffers.tensors(batch, buf, length, pool.give_back)
-        except ValueError as e:  # (the buffer went back: ``tensors`` gives it back on error)
-            raise errors.ConnectionError(f"the data connection of the batchd server at {self.address} sent batch "
-                                         f"{index} malformed: {e}") from None
-        return dataclasses.replace(batch, payload=payload), self.last_received
+            self._request(op, buf, index, length, what)
+            return self.wait(stopping, None, f"receiving {what} from {self.address}", ended)
+        except _Gone:
+            pool.give_back(buf)
+            raise
+        except BaseException:
+            pool.discard(buf)
+            raise
 
     def _message(self, mlen: int, stopping: threading.Event | None, doing: str) -> bytes:
         """The ``mlen`` bytes of a frame's Batch message, as the relay sends them after ``S``."""
@@ -172,14 +151,16 @@ class RelayedSocket(dataplane.Closable):
                 send_with_fd(self._sock, request, fd)
                 self._sent.add(buf_id)
         except OSError:
-            raise self._broken(what) from None
+            if self._closed:
+                raise self._closed_error() from None
+            raise _Gone(f"the receive relay (pid {self.pid}) is gone (receiving {what} from "
+                        f"{self.address}); the next connection starts another") from None
 
     def send_control(self, frame: bytes) -> None:
         """Have the relay write control frames, whole, on the data connection (one message on the pair:
         atomic beside a ``receive`` in another thread). Raises OSError if it cannot, ValueError
         for a frame longer than the relay reads (the caller sends that one on the call)."""
-        if self._closed or not self.controls:
-            raise OSError("the data connection is closed" if self._closed else "no control frames over TLS")
+        self._check_controls()
         if len(frame) + 1 > MAX_MESSAGE:
             raise ValueError(f"a control frame of {len(frame)} bytes: longer than the relay reads ({MAX_MESSAGE})")
         self._sock.send(b"C" + frame)
@@ -199,11 +180,9 @@ class RelayedSocket(dataplane.Closable):
             except TimeoutError:
                 if ended is not None and not ended():
                     deadline = time.monotonic() + dataplane.ENDED_GRACE_S
-                if stopping is not None and stopping.is_set():
-                    self.close()
-                    raise ConnectionAbortedError(f"stopped reading from {self.address}") from None
-                if self._closed:
-                    raise ConnectionAbortedError(f"the data connection to {self.address} was closed") from None
+                if (stopped := self._stopped(stopping)) is not None:
+                    self.close()  # (the relay then stops reading)
+                    raise stopped from None
                 if time.monotonic() > deadline:
                     self.close()
                     raise errors.ConnectionError(f"the receive relay (pid {self.pid}) did not answer in time "
@@ -214,11 +193,5 @@ class RelayedSocket(dataplane.Closable):
             if data:
                 return data
             if self._closed:
-                raise ConnectionAbortedError(f"the data connection to {self.address} was closed")
+                raise self._closed_error()
             raise _Gone(f"the receive relay (pid {self.pid}) ended {doing}; the next connection starts another")
-
-    def _broken(self, what: str) -> ConnectionError:
-        if self._closed:
-            return ConnectionAbortedError(f"the data connection to {self.address} was closed")
-        return _Gone(f"the receive relay (pid {self.pid}) is gone (receiving {what} from {self.address}); the next "
-                     f"connection starts another")

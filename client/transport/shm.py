@@ -28,7 +28,6 @@ never see its slot reused.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
@@ -36,14 +35,12 @@ import pathlib
 import tempfile
 import threading
 import uuid
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
 import numpy as np
-import torch
 
 from batchd import errors, wire
 from batchd.client.transport import fields
@@ -83,16 +80,15 @@ def map_private(name: str, length: int) -> mmap.mmap:
 class HostMapping:
     """One segment mapped shared and read-only for copies to a GPU (``SharedMemorySession.host_tensors``).
 
-    file: the mapped file's (st_dev, st_ino), to see it unlinked or replaced. registered: passed
-    to CUDA (``register``); unregister: how to undo that (None: it cannot be undone here, so the
-    mapping stays until the session ends). leases: the batches whose tensors may still use it.
+    file: the mapped file's (st_dev, st_ino), to see it unlinked or replaced. unregister: how to
+    undo its registration with CUDA (``register``; None: not registered). leases: the batches whose
+    tensors may still use it.
     """
 
     mm: mmap.mmap
     address: int
     size: int
     file: tuple[int, int]
-    registered: bool = False
     unregister: Callable[[int], None] | None = None
     leases: set[int] = field(default_factory=set)
 
@@ -109,8 +105,8 @@ class HostMapping:
         return cls(mm, np.frombuffer(mm, dtype=np.uint8).ctypes.data, len(mm), (st.st_dev, st.st_ino))
 
     def droppable(self, name: str) -> bool:
-        """No batch uses it, it can be unregistered, and segment ``name`` is no longer this file."""
-        if self.leases or (self.registered and self.unregister is None):
+        """No batch uses it, and segment ``name`` is no longer this file."""
+        if self.leases:
             return False
         try:
             st = os.stat(_segment_path(name))
@@ -120,7 +116,7 @@ class HostMapping:
 
     def close(self) -> None:
         """Unregister (no copy reads it any more), then unmap."""
-        if self.registered and self.unregister is not None:
+        if self.unregister is not None:
             self.unregister(self.address)
         try:
             self.mm.close()
@@ -198,48 +194,34 @@ class SharedMemorySession:
             entry = self._host_maps.get(batch.segment)
             if entry is None:
                 entry = HostMapping.open(batch.segment)
-                entry.registered = bool(register(entry.address, entry.size))
-                entry.unregister = unregister if entry.registered else None
+                if register(entry.address, entry.size):
+                    entry.unregister = unregister
                 self._host_maps[batch.segment] = entry
             entry.leases.add(batch.lease)
             self._host_leases[batch.lease] = batch.segment
-        return self._wrap(np.frombuffer(entry.mm, dtype=np.uint8, count=payload_length(batch)), batch), entry.registered
+        base = np.frombuffer(entry.mm, dtype=np.uint8, count=payload_length(batch))
+        return self._wrap(base, batch), entry.unregister is not None
 
-    def _drop_host_maps(self, leases: list[int]) -> None:
+    def _drop_host_maps(self, leases: list[int], every: bool = False) -> None:
         """The batches of ``leases`` are gone (their releases sent): unmap the mappings that no
-        batch uses whose segment the server has unlinked (unregistered first)."""
+        batch uses whose segment the server has unlinked (unregistered first); ``every``: the
+        session ended with nothing outstanding, so no copy reads any of them any more."""
         with self._maps_lock:
-            for lease in leases:
+            for lease in list(self._host_leases) if every else leases:
                 segment = self._host_leases.pop(lease, None)
                 if segment is not None:
                     self._host_maps[segment].leases.discard(lease)
-            dropped = [self._host_maps.pop(name) for name, m in list(self._host_maps.items()) if m.droppable(name)]
+            dropped = [self._host_maps.pop(name) for name, m in list(self._host_maps.items())
+                       if every or m.droppable(name)]
         for m in dropped:
             m.close()
 
-    def _unmap_host(self) -> None:
-        """Session ended, nothing outstanding: no copy reads these mappings any more."""
-        with self._maps_lock:
-            maps = list(self._host_maps.values())
-            self._host_maps.clear()
-            self._host_leases.clear()
-        for m in maps:
-            m.close()
-
     def _wrap(self, base: np.ndarray, batch: wire.WireBatch) -> dict[str, fields.Field]:
-        """The batch's fields as views of ``base`` (stacked tensors, ``Ragged`` flat values; str and
-        bytes are copies), holding the batch's lease until all are freed. Raises ValueError naming a
-        field the server sent malformed (the caller then releases the lease)."""
-        out = {}
-        quiet = warnings.catch_warnings() if not base.flags.writeable else contextlib.nullcontext()
-        with quiet:  # a read-only base (host_tensors) is never written: see there
-            if not base.flags.writeable:
-                warnings.simplefilter("ignore", UserWarning)
-            for t in batch.tensors:
-                values = base[t.offset : t.offset + fields.nbytes(t)].view(fields.numpy_dtype(t.dtype))
-                out[t.name] = fields.field(t, torch.from_numpy(values))
-        with self._lock:
-            self._outstanding.add(batch.lease)
+        """The batch's fields as views of ``base`` (``fields.views``), holding the batch's lease until
+        all are freed. Raises ValueError naming a field the server sent malformed (the caller then
+        releases the lease)."""
+        out = fields.views(batch, base)
+        self.hold(batch.lease)
         weakref.finalize(base, self._freed, self.session, batch.lease)
         return out
 
@@ -265,8 +247,7 @@ class SharedMemorySession:
         """Unmap the idle mappings of segments the server unlinked after the last release round
         (called now and then with nothing to send: the server unlinks a segment only once it has
         the release, so the last round's check may come too early)."""
-        if self._host_maps:
-            self._drop_host_maps([])
+        self.forget([])
 
     def end_if_done(self) -> bool:
         """Once closing with nothing outstanding: end the session call (the server returns what is
@@ -279,7 +260,7 @@ class SharedMemorySession:
             self._call.cancel()
         except ValueError:  # the channel is closed already: so is the call
             pass
-        self._unmap_host()
+        self._drop_host_maps([], every=True)
         return True
 
     @property
