@@ -243,13 +243,18 @@ def wait_for_server(channel: grpc.Channel, timeout: float, address: str = "") ->
     return True
 
 
-def translate(e: grpc.RpcError, address: str) -> Exception:
-    """The batchd or builtin exception for a failed call (see loader.proto for the codes)."""
-    code, details = e.code(), e.details() or ""
+def error_detail(e: grpc.RpcError) -> pb.ErrorDetail:
+    """The ``ErrorDetail`` a failed call's trailing metadata carries (``batchd-error-bin``; empty if none)."""
     detail = pb.ErrorDetail()
     for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
         if key == ERROR_DETAIL_KEY:
             detail.ParseFromString(value)
+    return detail
+
+
+def translate(e: grpc.RpcError, address: str) -> Exception:
+    """The batchd or builtin exception for a failed call (see loader.proto for the codes)."""
+    code, details, detail = e.code(), e.details() or "", error_detail(e)
     if code == grpc.StatusCode.NOT_FOUND:
         return DatasetNotFoundError(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

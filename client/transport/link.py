@@ -293,8 +293,7 @@ class ServerLink:
         watchdog.daemon = True
         watchdog.start()
         try:
-            server_id = call.server_id()
-            self.workers, self.max_leases = call.capacity()
+            server_id, self.workers, self.max_leases = call.server()
         finally:
             watchdog.cancel()
         conn.check_server(server_id, self.options.connect_timeout)
