@@ -63,7 +63,8 @@ class ServerConnection:
         self._owner = forks.owner()  # a forked child neither uses nor closes this channel (batchd.client.forks)
         forks.keep(self)
         self._finalizer = weakref.finalize(self, forks.in_owner(self._owner, self._channel.close))
-        self._shm: SharedMemorySession | None = None
+        # the shared-memory session opened so far (None: none, or the transport is not shared memory)
+        self.shm: SharedMemorySession | None = None
         self._shm_tried = False
         self._release_rpc = self._channel.unary_unary(
             "/batchd.v1.BatchLoader/ReleaseLeases", request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
@@ -102,11 +103,6 @@ class ServerConnection:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    @property
-    def shm(self) -> SharedMemorySession | None:
-        """The shared-memory session opened so far (None: none, or the transport is not shared memory)."""
-        return self._shm
-
     def shared_memory(self) -> SharedMemorySession | None:
         """The shared-memory session, opened on first use; None when batches travel otherwise.
 
@@ -114,13 +110,11 @@ class ServerConnection:
         here, ConnectionError if the server cannot be reached (then nothing is decided).
         """
         if self.options.transport in ("inline", "socket") or self._shm_tried:
-            return self._shm
-        try:
-            self._shm = SharedMemorySession.open(self._channel, self.address, self.options.connect_timeout,
-                                                 self.freed)
+            return self.shm
+        try:  # (a ConnectionError: unreachable now, asked again on the next call)
+            self.shm = SharedMemorySession.open(self._channel, self.address, self.options.connect_timeout,
+                                                self.freed)
             self._shm_tried = True
-        except ConnectionError:
-            raise  # (unreachable now: asked again on the next call)
         except SharedMemoryUnavailable as e:
             self._shm_tried = True
             if self.options.transport == "shm":
@@ -129,7 +123,7 @@ class ServerConnection:
                 self._warned.add(("no-shm", self.address))
                 log.warning("shared memory with %s is unavailable (%s); batches travel over the network: on the "
                             "server's data plane where it has one, else in gRPC messages", self.address, e)
-        return self._shm
+        return self.shm
 
     def wants_socket(self) -> bool:
         """Whether calls ask for the socket data plane: ``transport="socket"``, or ``"auto"`` without
@@ -146,9 +140,9 @@ class ServerConnection:
         sampler's weights are sent again before the next call (the server may have restarted, or
         dropped them: ``WeightsNotHeld``)."""
         self.weights_sent = False
-        if self._shm is not None:
-            self._shm.close()
-        self._shm, self._shm_tried = None, False
+        if self.shm is not None:
+            self.shm.close()
+        self.shm, self._shm_tried = None, False
 
     def request(self, epoch: int, *, start_position: int = 0, transport: int | None = None,
                 tag: str = "") -> pb.StreamBatchesRequest:
@@ -160,14 +154,14 @@ class ServerConnection:
         leases it sends under it; a broken call is reported by it). A call's first ``open``
         (``transport`` None) sends a weighted sampler's weights first unless ``weights_sent``."""
         o, info = self.options, self.info
-        if transport is None and orders.needs_upload(o) and not self.weights_sent:
-            orders.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
-            self.weights_sent = True
         if transport is None:
+            if orders.needs_upload(o) and not self.weights_sent:
+                orders.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
+                self.weights_sent = True
             shm = self.shared_memory()
             transport = (pb.TRANSPORT_SHARED_MEMORY if shm is not None else
                          pb.TRANSPORT_SOCKET if self.wants_socket() else pb.TRANSPORT_INLINE)
-        shm = self._shm if transport == pb.TRANSPORT_SHARED_MEMORY else None
+        shm = self.shm if transport == pb.TRANSPORT_SHARED_MEMORY else None
         return orders.apply(pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
             seed=o.seed, epoch=epoch, drop_last=o.drop_last, rank=o.rank, world_size=o.world_size,
@@ -187,12 +181,11 @@ class ServerConnection:
         """The Batches call for ``request`` (its first ``open``; nothing granted yet: ``call.outbox``).
         The session's freed leases ride on it (``take_releases``; ``pending``: whether any is
         queued). Raises ConnectionError and the errors of ``batches_error``."""
-        shm = self._shm if request.session else None
-        outbox = Outbox(request, progress=progress, take_releases=take_releases if shm is not None else None,
-                        pending=pending if shm is not None else None,
-                        sent=shm.forget if shm is not None else None,
-                        unsent=(lambda leases: [self.freed(shm.session, lease) for lease in leases])
-                        if shm is not None else None)
+        shm = self.shm if request.session else None
+        releases = {} if shm is None else dict(
+            take_releases=take_releases, pending=pending, sent=shm.forget,
+            unsent=lambda leases: [self.freed(shm.session, lease) for lease in leases])
+        outbox = Outbox(request, progress=progress, **releases)
         data = (self.data if request.transport == pb.TRANSPORT_SOCKET else
                 self.lent_messages if request.data_messages else None)
         return BatchesCall(self._channel, self.address, outbox, data=data)
@@ -210,15 +203,15 @@ class ServerConnection:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, grpc.RpcError) and e.code() in _TRANSIENT),
             wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
-            stop=tenacity.stop_after_delay(_RELEASE_RETRY_S) | (lambda state: self._shm is None or self._shm.gone),
+            stop=tenacity.stop_after_delay(_RELEASE_RETRY_S) | (lambda state: self.shm is None or self.shm.gone),
             reraise=True)
         try:
             retrying(self._release_rpc, request, timeout=_RELEASE_TIMEOUT_S)
         except (grpc.RpcError, ValueError) as e:  # (ValueError: the channel is closed)
             log.debug("could not release %d leases on %s: %s", len(leases) + len(received), self.address, e)
             return False
-        if self._shm is not None and self._shm.session == session and leases:
-            self._shm.forget(list(leases))
+        if self.shm is not None and self.shm.session == session and leases:
+            self.shm.forget(list(leases))
         return True
 
     def check_server(self, server_id: str, timeout: float) -> None:
@@ -276,8 +269,8 @@ class ServerConnection:
         Idempotent; nothing in a forked child (the channel is the parent's)."""
         if forks.forked(self._owner):
             return
-        if self._shm is not None:
-            self._shm.close()
+        if self.shm is not None:
+            self.shm.close()
         if self._finalizer.alive:
             self._finalizer()
 
