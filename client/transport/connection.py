@@ -28,7 +28,7 @@ from batchd.client.transport import buffers, orders, relay
 from batchd.client.transport.call import BatchesCall
 from batchd.client.transport.channel import open_channel, wait_for_server
 from batchd.client.transport.dataplane import DataLink
-from batchd.client.transport.datasets import DatasetInfo, Difference, difference
+from batchd.client.transport.datasets import DatasetInfo, mismatches
 from batchd.client.transport.outbox import Outbox
 from batchd.client.transport.shm import SharedMemorySession, SharedMemoryUnavailable
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
@@ -203,7 +203,7 @@ class ServerConnection:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, grpc.RpcError) and e.code() in _TRANSIENT),
             wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
-            stop=tenacity.stop_after_delay(_RELEASE_RETRY_S) | (lambda state: self.shm is None or self.shm.gone),
+            stop=tenacity.stop_after_delay(_RELEASE_RETRY_S) | (lambda _: self.shm is None or self.shm.gone),
             reraise=True)
         try:
             retrying(self._release_rpc, request, timeout=_RELEASE_TIMEOUT_S)
@@ -224,21 +224,19 @@ class ServerConnection:
                          server_id, self.info.server_id, self.options.dataset)
             self.check_unchanged(timeout)
 
-    def check_unchanged(self, timeout: float) -> Difference:
+    def check_unchanged(self, timeout: float) -> None:
         """Describe the dataset again and compare it with ``self.info`` (``accepted``): a restarted
         server may serve other files under the same name. Called when a call shows another server
         id, or the server refused a call's expected dataset.
 
-        Returns what differs (empty: nothing known); ``self.info`` becomes the new description.
-        Raises DatasetChangedError as ``accepted``; ConnectionError or TimeoutError if the server
-        does not answer within ``timeout`` seconds; DatasetNotFoundError if it no longer serves the
-        dataset.
+        ``self.info`` becomes the new description. Raises DatasetChangedError as ``accepted``;
+        ConnectionError or TimeoutError if the server does not answer within ``timeout`` seconds;
+        DatasetNotFoundError if it no longer serves the dataset.
         """
         now = self._describe(timeout)
         self.weights_sent = self.weights_sent and now.server_id == self.info.server_id
-        changed = accepted(self.options, self.address, self.info, now, " (a restart)")
+        accepted(self.options, self.address, self.info, now, " (a restart)")
         self.info = now
-        return changed
 
     def refusal(self, refused: Exception, timeout: float) -> BaseException:
         """The DatasetChangedError behind a call the server ``refused`` (``ServerRefused``): the
@@ -275,18 +273,20 @@ class ServerConnection:
             self._finalizer()
 
 
-def accepted(options: Any, address: str, before: DatasetInfo, now: DatasetInfo, how: str = "") -> Difference:
-    """How ``now`` differs from ``before`` (``datasets.difference``), where the loader may read on:
-    raises DatasetChangedError (a ValueError) naming the dataset, ``address`` and what changed if
-    the number of samples differs, or (``options.strict``) a dataset or build fingerprint; else
-    warns where fingerprints differ (``how``: said after "changed", e.g. " (a restart)")."""
-    changed = difference(before, now)
-    if changed.refused(options.strict):
-        raise DatasetChangedError(options.dataset, address, changed.fingerprints, changed.num_samples)
-    if changed:
+def accepted(options: Any, address: str, before: DatasetInfo, now: DatasetInfo, how: str = "") -> None:
+    """The one comparison a loader makes on a server it reconnects to or probes, where it may read
+    on from ``now`` after ``before``: raises DatasetChangedError (a ValueError) naming the dataset,
+    ``address`` and what changed if the number of samples differs (an epoch's batches are planned
+    from it), or, under ``options.strict``, a dataset or build fingerprint (other bytes:
+    ``datasets.mismatches``); else warns where fingerprints differ (``how``: said after
+    "changed", e.g. " (a restart)")."""
+    size = None if before.num_samples == now.num_samples else (before.num_samples, now.num_samples)
+    changes = mismatches(before.identity(), now.identity())
+    if size is not None or (options.strict and changes):
+        raise DatasetChangedError(options.dataset, address, changes, size)
+    if changes:
         log.warning("dataset %r at %s changed since the loader last read it%s: %s (before vs now); going on "
-                    "with the new data (strict=False)", options.dataset, address, how, changed)
-    return changed
+                    "with the new data (strict=False)", options.dataset, address, how, "; ".join(changes))
 
 
 def probe(address: str, options: Any, transfer: Any, freed: Callable[[str, int], None], warned: set,
