@@ -122,21 +122,22 @@ class BatchesCall:
                 t0 = time.perf_counter()
                 if self._in_band:
                     got = self.data.receive_next(ds, self.call.done)
-                    if got is not None:
-                        self._confirmed(ds)
-                        yield got[0], time.perf_counter() - t0, got[1]
-                        continue
-                    if next(it, None) is not None:  # (the server closed the data connection: its status follows)
-                        raise errors.ConnectionError(f"the batchd server at {self.address} sent a Batch message on "
-                                                     f"the call after saying they come on its data connection")
-                    return
-                data = next(it, None)
-                if data is None:
-                    return
-                raw, nbytes = wire.decode_batch(data), len(data)
-                if ds is not None:
-                    raw = self.data.receive(ds, raw)
-                    nbytes += ds.last_received
+                    if got is None:  # (the server closed the data connection: its status follows)
+                        if next(it, None) is not None:
+                            raise errors.ConnectionError(
+                                f"the batchd server at {self.address} sent a Batch message on the call after "
+                                f"saying they come on its data connection")
+                        return
+                    raw, nbytes = got
+                else:
+                    data = next(it, None)
+                    if data is None:
+                        return
+                    raw, nbytes = wire.decode_batch(data), len(data)
+                    if ds is not None:
+                        raw = self.data.receive(ds, raw)
+                        nbytes += ds.last_received
+                if ds is not None:  # (a batch came on the data connection)
                     self._confirmed(ds)
                 yield raw, time.perf_counter() - t0, nbytes
         except (grpc.RpcError, ConnectionError) as e:
@@ -152,24 +153,23 @@ class BatchesCall:
     def _open_data(self) -> DataSocket | None:
         """The call's data connection, if its server offered one (its initial metadata)."""
         metadata = self._initial_metadata()
-        lent = self.data.lent
         ds = self.data.connect(metadata, ended=self.call.done)
-        if ds is not None and lent and not datawire.messages(metadata):
+        if ds is not None and self.data.lent and not datawire.messages(metadata):
             ds.close()  # (a lent batch has no payload to read there: its messages come on the call)
-            ds = None
+            return None
         if ds is None:
-            if not lent:
+            if not self.data.lent:
                 _say_inline(self.address)
-        else:
-            forks.keep(ds)
-            self._data_socket = ds
-            self._in_band = datawire.messages(metadata)
-            if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
-                ds.close()
-            # grants go on it once the server sent a byte there: a connection it refused (and
-            # the client dials again, batchd.client.transport.redial) must not take them with it
-            if datawire.controls(metadata) and ds.controls:
-                self._direct = dict(releases=datawire.releases(metadata), opens=datawire.opens(metadata))
+            return None
+        forks.keep(ds)
+        self._data_socket = ds
+        self._in_band = datawire.messages(metadata)
+        if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
+            ds.close()
+        # grants go on it once the server sent a byte there: a connection it refused (and
+        # the client dials again, batchd.client.transport.redial) must not take them with it
+        if datawire.controls(metadata) and ds.controls:
+            self._direct = dict(releases=datawire.releases(metadata), opens=datawire.opens(metadata))
         return ds
 
     def _confirmed(self, ds) -> None:

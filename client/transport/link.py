@@ -92,7 +92,7 @@ class ServerLink:
         self._backoff = 0.0  # seconds before the next fresh connection (doubles up to probe_interval)
         self._described = 0  # DescribeDataset calls of its connections before the current one
         self._tags = itertools.count()
-        self._freed: queue.SimpleQueue = queue.SimpleQueue()  # (session, lease) freed, not yet told to the server
+        self._freed: queue.SimpleQueue = queue.SimpleQueue()  # (session, lease) freed, not told to the server
         self._owner = forks.owner()
         self._thread = threading.Thread(target=self._run, name="batchd-server", daemon=True)
         self._thread.start()
@@ -259,7 +259,8 @@ class ServerLink:
             self._ended(None)
         except (ServerRefused, DatasetChangedError, DatasetNotFoundError) as e:
             self._ended(e)
-            self._left_out(conn.refusal(e, self.options.connect_timeout) if isinstance(e, ServerRefused) else e)
+            refused = isinstance(e, ServerRefused)  # (what changed: the dataset described again)
+            self._left_out(conn.refusal(e, self.options.connect_timeout) if refused else e)
         except ConnectionError as e:
             self._ended(e)
             if not self._closing:

@@ -75,10 +75,9 @@ class Outbox:
         self.progress_every = progress_every
         self._cond = threading.Condition(threading.Lock())
         self._open = open_request
-        self._first_progress = progress
         self._items: collections.deque = collections.deque()  # (kind, seq or request, batches or progress)
         self.seq = 0  # the open_seq of the pass grants name now (Batch.open_seq)
-        self._progress = None  # the current pass's Progress (its progress rides on its messages)
+        self._progress = progress  # the current pass's Progress (its progress rides on its messages)
         self._closed = False  # half-closing or aborted: nothing more is queued
         self._aborted = False
         self._last_progress = time.monotonic()
@@ -157,8 +156,8 @@ class Outbox:
         """A grant or revoke in a control frame (with the freed leases where the server reads them
         there): False if it could not go (its leases back to the caller's queue)."""
         releases = self._take_releases() if self._direct_releases else []
-        if self._control(pb.BatchesControl(grant=batches) if kind == _GRANT else pb.BatchesControl(revoke=batches),
-                         releases):
+        message = pb.BatchesControl(grant=batches) if kind == _GRANT else pb.BatchesControl(revoke=batches)
+        if self._control(message, releases):
             return True
         if releases:
             self._unsent(releases)
@@ -233,7 +232,6 @@ class Outbox:
     # --- gRPC's thread -------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[pb.BatchesControl]:
-        self._progress = self._first_progress
         yield self._out(pb.BatchesControl(open=self._open), [])
         while not self._aborted:
             grants, revokes, releases, opening, closing = self._collect()
@@ -246,12 +244,11 @@ class Outbox:
             progress = None
             if opening is not None or closing or self._direct is None:
                 progress = self._due_progress(force=opening is not None or closing)
-            if progress is None and self._unsent_progress is not None:
-                progress = self._unsent_progress
+            if progress is None:
+                progress = self._unsent_progress  # (a frame's that could not be sent)
             self._unsent_progress = None
-            if grants or revokes or releases or progress is not None or (closing and opening is None):
-                message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases,
-                                            done=closing and opening is None)
+            if grants or revokes or releases or progress is not None or closing:
+                message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases, done=closing)
                 if progress is not None:
                     message.progress.CopyFrom(progress)
                 yield self._out(message, releases)
@@ -259,8 +256,6 @@ class Outbox:
                 request, self._progress = opening
                 self._last_progress = time.monotonic()
                 yield self._out(pb.BatchesControl(open=request), [])
-                if closing:
-                    yield self._out(pb.BatchesControl(done=True), [])
             if closing:
                 return
 
@@ -272,7 +267,7 @@ class Outbox:
 
     def _collect(self) -> tuple[list[int], list[int], list[int], tuple | None, bool]:
         """What to send next, up to the next ``open`` (grants, revokes, releases, that open, and
-        whether the call closes): waits for anything; grants wait up to ``release_delay`` more
+        whether the call closes: never with an open, as ``close`` queues last): waits for anything; grants wait up to ``release_delay`` more
         for a release to share their message (once releases went: ``_pairs``)."""
         grants: list[int] = []
         revokes: list[int] = []
