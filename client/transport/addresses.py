@@ -119,11 +119,7 @@ def server_addresses(address: str | Iterable[str], *, keep_single_name: bool = T
     items = _items(address) if address is not None else []
     if not items:
         raise ValueError("address must name at least one server")
-    out: list[str] = []
-    for item in items:
-        for a in expand(item, keep_single_name=keep_single_name):
-            if a not in out:
-                out.append(a)
+    out = list(dict.fromkeys(a for item in items for a in expand(item, keep_single_name=keep_single_name)))
     if not out:
         raise ValueError(f"{address!r} names no server")
     return out
@@ -136,10 +132,8 @@ def _items(address: str | Iterable[str]) -> list:
 def is_name(address: str | Iterable[str]) -> bool:
     """Whether ``address`` contains a DNS name or a ``file:`` list, whose servers may change
     (worth reading again)."""
-    for item in _items(address):
-        if isinstance(item, str) and (item.startswith(FILE_PREFIX) or _name(item) is not None):
-            return True
-    return False
+    return any(isinstance(item, str) and (item.startswith(FILE_PREFIX) or _name(item) is not None)
+               for item in _items(address))
 
 
 def may_grow(address: str | Iterable[str]) -> bool:
