@@ -1,15 +1,9 @@
-"""One ``Batches`` call (loader.proto): what the client sends on it and how its batches come back.
-
-``Outbox`` (client/transport/outbox.py) is the call's request iterator, and sends its grants as control
-frames on the data connection once there is one that takes them (``_open_data``).
-
-``BatchesCall`` opens the call on a channel and reads it: the server's id from the initial
-metadata (``batchd-server-id``), then the batches as ``WireBatch`` es (``messages``; on a
-TRANSPORT_SOCKET call each with its ``payload`` read from the call's data connection,
-``batchd.client.transport.dataplane``), errors
-translated (``batches_error``): FAILED_PRECONDITION of type ``DatasetChangedError`` becomes
-``ServerRefused`` (the caller describes the dataset again to say what changed), UNIMPLEMENTED
-an error naming the server as too old for this client.
+"""One ``Batches`` call (loader.proto): ``BatchesCall`` opens it on a channel, its ``Outbox``
+(client/transport/outbox.py) as the request iterator (grants go as control frames on the data
+connection once there is one that takes them, ``_open_data``), and reads it: what the server says
+in the initial metadata, then the batches as ``WireBatch`` es (``messages``; on a TRANSPORT_SOCKET
+call each with its ``payload`` read from the call's data connection,
+``batchd.client.transport.dataplane``); a failed call's error translated (``batches_error``).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ in a frame within ``_LEASE_POLL_S``: such a call sends no gRPC message per batch
 it reads later ``open``s there too (``batchd-data-opens``), ``reopen`` sends the pass's last
 progress and the next ``open`` as frames from the caller's thread: nor one per pass.
 
-Thread-safety: every method may be called from any thread; ``release`` needs no lock (freed
-tensors' finalizers queue leases on the caller's ``take_releases`` source, never here).
+Thread-safety: every method may be called from any thread; freed tensors' finalizers never call
+it (they queue leases on the caller's ``take_releases`` source, without a lock).
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ class Outbox:
         with self._cond:
             if not self._items and not self._aborted:
                 self._cond.wait(_LEASE_POLL_S if self._pending() else _POLL_S)
-            deadline = None
+            deadline = time.monotonic() + self.release_delay
             while True:
                 while self._items and opening is None:
                     kind, seq, value = self._items.popleft()
@@ -290,11 +290,10 @@ class Outbox:
                 if (revokes or closing or opening is not None or self._aborted or releases
                         or not (grants and self._pairs)):
                     break
-                now = time.monotonic()
-                deadline = now + self.release_delay if deadline is None else deadline
-                if now >= deadline:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     break
-                self._cond.wait(deadline - now)
+                self._cond.wait(remaining)
         return grants, revokes, releases, opening, closing
 
     def _due_progress(self, force: bool) -> pb.StreamProgress | None:
