@@ -277,8 +277,7 @@ class ServerLink:
         cancelled)."""
         tag = f"{conn.tag}-{next(self._tags)}"
         while True:
-            with self._lock:
-                pass_ = self._pass
+            pass_ = self._pass
             if self._closing or pass_ is None:
                 return None
             request = conn.request(pass_.epoch, start_position=pass_.start_position, tag=tag)
