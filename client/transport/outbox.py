@@ -92,17 +92,15 @@ class Outbox:
 
     def grant(self, batches: list[int], seq: int) -> None:
         """Grant ``batches`` of pass ``seq`` (dropped if the call moved on to another pass)."""
-        if batches:
-            self._put(_GRANT, seq, batches)
+        self._put(_GRANT, seq, batches)
 
     def revoke(self, batches: list[int], seq: int) -> None:
         """Revoke grants of pass ``seq`` (dropped if the call moved on: the switch revoked them)."""
-        if batches:
-            self._put(_REVOKE, seq, batches)
+        self._put(_REVOKE, seq, batches)
 
     def _put(self, kind: int, seq: int, batches: list[int]) -> None:
         with self._cond:
-            if seq != self.seq or self._closed:
+            if not batches or seq != self.seq or self._closed:
                 return
             if self._direct is not None and self._send_direct(kind, batches):
                 return
@@ -126,10 +124,8 @@ class Outbox:
         """``reopen`` in frames, one write: the last progress of the pass before (its ``open_seq``),
         then the ``open`` (``self.seq``). False: both go on the call."""
         last = self._due_progress(force=True)
-        opening = pb.BatchesControl(open=request, open_seq=self.seq)
-        sent = (self._frame(opening) if last is None else
-                self._frame(pb.BatchesControl(progress=last, open_seq=self.seq - 1), opening))
-        if not sent:
+        before = [] if last is None else [pb.BatchesControl(progress=last, open_seq=self.seq - 1)]
+        if not self._frame(*before, pb.BatchesControl(open=request, open_seq=self.seq)):
             self._unsent_progress = last
             return False
         self._progress, self._last_progress = progress, time.monotonic()
