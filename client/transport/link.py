@@ -220,11 +220,9 @@ class ServerLink:
         try:
             fresh = probe(self.address, self.options, self.transfer, self.freed, self._warned, self.reference,
                           min(self.options.connect_timeout, PROBE_CONNECT_S))
-        except (ConnectionError, TimeoutError) as e:
-            self.error = str(e)
-            return False
-        except Exception as e:  # the server is up but cannot serve this loader
-            if self.error != str(e):
+        except Exception as e:
+            left_out = not isinstance(e, (ConnectionError, TimeoutError))  # (up, but cannot serve this loader)
+            if left_out and self.error != str(e):
                 log.warning("batchd server %s is left out: %s", self.address, e)
                 if (sink := self._pass) is not None and isinstance(e, DatasetChangedError):
                     sink.link_failed(self, e)
