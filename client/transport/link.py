@@ -221,7 +221,7 @@ class ServerLink:
             fresh = probe(self.address, self.options, self.transfer, self.freed, self._warned, self.reference,
                           min(self.options.connect_timeout, PROBE_CONNECT_S))
         except Exception as e:
-            left_out = not isinstance(e, (ConnectionError, TimeoutError))  # (up, but cannot serve this loader)
+            left_out = not isinstance(e, (ConnectionError, TimeoutError))  # (up, but cannot serve the loader)
             if left_out and self.error != str(e):
                 log.warning("batchd server %s is left out: %s", self.address, e)
                 if (sink := self._pass) is not None and isinstance(e, DatasetChangedError):

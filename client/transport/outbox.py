@@ -263,8 +263,9 @@ class Outbox:
 
     def _collect(self) -> tuple[list[int], list[int], list[int], tuple | None, bool]:
         """What to send next, up to the next ``open`` (grants, revokes, releases, that open, and
-        whether the call closes: never with an open, as ``close`` queues last): waits for anything; grants wait up to ``release_delay`` more
-        for a release to share their message (once releases went: ``_pairs``)."""
+        whether the call closes: never with an open, as ``close`` queues last): waits for
+        anything; grants wait up to ``release_delay`` more for a release to share their message
+        (once releases went: ``_pairs``)."""
         grants: list[int] = []
         revokes: list[int] = []
         opening = None
