@@ -29,7 +29,7 @@ it reads later ``open``s there too (``batchd-data-opens``), ``reopen`` sends the
 progress and the next ``open`` as frames from the caller's thread: nor one per pass.
 
 Thread-safety: every method may be called from any thread; freed tensors' finalizers never call
-it (they queue leases on the caller's ``take_releases`` source, without a lock).
+the outbox (they queue leases on the caller's ``take_releases`` source, without a lock).
 """
 
 from __future__ import annotations
