@@ -51,12 +51,17 @@ def _split_host_port(address: str) -> tuple[str, str] | None:
     return host, port
 
 
-def _is_ip(host: str) -> bool:
+def _name(address: str) -> tuple[str, str] | None:
+    """(host, port) of an address whose host is a DNS name; None for an IP literal, ``unix:`` and
+    other forms (one server each, never resolved here)."""
+    parts = _split_host_port(address)
+    if parts is None:
+        return None
     try:
-        ipaddress.ip_address(host.strip("[]"))
-        return True
+        ipaddress.ip_address(parts[0].strip("[]"))
     except ValueError:
-        return False
+        return parts  # (not an IP literal: a name)
+    return None
 
 
 def resolve(host: str, port: str) -> list[str]:
@@ -102,8 +107,8 @@ def expand(address: str, *, keep_single_name: bool = True) -> list[str]:
         except OSError as e:
             raise ValueError(f"cannot read the server list {address}: {e.strerror or e}") from None
         return [a for item in listed for a in expand(item, keep_single_name=keep_single_name)]
-    parts = _split_host_port(address)
-    if parts is None or _is_ip(parts[0]):
+    parts = _name(address)
+    if parts is None:
         return [address]
     found = resolve(*parts)
     return found if len(found) > 1 or (found and not keep_single_name) else [address]
@@ -111,14 +116,10 @@ def expand(address: str, *, keep_single_name: bool = True) -> list[str]:
 
 def server_addresses(address: str | Iterable[str], *, keep_single_name: bool = True) -> list[str]:
     """Every server ``address`` names, in order, without duplicates. Raises ValueError if none."""
-    items = [address] if isinstance(address, str) else list(address) if address is not None else []
+    items = _items(address) if address is not None else []
     if not items:
         raise ValueError("address must name at least one server")
-    out: list[str] = []
-    for item in items:
-        for a in expand(item, keep_single_name=keep_single_name):
-            if a not in out:
-                out.append(a)
+    out = list(dict.fromkeys(a for item in items for a in expand(item, keep_single_name=keep_single_name)))
     if not out:
         raise ValueError(f"{address!r} names no server")
     return out
@@ -131,13 +132,8 @@ def _items(address: str | Iterable[str]) -> list:
 def is_name(address: str | Iterable[str]) -> bool:
     """Whether ``address`` contains a DNS name or a ``file:`` list, whose servers may change
     (worth reading again)."""
-    for item in _items(address):
-        if not isinstance(item, str):
-            continue
-        parts = _split_host_port(item)
-        if item.startswith(FILE_PREFIX) or (parts is not None and not _is_ip(parts[0])):
-            return True
-    return False
+    return any(isinstance(item, str) and (item.startswith(FILE_PREFIX) or _name(item) is not None)
+               for item in _items(address))
 
 
 def may_grow(address: str | Iterable[str]) -> bool:
@@ -176,8 +172,7 @@ class AddressSource:
             for item in _items(self.address):
                 listed = self._file(item[len(FILE_PREFIX):]) if item.startswith(FILE_PREFIX) else [item]
                 for entry in listed:
-                    parts = _split_host_port(entry)
-                    found = [entry] if parts is None or _is_ip(parts[0]) else resolve(*parts)
+                    found = [entry] if (parts := _name(entry)) is None else resolve(*parts)
                     if not found:
                         return None
                     out.extend(a for a in found if a not in out)

@@ -1,15 +1,9 @@
-"""One ``Batches`` call (loader.proto): what the client sends on it and how its batches come back.
-
-``Outbox`` (client/transport/outbox.py) is the call's request iterator, and sends its grants as control
-frames on the data connection once there is one that takes them (``_open_data``).
-
-``BatchesCall`` opens the call on a channel and reads it: the server's id from the initial
-metadata (``batchd-server-id``), then the batches as ``WireBatch`` es (``messages``; on a
-TRANSPORT_SOCKET call each with its ``payload`` read from the call's data connection,
-``batchd.client.transport.dataplane``), errors
-translated (``batches_error``): FAILED_PRECONDITION of type ``DatasetChangedError`` becomes
-``ServerRefused`` (the caller describes the dataset again to say what changed), UNIMPLEMENTED
-an error naming the server as too old for this client.
+"""One ``Batches`` call (loader.proto): ``BatchesCall`` opens it on a channel, its ``Outbox``
+(client/transport/outbox.py) as the request iterator (grants go as control frames on the data
+connection once there is one that takes them, ``_open_data``), and reads it: what the server says
+in the initial metadata, then the batches as ``WireBatch`` es (``messages``; on a TRANSPORT_SOCKET
+call each with its ``payload`` read from the call's data connection,
+``batchd.client.transport.dataplane``); a failed call's error translated (``batches_error``).
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import grpc
 from batchd import datawire, errors, wire
 from batchd.client import forks
 from batchd.client.transport.outbox import Outbox
-from batchd.client.transport.channel import ERROR_DETAIL_KEY, translate
+from batchd.client.transport.channel import error_detail, translate
 from batchd.client.transport.dataplane import DataLink, DataSocket
 from batchd.errors import BatchdError
 from batchd.v1 import loader_pb2 as pb
@@ -56,7 +50,7 @@ class ServerTooOld(BatchdError, RuntimeError):
 class BatchesCall:
     """One Batches call on ``channel`` to ``address`` with ``outbox`` as its request iterator.
 
-    ``server_id()`` waits for the initial metadata; ``messages()`` yields (WireBatch, seconds its
+    ``server()`` waits for the initial metadata; ``messages()`` yields (WireBatch, seconds its
     message took to come) and raises the call's error (``batches_error``); ``cancel()`` ends it.
     A forked child neither cancels the call nor reads it (``batchd.client.forks``).
     """
@@ -77,27 +71,19 @@ class BatchesCall:
             raise batches_error(e, address) from None
         self.cancelled = False
         self._in_band = False  # the call's Batch messages come on its data connection
-        self._direct = False  # grants are to go on the data connection once a batch came on it
-        self._direct_releases = False  # ... and releases with them (the server reads them there)
-        self._direct_opens = False  # ... and the next passes' opens
+        # grants are to go on the data connection once a batch came on it: ``outbox.direct``'s
+        # arguments (releases, opens: whether the server reads those there too); None: not (or done)
+        self._direct: dict | None = None
 
-    def server_id(self) -> str:
-        """The server's ``batchd-server-id`` ("" if it sent none). Raises the call's error if it
-        failed before sending its metadata."""
-        return self.metadata().get(SERVER_ID_KEY, "")
-
-    def capacity(self) -> tuple[int, int | None]:
-        """What the server says it can do: (its worker processes, 0 if it did not say; the leases
-        a shared-memory session may hold, None if it did not say)."""
-        m = self.metadata()
-        workers = m.get(WORKERS_KEY, "")
-        leases = m.get(MAX_LEASES_KEY, "")
-        return (int(workers) if workers.isdigit() else 0), (int(leases) if leases.isdigit() else None)
-
-    def metadata(self) -> dict[str, str]:
-        """The call's initial metadata (text values). Waits for it; raises the call's error if it
-        failed before sending it."""
-        return {k: v if isinstance(v, str) else v.decode(errors="replace") for k, v in self._initial_metadata()}
+    def server(self) -> tuple[str, int, int | None]:
+        """What the server says in the call's initial metadata (waits for it): its
+        ``batchd-server-id`` ("" if it sent none), its worker processes (0 if it did not say) and
+        the leases a shared-memory session may hold (None if it did not say). Raises the call's
+        error if it failed before sending its metadata."""
+        m = {k: v if isinstance(v, str) else v.decode(errors="replace") for k, v in self._initial_metadata()}
+        workers, leases = m.get(WORKERS_KEY, ""), m.get(MAX_LEASES_KEY, "")
+        return (m.get(SERVER_ID_KEY, ""), int(workers) if workers.isdigit() else 0,
+                int(leases) if leases.isdigit() else None)
 
     def _initial_metadata(self) -> tuple:
         try:
@@ -130,30 +116,29 @@ class BatchesCall:
                 t0 = time.perf_counter()
                 if self._in_band:
                     got = self.data.receive_next(ds, self.call.done)
-                    if got is not None:
-                        self._confirmed(ds)
-                        yield got[0], time.perf_counter() - t0, got[1]
-                        continue
-                    if next(it, None) is not None:  # (the server closed the data connection: its status follows)
-                        raise errors.ConnectionError(f"the batchd server at {self.address} sent a Batch message on "
-                                                     f"the call after saying they come on its data connection")
-                    return
-                data = next(it, None)
-                if data is None:
-                    return
-                raw, nbytes = wire.decode_batch(data), len(data)
-                if ds is not None:
-                    raw = self.data.receive(ds, raw)
-                    nbytes += ds.last_received
+                    if got is None:  # (the server closed the data connection: its status follows)
+                        if next(it, None) is not None:
+                            raise errors.ConnectionError(
+                                f"the batchd server at {self.address} sent a Batch message on the call after "
+                                f"saying they come on its data connection")
+                        return
+                    raw, nbytes = got
+                else:
+                    data = next(it, None)
+                    if data is None:
+                        return
+                    raw, nbytes = wire.decode_batch(data), len(data)
+                    if ds is not None:
+                        raw = self.data.receive(ds, raw)
+                        nbytes += ds.last_received
+                if ds is not None:  # (a batch came on the data connection)
                     self._confirmed(ds)
                 yield raw, time.perf_counter() - t0, nbytes
-        except grpc.RpcError as e:
+        except (grpc.RpcError, ConnectionError) as e:
             if self.cancelled:
                 raise errors.ConnectionError(f"the call to {self.address} was cancelled") from None
-            raise batches_error(e, self.address) from None
-        except ConnectionError:
-            if self.cancelled:
-                raise errors.ConnectionError(f"the call to {self.address} was cancelled") from None
+            if isinstance(e, grpc.RpcError):
+                raise batches_error(e, self.address) from None
             raise
         finally:
             if ds is not None:
@@ -162,32 +147,30 @@ class BatchesCall:
     def _open_data(self) -> DataSocket | None:
         """The call's data connection, if its server offered one (its initial metadata)."""
         metadata = self._initial_metadata()
-        lent = self.data.lent
         ds = self.data.connect(metadata, ended=self.call.done)
-        if ds is not None and lent and not datawire.messages(metadata):
+        if ds is not None and self.data.lent and not datawire.messages(metadata):
             ds.close()  # (a lent batch has no payload to read there: its messages come on the call)
-            ds = None
+            return None
         if ds is None:
-            if not lent:
+            if not self.data.lent:
                 _say_inline(self.address)
-        else:
-            forks.keep(ds)
-            self._data_socket = ds
-            self._in_band = datawire.messages(metadata)
-            if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
-                ds.close()
-            # grants go on it once the server sent a byte there: a connection it refused (and
-            # the client dials again, batchd.client.transport.redial) must not take them with it
-            self._direct = datawire.controls(metadata) and ds.controls
-            self._direct_releases = datawire.releases(metadata)
-            self._direct_opens = datawire.opens(metadata)
+            return None
+        forks.keep(ds)
+        self._data_socket = ds
+        self._in_band = datawire.messages(metadata)
+        if self.cancelled:  # cancelled while connecting: cancel() found no socket to close
+            ds.close()
+        # grants go on it once the server sent a byte there: a connection it refused (and
+        # the client dials again, batchd.client.transport.redial) must not take them with it
+        if datawire.controls(metadata) and ds.controls:
+            self._direct = dict(releases=datawire.releases(metadata), opens=datawire.opens(metadata))
         return ds
 
     def _confirmed(self, ds) -> None:
         """A batch came on the data connection: from now on grants go there where they may."""
-        if self._direct:
-            self._direct = False
-            self.outbox.direct(ds.send_control, releases=self._direct_releases, opens=self._direct_opens)
+        if self._direct is not None:
+            direct, self._direct = self._direct, None
+            self.outbox.direct(ds.send_control, **direct)
 
     def _error_or(self, e: ConnectionError) -> Exception:
         """The call's own error if it ends with one within ``REFUSAL_WAIT_S`` (``batches_error``),
@@ -232,10 +215,7 @@ def batches_error(e: grpc.RpcError, address: str) -> Exception:
             f"the batchd server at {address} does not implement the Batches call: it is older than this client "
             f"(batchd {_client_version()}); upgrade the server (or use a client of its version)")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
-        detail = pb.ErrorDetail()
-        for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
-            if key == ERROR_DETAIL_KEY:
-                detail.ParseFromString(value)
+        detail = error_detail(e)
         if detail.type == "DatasetChangedError" or not detail.type:
             return ServerRefused(f"{address}: {e.details() or detail.message}")
         if detail.type == "WeightsNotFound":

@@ -7,7 +7,7 @@ import ipaddress
 import logging
 import os
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import grpc
@@ -68,11 +68,8 @@ def tls_settings(tls: Any = None, tls_ca: Any = None, tls_cert: Any = None, tls_
         tls = None
     elif tls is not None and not isinstance(tls, TLS):
         raise ValueError(f"tls must be None, a bool, a batchd.client.transport.channel.TLS or a dict, not {type(tls).__name__}")
-    if tls_ca is None and tls_cert is None and tls_key is None:
-        return tls
-    base = tls or TLS()
-    return TLS(ca=tls_ca if tls_ca is not None else base.ca, cert=tls_cert if tls_cert is not None else base.cert,
-               key=tls_key if tls_key is not None else base.key, server_name=base.server_name)
+    shortcuts = {k: v for k, v in (("ca", tls_ca), ("cert", tls_cert), ("key", tls_key)) if v is not None}
+    return replace(tls or TLS(), **shortcuts) if shortcuts else tls
 
 
 def credentials(tls: TLS | None) -> grpc.ChannelCredentials | None:
@@ -243,13 +240,18 @@ def wait_for_server(channel: grpc.Channel, timeout: float, address: str = "") ->
     return True
 
 
-def translate(e: grpc.RpcError, address: str) -> Exception:
-    """The batchd or builtin exception for a failed call (see loader.proto for the codes)."""
-    code, details = e.code(), e.details() or ""
+def error_detail(e: grpc.RpcError) -> pb.ErrorDetail:
+    """The ``ErrorDetail`` a failed call's trailing metadata carries (``batchd-error-bin``; empty if none)."""
     detail = pb.ErrorDetail()
     for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
         if key == ERROR_DETAIL_KEY:
             detail.ParseFromString(value)
+    return detail
+
+
+def translate(e: grpc.RpcError, address: str) -> Exception:
+    """The batchd or builtin exception for a failed call (see loader.proto for the codes)."""
+    code, details, detail = e.code(), e.details() or "", error_detail(e)
     if code == grpc.StatusCode.NOT_FOUND:
         return DatasetNotFoundError(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -28,7 +28,7 @@ from batchd.client.transport import buffers, orders, relay
 from batchd.client.transport.call import BatchesCall
 from batchd.client.transport.channel import open_channel, wait_for_server
 from batchd.client.transport.dataplane import DataLink
-from batchd.client.transport.datasets import DatasetInfo, Difference, difference
+from batchd.client.transport.datasets import DatasetInfo, mismatches
 from batchd.client.transport.outbox import Outbox
 from batchd.client.transport.shm import SharedMemorySession, SharedMemoryUnavailable
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
@@ -63,7 +63,8 @@ class ServerConnection:
         self._owner = forks.owner()  # a forked child neither uses nor closes this channel (batchd.client.forks)
         forks.keep(self)
         self._finalizer = weakref.finalize(self, forks.in_owner(self._owner, self._channel.close))
-        self._shm: SharedMemorySession | None = None
+        # the shared-memory session opened so far (None: none, or the transport is not shared memory)
+        self.shm: SharedMemorySession | None = None
         self._shm_tried = False
         self._release_rpc = self._channel.unary_unary(
             "/batchd.v1.BatchLoader/ReleaseLeases", request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
@@ -102,11 +103,6 @@ class ServerConnection:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    @property
-    def shm(self) -> SharedMemorySession | None:
-        """The shared-memory session opened so far (None: none, or the transport is not shared memory)."""
-        return self._shm
-
     def shared_memory(self) -> SharedMemorySession | None:
         """The shared-memory session, opened on first use; None when batches travel otherwise.
 
@@ -114,13 +110,11 @@ class ServerConnection:
         here, ConnectionError if the server cannot be reached (then nothing is decided).
         """
         if self.options.transport in ("inline", "socket") or self._shm_tried:
-            return self._shm
-        try:
-            self._shm = SharedMemorySession.open(self._channel, self.address, self.options.connect_timeout,
-                                                 self.freed)
+            return self.shm
+        try:  # (a ConnectionError: unreachable now, asked again on the next call)
+            self.shm = SharedMemorySession.open(self._channel, self.address, self.options.connect_timeout,
+                                                self.freed)
             self._shm_tried = True
-        except ConnectionError:
-            raise  # (unreachable now: asked again on the next call)
         except SharedMemoryUnavailable as e:
             self._shm_tried = True
             if self.options.transport == "shm":
@@ -129,7 +123,7 @@ class ServerConnection:
                 self._warned.add(("no-shm", self.address))
                 log.warning("shared memory with %s is unavailable (%s); batches travel over the network: on the "
                             "server's data plane where it has one, else in gRPC messages", self.address, e)
-        return self._shm
+        return self.shm
 
     def wants_socket(self) -> bool:
         """Whether calls ask for the socket data plane: ``transport="socket"``, or ``"auto"`` without
@@ -146,9 +140,9 @@ class ServerConnection:
         sampler's weights are sent again before the next call (the server may have restarted, or
         dropped them: ``WeightsNotHeld``)."""
         self.weights_sent = False
-        if self._shm is not None:
-            self._shm.close()
-        self._shm, self._shm_tried = None, False
+        if self.shm is not None:
+            self.shm.close()
+        self.shm, self._shm_tried = None, False
 
     def request(self, epoch: int, *, start_position: int = 0, transport: int | None = None,
                 tag: str = "") -> pb.StreamBatchesRequest:
@@ -160,14 +154,14 @@ class ServerConnection:
         leases it sends under it; a broken call is reported by it). A call's first ``open``
         (``transport`` None) sends a weighted sampler's weights first unless ``weights_sent``."""
         o, info = self.options, self.info
-        if transport is None and orders.needs_upload(o) and not self.weights_sent:
-            orders.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
-            self.weights_sent = True
         if transport is None:
+            if orders.needs_upload(o) and not self.weights_sent:
+                orders.put_weights(self._channel, self.address, o.sampler, o.connect_timeout)
+                self.weights_sent = True
             shm = self.shared_memory()
             transport = (pb.TRANSPORT_SHARED_MEMORY if shm is not None else
                          pb.TRANSPORT_SOCKET if self.wants_socket() else pb.TRANSPORT_INLINE)
-        shm = self._shm if transport == pb.TRANSPORT_SHARED_MEMORY else None
+        shm = self.shm if transport == pb.TRANSPORT_SHARED_MEMORY else None
         return orders.apply(pb.StreamBatchesRequest(
             dataset=o.dataset, pipeline=o.pipeline, batch_size=o.batch_size, shuffle=o.shuffle,
             seed=o.seed, epoch=epoch, drop_last=o.drop_last, rank=o.rank, world_size=o.world_size,
@@ -187,12 +181,11 @@ class ServerConnection:
         """The Batches call for ``request`` (its first ``open``; nothing granted yet: ``call.outbox``).
         The session's freed leases ride on it (``take_releases``; ``pending``: whether any is
         queued). Raises ConnectionError and the errors of ``batches_error``."""
-        shm = self._shm if request.session else None
-        outbox = Outbox(request, progress=progress, take_releases=take_releases if shm is not None else None,
-                        pending=pending if shm is not None else None,
-                        sent=shm.forget if shm is not None else None,
-                        unsent=(lambda leases: [self.freed(shm.session, lease) for lease in leases])
-                        if shm is not None else None)
+        shm = self.shm if request.session else None
+        releases = {} if shm is None else dict(
+            take_releases=take_releases, pending=pending, sent=shm.forget,
+            unsent=lambda leases: [self.freed(shm.session, lease) for lease in leases])
+        outbox = Outbox(request, progress=progress, **releases)
         data = (self.data if request.transport == pb.TRANSPORT_SOCKET else
                 self.lent_messages if request.data_messages else None)
         return BatchesCall(self._channel, self.address, outbox, data=data)
@@ -210,15 +203,15 @@ class ServerConnection:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, grpc.RpcError) and e.code() in _TRANSIENT),
             wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
-            stop=tenacity.stop_after_delay(_RELEASE_RETRY_S) | (lambda state: self._shm is None or self._shm.gone),
+            stop=tenacity.stop_after_delay(_RELEASE_RETRY_S) | (lambda _: self.shm is None or self.shm.gone),
             reraise=True)
         try:
             retrying(self._release_rpc, request, timeout=_RELEASE_TIMEOUT_S)
         except (grpc.RpcError, ValueError) as e:  # (ValueError: the channel is closed)
             log.debug("could not release %d leases on %s: %s", len(leases) + len(received), self.address, e)
             return False
-        if self._shm is not None and self._shm.session == session and leases:
-            self._shm.forget(list(leases))
+        if self.shm is not None and self.shm.session == session and leases:
+            self.shm.forget(list(leases))
         return True
 
     def check_server(self, server_id: str, timeout: float) -> None:
@@ -231,21 +224,19 @@ class ServerConnection:
                          server_id, self.info.server_id, self.options.dataset)
             self.check_unchanged(timeout)
 
-    def check_unchanged(self, timeout: float) -> Difference:
+    def check_unchanged(self, timeout: float) -> None:
         """Describe the dataset again and compare it with ``self.info`` (``accepted``): a restarted
         server may serve other files under the same name. Called when a call shows another server
         id, or the server refused a call's expected dataset.
 
-        Returns what differs (empty: nothing known); ``self.info`` becomes the new description.
-        Raises DatasetChangedError as ``accepted``; ConnectionError or TimeoutError if the server
-        does not answer within ``timeout`` seconds; DatasetNotFoundError if it no longer serves the
-        dataset.
+        ``self.info`` becomes the new description. Raises DatasetChangedError as ``accepted``;
+        ConnectionError or TimeoutError if the server does not answer within ``timeout`` seconds;
+        DatasetNotFoundError if it no longer serves the dataset.
         """
         now = self._describe(timeout)
         self.weights_sent = self.weights_sent and now.server_id == self.info.server_id
-        changed = accepted(self.options, self.address, self.info, now, " (a restart)")
+        accepted(self.options, self.address, self.info, now, " (a restart)")
         self.info = now
-        return changed
 
     def refusal(self, refused: Exception, timeout: float) -> BaseException:
         """The DatasetChangedError behind a call the server ``refused`` (``ServerRefused``): the
@@ -276,24 +267,26 @@ class ServerConnection:
         Idempotent; nothing in a forked child (the channel is the parent's)."""
         if forks.forked(self._owner):
             return
-        if self._shm is not None:
-            self._shm.close()
+        if self.shm is not None:
+            self.shm.close()
         if self._finalizer.alive:
             self._finalizer()
 
 
-def accepted(options: Any, address: str, before: DatasetInfo, now: DatasetInfo, how: str = "") -> Difference:
-    """How ``now`` differs from ``before`` (``datasets.difference``), where the loader may read on:
-    raises DatasetChangedError (a ValueError) naming the dataset, ``address`` and what changed if
-    the number of samples differs, or (``options.strict``) a dataset or build fingerprint; else
-    warns where fingerprints differ (``how``: said after "changed", e.g. " (a restart)")."""
-    changed = difference(before, now)
-    if changed.refused(options.strict):
-        raise DatasetChangedError(options.dataset, address, changed.fingerprints, changed.num_samples)
-    if changed:
+def accepted(options: Any, address: str, before: DatasetInfo, now: DatasetInfo, how: str = "") -> None:
+    """The one comparison a loader makes on a server it reconnects to or probes, where it may read
+    on from ``now`` after ``before``: raises DatasetChangedError (a ValueError) naming the dataset,
+    ``address`` and what changed if the number of samples differs (an epoch's batches are planned
+    from it), or, under ``options.strict``, a dataset or build fingerprint (other bytes:
+    ``datasets.mismatches``); else warns where fingerprints differ (``how``: said after
+    "changed", e.g. " (a restart)")."""
+    size = None if before.num_samples == now.num_samples else (before.num_samples, now.num_samples)
+    changes = mismatches(before.identity(), now.identity())
+    if size is not None or (options.strict and changes):
+        raise DatasetChangedError(options.dataset, address, changes, size)
+    if changes:
         log.warning("dataset %r at %s changed since the loader last read it%s: %s (before vs now); going on "
-                    "with the new data (strict=False)", options.dataset, address, how, changed)
-    return changed
+                    "with the new data (strict=False)", options.dataset, address, how, "; ".join(changes))
 
 
 def probe(address: str, options: Any, transfer: Any, freed: Callable[[str, int], None], warned: set,

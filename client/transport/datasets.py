@@ -94,38 +94,6 @@ def mismatches(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     return found
 
 
-@dataclass(frozen=True, slots=True)
-class Difference:
-    """What differs between two descriptions of one dataset (``difference``).
-
-    num_samples: ``(before, now)`` where the number of samples differs, else None.
-    fingerprints: ``mismatches`` of their identities ("dataset fingerprint A vs B", ...).
-    False when nothing known differs.
-    """
-
-    num_samples: tuple[int, int] | None = None
-    fingerprints: tuple[str, ...] = ()
-
-    def __bool__(self) -> bool:
-        return self.num_samples is not None or bool(self.fingerprints)
-
-    def refused(self, strict: bool) -> bool:
-        """Whether one loader may not read both: another number of samples always (an epoch's
-        batches are planned from it), other fingerprints (other bytes) under ``strict``."""
-        return self.num_samples is not None or (strict and bool(self.fingerprints))
-
-    def __str__(self) -> str:
-        size = [f"num_samples {self.num_samples[0]} vs {self.num_samples[1]}"] if self.num_samples else []
-        return "; ".join(size + list(self.fingerprints))
-
-
-def difference(before: DatasetInfo, now: DatasetInfo) -> Difference:
-    """How ``now`` differs from ``before``: the one comparison a loader makes on a server it
-    reconnects to (``ServerConnection.check_unchanged``) or probes (``batchd.client.transport.link``)."""
-    size = None if before.num_samples == now.num_samples else (before.num_samples, now.num_samples)
-    return Difference(size, tuple(mismatches(before.identity(), now.identity())))
-
-
 def describe(channel: grpc.Channel, address: str, name: str, timeout: float, labels: bool = False) -> DatasetInfo:
     """Raises DatasetNotFoundError, ConnectionError or TimeoutError."""
     stub = loader_pb2_grpc.BatchLoaderStub(channel)

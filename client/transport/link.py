@@ -20,7 +20,14 @@ everything that blocks for this server:
   with fresh connections; a server that serves another dataset is left out (``link_failed``); a
   server's error for a pass goes to that pass (``fail``);
 * after ``close``: ends the call (``done``, or cancelled mid-pass), then releases what the
-  caller still holds (``Releases.drain``) and closes the connection.
+  caller still holds (``_drain``) and closes the connection.
+
+A shared-memory batch's lease goes back when its tensors are freed (``weakref.finalize``) or when
+it is dropped unread: in any thread, inside a garbage collection or a lock, so ``freed`` takes no
+lock (a ``queue.SimpleQueue``). While the call is open, its next message carries them (gRPC's
+request thread takes them, ``batchd.client.transport.outbox``); after it, ``_drain`` sends them by
+ReleaseLeases as they come. Leases of a session that ended (the server restarted: it took every
+slot back) are dropped.
 
 The pass (``iteration.epoch.Epoch``) is a sink: ``link_up``, ``link_down``, ``link_failed``,
 ``arrived``, ``fail``, ``progress``, ``where``, ``epoch``, ``start_position``.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 from typing import Any
 
@@ -38,13 +46,13 @@ from batchd.client.transport.call import BatchesCall, ServerRefused, WeightsNotH
 from batchd.client.transport.connection import ServerConnection, probe
 from batchd.client.transport.datasets import DatasetInfo
 from batchd.client.transport.redial import FellBack
-from batchd.client.transport.releases import Releases
 from batchd.errors import DatasetChangedError, DatasetNotFoundError
 
 log = logging.getLogger("batchd.client.loader")
 
 PROBE_CONNECT_S = 2.0  # connect timeout of a fresh connection to a server that was down (seconds)
 RECONNECT_S = 1.0  # how long a broken call's channel may take to be ready again before a fresh one
+DRAIN_POLL_S = 0.25  # after the call: how often freed leases are looked for and idle mappings swept (seconds)
 
 
 class ServerLink:
@@ -84,7 +92,7 @@ class ServerLink:
         self._backoff = 0.0  # seconds before the next fresh connection (doubles up to probe_interval)
         self._described = 0  # DescribeDataset calls of its connections before the current one
         self._tags = itertools.count()
-        self._released = Releases()  # leases freed, not yet told to the server
+        self._freed: queue.SimpleQueue = queue.SimpleQueue()  # (session, lease) freed, not told to the server
         self._owner = forks.owner()
         self._thread = threading.Thread(target=self._run, name="batchd-server", daemon=True)
         self._thread.start()
@@ -95,24 +103,19 @@ class ServerLink:
         """Serve ``pass_`` from now on: on the open call, a later ``open``: returns its open_seq
         (the caller tells the pass: ``link_up``); else None: the thread opens a call for it when
         it can and tells the pass itself."""
-        up = None
         with self._lock:
             if self._closing:
-                return
-            self._pass = pass_
-            call = self._call
-            if call is not None:
+                return None
+            self._pass, self._seq = pass_, None
+            if (call := self._call) is not None:
                 try:
                     request = self.conn.request(pass_.epoch, start_position=pass_.start_position,
                                                 transport=call.transport, tag=call.tag)
                     self._seq = call.outbox.reopen(request, pass_.progress(self))
-                    up = self._seq if self.up else None
                 except RuntimeError:  # (the call is ending: a new one opens for this pass)
-                    self._seq = None
-            else:
-                self._seq = None
+                    pass
             self._wake.notify_all()
-        return up
+            return self._seq if self.up else None
 
     def grant(self, batches: list[int], seq: int) -> None:
         if (call := self._call) is not None:
@@ -130,15 +133,14 @@ class ServerLink:
 
     def restart(self, why: str) -> None:
         """Cancel the call (the server is silent too long): the thread handles it as a broken call."""
-        call = self._call
-        if call is not None:
+        if (call := self._call) is not None:
             log.warning("batchd server %s: %s; its call is cancelled and it is tried again", self.address, why)
             call.cancel()
 
     def freed(self, session: str, lease: int) -> None:
         """A lease's batch was freed or dropped (any thread; finalizers too: no lock)."""
         if not forks.forked(self._owner):
-            self._released.put(session, lease)
+            self._freed.put((session, lease))
 
     def leases_held(self) -> int:
         """Leases of its shared-memory session the server counts held: received, not released yet."""
@@ -147,7 +149,7 @@ class ServerLink:
 
     def send_freed(self) -> None:
         """Send the freed leases now, if any (the consumer is about to wait: the server may be at its cap)."""
-        if self._released.pending() and (call := self._call) is not None:
+        if not self._freed.empty() and (call := self._call) is not None:
             call.outbox.send_releases()
 
     def close(self, cancel: bool = False) -> None:
@@ -194,17 +196,17 @@ class ServerLink:
                     self._backoff = min(self.options.probe_interval, max(0.25, 2 * self._backoff))
                     self._sleep(self._backoff)
                     continue
-                pass_ = self._wait_for_pass()
-                if pass_ is None:
+                if not self._wait_for_pass():
                     break
-                self._serve_call(pass_)
+                self._serve_call()
         finally:
             self._drain()
 
-    def _wait_for_pass(self) -> Any:
+    def _wait_for_pass(self) -> bool:
+        """Wait for a pass to serve: False once closing."""
         with self._lock:
             self._wake.wait_for(lambda: self._closing or (self._pass is not None and not self._pass.closed))
-            return None if self._closing else self._pass
+            return not self._closing
 
     def _sleep(self, seconds: float) -> None:
         with self._lock:
@@ -218,15 +220,11 @@ class ServerLink:
         try:
             fresh = probe(self.address, self.options, self.transfer, self.freed, self._warned, self.reference,
                           min(self.options.connect_timeout, PROBE_CONNECT_S))
-        except (ConnectionError, TimeoutError) as e:
-            self.error = str(e)
-            return False
-        except Exception as e:  # the server is up but cannot serve this loader
-            if self.error != str(e):
+        except Exception as e:
+            left_out = not isinstance(e, (ConnectionError, TimeoutError))  # (up, but cannot serve the loader)
+            if left_out and self.error != str(e):
                 log.warning("batchd server %s is left out: %s", self.address, e)
-                with self._lock:
-                    sink = self._pass
-                if sink is not None and isinstance(e, DatasetChangedError):
+                if (sink := self._pass) is not None and isinstance(e, DatasetChangedError):
                     sink.link_failed(self, e)
             self.error = str(e)
             return False
@@ -234,14 +232,11 @@ class ServerLink:
             if self._closing:
                 fresh.close()
                 return False
-            old, self.conn, self.error = self.conn, fresh, ""
-            self._described += old.describes if old is not None else 0
-        if old is not None:
-            old.close()
+            self.conn, self.error = fresh, ""
         log.info("batchd server %s is up; it gets batches as it has credit", self.address)
         return True
 
-    def _serve_call(self, pass_: Any) -> None:
+    def _serve_call(self) -> None:
         """Open a call for the pass it serves and read it until it ends or breaks; handle how it ended."""
         conn = self.conn
         try:
@@ -260,21 +255,17 @@ class ServerLink:
                     sink.arrived(self, raw, received, nbytes, conn.shm if raw.segment else None)
                 raw = None
             self._ended(None)
-        except ServerRefused as e:
+        except (ServerRefused, DatasetChangedError, DatasetNotFoundError) as e:
             self._ended(e)
-            self._left_out(conn.refusal(e, self.options.connect_timeout))
+            refused = isinstance(e, ServerRefused)  # (what changed: the dataset described again)
+            self._left_out(conn.refusal(e, self.options.connect_timeout) if refused else e)
         except ConnectionError as e:
             self._ended(e)
             if not self._closing:
-                self._reconnect(e)
-        except (DatasetChangedError, DatasetNotFoundError) as e:
-            self._ended(e)
-            self._left_out(e)
+                self._reconnect(conn, e)
         except BaseException as e:  # the server's error for the pass (SampleError, WorkerError, ...)
             self._ended(e, down=False)
-            with self._lock:
-                sink = self._pass
-            if sink is not None:
+            if (sink := self._pass) is not None:
                 sink.fail(e)
 
     def _open(self, conn: ServerConnection) -> BatchesCall | None:
@@ -284,13 +275,12 @@ class ServerLink:
         cancelled)."""
         tag = f"{conn.tag}-{next(self._tags)}"
         while True:
-            with self._lock:
-                pass_ = self._pass
+            pass_ = self._pass
             if self._closing or pass_ is None:
                 return None
             request = conn.request(pass_.epoch, start_position=pass_.start_position, tag=tag)
             call = conn.open_call(request, pass_.progress(self), self._take_releases,
-                                  pending=self._released.pending)
+                                  pending=lambda: not self._freed.empty())
             call.tag, call.transport = tag, request.transport
             with self._lock:
                 if not self._closing and self._pass is pass_:  # (else serve() moved on meanwhile: again)
@@ -301,8 +291,7 @@ class ServerLink:
         watchdog.daemon = True
         watchdog.start()
         try:
-            server_id = call.server_id()
-            self.workers, self.max_leases = call.capacity()
+            server_id, self.workers, self.max_leases = call.server()
         finally:
             watchdog.cancel()
         conn.check_server(server_id, self.options.connect_timeout)
@@ -327,13 +316,13 @@ class ServerLink:
         if call is None:
             return
         call.cancel()  # (its outbox stops; nothing if the call is over)
-        shm = self.conn.shm if self.conn is not None else None
+        shm = self.conn.shm  # (the thread's connection: it is dropped only after this)
         if error is not None and was_up:
             self._broken = (shm.session if shm is not None else "", call.tag)
         if error is not None and down and sink is not None and not self._closing:
             sink.link_down(self, error)
 
-    def _reconnect(self, error: BaseException) -> None:
+    def _reconnect(self, conn: ServerConnection, error: BaseException) -> None:
         """The call broke: the same channel if it is ready again within ``RECONNECT_S`` (a new
         shared-memory session if the server restarted), else fresh connections, the first after
         ``_backoff`` seconds, then at longer intervals up to ``probe_interval``."""
@@ -341,44 +330,52 @@ class ServerLink:
         fell_back = isinstance(error, FellBack)  # (warned once by the DataLink: the next call goes inline)
         self._count("data_plane_fallbacks", int(fell_back))
         (log.info if fell_back else log.warning)("lost the call to %s (%s); reconnecting", self.address, error)
-        conn = self.conn
-        if conn is not None and isinstance(error, WeightsNotHeld):  # (it dropped the sampler's weights)
+        if isinstance(error, WeightsNotHeld):  # (it dropped the sampler's weights)
             conn.weights_sent = False  # (sent again before the next call)
-        if conn is not None and conn.wait_ready(RECONNECT_S):
+        if conn.wait_ready(RECONNECT_S):
             if conn.shm is not None and conn.shm.gone:  # (a restart ends the session)
                 conn.new_session()
-            idle = self._pass is None or self._pass.closed  # (else the next call's server id is checked)
             try:
-                if idle:
+                if self._pass is None or self._pass.closed:  # (else the next call's server id is checked)
                     conn.check_unchanged(self.options.connect_timeout)  # (a restart over other data: left out now)
+                return
             except (DatasetChangedError, DatasetNotFoundError) as e:
                 self._left_out(e)
                 return
             except (ConnectionError, TimeoutError):
                 pass  # (not answering after all: a fresh connection below)
-            else:
-                return
-        with self._lock:
-            self.conn = None
-            self._described += conn.describes if conn is not None else 0
-        if conn is not None:
-            conn.close()
+        self._drop_connection()
 
     def _left_out(self, error: BaseException) -> None:
         """The server serves another dataset now: down until a fresh connection finds the loader's."""
         self.error = str(error)
-        with self._lock:
-            sink = self._pass
-            conn, self.conn = self.conn, None
-            self._described += conn.describes if conn is not None else 0
-        if sink is not None:
-            sink.link_failed(self, error)
-        if conn is not None:
-            conn.close()
+        self._drop_connection(failed=error)
         self._sleep(self.options.probe_interval)
 
+    def _drop_connection(self, failed: BaseException | None = None) -> None:
+        """Close the connection (the thread makes a fresh one), its descriptions counted; ``failed``:
+        the pass hears ``link_failed`` first (the link already without a connection)."""
+        with self._lock:
+            sink, conn, self.conn = self._pass, self.conn, None
+            self._described += conn.describes if conn is not None else 0
+        if failed is not None and sink is not None:
+            sink.link_failed(self, failed)
+        if conn is not None:
+            conn.close()
+
     def _take_releases(self) -> list[int]:  # (the call's share of the freed leases: gRPC's request thread)
-        return self._released.take(conn.shm if (conn := self.conn) is not None else None)
+        return self._mine(conn.shm if (conn := self.conn) is not None else None)
+
+    def _mine(self, shm: Any, freed: tuple = ()) -> list[int]:
+        """The leases of ``shm``'s session among ``freed`` and those waiting (those of another session
+        are dropped: it ended)."""
+        freed = list(freed)
+        while True:
+            try:
+                freed.append(self._freed.get_nowait())
+            except queue.Empty:
+                break
+        return [lease for session, lease in freed if shm is not None and session == shm.session]
 
     def _release_broken(self, conn: ServerConnection) -> tuple[str, str] | None:
         """Report the call that broke, (session, tag), if any: a server that lives on (the same
@@ -389,10 +386,21 @@ class ServerLink:
         return broken
 
     def _drain(self) -> None:
-        """After the last call: report a call ``close`` cancelled, release what the caller frees
-        until nothing is held (``Releases.drain``), then close the connection."""
+        """After the last call: report a call ``close`` cancelled, release what the caller frees by
+        ReleaseLeases (``conn.release``, retried) as it comes until the session holds nothing (or
+        ended), sweeping idle mappings meanwhile, then close the connection."""
         if (conn := self.conn) is None or forks.forked(self._owner):
             return
         self._release_broken(conn)
-        self._released.drain(conn)
+        shm = conn.shm
+        while shm is not None and shm.outstanding and not shm.gone:
+            try:
+                first = self._freed.get(timeout=DRAIN_POLL_S)
+            except queue.Empty:
+                shm.sweep()
+                continue
+            mine = self._mine(shm, (first,))
+            if mine and not conn.release(shm.session, mine):
+                break
+            shm.forget(mine)
         conn.close()

@@ -28,8 +28,8 @@ in a frame within ``_LEASE_POLL_S``: such a call sends no gRPC message per batch
 it reads later ``open``s there too (``batchd-data-opens``), ``reopen`` sends the pass's last
 progress and the next ``open`` as frames from the caller's thread: nor one per pass.
 
-Thread-safety: every method may be called from any thread; ``release`` needs no lock (freed
-tensors' finalizers queue leases on the caller's ``take_releases`` source, never here).
+Thread-safety: every method may be called from any thread; freed tensors' finalizers never call
+the outbox (they queue leases on the caller's ``take_releases`` source, without a lock).
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ class Outbox:
 
     open_request: the ``StreamBatchesRequest`` of the first message. progress: the first pass's
     ``Progress`` (its ``progress(force)`` gives a ``StreamProgress`` to report, or None when
-    nothing changed). take_releases(): the leases freed since the last call (a list; the
-    shared-memory session's, or None without one); pending(): whether leases may still be
-    freed (the iterator then looks for them every ``_LEASE_POLL_S``). sent(leases): called once a
-    message carrying releases was handed to gRPC. release_delay, progress_every: seconds.
+    nothing changed). take_releases(): the leases freed since the last call (a list; none
+    without a shared-memory session); pending(): whether leases may still be freed (the
+    iterator then looks for them every ``_LEASE_POLL_S``). sent(leases): called once a message
+    carrying releases was handed to gRPC; unsent(leases): leases taken that will not go on the
+    call (to be released another way). release_delay, progress_every: seconds.
     """
 
     def __init__(self, open_request: pb.StreamBatchesRequest, *, progress: Any = None,
@@ -66,18 +67,17 @@ class Outbox:
                  sent: Callable[[list[int]], None] | None = None,
                  unsent: Callable[[list[int]], None] | None = None, release_delay: float = 0.005,
                  progress_every: float = 0.5):
-        self._take_releases = take_releases
+        self._take_releases = take_releases or (lambda: [])
         self._pending = pending or (lambda: False)
-        self._sent = sent
-        self._unsent = unsent
+        self._sent = sent or (lambda leases: None)
+        self._unsent = unsent or (lambda leases: None)
         self.release_delay = release_delay
         self.progress_every = progress_every
         self._cond = threading.Condition(threading.Lock())
         self._open = open_request
-        self._first_progress = progress
         self._items: collections.deque = collections.deque()  # (kind, seq or request, batches or progress)
         self.seq = 0  # the open_seq of the pass grants name now (Batch.open_seq)
-        self._progress = None  # the current pass's Progress (its progress rides on its messages)
+        self._progress = progress  # the current pass's Progress (its progress rides on its messages)
         self._closed = False  # half-closing or aborted: nothing more is queued
         self._aborted = False
         self._last_progress = time.monotonic()
@@ -87,23 +87,20 @@ class Outbox:
         self._direct_opens = False  # ... and later opens
         self._unsent_progress: pb.StreamProgress | None = None  # in a frame that could not be sent: on the call
         self.frames = 0  # control frames sent on the data connection
-        self.messages = 0  # messages handed to gRPC (the opens included)
 
     # --- from any thread ---------------------------------------------------------------------------
 
     def grant(self, batches: list[int], seq: int) -> None:
         """Grant ``batches`` of pass ``seq`` (dropped if the call moved on to another pass)."""
-        if batches:
-            self._put(_GRANT, seq, batches)
+        self._put(_GRANT, seq, batches)
 
     def revoke(self, batches: list[int], seq: int) -> None:
         """Revoke grants of pass ``seq`` (dropped if the call moved on: the switch revoked them)."""
-        if batches:
-            self._put(_REVOKE, seq, batches)
+        self._put(_REVOKE, seq, batches)
 
     def _put(self, kind: int, seq: int, batches: list[int]) -> None:
         with self._cond:
-            if seq != self.seq or self._closed:
+            if not batches or seq != self.seq or self._closed:
                 return
             if self._direct is not None and self._send_direct(kind, batches):
                 return
@@ -127,10 +124,8 @@ class Outbox:
         """``reopen`` in frames, one write: the last progress of the pass before (its ``open_seq``),
         then the ``open`` (``self.seq``). False: both go on the call."""
         last = self._due_progress(force=True)
-        opening = pb.BatchesControl(open=request, open_seq=self.seq)
-        sent = (self._frame(opening, []) if last is None else
-                self._frame(pb.BatchesControl(progress=last, open_seq=self.seq - 1), [], opening))
-        if not sent:
+        before = [] if last is None else [pb.BatchesControl(progress=last, open_seq=self.seq - 1)]
+        if not self._frame(*before, pb.BatchesControl(open=request, open_seq=self.seq)):
             self._unsent_progress = last
             return False
         self._progress, self._last_progress = progress, time.monotonic()
@@ -154,34 +149,15 @@ class Outbox:
                     break
 
     def _send_direct(self, kind: int, batches: list[int]) -> bool:  # (under the lock)
-        message = (pb.BatchesControl(grant=batches, open_seq=self.seq) if kind == _GRANT else
-                   pb.BatchesControl(revoke=batches, open_seq=self.seq))
-        progress = self._due_progress(force=False)
-        if progress is not None:
-            message.progress.CopyFrom(progress)
-        releases = self._releases() if self._direct_releases else []
-        message.release.extend(releases)
-        if not self._frame(message, releases):
-            self._unsent_progress = progress  # (counted reported: the call's next message carries it)
-            return False
-        return True
-
-    def _frame(self, message: pb.BatchesControl, releases: list[int], *more: pb.BatchesControl) -> bool:
-        """Send ``message`` as a control frame (and ``more``, in the same write): True if it went;
-        else the data connection is given up for frames (what it carried goes on the call:
-        ``releases`` back to the caller's queue). Under the lock."""
-        try:
-            self._direct(b"".join(datawire.pack_control(m.SerializeToString()) for m in (message, *more)))
-        except (OSError, ValueError) as e:
-            log.debug("a control frame could not be sent on the data connection (%s): on the call instead", e)
-            self._direct = None
-            if releases and self._unsent is not None:
-                self._unsent(releases)
-            return False
-        self.frames += 1 + len(more)
-        if releases and self._sent is not None:
-            self._sent(releases)
-        return True
+        """A grant or revoke in a control frame (with the freed leases where the server reads them
+        there): False if it could not go (its leases back to the caller's queue)."""
+        releases = self._take_releases() if self._direct_releases else []
+        message = pb.BatchesControl(grant=batches) if kind == _GRANT else pb.BatchesControl(revoke=batches)
+        if self._control(message, releases):
+            return True
+        if releases:
+            self._unsent(releases)
+        return False
 
     def _direct_only(self, releases: list[int]) -> bool:
         """With grants going as frames, what is due without a grant (``releases``, where the server
@@ -190,16 +166,37 @@ class Outbox:
         with self._cond:
             if self._direct is None or (releases and not self._direct_releases):
                 return False
-            progress = self._due_progress(force=False)
-            if not releases and progress is None:
-                return True
-            message = pb.BatchesControl(release=releases, open_seq=self.seq)
-            if progress is not None:
-                message.progress.CopyFrom(progress)
-            if self._frame(message, []):
-                return True
-            self._unsent_progress = progress
+            return self._control(pb.BatchesControl(), releases)
+
+    def _control(self, message: pb.BatchesControl, releases: list[int]) -> bool:  # (under the lock)
+        """``message`` of the current pass in a control frame, with ``releases`` (``sent`` once it
+        went) and the progress when due: True if it went, or nothing was to go; False: the data
+        connection is given up for frames, and the progress goes on the call's next message."""
+        message.open_seq = self.seq
+        message.release.extend(releases)
+        progress = self._due_progress(force=False)
+        if progress is not None:
+            message.progress.CopyFrom(progress)
+        elif not (message.grant or message.revoke or releases):
+            return True
+        if not self._frame(message):
+            self._unsent_progress = progress  # (counted reported: the call's next message carries it)
             return False
+        if releases:
+            self._sent(releases)
+        return True
+
+    def _frame(self, *messages: pb.BatchesControl) -> bool:
+        """Send ``messages`` as control frames in one write: True if they went; else the data
+        connection is given up for frames (what they carried goes on the call). Under the lock."""
+        try:
+            self._direct(b"".join(datawire.pack_control(m.SerializeToString()) for m in messages))
+        except (OSError, ValueError) as e:
+            log.debug("a control frame could not be sent on the data connection (%s): on the call instead", e)
+            self._direct = None
+            return False
+        self.frames += len(messages)
+        return True
 
     def close(self) -> None:
         """Half-close once what is queued is sent (with the final progress), in a message marked ``done``."""
@@ -221,46 +218,33 @@ class Outbox:
         """Send the leases freed so far now: in a control frame from this thread where the server
         reads them there (``_direct_only``: no wake-up of the request thread); else they go back
         to their queue and the request thread sends them on the call at once."""
-        releases = self._releases()
-        if not releases:
+        releases = self._take_releases()
+        if not releases or self._direct_only(releases):
             return
-        if self._direct_only(releases):
-            if self._sent is not None:
-                self._sent(releases)
-            return
-        if self._unsent is not None:
-            self._unsent(releases)
+        self._unsent(releases)
         with self._cond:
             self._cond.notify()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     # --- gRPC's thread -------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[pb.BatchesControl]:
-        self._progress = self._first_progress
         yield self._out(pb.BatchesControl(open=self._open), [])
         while not self._aborted:
             grants, revokes, releases, opening, closing = self._collect()
             if self._aborted:
-                if releases and self._unsent is not None:
+                if releases:
                     self._unsent(releases)  # (taken, never sent: released another way)
                 return
             if not (grants or revokes or closing) and opening is None and self._direct_only(releases):
-                if releases and self._sent is not None:
-                    self._sent(releases)
                 continue
             progress = None
             if opening is not None or closing or self._direct is None:
                 progress = self._due_progress(force=opening is not None or closing)
-            if progress is None and self._unsent_progress is not None:
-                progress = self._unsent_progress
+            if progress is None:
+                progress = self._unsent_progress  # (a frame's that could not be sent)
             self._unsent_progress = None
-            if grants or revokes or releases or progress is not None or (closing and opening is None):
-                message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases,
-                                            done=closing and opening is None)
+            if grants or revokes or releases or progress is not None or closing:
+                message = pb.BatchesControl(grant=grants, revoke=revokes, release=releases, done=closing)
                 if progress is not None:
                     message.progress.CopyFrom(progress)
                 yield self._out(message, releases)
@@ -268,23 +252,20 @@ class Outbox:
                 request, self._progress = opening
                 self._last_progress = time.monotonic()
                 yield self._out(pb.BatchesControl(open=request), [])
-                if closing:
-                    yield self._out(pb.BatchesControl(done=True), [])
             if closing:
                 return
 
     def _out(self, message: pb.BatchesControl, releases: list[int]) -> pb.BatchesControl:
-        self.messages += 1
         if releases:
             self._pairs = True
-            if self._sent is not None:  # (before the yield: gRPC may never resume this generator)
-                self._sent(releases)
+            self._sent(releases)  # (before the yield: gRPC may never resume this generator)
         return message
 
     def _collect(self) -> tuple[list[int], list[int], list[int], tuple | None, bool]:
         """What to send next, up to the next ``open`` (grants, revokes, releases, that open, and
-        whether the call closes): waits for anything; grants wait up to ``release_delay`` more
-        for a release to share their message."""
+        whether the call closes: never with an open, as ``close`` queues last): waits for
+        anything; grants wait up to ``release_delay`` more for a release to share their message
+        (once releases went: ``_pairs``)."""
         grants: list[int] = []
         revokes: list[int] = []
         opening = None
@@ -292,7 +273,7 @@ class Outbox:
         with self._cond:
             if not self._items and not self._aborted:
                 self._cond.wait(_LEASE_POLL_S if self._pending() else _POLL_S)
-            deadline = None
+            deadline = time.monotonic() + self.release_delay
             while True:
                 while self._items and opening is None:
                     kind, seq, value = self._items.popleft()
@@ -302,19 +283,15 @@ class Outbox:
                         closing = True
                     elif seq == self.seq:  # (an earlier pass's: the switch revoked it anyway)
                         (grants if kind == _GRANT else revokes).extend(value)
-                releases = self._releases()
+                releases = self._take_releases()
                 if (revokes or closing or opening is not None or self._aborted or releases
-                        or (grants and not self._pairs) or not grants):
+                        or not (grants and self._pairs)):
                     break
-                now = time.monotonic()
-                deadline = now + self.release_delay if deadline is None else deadline
-                if now >= deadline:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     break
-                self._cond.wait(deadline - now)
+                self._cond.wait(remaining)
         return grants, revokes, releases, opening, closing
-
-    def _releases(self) -> list[int]:
-        return (self._take_releases() or []) if self._take_releases is not None else []
 
     def _due_progress(self, force: bool) -> pb.StreamProgress | None:
         if self._progress is None:
