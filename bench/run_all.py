@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     measure.pin_threads()
     # Garbage collection runs only between measurements (bench/noise.py), as timeit does, so that a
     # collection's pause lands in no timed window. (The client's shared-memory lease finalizers are
-    # safe inside a collection: they only queue the lease, client/transport/leases.py; a thread releases it.)
+    # safe inside a collection: they only queue the lease, client/transport/link.py ``freed``; a thread releases it.)
     gc.disable()
     start = time.perf_counter()
     info = machine.info()
