@@ -134,7 +134,7 @@ class Epoch(Conversion):
             self._seqs.pop(link, None)
             if self._seqs and error is not None:
                 self.servers.count("failovers")
-            self.credit.closed(link, time.monotonic())
+            self.credit.closed(link)
             self._requeue_shared(link)
             if not any(h.open for h in self.credit.holders.values()) and self._down_since is None:
                 self._down_since = time.monotonic()
@@ -159,7 +159,7 @@ class Epoch(Conversion):
             if self.closed:
                 return
             self._seqs.pop(link, None)
-            self.credit.remove(link, time.monotonic())
+            self.credit.remove(link)
             if self.servers.single:
                 self._fail(error)
             else:
@@ -185,7 +185,7 @@ class Epoch(Conversion):
                         self.servers.capacity(link).record(
                             t.read_seconds + t.decode_seconds + t.pipeline_seconds + t.cache_seconds + t.write_seconds,
                             t.workers)
-                    arrival = self.credit.arrived(link, b, time.monotonic(), nbytes)
+                    arrival = self.credit.arrived(link, b, nbytes)
                     for other, batches in arrival.revoke.items():
                         seq = self._seqs.get(other)
                         if seq is not None:
@@ -295,9 +295,9 @@ class Epoch(Conversion):
         asked = time.monotonic()
         timeout = self.options.timeout
         with self._lock:
-            self.credit.loop.asked(asked)
+            self.credit.asked(asked)
             item = self._wait_for(b, what, asked, timeout)
-            self.credit.loop.handed(time.monotonic())  # (the batch's taking planned the next grants)
+            self.credit.handed(time.monotonic())  # (the batch's taking planned the next grants)
             return item
 
     def _wait_for(self, b: int, what: str, asked: float, timeout: float) -> Any:  # (under the lock)
