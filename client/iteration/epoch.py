@@ -137,7 +137,7 @@ class Epoch:
                 return
             self._seqs.pop(link, None)
             if self._seqs and error is not None:
-                self.servers.count("failovers")
+                self.servers.stats.count("failovers")
             self.credit.closed(link)
             self._requeue_shared(link)
             if not any(h.open for h in self.credit.holders.values()) and self._down_since is None:
@@ -250,7 +250,7 @@ class Epoch:
             revokes, due = self.credit.check(now)
             self._revoke(revokes)
             for link, batches in revokes.items():
-                self.servers.count("stalls")
+                self.servers.stats.count("stalls")
                 log.info("batchd server %s is stalled (its oldest batch is late); its %d batches go to the "
                          "other servers", link.address, len(batches))
             if revokes:

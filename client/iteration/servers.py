@@ -62,9 +62,8 @@ class Servers:
         self._lock = threading.Lock()
         self._warned: set = set()  # what was said once per loader (shared by its links)
         self._capacity: dict[Any, Capacity] = {}
-        self._stalled: set = set()  # links stalled at the end of the last pass
         self._passes: list[Epoch] = []  # passes not closed yet (the last one is the current one)
-        self._last_figures: dict = {}
+        self._last_figures: dict = {}  # the last pass closed: its Credit.figures (who was stalled, ...)
         self._last_finished = True  # the last pass closed had every batch taken
         self._swept = 0.0
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # wakes the loader's thread (no lock: finalizers)
@@ -84,21 +83,18 @@ class Servers:
         self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._events), name="batchd-loader",
                                         daemon=True)
         self._thread.start()
-        self._follower = None
-        if not self.single and AddressSource(address).changes:
-            self._follower = threading.Thread(target=_follow, args=(weakref.ref(self), AddressSource(address),
-                                                                    self._stop), name="batchd-addresses", daemon=True)
-            self._follower.start()
+        source = AddressSource(address)
+        if not self.single and source.changes:
+            threading.Thread(target=_follow, args=(weakref.ref(self), source, self._stop),
+                             name="batchd-addresses", daemon=True).start()
 
     # --- construction ------------------------------------------------------------------------------
 
     def _open_all(self, names: list[str]) -> dict[str, ServerConnection | None]:
         """A connection to every server at once: None for those that did not answer."""
-        def open_one(address: str) -> ServerConnection:
-            return ServerConnection(address, self.options, self.transfer, warned=self._warned)
-
         with concurrent.futures.ThreadPoolExecutor(len(names), thread_name_prefix="batchd-open") as pool:
-            futures = {a: pool.submit(open_one, a) for a in names}
+            futures = {a: pool.submit(ServerConnection, a, self.options, self.transfer, warned=self._warned)
+                       for a in names}
         conns: dict[str, ServerConnection | None] = {}
         errors_seen: dict[str, str] = {}
         fatal: BaseException | None = None
@@ -166,21 +162,18 @@ class Servers:
             return self._capacity.setdefault(link, Capacity())
 
     def was_stalled(self, link: Any) -> bool:
+        """Whether ``link``'s server was stalled at the end of the last pass."""
         with self._lock:
-            return link in self._stalled
-
-    def count(self, name: str, n: int = 1) -> None:
-        self.stats.count(name, n)
+            return self._last_figures.get(link, {}).get("stalled", False)
 
     def wake(self) -> None:
         """Wake the loader's thread (no lock: safe in a finalizer)."""
         self._events.put(None)
 
     def passed(self, pass_: Epoch, figures: dict) -> None:
-        """``pass_`` closed: remember who was stalled and its ``figures`` (``Credit.figures``); its
+        """``pass_`` closed: remember its ``figures`` (``Credit.figures``: who was stalled, ...); its
         links let go of it."""
         with self._lock:
-            self._stalled = {link for link, f in figures.items() if f["stalled"]}
             self._last_figures = figures
             self._last_finished = pass_.finished
             if pass_ in self._passes:
