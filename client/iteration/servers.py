@@ -62,7 +62,7 @@ class Servers:
         self._lock = threading.Lock()
         self._warned: set = set()  # what was said once per loader (shared by its links)
         self._capacity: dict[Any, Capacity] = {}
-        self._passes: list[Epoch] = []  # passes not closed yet (the last one is the current one)
+        self._pass: Epoch | None = None  # the pass not closed yet (one at a time)
         self._last_figures: dict = {}  # the last pass closed: its Credit.figures (who was stalled, ...)
         self._last_finished = True  # the last pass closed had every batch taken
         self._swept = 0.0
@@ -176,8 +176,8 @@ class Servers:
         with self._lock:
             self._last_figures = figures
             self._last_finished = pass_.finished
-            if pass_ in self._passes:
-                self._passes.remove(pass_)
+            if self._pass is pass_:
+                self._pass = None
             links = list(self.links)
         for link in links:  # (a closed pass is not kept alive by its links: its error, its batches)
             link.let_go(pass_)
@@ -189,11 +189,12 @@ class Servers:
         ``start_position``), in order, from every server that is up (``Epoch``)."""
         if self._closed:
             raise RuntimeError("the loader is closed")
-        for old in list(self._passes):  # (one pass at a time: an earlier one was let go of)
+        old = self.current()
+        if old is not None:  # (one pass at a time: an earlier one was let go of)
             old.close()
         pass_ = Epoch(self, epoch, start, total, start_position)
         with self._lock:
-            self._passes.append(pass_)
+            self._pass = pass_
             links = [link for link in self.links if not link.retired]
         pass_.links_up([(link, seq) for link in links if (seq := link.serve(pass_)) is not None])
         if not any(link.conn is not None for link in links):
@@ -203,7 +204,7 @@ class Servers:
 
     def current(self) -> Epoch | None:
         with self._lock:
-            return self._passes[-1] if self._passes else None
+            return self._pass
 
     def server_stats(self) -> list[dict[str, Any]]:
         """Per server: ``address``, ``up`` (its call is open), ``retired`` (no longer named by the
@@ -237,7 +238,7 @@ class Servers:
         return conn.shm if conn is not None else None
 
     def close(self) -> None:
-        """End every pass and call (revoked, ``done``), stop the loader's threads; each link's
+        """End the pass and every call (revoked, ``done``), stop the loader's threads; each link's
         thread then releases what the caller still holds and closes its channel. Idempotent;
         nothing in a forked child (the threads and channels are the parent's)."""
         if forks.forked(self._owner):
@@ -246,9 +247,9 @@ class Servers:
             if self._closed:
                 return
             self._closed = True
-            passes = list(self._passes)
+            pass_ = self._pass
         self._stop.set()
-        for pass_ in passes:
+        if pass_ is not None:
             pass_.close()
         # a pass let go of or in progress: the calls are cancelled (the servers count them
         # cancelled and release what they sent that never came); else ended with `done`
@@ -269,20 +270,16 @@ class Servers:
     # --- the loader's thread -------------------------------------------------------------------------
 
     def _service(self) -> float:
-        """One round: every open pass serviced (stalls, silence, abandoned ones closed), the current
-        one's next batch converted. Returns seconds until the next round."""
+        """One round: the pass serviced (stalls, silence, closed if let go of), its next batch
+        converted. Returns seconds until the next round."""
         now = time.monotonic()
-        with self._lock:
-            passes = list(self._passes)
-        wait = 0.25
-        for pass_ in passes:
-            wait = min(wait, pass_.service(now))
+        pass_ = self.current()
+        wait = 0.25 if pass_ is None else min(0.25, pass_.service(now))
         if now - self._swept >= _SWEEP_S:  # segments the server unlinked since the last release
             self._swept = now
             for link in self.links:
                 link.sweep()
-        current = passes[-1] if passes else None
-        while current is not None and not current.inline and current.convert_next():
+        while pass_ is not None and not pass_.inline and pass_.convert_next():
             pass
         return wait
 
@@ -297,7 +294,7 @@ class Servers:
             gone = [link for a, link in known.items() if a not in current]
             for link in gone:
                 link.retired, link.error = True, "no longer named by the address"
-            pass_ = self._passes[-1] if self._passes else None
+            pass_ = self._pass
         for link in gone:
             log.info("%s no longer names %s; it gets no more work", self.address, link.address)
             if pass_ is not None:
