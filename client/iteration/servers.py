@@ -72,7 +72,6 @@ class Servers:
         self._owner = forks.owner()
         conns = self._open_all(names)
         self._info = next(c for c in conns.values() if c is not None).info
-        self._check(conns)
         self.links: list[ServerLink] = [
             ServerLink(a, options, transfer, reference=self._info, conn=conns[a], count=stats.count,
                        warned=self._warned) for a in names]
@@ -91,7 +90,8 @@ class Servers:
     # --- construction ------------------------------------------------------------------------------
 
     def _open_all(self, names: list[str]) -> dict[str, ServerConnection | None]:
-        """A connection to every server at once: None for those that did not answer."""
+        """A connection to every server at once: None for those that did not answer; the servers
+        that answered agree on the dataset (``_check``), or every connection is closed."""
         with concurrent.futures.ThreadPoolExecutor(len(names), thread_name_prefix="batchd-open") as pool:
             futures = {a: pool.submit(ServerConnection, a, self.options, self.transfer, warned=self._warned)
                        for a in names}
@@ -105,40 +105,36 @@ class Servers:
                 conns[a], errors_seen[a] = None, str(e)
             except BaseException as e:  # bad arguments, unknown dataset: the same on every server
                 conns[a], fatal = None, fatal or e
-        if fatal is not None or not any(conns.values()):
-            for c in conns.values():
-                if c is not None:
-                    c.close()
+        up = {a: c for a, c in conns.items() if c is not None}
+        try:
             if fatal is not None:
                 raise fatal
-            if self.single:
+            if not up and self.single:
                 raise next(fut.exception() for fut in futures.values())
-            raise errors.ConnectionError("no batchd server answered at any of " + ", ".join(names) + ": "
-                                         + "; ".join(errors_seen.values()))
-        return conns
-
-    def _check(self, conns: dict[str, ServerConnection | None]) -> None:
-        """The servers that answered agree on the dataset (class docstring)."""
-        up = {a: c for a, c in conns.items() if c is not None}
-        sizes = {a: c.info.num_samples for a, c in up.items()}
-        problem = None
-        if len(set(sizes.values())) > 1:
-            problem = ValueError(f"the servers disagree on the size of dataset {self.options.dataset!r}: {sizes}")
-        else:
-            first, *others = up.items()
-            differ = [f"{first[0]} vs {a}: {'; '.join(d)}" for a, c in others
-                      if (d := mismatches(first[1].info.identity(), c.info.identity()))]
-            if differ:
-                msg = (f"the servers would send different bytes for dataset {self.options.dataset!r}: "
-                       + " | ".join(differ))
-                if self.options.strict:
-                    problem = ValueError(msg + "; strict=False accepts them")
-                else:
-                    log.warning("%s; mixing them anyway (strict=False)", msg)
-        if problem is not None:
+            if not up:
+                raise errors.ConnectionError("no batchd server answered at any of " + ", ".join(names) + ": "
+                                             + "; ".join(errors_seen.values()))
+            self._check(up)
+        except BaseException:
             for c in up.values():
                 c.close()
-            raise problem
+            raise
+        return conns
+
+    def _check(self, up: dict[str, ServerConnection]) -> None:
+        """The servers that answered (``up``) agree on the dataset (class docstring)."""
+        sizes = {a: c.info.num_samples for a, c in up.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"the servers disagree on the size of dataset {self.options.dataset!r}: {sizes}")
+        first, *others = up.items()
+        differ = [f"{first[0]} vs {a}: {'; '.join(d)}" for a, c in others
+                  if (d := mismatches(first[1].info.identity(), c.info.identity()))]
+        if differ:
+            msg = (f"the servers would send different bytes for dataset {self.options.dataset!r}: "
+                   + " | ".join(differ))
+            if self.options.strict:
+                raise ValueError(msg + "; strict=False accepts them")
+            log.warning("%s; mixing them anyway (strict=False)", msg)
 
     # --- what passes and links ask -----------------------------------------------------------------
 
