@@ -286,28 +286,25 @@ class Epoch:
             b = self.credit.base
             if not self.credit.has(b):
                 return False
-            self._converting = b
-            entry = self._raw[b]
-        try:
-            item = self._convert(b, entry)
-        except BaseException as e:  # (raised to the consumer in its place, after the batches before it)
-            with self._lock:
-                self._converting = None
+            try:
+                item = self._convert(b)
+            except BaseException as e:  # (raised to the consumer in its place, after the batches before it)
                 self._ready = _Failed(e)
                 self._cond.notify_all()
-            return False
-        with self._lock:
-            self._converting = None
+                return False
             if item is not None and not self.closed:
                 self._took(b)
                 self._ready = item
                 self._cond.notify_all()
-        return item is not None
+            return item is not None
 
     # --- converting (either thread) ----------------------------------------------------------------
 
-    def _convert(self, b: int, entry: _Arrived) -> Any:
-        """Batch b converted (outside the lock); None if its shared-memory slot was gone (granted again)."""
+    def _convert(self, b: int) -> Any:  # (under the lock, released while converting)
+        """Batch b converted; None if its shared-memory slot was gone (it is granted again)."""
+        entry = self._raw[b]
+        self._converting = b
+        self._lock.release()
         try:
             item = convert(entry.raw, entry.shm, options=self.options, transfer=self.transfer,
                            stopping=self.stopping, on_error=self.servers.info.on_error,
@@ -317,10 +314,14 @@ class Epoch:
                 raise
             log.info("batch %d is gone from %s's shared memory (%s); asking for it again", b,
                      entry.link.address, e)
-            with self._lock:
-                self._raw.pop(b, None)
-                self.credit.requeue(b)
-                self._plan()
+            item = None
+        finally:
+            self._lock.acquire()
+            self._converting = None
+        if item is None:
+            self._raw.pop(b, None)
+            self.credit.requeue(b)
+            self._plan()
             return None
         item.times.receive = entry.received
         return item
@@ -366,14 +367,7 @@ class Epoch:
                     self.servers.wake()  # (room for the next conversion)
                     break
                 if self.inline and self._converting is None and self.credit.has(self.credit.base):
-                    entry = self._raw[b]
-                    self._converting = b
-                    self._lock.release()
-                    try:
-                        item = self._convert(b, entry)
-                    finally:
-                        self._lock.acquire()
-                        self._converting = None
+                    item = self._convert(b)
                     if item is not None:
                         self._took(b)
                         break
