@@ -241,12 +241,6 @@ class Credit:
         measured = sorted(t for h in self.holders.values() if (t := h.capacity.build_time) is not None)
         return measured[len(measured) // 2] if measured else DEFAULT_BUILD_S
 
-    def _size(self, h: Holder, horizon: float) -> None:
-        w = h.capacity.workers
-        t = h.capacity.build_time
-        want = w if t is None else w + math.ceil(horizon * w / t)  # (unmeasured: what it surely builds at once)
-        h.credit = max(self.prefetch, min(MAX_CREDIT, want))
-
     def lookahead(self) -> int:
         """Batches that may be granted past ``base`` (module docstring, *Need*): the servers'
         credits, or as far as the slowest one's batches are needed, if further."""
@@ -271,8 +265,9 @@ class Credit:
         if not working:
             return grants
         horizon = self.horizon()
-        for h in working:
-            self._size(h, horizon)
+        for h in working:  # (credit: module docstring; unmeasured, what it surely builds at once)
+            w, t = h.capacity.workers, h.capacity.build_time
+            h.credit = max(self.prefetch, min(MAX_CREDIT, w if t is None else w + math.ceil(horizon * w / t)))
         limit = min(self.total, self.base + self.lookahead())
         default = self._default_build()
         homes = sorted(working, key=lambda h: h.home)
@@ -332,15 +327,12 @@ class Credit:
     def _probe(self, now: float, grants: dict) -> None:
         """A stalled server without a grant (a new pass) gets one: its probe, the lowest batch
         granted to another server and not arrived (so the loop never waits on it)."""
-        granted = sorted({b for o in self.holders.values() for b in o.outstanding})
+        held = {b for o in self.holders.values() for b in o.outstanding}
+        probe = min((b for b in held if b >= self.base and b not in self._arrived), default=None)
         for h in self.holders.values():
-            if not (h.stalled and h.open and not h.outstanding):
-                continue
-            for b in granted:
-                if b >= self.base and b not in self._arrived:
-                    h.probe = b
-                    self._grant(h, b, now, grants)
-                    break
+            if probe is not None and h.stalled and h.open and not h.outstanding:
+                h.probe = probe
+                self._grant(h, probe, now, grants)
 
     # --- stalls ----------------------------------------------------------------------------------
 
@@ -449,9 +441,8 @@ class Credit:
 
     def figures(self) -> dict[Hashable, dict]:
         """Per server: batches it sent first this pass, its credit, grants outstanding, whether it
-        is stalled, its stalls, batches re-granted from it, duplicates, and its capacity."""
+        is stalled, its stalls, batches re-granted from it, duplicates (its capacity: ``Capacity``)."""
         return {k: {"batches": h.delivered, "credit": h.credit, "outstanding": len(h.outstanding),
                     "stalled": h.stalled, "stalls": h.stalls, "regranted": h.regranted,
-                    "duplicates": h.duplicates, "workers": h.capacity.workers,
-                    "build_seconds": h.capacity.build_time or 0.0}
+                    "duplicates": h.duplicates}
                 for k, h in self.holders.items()}
