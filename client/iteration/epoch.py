@@ -166,8 +166,7 @@ class Epoch:
             self.credit.remove(link)
             if self.servers.single:
                 self._fail(error)
-            else:
-                self._plan()
+            self._plan()  # (with one server, nobody is left to grant to: nothing)
             self._cond.notify_all()
 
     def arrived(self, link: Any, raw: Any, received: float, nbytes: int, shm: Any) -> None:
@@ -260,10 +259,9 @@ class Epoch:
                 since = self.credit.stalled_since(link)
                 if since is not None and now - since >= self.silent_after and len(self._seqs) > 1:
                     restart.append(link)
-            if self._down_since is not None and self._fatal is None:
-                waited = now - self._down_since
-                if waited >= max(0.0, self.options.reconnect_timeout):
-                    self._fail(self._no_server_error())
+            if (self._down_since is not None and self._fatal is None
+                    and now - self._down_since >= max(0.0, self.options.reconnect_timeout)):
+                self._fail(self._no_server_error())
         for link in restart:
             link.restart(f"silent for {self.silent_after:g} s while the others sent batches")
         return _MAX_WAIT_S if due is None else max(0.0, min(_MAX_WAIT_S, due - now))
