@@ -224,7 +224,6 @@ class Credit:
         self._lost.add(b)
 
     def _working(self) -> list[Holder]:
-        """The servers that may be granted batches: open, not stalled."""
         return [h for h in self.holders.values() if h.open and not h.stalled]
 
     # --- granting --------------------------------------------------------------------------------
@@ -282,7 +281,11 @@ class Credit:
             if (home is not h and b not in home.outstanding and home.room(b, self.base)
                     and home.delivery(default) <= h.delivery(default) + HOME_SLACK * h.build_time(default)):
                 h = home
-            self._take_unassigned(b)
+            if b in self._lost:
+                self._lost.discard(b)
+            else:  # (a batch never granted: those below it stay to grant)
+                self._lost.update(range(self.next_new, b))
+                self.next_new = b + 1
             self._grant(h, b, now, grants)
         self._probe(now, grants)
         return grants
@@ -310,14 +313,6 @@ class Credit:
             skip -= 1
         b = self.next_new + skip
         return b if b < limit else None
-
-    def _take_unassigned(self, b: int) -> None:
-        """Batch b (not granted to anyone) is being granted: the batches below it stay to grant."""
-        if b in self._lost:
-            self._lost.discard(b)
-        else:
-            self._lost.update(range(self.next_new, b))
-            self.next_new = b + 1
 
     def _grant(self, h: Holder, b: int, now: float, grants: dict) -> None:
         h.outstanding[b] = now
