@@ -61,11 +61,6 @@ class _Arrived:
     received: float  # seconds its message took to come
 
 
-@dataclass(frozen=True, slots=True)
-class _Failed:
-    error: BaseException  # what converting the next batch raised: the consumer raises it in its place
-
-
 class Epoch:
     """Batches ``start .. total - 1`` of ``epoch`` (its remainder from global position
     ``start_position``) from ``servers``' links (``Servers``), in order. ``batches()`` is the
@@ -80,7 +75,7 @@ class Epoch:
         self._cond = threading.Condition(self._lock)
         self.credit = Credit(start, total, prefetch=o.prefetch, regrant=o.hedge)
         self._raw: dict[int, _Arrived] = {}
-        self._ready: Any = None  # the next batch, converted by the loader's thread (or _Failed)
+        self._ready: Any = None  # the next batch, converted by the loader's thread, or what that raised
         self._seqs: dict[Any, int] = {}  # link -> this pass's open_seq on its call (once up)
         self._progress: dict[Any, Progress] = {}
         self.inline = inline(o, self.transfer)
@@ -287,7 +282,7 @@ class Epoch:
             try:
                 item = self._convert(b)
             except BaseException as e:  # (raised to the consumer in its place, after the batches before it)
-                self._ready = _Failed(e)
+                self._ready = e
                 self._cond.notify_all()
                 return False
             if item is not None and not self.closed:
@@ -360,8 +355,8 @@ class Epoch:
             while True:
                 if self._ready is not None:
                     item, self._ready = self._ready, None
-                    if isinstance(item, _Failed):
-                        raise item.error
+                    if isinstance(item, BaseException):  # (a converted batch never is one)
+                        raise item
                     self.servers.wake()  # (room for the next conversion)
                     break
                 if self.inline and self._converting is None and self.credit.has(self.credit.base):
