@@ -150,15 +150,6 @@ class Holder:
         return leases is not None and len(self.outstanding) + self.capacity.leases_held() >= leases
 
 
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """What ``Credit.arrived`` decided: ``keep`` the batch (the first copy) or drop it; and the
-    other servers' grants of it to revoke (key -> batches)."""
-
-    keep: bool
-    revoke: dict[Hashable, list[int]]
-
-
 class Credit:
     """The batches ``start .. total - 1`` of one pass, granted to servers by the rule of the
     module docstring. ``prefetch``: the least credit of a server. ``regrant``: a stalled server's
@@ -364,9 +355,10 @@ class Credit:
 
     # --- arrivals --------------------------------------------------------------------------------
 
-    def arrived(self, key: Hashable, b: int, nbytes: int = 0) -> Arrival:
-        """Batch b came from server ``key``: keep it if it is the first copy the pass needs, else
-        drop it; a stalled server that sends anything is healthy again."""
+    def arrived(self, key: Hashable, b: int, nbytes: int = 0) -> dict[Hashable, list[int]] | None:
+        """Batch b came from server ``key``: keep it if it is the first copy the pass needs (returns
+        the other servers' grants of it to revoke: key -> batches), else drop it (returns None); a
+        stalled server that sends anything is healthy again."""
         h = self.holders.get(key)
         if h is not None:
             h.outstanding.pop(b, None)
@@ -375,7 +367,7 @@ class Credit:
         if h is None or not self.base <= b < self.next_new or b in self._arrived:  # (never granted: dropped too)
             if h is not None:
                 h.duplicates += 1
-            return Arrival(False, {})
+            return None
         self._arrived[b] = key
         h.delivered += 1
         self._lost.discard(b)  # (granted again meanwhile, not yet to anyone)
@@ -388,7 +380,7 @@ class Credit:
             del o.outstanding[b]
             revoke[o.key] = [b]
         self.granted_at.pop(b, None)
-        return Arrival(True, revoke)
+        return revoke
 
     def take(self, b: int) -> Hashable:
         """The loop takes batch b (it must be ``base`` and have arrived): the server it came from."""

@@ -183,10 +183,10 @@ class Epoch:
                         self.servers.capacity(link).record(
                             t.read_seconds + t.decode_seconds + t.pipeline_seconds + t.cache_seconds
                             + t.write_seconds, t.workers)
-                    arrival = self.credit.arrived(link, b, nbytes)
-                    self._revoke(arrival.revoke)
-                    keep = arrival.keep
+                    revoke = self.credit.arrived(link, b, nbytes)
+                    keep = revoke is not None
                     if keep:
+                        self._revoke(revoke)
                         self._raw[b] = _Arrived(raw, link, shm, received)
                         if b == self.credit.base:
                             self._cond.notify_all()
@@ -335,9 +335,7 @@ class Epoch:
         what = f"dataset {self.options.dataset!r}, epoch {self.epoch}"
         try:
             for b in range(self.start, self.total):
-                item = self._take(b, what)
-                batch = deliver(item, self.transfer)
-                item = None
+                batch = deliver(self._take(b, what), self.transfer)
                 yield batch
                 batch = None  # (not kept by this frame once the loop has it)
             self.finished = True
