@@ -346,12 +346,10 @@ class Credit:
                 revokes[h.key] = gone
         return revokes, deadline
 
-    def stalled_since(self, key: Hashable) -> float | None:
-        """When a stalled server's probe was granted (None unless stalled)."""
-        h = self.holders.get(key)
-        if h is None or not h.stalled or h.probe is None:
-            return None
-        return h.outstanding.get(h.probe)
+    def silent(self, now: float, seconds: float) -> list[Hashable]:
+        """The stalled servers whose probe was granted ``seconds`` ago or more (nothing came since)."""
+        return [h.key for h in self.holders.values()
+                if h.stalled and h.probe in h.outstanding and now - h.outstanding[h.probe] >= seconds]
 
     # --- arrivals --------------------------------------------------------------------------------
 

@@ -237,7 +237,6 @@ class Epoch:
         is closed. Returns seconds until it wants to look again."""
         if self._abandoned and not self.closed:
             self.close()
-        restart = []
         with self._lock:
             if self.closed:
                 return _MAX_WAIT_S
@@ -250,10 +249,7 @@ class Epoch:
             if revokes:
                 self._plan()
                 self._cond.notify_all()
-            for link in self.credit.holders:
-                since = self.credit.stalled_since(link)
-                if since is not None and now - since >= self.silent_after and len(self._seqs) > 1:
-                    restart.append(link)
+            restart = self.credit.silent(now, self.silent_after) if len(self._seqs) > 1 else []
             if (self._down_since is not None and self._fatal is None
                     and now - self._down_since >= max(0.0, self.options.reconnect_timeout)):
                 self._fail(self._no_server_error())
