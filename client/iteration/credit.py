@@ -128,12 +128,11 @@ class Holder:
         whatever the leases (the batches the loop holds wait for it, and it frees them).
 
         The leases counted are what the server counts: its grants, and every lease of its
-        session not released yet (``Capacity.leases_held``: batches waiting here, the loop's, and
-        those freed that ride on the next grant). A batch granted past them would take the lease
-        ``base`` needs; the server, at its cap, then holds ``base`` back for a lease only ``base``
-        can free, until its ``LEASE_WAIT_S`` (2 s) runs out and it copies it inline: a loop that
-        keeps its last batches saw that whenever the server finished a later batch first. So
-        only ``base`` can bring the server to its cap (``at_lease_cap``)."""
+        session not released yet (``Capacity.leases_held``). A batch granted past them would take
+        the lease ``base`` needs; the server, at its cap, then holds ``base`` back for a lease only
+        ``base`` can free, until its ``LEASE_WAIT_S`` (2 s) runs out and it copies it inline: a
+        loop that keeps its last batches saw that whenever the server finished a later batch
+        first. So only ``base`` can bring the server to its cap (``at_lease_cap``)."""
         if self.stalled or not self.open or len(self.outstanding) >= self.credit:
             return False
         leases = self.capacity.max_leases
@@ -239,11 +238,10 @@ class Credit:
         ahead = (sum(h.credit for h in working) + len(working)
                  + max((self._lead(h, working, default) for h in working), default=0))
         least = self.prefetch * max(1, len(working))  # (each server prefetch ahead, as one alone would be)
-        step = self.loop_step
-        if step is None:
+        if self.loop_step is None:
             ahead = least  # (no step of the loop seen yet: it may be slow)
-        elif step > 0:  # a loop slower than the servers needs about 2 horizons of its own pace, no more
-            ahead = min(ahead, math.ceil(2 * self.horizon() / step) + len(working))
+        elif self.loop_step > 0:  # a loop slower than the servers needs about 2 horizons of its own pace
+            ahead = min(ahead, math.ceil(2 * self.horizon() / self.loop_step) + len(working))
         if self.batch_bytes > 0:
             ahead = min(ahead, int(MAX_LOOKAHEAD_BYTES // self.batch_bytes))
         return max(least, min(MAX_LOOKAHEAD, ahead))
@@ -296,13 +294,10 @@ class Credit:
     def _unassigned(self, skip: int, limit: int, h: Holder) -> int | None:
         """The batch not granted to anyone after the first ``skip`` such batches (below ``limit``),
         not held by ``h``; None if there is none."""
-        for b in sorted(self._lost):
-            if b in h.outstanding:
-                continue
-            if skip == 0:
-                return b
-            skip -= 1
-        b = self.next_new + skip
+        lost = [b for b in sorted(self._lost) if b not in h.outstanding]
+        if skip < len(lost):
+            return lost[skip]
+        b = self.next_new + skip - len(lost)
         return b if b < limit else None
 
     def _grant(self, h: Holder, b: int, now: float, grants: dict) -> None:

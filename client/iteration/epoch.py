@@ -270,10 +270,9 @@ class Epoch:
         """Convert the next batch in order if it arrived and the consumer has room (one converted
         ahead; not inline). True if it did (look again)."""
         with self._lock:
-            if self.closed or self._ready is not None or self._converting is not None or self._fatal_due():
-                return False
-            b = self.credit.base
-            if not self.credit.has(b):
+            b = self.credit.base  # (never arrives, too, once the pass failed after the batches before it)
+            if (self.closed or self._ready is not None or self._converting is not None
+                    or not self.credit.has(b)):
                 return False
             try:
                 item = self._convert(b)
