@@ -320,9 +320,6 @@ class Epoch:
         link.batches += 1
         self._plan()
 
-    def _fatal_due(self) -> bool:  # (under the lock)
-        return self._fatal is not None and not self.credit.has(self.credit.base)
-
     # --- the consumer --------------------------------------------------------------------------------
 
     def batches(self) -> Iterator[Any]:
@@ -358,7 +355,7 @@ class Epoch:
                         self._took(b)
                         break
                     continue
-                if self._fatal_due():
+                if self._fatal is not None and not self.credit.has(self.credit.base):
                     raise self._fatal
                 if self.closed:
                     raise RuntimeError(f"the loader was closed ({what}, batch {b})")
