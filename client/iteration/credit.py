@@ -23,7 +23,8 @@ it, any number of times, and the first copy to arrive is the one the loop gets. 
   credits together and as far as a slow server's batches are needed, but no more than about two
   horizons of the loop's own pace (a loop slower than the servers does not make them build far
   ahead; before its first step, ``prefetch`` per server), at most ``MAX_LOOKAHEAD`` and about
-  ``MAX_LOOKAHEAD_BYTES``.
+  ``MAX_LOOKAHEAD_BYTES``. The loop's step is the time between getting a batch and asking for the
+  next (the training step; the wait for data left out), a moving mean.
 * **Stalls.** A server whose oldest grant is older than its deadline, ``STALL_FACTOR x
   (ceil(credit / W) + 1) x t + STALL_SLACK_S`` (its own capacity: never other servers' pace, never
   a budget), is stalled: every batch it holds is granted to the others at once; it keeps its
@@ -42,32 +43,110 @@ Thread-safety: none; ``batchd.client.iteration.epoch.Epoch`` calls it under its 
 
 from __future__ import annotations
 
-import heapq
+import collections
 import math
-from dataclasses import dataclass
-from typing import Hashable
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
-from batchd.client.iteration.loop_pace import LoopPace
-from batchd.client.iteration.holder import DEFAULT_BUILD_S, STALL_FACTOR, STALL_SLACK_S, Capacity, Holder
-
-__all__ = ["Arrival", "Capacity", "Credit", "Holder", "DEFAULT_BUILD_S", "STALL_FACTOR",
-           "STALL_SLACK_S"]
-
+DEFAULT_BUILD_S = 0.1  # a server's seconds per batch while none is measured (seconds)
+STALL_FACTOR = 2.0  # a grant is late past this many times the latency its server's capacity implies
+STALL_SLACK_S = 0.1  # ... plus this (scheduling, a garbage collection, the network; seconds)
 MIN_HORIZON_S = 0.1  # the shortest horizon credit is sized to (seconds)
-HEADROOM_S = 0.05  # beyond the slowest server's build time: the round trip and this loader's reaction (seconds)
+HEADROOM_S = 0.05  # beyond the slowest server's build time: the round trip and this loader's reaction (s)
 MAX_CREDIT = 32  # grants one server may hold (batches)
 MAX_LOOKAHEAD = 128  # batches granted past the one the loop takes next, at most
 MAX_LOOKAHEAD_BYTES = 1 << 30  # ... and at most about this many bytes of them
 HOME_SLACK = 4.0  # a batch goes home if the home delivers it at most this many of the other's batches later
+STEP_ALPHA = 0.25  # weight of a new step of the loop in its moving mean
+_BUILD_WINDOW = 32  # recent batches whose build times make a server's median
 
 
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """What ``Credit.arrived`` decided: ``keep`` the batch (the first copy) or drop it; and the
-    other servers' grants of it to revoke (key -> batches)."""
+class Capacity:
+    """What one server can build, as it says: ``workers`` (its worker processes) and
+    ``build_time``, the median worker seconds per batch of its recent batches (None before its
+    first); ``max_leases`` over shared memory (None otherwise), and ``leases_held()``: how many of
+    its session's leases are not released yet (batches waiting to be taken, the loop's, and those
+    freed that ride on the next grant). Kept across passes (``Servers.capacity``)."""
 
-    keep: bool
-    revoke: dict[Hashable, list[int]]
+    __slots__ = ("workers", "max_leases", "leases_held", "build_time", "_builds")
+
+    def __init__(self, workers: int = 1, max_leases: int | None = None,
+                 leases_held: Callable[[], int] = lambda: 0):
+        self.workers = max(1, workers)
+        self.max_leases = max_leases
+        self.leases_held = leases_held
+        self.build_time: float | None = None
+        self._builds: collections.deque[float] = collections.deque(maxlen=_BUILD_WINDOW)
+
+    def record(self, seconds: float, workers: int = 0) -> None:
+        """A batch of this server arrived: its worker ``seconds`` (read + decode + pipeline + cache
+        + write, 0: unknown) and the server's ``workers`` when it was sent (0: unknown)."""
+        if workers > 0:
+            self.workers = workers
+        if seconds > 0:
+            self._builds.append(seconds)
+            self.build_time = statistics.median(self._builds)
+
+
+@dataclass(eq=False)
+class Holder:
+    """One server in one pass: the batches granted to it and not arrived (``outstanding``: batch
+    -> when granted, monotonic s), its state; and the questions the rule asks of it."""
+
+    key: Hashable
+    capacity: Capacity
+    home: str
+    open: bool = False  # its call is up for this pass: it may be granted batches
+    stalled: bool = False
+    probe: int | None = None  # a stalled server's one grant left
+    outstanding: dict[int, float] = field(default_factory=dict)
+    credit: int = 1
+    # this pass's counts (``Credit.figures``)
+    delivered: int = 0  # batches it sent first
+    duplicates: int = 0  # copies it sent after another (dropped)
+    stalls: int = 0  # times it was found stalled
+    regranted: int = 0  # its batches granted to another server when it stalled or went
+
+    def build_time(self, default: float) -> float:
+        t = self.capacity.build_time
+        return t if t is not None else default
+
+    def delivery(self, default: float) -> float:
+        """Seconds until it would deliver one more batch granted now (its queue, then that one)."""
+        return (len(self.outstanding) // self.capacity.workers + 1) * self.build_time(default)
+
+    def deadline(self, default: float) -> float:
+        """Seconds after which its oldest grant is late (module docstring, *Stalls*); a server not
+        measured yet gets at least ``DEFAULT_BUILD_S`` per batch."""
+        rounds = math.ceil(self.credit / self.capacity.workers) + 1
+        return STALL_FACTOR * rounds * self.build_time(max(default, DEFAULT_BUILD_S)) + STALL_SLACK_S
+
+    def room(self, b: int, base: int) -> bool:
+        """Whether batch b may be granted to it now: free credit, and over shared memory a lease
+        for it that leaves one for the batch the loop waits for (``base``), which is granted
+        whatever the leases (the batches the loop holds wait for it, and it frees them).
+
+        The leases counted are what the server counts: its grants, and every lease of its
+        session not released yet (``Capacity.leases_held``). A batch granted past them would take
+        the lease ``base`` needs; the server, at its cap, then holds ``base`` back for a lease only
+        ``base`` can free, until its ``LEASE_WAIT_S`` (2 s) runs out and it copies it inline: a
+        loop that keeps its last batches saw that whenever the server finished a later batch
+        first. So only ``base`` can bring the server to its cap (``at_lease_cap``)."""
+        if self.stalled or not self.open or len(self.outstanding) >= self.credit:
+            return False
+        leases = self.capacity.max_leases
+        if leases is None or b == base:
+            return True
+        spoken_for = len(self.outstanding) + (base not in self.outstanding)
+        return spoken_for + self.capacity.leases_held() < leases
+
+    def at_lease_cap(self) -> bool:
+        """Whether its grants and the leases not released reach its cap: it may hold a batch back
+        until one comes back (the loop, about to wait, sends what it freed at once: else those
+        ride on the next grant, as ``room`` leaves the server a lease for each)."""
+        leases = self.capacity.max_leases
+        return leases is not None and len(self.outstanding) + self.capacity.leases_held() >= leases
 
 
 class Credit:
@@ -82,20 +161,18 @@ class Credit:
         self.holders: dict[Hashable, Holder] = {}
         self.base = start  # the next batch the loop takes
         self.next_new = start  # the lowest batch never granted
-        self._lost: list[int] = []  # heap: batches below next_new that no open server holds, to grant again
-        self._lost_set: set[int] = set()
-        self._holders: dict[int, set[Hashable]] = {}  # batch -> servers holding a grant of it
+        self._lost: set[int] = set()  # batches below next_new that no open server holds, to grant again
         self._arrived: dict[int, Hashable] = {}  # batch (>= base) -> the server whose copy is kept
         self.batch_bytes = 0.0  # a batch's size, moving (bytes)
-        self.granted_at: dict[int, float] = {}  # batch -> when it was last granted (the loop's deadline moves then)
-        self.loop = LoopPace()  # the training loop's own pace (the pass tells it when it asks and gets)
+        self.granted_at: dict[int, float] = {}  # batch -> when last granted (the loop's deadline moves then)
+        self.loop_step: float | None = None  # the loop's step, moving (s; None before its first)
+        self._handed_at: float | None = None  # when the loop got its last batch (None: it asked since)
 
     # --- servers ---------------------------------------------------------------------------------
 
-    def add(self, key: Hashable, capacity: Capacity, home: str, *, stalled: bool = False) -> Holder:
+    def add(self, key: Hashable, capacity: Capacity, home: str, *, stalled: bool = False) -> None:
         """A server joins the pass (not yet open: ``opened`` once its call is up)."""
-        holder = self.holders[key] = Holder(key, capacity, home, stalled=stalled)
-        return holder
+        self.holders[key] = Holder(key, capacity, home, stalled=stalled)
 
     def opened(self, key: Hashable) -> list[int]:
         """Its call is up (again). Returns its outstanding batches to grant again on it (a new call
@@ -104,29 +181,26 @@ class Credit:
         h.open = True
         return sorted(h.outstanding)
 
-    def closed(self, key: Hashable, now: float) -> None:
+    def closed(self, key: Hashable) -> None:
         """Its call broke (it may come back): its batches go to the others now; it gets nothing
         new until ``opened``."""
         h = self.holders.get(key)
         if h is not None and h.open:
             h.open = False
-            self._let_go(h, keep=None, now=now)
+            self._let_go(h, keep=None)
 
-    def remove(self, key: Hashable, now: float) -> None:
+    def remove(self, key: Hashable) -> None:
         """It left the pass (down, retired): its batches go to the others."""
         h = self.holders.pop(key, None)
         if h is not None:
-            self._let_go(h, keep=None, now=now)
+            self._let_go(h, keep=None)
 
-    def _let_go(self, h: Holder, keep: int | None, now: float) -> list[int]:
+    def _let_go(self, h: Holder, keep: int | None) -> list[int]:
         """Its grants but ``keep`` (a stalled server's probe) go; each goes to the others unless a
         healthy server holds it already (the probe too). Returns the batches it let go of."""
         gone = [b for b in h.outstanding if b != keep]
         for b in gone:
             del h.outstanding[b]
-            holders = self._holders.get(b)
-            if holders is not None:
-                holders.discard(h.key)
             self._lose(b)
         if keep is not None:
             self._lose(keep)
@@ -135,16 +209,12 @@ class Credit:
 
     def _lose(self, b: int) -> None:
         """Batch b is to be granted again (first), unless it arrived or a healthy server holds it."""
-        if b < self.base or b in self._arrived or b in self._lost_set:
+        if b < self.base or b in self._arrived or any(b in h.outstanding for h in self._working()):
             return
-        if any(self._healthy(k) for k in self._holders.get(b, ())):
-            return
-        heapq.heappush(self._lost, b)
-        self._lost_set.add(b)
+        self._lost.add(b)
 
-    def _healthy(self, key: Hashable) -> bool:
-        h = self.holders.get(key)
-        return h is not None and h.open and not h.stalled
+    def _working(self) -> list[Holder]:
+        return [h for h in self.holders.values() if h.open and not h.stalled]
 
     # --- granting --------------------------------------------------------------------------------
 
@@ -160,25 +230,18 @@ class Credit:
         measured = sorted(t for h in self.holders.values() if (t := h.capacity.build_time) is not None)
         return measured[len(measured) // 2] if measured else DEFAULT_BUILD_S
 
-    def _size(self, h: Holder, horizon: float) -> None:
-        w = h.capacity.workers
-        t = h.capacity.build_time
-        want = w if t is None else w + math.ceil(horizon * w / t)  # (unmeasured: what it surely builds at once)
-        h.credit = max(self.prefetch, min(MAX_CREDIT, want))
-
     def lookahead(self) -> int:
         """Batches that may be granted past ``base`` (module docstring, *Need*): the servers'
         credits, or as far as the slowest one's batches are needed, if further."""
-        working = [h for h in self.holders.values() if h.open and not h.stalled]
+        working = self._working()
         default = self._default_build()
         ahead = (sum(h.credit for h in working) + len(working)
                  + max((self._lead(h, working, default) for h in working), default=0))
         least = self.prefetch * max(1, len(working))  # (each server prefetch ahead, as one alone would be)
-        step = self.loop.step()
-        if step is None:
+        if self.loop_step is None:
             ahead = least  # (no step of the loop seen yet: it may be slow)
-        elif step > 0:  # a loop slower than the servers needs about 2 horizons of its own pace, no more
-            ahead = min(ahead, math.ceil(2 * self.horizon() / step) + len(working))
+        elif self.loop_step > 0:  # a loop slower than the servers needs about 2 horizons of its own pace
+            ahead = min(ahead, math.ceil(2 * self.horizon() / self.loop_step) + len(working))
         if self.batch_bytes > 0:
             ahead = min(ahead, int(MAX_LOOKAHEAD_BYTES // self.batch_bytes))
         return max(least, min(MAX_LOOKAHEAD, ahead))
@@ -186,15 +249,16 @@ class Credit:
     def plan(self, now: float) -> dict[Hashable, list[int]]:
         """New grants: server key -> batches, in order. Records them."""
         grants: dict[Hashable, list[int]] = {}
-        working = [h for h in self.holders.values() if h.open and not h.stalled]
+        working = self._working()
         if not working:
             return grants
         horizon = self.horizon()
-        for h in working:
-            self._size(h, horizon)
+        for h in working:  # (credit: module docstring; unmeasured, what it surely builds at once)
+            w, t = h.capacity.workers, h.capacity.build_time
+            h.credit = max(self.prefetch, min(MAX_CREDIT, w if t is None else w + math.ceil(horizon * w / t)))
         limit = min(self.total, self.base + self.lookahead())
         default = self._default_build()
-        homes = sorted(working, key=lambda h: h.home) if len(working) > 1 else None
+        homes = sorted(working, key=lambda h: h.home)
         candidates = list(working)
         while candidates:
             h = min(candidates, key=lambda x: x.delivery(default))  # (the first of equals: their order)
@@ -202,11 +266,15 @@ class Credit:
             if b is None or not h.room(b, self.base):
                 candidates.remove(h)
                 continue
-            home = homes[b % len(homes)] if homes is not None else h
+            home = homes[b % len(homes)]
             if (home is not h and b not in home.outstanding and home.room(b, self.base)
                     and home.delivery(default) <= h.delivery(default) + HOME_SLACK * h.build_time(default)):
                 h = home
-            self._take_unassigned(b)
+            if b in self._lost:
+                self._lost.discard(b)
+            else:  # (a batch never granted: those below it stay to grant)
+                self._lost.update(range(self.next_new, b))
+                self.next_new = b + 1
             self._grant(h, b, now, grants)
         self._probe(now, grants)
         return grants
@@ -226,44 +294,26 @@ class Credit:
     def _unassigned(self, skip: int, limit: int, h: Holder) -> int | None:
         """The batch not granted to anyone after the first ``skip`` such batches (below ``limit``),
         not held by ``h``; None if there is none."""
-        for b in sorted(self._lost):
-            if b in h.outstanding:
-                continue
-            if skip == 0:
-                return b
-            skip -= 1
-        b = self.next_new + skip
+        lost = [b for b in sorted(self._lost) if b not in h.outstanding]
+        if skip < len(lost):
+            return lost[skip]
+        b = self.next_new + skip - len(lost)
         return b if b < limit else None
-
-    def _take_unassigned(self, b: int) -> None:
-        """Batch b (not granted to anyone) is being granted: the batches below it stay to grant."""
-        if b in self._lost_set:
-            self._lost_set.discard(b)
-            self._lost.remove(b)
-            heapq.heapify(self._lost)
-            return
-        for x in range(self.next_new, b):
-            heapq.heappush(self._lost, x)
-            self._lost_set.add(x)
-        self.next_new = b + 1
 
     def _grant(self, h: Holder, b: int, now: float, grants: dict) -> None:
         h.outstanding[b] = now
-        self._holders.setdefault(b, set()).add(h.key)
         self.granted_at[b] = now
         grants.setdefault(h.key, []).append(b)
 
     def _probe(self, now: float, grants: dict) -> None:
         """A stalled server without a grant (a new pass) gets one: its probe, the lowest batch
-        granted to a healthy server and not arrived (so the loop never waits on it)."""
+        granted to another server and not arrived (so the loop never waits on it)."""
+        held = {b for o in self.holders.values() for b in o.outstanding}
+        probe = min((b for b in held if b >= self.base and b not in self._arrived), default=None)
         for h in self.holders.values():
-            if not (h.stalled and h.open and not h.outstanding):
-                continue
-            for b in sorted(self._holders):
-                if b >= self.base and b not in self._arrived and b not in h.outstanding:
-                    h.probe = b
-                    self._grant(h, b, now, grants)
-                    break
+            if probe is not None and h.stalled and h.open and not h.outstanding:
+                h.probe = probe
+                self._grant(h, probe, now, grants)
 
     # --- stalls ----------------------------------------------------------------------------------
 
@@ -271,11 +321,9 @@ class Credit:
         """Find stalled servers (module docstring, *Stalls*) and let go of their batches. Returns
         (revokes: key -> batches, the next time a grant may turn late: monotonic s, or None)."""
         revokes: dict[Hashable, list[int]] = {}
-        if not self.regrant:
-            return revokes, None
-        healthy = [h for h in self.holders.values() if h.open and not h.stalled]
-        if len(healthy) < 2:
-            return revokes, None  # nobody could take its batches
+        healthy = self._working()
+        if not self.regrant or len(healthy) < 2:
+            return revokes, None  # (with one healthy server nobody could take its batches)
         default = self._default_build()
         deadline = None
         for h in healthy:
@@ -288,62 +336,50 @@ class Credit:
                 continue
             h.stalled, h.probe = True, oldest_b
             h.stalls += 1
-            gone = self._let_go(h, keep=oldest_b, now=now)
+            gone = self._let_go(h, keep=oldest_b)
             if gone:
                 revokes[h.key] = gone
         return revokes, deadline
 
-    def stalled_since(self, key: Hashable) -> float | None:
-        """When a stalled server's probe was granted (None unless stalled)."""
-        h = self.holders.get(key)
-        if h is None or not h.stalled or h.probe is None:
-            return None
-        return h.outstanding.get(h.probe)
+    def silent(self, now: float, seconds: float) -> list[Hashable]:
+        """The stalled servers whose probe was granted ``seconds`` ago or more (nothing came since)."""
+        return [h.key for h in self.holders.values()
+                if h.stalled and h.probe in h.outstanding and now - h.outstanding[h.probe] >= seconds]
 
     # --- arrivals --------------------------------------------------------------------------------
 
-    def arrived(self, key: Hashable, b: int, now: float, nbytes: int = 0) -> Arrival:
-        """Batch b came from server ``key``: keep it if it is the first copy the pass needs, else
-        drop it; a stalled server that sends anything is healthy again."""
+    def arrived(self, key: Hashable, b: int, nbytes: int = 0) -> dict[Hashable, list[int]] | None:
+        """Batch b came from server ``key``: keep it if it is the first copy the pass needs (returns
+        the other servers' grants of it to revoke: key -> batches), else drop it (returns None); a
+        stalled server that sends anything is healthy again."""
         h = self.holders.get(key)
-        holders = self._holders.get(b)
         if h is not None:
             h.outstanding.pop(b, None)
             if h.stalled:
                 h.stalled, h.probe = False, None
-        if holders is not None and key in holders:
-            holders.discard(key)
         if h is None or not self.base <= b < self.next_new or b in self._arrived:  # (never granted: dropped too)
             if h is not None:
                 h.duplicates += 1
-            if holders is not None and not holders:
-                del self._holders[b]
-            return Arrival(False, {})
+            return None
         self._arrived[b] = key
         h.delivered += 1
-        if b in self._lost_set:  # (granted again meanwhile, not yet to anyone)
-            self._lost_set.discard(b)
-            self._lost.remove(b)
-            heapq.heapify(self._lost)
+        self._lost.discard(b)  # (granted again meanwhile, not yet to anyone)
         if nbytes:
             self.batch_bytes = nbytes if not self.batch_bytes else 0.8 * self.batch_bytes + 0.2 * nbytes
         revoke: dict[Hashable, list[int]] = {}
-        for other in holders or ():
-            o = self.holders.get(other)
-            if o is None:
-                continue
-            if o.stalled and o.probe == b:
-                continue  # its probe stays granted: its copy arriving (dropped) shows it is back
-            o.outstanding.pop(b, None)
-            revoke.setdefault(other, []).append(b)
-        self._holders.pop(b, None)
+        for o in self.holders.values():
+            if b not in o.outstanding or (o.stalled and o.probe == b):
+                continue  # (a probe stays granted: its copy arriving, dropped, shows it is back)
+            del o.outstanding[b]
+            revoke[o.key] = [b]
         self.granted_at.pop(b, None)
-        return Arrival(True, revoke)
+        return revoke
 
     def take(self, b: int) -> Hashable:
         """The loop takes batch b (it must be ``base`` and have arrived): the server it came from."""
         if b != self.base or b not in self._arrived:
-            raise RuntimeError(f"batch {b} taken out of order (next is {self.base}, arrived: {b in self._arrived})")
+            raise RuntimeError(f"batch {b} taken out of order (next is {self.base}, "
+                               f"arrived: {b in self._arrived})")
         key = self._arrived.pop(b)
         self.base += 1
         return key
@@ -357,7 +393,7 @@ class Credit:
         h = self.holders.get(key)
         if h is not None:
             h.delivered -= 1
-        self._lose(b)
+        self._lost.add(b)
 
     def has(self, b: int) -> bool:
         """Whether batch b arrived (the copy kept) and waits to be taken."""
@@ -366,17 +402,27 @@ class Credit:
     def arrived_from(self, key: Hashable) -> list[int]:
         return sorted(b for b, k in self._arrived.items() if k == key)
 
-    @property
-    def done(self) -> bool:
-        return self.base >= self.total
-
     def outstanding(self) -> dict[Hashable, list[int]]:
         return {k: sorted(h.outstanding) for k, h in self.holders.items() if h.outstanding}
 
+    # --- the loop's pace ---------------------------------------------------------------------------
+
+    def asked(self, now: float) -> None:
+        """The loop asks for a batch (monotonic s): the step since it got the last one is measured."""
+        if self._handed_at is not None:
+            step = max(0.0, now - self._handed_at)
+            self.loop_step = step if self.loop_step is None else (
+                (1 - STEP_ALPHA) * self.loop_step + STEP_ALPHA * step)
+            self._handed_at = None
+
+    def handed(self, now: float) -> None:
+        """The loop got its batch (monotonic s)."""
+        self._handed_at = now
+
     def figures(self) -> dict[Hashable, dict]:
         """Per server: batches it sent first this pass, its credit, grants outstanding, whether it
-        is stalled, its stalls, batches re-granted from it, duplicates, and its capacity."""
+        is stalled, its stalls, batches re-granted from it, duplicates (its capacity: ``Capacity``)."""
         return {k: {"batches": h.delivered, "credit": h.credit, "outstanding": len(h.outstanding),
-                    "stalled": h.stalled, "stalls": h.stalls, "regranted": h.regranted, "duplicates": h.duplicates,
-                    "workers": h.capacity.workers, "build_seconds": h.capacity.build_time or 0.0}
+                    "stalled": h.stalled, "stalls": h.stalls, "regranted": h.regranted,
+                    "duplicates": h.duplicates}
                 for k, h in self.holders.items()}

@@ -6,7 +6,7 @@
                                                                     |
               inline (CPU tensors as they came): the consumer converts batch b itself once it arrived;
               else the loader's thread converts in order, one ahead (the double buffer: device copy,
-              gpu_transform, decode_on_client, collate_fn)
+              gpu_transform, decode_on_client, collate_fn; ``convert_next``)
                                                                     |
                                           consumer: ``batches()`` yields b, b + 1, ... once each
 
@@ -22,7 +22,8 @@ let go of (``abandon``).
   when b was last granted, whichever is later (a failover moves the deadline), then raises
   ``batchd.TimeoutError`` naming the servers; with no server up for ``reconnect_timeout`` seconds,
   ``batchd.ConnectionError``; a server's error (a sample that cannot be read, a worker that died)
-  after the batches before it.
+  after the batches before it; what converting raises in the batch's place. A shared-memory batch
+  whose slot is gone (its server restarted) is granted again instead (``Credit.requeue``).
 * **The end.** Once the last batch is taken (or on ``close``) the grants still out (a stalled
   server's probe, copies that lost) are revoked and the batches waiting are dropped, their leases
   released. A ``break``, or the iterator collected by the garbage collector in any thread, only
@@ -33,7 +34,6 @@ let go of (``abandon``).
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -41,8 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from batchd import errors
-from batchd.client.device.convert import deliver, inline
-from batchd.client.iteration.conversion import Conversion, _Failed
+from batchd.client.device.convert import convert, deliver, inline
 from batchd.client.iteration.credit import Credit
 from batchd.client.transport import fields
 from batchd.client.transport.progress import Progress
@@ -62,7 +61,7 @@ class _Arrived:
     received: float  # seconds its message took to come
 
 
-class Epoch(Conversion):
+class Epoch:
     """Batches ``start .. total - 1`` of ``epoch`` (its remainder from global position
     ``start_position``) from ``servers``' links (``Servers``), in order. ``batches()`` is the
     consumer's iterator."""
@@ -76,7 +75,7 @@ class Epoch(Conversion):
         self._cond = threading.Condition(self._lock)
         self.credit = Credit(start, total, prefetch=o.prefetch, regrant=o.hedge)
         self._raw: dict[int, _Arrived] = {}
-        self._ready: collections.deque = collections.deque()  # converted by the loader's thread (Received, one)
+        self._ready: Any = None  # the next batch, converted by the loader's thread, or what that raised
         self._seqs: dict[Any, int] = {}  # link -> this pass's open_seq on its call (once up)
         self._progress: dict[Any, Progress] = {}
         self.inline = inline(o, self.transfer)
@@ -133,8 +132,8 @@ class Epoch(Conversion):
                 return
             self._seqs.pop(link, None)
             if self._seqs and error is not None:
-                self.servers.count("failovers")
-            self.credit.closed(link, time.monotonic())
+                self.servers.stats.count("failovers")
+            self.credit.closed(link)
             self._requeue_shared(link)
             if not any(h.open for h in self.credit.holders.values()) and self._down_since is None:
                 self._down_since = time.monotonic()
@@ -159,11 +158,10 @@ class Epoch(Conversion):
             if self.closed:
                 return
             self._seqs.pop(link, None)
-            self.credit.remove(link, time.monotonic())
+            self.credit.remove(link)
             if self.servers.single:
                 self._fail(error)
-            else:
-                self._plan()
+            self._plan()  # (with one server, nobody is left to grant to: nothing)
             self._cond.notify_all()
 
     def arrived(self, link: Any, raw: Any, received: float, nbytes: int, shm: Any) -> None:
@@ -183,15 +181,12 @@ class Epoch(Conversion):
                     t = raw.timings
                     if t is not None:
                         self.servers.capacity(link).record(
-                            t.read_seconds + t.decode_seconds + t.pipeline_seconds + t.cache_seconds + t.write_seconds,
-                            t.workers)
-                    arrival = self.credit.arrived(link, b, time.monotonic(), nbytes)
-                    for other, batches in arrival.revoke.items():
-                        seq = self._seqs.get(other)
-                        if seq is not None:
-                            other.revoke(batches, seq)
-                    keep = arrival.keep
+                            t.read_seconds + t.decode_seconds + t.pipeline_seconds + t.cache_seconds
+                            + t.write_seconds, t.workers)
+                    revoke = self.credit.arrived(link, b, nbytes)
+                    keep = revoke is not None
                     if keep:
+                        self._revoke(revoke)
                         self._raw[b] = _Arrived(raw, link, shm, received)
                         if b == self.credit.base:
                             self._cond.notify_all()
@@ -218,6 +213,12 @@ class Epoch(Conversion):
             if seq is not None:
                 link.grant(batches, seq)
 
+    def _revoke(self, revokes: dict[Any, list[int]]) -> None:  # (under the lock)
+        for link, batches in revokes.items():
+            seq = self._seqs.get(link)
+            if seq is not None:
+                link.revoke(batches, seq)
+
     def _requeue_shared(self, link: Any) -> None:  # (under the lock)
         """``link``'s call broke: its shared-memory batches waiting here may be gone with its
         session (a restart): they are granted again (their leases released)."""
@@ -236,29 +237,22 @@ class Epoch(Conversion):
         is closed. Returns seconds until it wants to look again."""
         if self._abandoned and not self.closed:
             self.close()
-        restart = []
         with self._lock:
             if self.closed:
                 return _MAX_WAIT_S
             revokes, due = self.credit.check(now)
+            self._revoke(revokes)
             for link, batches in revokes.items():
-                seq = self._seqs.get(link)
-                if seq is not None:
-                    link.revoke(batches, seq)
-                self.servers.count("stalls")
-                log.info("batchd server %s is stalled (its oldest batch is late); its %d batches go to the other "
-                         "servers", link.address, len(batches))
+                self.servers.stats.count("stalls")
+                log.info("batchd server %s is stalled (its oldest batch is late); its %d batches go to the "
+                         "other servers", link.address, len(batches))
             if revokes:
                 self._plan()
                 self._cond.notify_all()
-            for link in self.credit.holders:
-                since = self.credit.stalled_since(link)
-                if since is not None and now - since >= self.silent_after and len(self._seqs) > 1:
-                    restart.append(link)
-            if self._down_since is not None and self._fatal is None:
-                waited = now - self._down_since
-                if waited >= max(0.0, self.options.reconnect_timeout):
-                    self._fail(self._no_server_error())
+            restart = self.credit.silent(now, self.silent_after) if len(self._seqs) > 1 else []
+            if (self._down_since is not None and self._fatal is None
+                    and now - self._down_since >= max(0.0, self.options.reconnect_timeout)):
+                self._fail(self._no_server_error())
         for link in restart:
             link.restart(f"silent for {self.silent_after:g} s while the others sent batches")
         return _MAX_WAIT_S if due is None else max(0.0, min(_MAX_WAIT_S, due - now))
@@ -266,13 +260,65 @@ class Epoch(Conversion):
     def _no_server_error(self) -> BaseException:
         names = ", ".join(link.address for link in self.servers.links)
         why = "; ".join(f"{link.address}: {link.error}" for link in self.servers.links if link.error)
-        if self.servers.single:
-            return errors.ConnectionError(
-                f"lost the stream from {names} at epoch {self.epoch}, batch {self.credit.base}, and could not resume "
-                f"within reconnect_timeout={self.options.reconnect_timeout:g} s ({why or 'no answer'})")
+        lost, unless = ((f"the stream from {names}", "could not resume") if self.servers.single
+                        else (f"every batchd server ({names})", "none came back"))
         return errors.ConnectionError(
-            f"lost every batchd server ({names}) at epoch {self.epoch}, batch {self.credit.base}, and none came back "
-            f"within reconnect_timeout={self.options.reconnect_timeout:g} s ({why or 'no answer'})")
+            f"lost {lost} at epoch {self.epoch}, batch {self.credit.base}, and {unless} within "
+            f"reconnect_timeout={self.options.reconnect_timeout:g} s ({why or 'no answer'})")
+
+    def convert_next(self) -> bool:
+        """Convert the next batch in order if it arrived and the consumer has room (one converted
+        ahead; not inline). True if it did (look again)."""
+        with self._lock:
+            b = self.credit.base  # (never arrives, too, once the pass failed after the batches before it)
+            if (self.closed or self._ready is not None or self._converting is not None
+                    or not self.credit.has(b)):
+                return False
+            try:
+                item = self._convert(b)
+            except BaseException as e:  # (raised to the consumer in its place, after the batches before it)
+                self._ready = e
+                self._cond.notify_all()
+                return False
+            if item is not None and not self.closed:
+                self._took(b)
+                self._ready = item
+                self._cond.notify_all()
+            return item is not None
+
+    # --- converting (either thread) ----------------------------------------------------------------
+
+    def _convert(self, b: int) -> Any:  # (under the lock, released while converting)
+        """Batch b converted; None if its shared-memory slot was gone (it is granted again)."""
+        entry = self._raw[b]
+        self._converting = b
+        self._lock.release()
+        try:
+            item = convert(entry.raw, entry.shm, options=self.options, transfer=self.transfer,
+                           stopping=self.stopping, on_error=self.servers.info.on_error,
+                           address=entry.link.address, record=self.progress(entry.link))
+        except ConnectionError as e:
+            if not entry.raw.segment:
+                raise
+            log.info("batch %d is gone from %s's shared memory (%s); asking for it again", b,
+                     entry.link.address, e)
+            item = None
+        finally:
+            self._lock.acquire()
+            self._converting = None
+        if item is None:
+            self._raw.pop(b, None)
+            self.credit.requeue(b)
+            self._plan()
+            return None
+        item.times.receive = entry.received
+        return item
+
+    def _took(self, b: int) -> None:  # (under the lock)
+        link = self.credit.take(b)
+        self._raw.pop(b, None)
+        link.batches += 1
+        self._plan()
 
     # --- the consumer --------------------------------------------------------------------------------
 
@@ -281,9 +327,7 @@ class Epoch(Conversion):
         what = f"dataset {self.options.dataset!r}, epoch {self.epoch}"
         try:
             for b in range(self.start, self.total):
-                item = self._take(b, what)
-                batch = deliver(item, self.transfer)
-                item = None
+                batch = deliver(self._take(b, what), self.transfer)
                 yield batch
                 batch = None  # (not kept by this frame once the loop has it)
             self.finished = True
@@ -292,41 +336,41 @@ class Epoch(Conversion):
             self.abandon()
 
     def _take(self, b: int, what: str) -> Any:
+        """Batch b, converted: waits for it, at most ``timeout`` s from when asked or from its last
+        grant. Inline, converts it here (the lock released meanwhile)."""
         asked = time.monotonic()
         timeout = self.options.timeout
         with self._lock:
-            self.credit.loop.asked(asked)
-            item = self._wait_for(b, what, asked, timeout)
-            self.credit.loop.handed(time.monotonic())  # (the batch's taking planned the next grants)
+            self.credit.asked(asked)
+            while True:
+                if self._ready is not None:
+                    item, self._ready = self._ready, None
+                    if isinstance(item, BaseException):  # (a converted batch never is one)
+                        raise item
+                    self.servers.wake()  # (room for the next conversion)
+                    break
+                if self.inline and self._converting is None and self.credit.has(self.credit.base):
+                    item = self._convert(b)
+                    if item is not None:
+                        self._took(b)
+                        break
+                    continue
+                if self._fatal is not None and not self.credit.has(self.credit.base):
+                    raise self._fatal
+                if self.closed:
+                    raise RuntimeError(f"the loader was closed ({what}, batch {b})")
+                now = time.monotonic()
+                deadline = max(asked, self.credit.granted_at.get(b, asked)) + timeout
+                if now >= deadline:
+                    names = (", ".join(link.address for link in self._seqs)
+                             or ", ".join(self.servers.addresses))
+                    raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
+                for link in self._seqs:
+                    if (h := self.credit.holders.get(link)) is not None and h.at_lease_cap():
+                        link.send_freed()  # (it waits for them)
+                self._cond.wait(min(_MAX_WAIT_S, deadline - now))
+            self.credit.handed(time.monotonic())  # (the batch's taking planned the next grants)
             return item
-
-    def _wait_for(self, b: int, what: str, asked: float, timeout: float) -> Any:  # (under the lock)
-        """Batch b, converted: waits for it, at most ``timeout`` s from ``asked`` or from its last grant."""
-        while True:
-            if self._ready:
-                item = self._ready.popleft()
-                if isinstance(item, _Failed):
-                    raise item.error
-                self.servers.wake()  # (room for the next conversion)
-                return item
-            if self.inline and self._converting is None and self.credit.has(self.credit.base):
-                item = self._convert_here(b)
-                if item is not None:
-                    return item
-                continue
-            if self._fatal_due():
-                raise self._fatal
-            if self.closed:
-                raise RuntimeError(f"the loader was closed ({what}, batch {b})")
-            now = time.monotonic()
-            deadline = max(asked, self.credit.granted_at.get(b, asked)) + timeout
-            if now >= deadline:
-                names = ", ".join(link.address for link in self._seqs) or ", ".join(self.servers.addresses)
-                raise errors.TimeoutError(f"no batch from {names} for {timeout:g} s ({what}, batch {b})")
-            for link in self._seqs:
-                if (h := self.credit.holders.get(link)) is not None and h.at_lease_cap():
-                    link.send_freed()  # (it waits for them)
-            self._cond.wait(min(_MAX_WAIT_S, deadline - now))
 
     # --- the end -------------------------------------------------------------------------------------
 
@@ -345,13 +389,10 @@ class Epoch(Conversion):
                 return
             self.closed = True
             self.stopping.set()
-            for link, batches in self.credit.outstanding().items():
-                seq = self._seqs.get(link)
-                if seq is not None:
-                    link.revoke(batches, seq)
+            self._revoke(self.credit.outstanding())
             dropped = [entry for b, entry in self._raw.items() if b != self._converting]
             self._raw.clear()
-            self._ready.clear()
+            self._ready = None
             figures = self.credit.figures()
             self._cond.notify_all()
         self.servers.passed(self, figures)  # (outside the lock: it tells the links)

@@ -62,9 +62,8 @@ class Servers:
         self._lock = threading.Lock()
         self._warned: set = set()  # what was said once per loader (shared by its links)
         self._capacity: dict[Any, Capacity] = {}
-        self._stalled: set = set()  # links stalled at the end of the last pass
-        self._passes: list[Epoch] = []  # passes not closed yet (the last one is the current one)
-        self._last_figures: dict = {}
+        self._pass: Epoch | None = None  # the pass not closed yet (one at a time)
+        self._last_figures: dict = {}  # the last pass closed: its Credit.figures (who was stalled, ...)
         self._last_finished = True  # the last pass closed had every batch taken
         self._swept = 0.0
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # wakes the loader's thread (no lock: finalizers)
@@ -73,7 +72,6 @@ class Servers:
         self._owner = forks.owner()
         conns = self._open_all(names)
         self._info = next(c for c in conns.values() if c is not None).info
-        self._check(conns)
         self.links: list[ServerLink] = [
             ServerLink(a, options, transfer, reference=self._info, conn=conns[a], count=stats.count,
                        warned=self._warned) for a in names]
@@ -84,21 +82,19 @@ class Servers:
         self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._events), name="batchd-loader",
                                         daemon=True)
         self._thread.start()
-        self._follower = None
-        if not self.single and AddressSource(address).changes:
-            self._follower = threading.Thread(target=_follow, args=(weakref.ref(self), AddressSource(address),
-                                                                    self._stop), name="batchd-addresses", daemon=True)
-            self._follower.start()
+        source = AddressSource(address)
+        if not self.single and source.changes:
+            threading.Thread(target=_follow, args=(weakref.ref(self), source, self._stop),
+                             name="batchd-addresses", daemon=True).start()
 
     # --- construction ------------------------------------------------------------------------------
 
     def _open_all(self, names: list[str]) -> dict[str, ServerConnection | None]:
-        """A connection to every server at once: None for those that did not answer."""
-        def open_one(address: str) -> ServerConnection:
-            return ServerConnection(address, self.options, self.transfer, warned=self._warned)
-
+        """A connection to every server at once: None for those that did not answer; the servers
+        that answered agree on the dataset (``_check``), or every connection is closed."""
         with concurrent.futures.ThreadPoolExecutor(len(names), thread_name_prefix="batchd-open") as pool:
-            futures = {a: pool.submit(open_one, a) for a in names}
+            futures = {a: pool.submit(ServerConnection, a, self.options, self.transfer, warned=self._warned)
+                       for a in names}
         conns: dict[str, ServerConnection | None] = {}
         errors_seen: dict[str, str] = {}
         fatal: BaseException | None = None
@@ -109,40 +105,36 @@ class Servers:
                 conns[a], errors_seen[a] = None, str(e)
             except BaseException as e:  # bad arguments, unknown dataset: the same on every server
                 conns[a], fatal = None, fatal or e
-        if fatal is not None or not any(conns.values()):
-            for c in conns.values():
-                if c is not None:
-                    c.close()
+        up = {a: c for a, c in conns.items() if c is not None}
+        try:
             if fatal is not None:
                 raise fatal
-            if self.single:
+            if not up and self.single:
                 raise next(fut.exception() for fut in futures.values())
-            raise errors.ConnectionError("no batchd server answered at any of " + ", ".join(names) + ": "
-                                         + "; ".join(errors_seen.values()))
-        return conns
-
-    def _check(self, conns: dict[str, ServerConnection | None]) -> None:
-        """The servers that answered agree on the dataset (class docstring)."""
-        up = {a: c for a, c in conns.items() if c is not None}
-        sizes = {a: c.info.num_samples for a, c in up.items()}
-        problem = None
-        if len(set(sizes.values())) > 1:
-            problem = ValueError(f"the servers disagree on the size of dataset {self.options.dataset!r}: {sizes}")
-        else:
-            first, *others = up.items()
-            differ = [f"{first[0]} vs {a}: {'; '.join(d)}" for a, c in others
-                      if (d := mismatches(first[1].info.identity(), c.info.identity()))]
-            if differ:
-                msg = (f"the servers would send different bytes for dataset {self.options.dataset!r}: "
-                       + " | ".join(differ))
-                if self.options.strict:
-                    problem = ValueError(msg + "; strict=False accepts them")
-                else:
-                    log.warning("%s; mixing them anyway (strict=False)", msg)
-        if problem is not None:
+            if not up:
+                raise errors.ConnectionError("no batchd server answered at any of " + ", ".join(names) + ": "
+                                             + "; ".join(errors_seen.values()))
+            self._check(up)
+        except BaseException:
             for c in up.values():
                 c.close()
-            raise problem
+            raise
+        return conns
+
+    def _check(self, up: dict[str, ServerConnection]) -> None:
+        """The servers that answered (``up``) agree on the dataset (class docstring)."""
+        sizes = {a: c.info.num_samples for a, c in up.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"the servers disagree on the size of dataset {self.options.dataset!r}: {sizes}")
+        first, *others = up.items()
+        differ = [f"{first[0]} vs {a}: {'; '.join(d)}" for a, c in others
+                  if (d := mismatches(first[1].info.identity(), c.info.identity()))]
+        if differ:
+            msg = (f"the servers would send different bytes for dataset {self.options.dataset!r}: "
+                   + " | ".join(differ))
+            if self.options.strict:
+                raise ValueError(msg + "; strict=False accepts them")
+            log.warning("%s; mixing them anyway (strict=False)", msg)
 
     # --- what passes and links ask -----------------------------------------------------------------
 
@@ -166,25 +158,22 @@ class Servers:
             return self._capacity.setdefault(link, Capacity())
 
     def was_stalled(self, link: Any) -> bool:
+        """Whether ``link``'s server was stalled at the end of the last pass."""
         with self._lock:
-            return link in self._stalled
-
-    def count(self, name: str, n: int = 1) -> None:
-        self.stats.count(name, n)
+            return self._last_figures.get(link, {}).get("stalled", False)
 
     def wake(self) -> None:
         """Wake the loader's thread (no lock: safe in a finalizer)."""
         self._events.put(None)
 
     def passed(self, pass_: Epoch, figures: dict) -> None:
-        """``pass_`` closed: remember who was stalled and its ``figures`` (``Credit.figures``); its
+        """``pass_`` closed: remember its ``figures`` (``Credit.figures``: who was stalled, ...); its
         links let go of it."""
         with self._lock:
-            self._stalled = {link for link, f in figures.items() if f["stalled"]}
             self._last_figures = figures
             self._last_finished = pass_.finished
-            if pass_ in self._passes:
-                self._passes.remove(pass_)
+            if self._pass is pass_:
+                self._pass = None
             links = list(self.links)
         for link in links:  # (a closed pass is not kept alive by its links: its error, its batches)
             link.let_go(pass_)
@@ -196,11 +185,12 @@ class Servers:
         ``start_position``), in order, from every server that is up (``Epoch``)."""
         if self._closed:
             raise RuntimeError("the loader is closed")
-        for old in list(self._passes):  # (one pass at a time: an earlier one was let go of)
+        old = self.current()
+        if old is not None:  # (one pass at a time: an earlier one was let go of)
             old.close()
         pass_ = Epoch(self, epoch, start, total, start_position)
         with self._lock:
-            self._passes.append(pass_)
+            self._pass = pass_
             links = [link for link in self.links if not link.retired]
         pass_.links_up([(link, seq) for link in links if (seq := link.serve(pass_)) is not None])
         if not any(link.conn is not None for link in links):
@@ -210,7 +200,7 @@ class Servers:
 
     def current(self) -> Epoch | None:
         with self._lock:
-            return self._passes[-1] if self._passes else None
+            return self._pass
 
     def server_stats(self) -> list[dict[str, Any]]:
         """Per server: ``address``, ``up`` (its call is open), ``retired`` (no longer named by the
@@ -221,10 +211,7 @@ class Servers:
         that came after another's), ``workers`` and ``build_seconds`` (its median worker seconds
         per batch) as the server says."""
         current = self.current()
-        figures = current.figures() if current is not None else None
-        if figures is None:
-            with self._lock:
-                figures = dict(self._last_figures)
+        figures = current.figures() if current is not None else self._last_figures  # (replaced, not changed)
         sent = sum(f["batches"] for f in figures.values()) or 1
         out = []
         for link in self.links:
@@ -244,7 +231,7 @@ class Servers:
         return conn.shm if conn is not None else None
 
     def close(self) -> None:
-        """End every pass and call (revoked, ``done``), stop the loader's threads; each link's
+        """End the pass and every call (revoked, ``done``), stop the loader's threads; each link's
         thread then releases what the caller still holds and closes its channel. Idempotent;
         nothing in a forked child (the threads and channels are the parent's)."""
         if forks.forked(self._owner):
@@ -253,9 +240,9 @@ class Servers:
             if self._closed:
                 return
             self._closed = True
-            passes = list(self._passes)
+            pass_ = self._pass
         self._stop.set()
-        for pass_ in passes:
+        if pass_ is not None:
             pass_.close()
         # a pass let go of or in progress: the calls are cancelled (the servers count them
         # cancelled and release what they sent that never came); else ended with `done`
@@ -276,20 +263,16 @@ class Servers:
     # --- the loader's thread -------------------------------------------------------------------------
 
     def _service(self) -> float:
-        """One round: every open pass serviced (stalls, silence, abandoned ones closed), the current
-        one's next batch converted. Returns seconds until the next round."""
+        """One round: the pass serviced (stalls, silence, closed if let go of), its next batch
+        converted. Returns seconds until the next round."""
         now = time.monotonic()
-        with self._lock:
-            passes = list(self._passes)
-        wait = 0.25
-        for pass_ in passes:
-            wait = min(wait, pass_.service(now))
+        pass_ = self.current()
+        wait = 0.25 if pass_ is None else min(0.25, pass_.service(now))
         if now - self._swept >= _SWEEP_S:  # segments the server unlinked since the last release
             self._swept = now
             for link in self.links:
                 link.sweep()
-        current = passes[-1] if passes else None
-        while current is not None and not current.inline and current.convert_next():
+        while pass_ is not None and not pass_.inline and pass_.convert_next():
             pass
         return wait
 
@@ -304,7 +287,7 @@ class Servers:
             gone = [link for a, link in known.items() if a not in current]
             for link in gone:
                 link.retired, link.error = True, "no longer named by the address"
-            pass_ = self._passes[-1] if self._passes else None
+            pass_ = self._pass
         for link in gone:
             log.info("%s no longer names %s; it gets no more work", self.address, link.address)
             if pass_ is not None:

@@ -102,16 +102,15 @@ def simulate(servers, total, *, step=0.0, prefetch=2, regrant=True, until=None, 
                 continue
             s.busy -= 1
             s.capacity.record(data[2], s.workers)
-            arrival = c.arrived(s.name, data[1], t)
-            revoke(arrival.revoke)
+            revoke(c.arrived(s.name, data[1]) or {})  # (None: a copy dropped, nothing to revoke)
             dispatch(s, t)
         elif kind == "resume":
             dispatch(by[data], t)
         while c.has(c.base) and t >= free_at:
-            c.loop.asked(asked_at)
+            c.asked(asked_at)
             taken.append(c.base)
             loop_holds.append(c.take(c.base))
-            c.loop.handed(t)
+            c.handed(t)
             waits.append(max(0.0, t - asked_at))
             free_at = asked_at = t + step
             if step:
@@ -230,16 +229,15 @@ def test_the_first_copy_wins_the_other_is_revoked_and_a_late_one_dropped():
     granted = sorted(b for bs in grants.values() for b in bs)
     assert granted == list(range(len(granted)))  # lowest first, none twice
     a_had = list(grants["a"])
-    c.closed("a", 0.1)  # its call broke: its batches go to b, first, as b has credit
+    c.closed("a")  # its call broke: its batches go to b, first, as b has credit
     assert c.plan(0.1) == {}  # (b's credit is full)
     first_b = grants["b"][0]
-    assert c.arrived("b", first_b, 0.2).keep
+    assert c.arrived("b", first_b) is not None  # (kept)
     assert c.plan(0.2)["b"] == [a_had[0]]  # the lost batch first
     c.opened("a")
     c.plan(0.25)
-    arrival = c.arrived("b", a_had[0], 0.3)  # b's copy first
-    assert arrival.keep
-    assert not c.arrived("a", a_had[0], 0.4).keep  # a late copy (granted before the break): dropped
+    assert c.arrived("b", a_had[0]) is not None  # b's copy first: kept
+    assert c.arrived("a", a_had[0]) is None  # a late copy (granted before the break): dropped
     assert c.figures()["a"]["duplicates"] == 1
 
 
@@ -248,7 +246,7 @@ def test_a_requeued_batch_is_granted_again_first():
     c.add("a", Capacity(2), "a")
     c.opened("a")
     c.plan(0.0)
-    assert c.arrived("a", 0, 0.1).keep
+    assert c.arrived("a", 0) is not None  # (kept)
     c.requeue(0)  # its shared-memory slot went with a restarted server
     assert not c.has(0)
     assert c.plan(0.2)["a"][0] == 0
@@ -290,7 +288,7 @@ def test_over_shared_memory_grants_leave_the_next_batch_a_lease():
     held[0] = 1
     assert c.plan(0.0) == {"shm": [1, 2]}  # 0, 1, 2 granted + 1 held = the cap
     held[0] = 0
-    c.arrived("shm", 0, 0.0)
+    c.arrived("shm", 0)
     held[0] = 1  # (batch 0 waits to be taken: its lease is held)
     c.take(0)
     assert c.plan(0.0) == {"shm": [3]}

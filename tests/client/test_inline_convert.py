@@ -14,7 +14,6 @@ import torch
 from torch.utils.data import default_collate
 
 import batchd
-from batchd.client.iteration import conversion as conversion_mod
 from batchd.client.iteration import epoch as epoch_mod
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,13 +25,13 @@ KW = dict(batch_size=500, shuffle=True, seed=3)
 def converted_in(monkeypatch):
     """The name of the thread each batch was converted in, by batch index."""
     seen: dict[int, str] = {}
-    real = conversion_mod.convert
+    real = epoch_mod.convert
 
     def spy(raw, shm, **kw):
         seen[raw.batch_index] = threading.current_thread().name
         return real(raw, shm, **kw)
 
-    monkeypatch.setattr(conversion_mod, "convert", spy)
+    monkeypatch.setattr(epoch_mod, "convert", spy)
     return seen
 
 
