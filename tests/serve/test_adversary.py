@@ -19,6 +19,7 @@ attack against without it is a figure of bench/tables/table_dataplane.py, not as
 
 from __future__ import annotations
 
+import os
 import time
 
 import albumentations as A
@@ -27,6 +28,7 @@ import yaml
 
 import batchd
 from batchd.client.transport.server_stats import get_stats
+from batchd.server.config import ServerConfig
 from batchd.v1 import loader_pb2 as pb
 from adversary import IdleFlood, RandomBytes, SlowDrip, TokenAbuse, open_files, process_counts
 from helpers import digest, free_port, private_shm_prefix, wait_until
@@ -36,6 +38,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 TRAINER, TENANT = "trainer-token-0123456789abcdef", "tenant-token-0123456789abcdef"
 BATCH = 250
+GRPC_THREADS = ServerConfig.model_fields["grpc_threads"].default  # (the config below leaves it)
 
 
 def epoch(address: str) -> tuple[list[str], dict]:
@@ -46,13 +49,26 @@ def epoch(address: str) -> tuple[list[str], dict]:
 
 
 def held(pid: int, grpc_port: int) -> tuple[int, dict[int, str]]:
-    """The server's threads, and its descriptors but its connections on the gRPC port (whose life
-    this process's gRPC client decides: it may keep one open for a later channel) and its
-    shared-memory slots (a pool that grows to what was in flight at once, up to ``max_slots``;
-    ``slots_in_use`` says whether one is still held)."""
+    """The server's threads but its RPC pool's, and its descriptors but its connections on the gRPC
+    port (whose life this process's gRPC client decides: it may keep one open for a later channel)
+    and its shared-memory slots (a pool that grows to what was in flight at once, up to
+    ``max_slots``; ``slots_in_use`` says whether one is still held). The RPC pool
+    (``batchd-rpc``, a ThreadPoolExecutor) keeps the threads it grew to, up to ``grpc_threads``,
+    whatever the timing of the calls: ``rpc_threads`` bounds it."""
     files = {fd: what for fd, what in open_files(pid).items()
              if not what.startswith((f"tcp 127.0.0.1:{grpc_port} ", "/dev/shm/batchd-"))}
-    return process_counts(pid)[0], files
+    return process_counts(pid)[0] - rpc_threads(pid), files
+
+
+def rpc_threads(pid: int) -> int:
+    """Threads of the server's RPC pool (named ``batchd-rpc_N``, server/app.py), from /proc."""
+    names = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            names.append(open(f"/proc/{pid}/task/{task}/comm").read())
+        except OSError:
+            pass  # (it ended meanwhile)
+    return sum(name.startswith("batchd-rpc") for name in names)
 
 
 def settled(pid: int, grpc_port: int) -> tuple[int, dict[int, str]]:
@@ -119,6 +135,7 @@ def test_an_adversary_beside_training_stalls_reads_and_crashes_nothing(server_pr
     assert tokens.frames > 0 and set(tokens.endings) <= {"INVALID_ARGUMENT", "LOST"}, tokens.endings
     assert [p.bytes_received for p in parts] == [0, 0, 0, 0], "a connection without its token got bytes"
 
+    assert 0 < rpc_threads(srv.pid) <= GRPC_THREADS, rpc_threads(srv.pid)  # (seen from outside; within its size)
     assert wait_until(lambda: back_to(srv.pid, port, baseline), 30, 0.5), (
         f"threads {held(srv.pid, port)[0]} after the attack, {baseline[0]} before; descriptors open since: "
         f"{sorted(set(held(srv.pid, port)[1].items()) - set(baseline[1].items()))}")
