@@ -137,7 +137,7 @@ def running(procs: list[ServerProcess]):
 
 def run(s, log=print) -> dict:
     # the warm-up: until a server's first batches arrive, its build time is taken as 0.1 s
-    # (client/iteration/credit.py DEFAULT_BUILD_S), so a slow pool looks stalled at first
+    # (client/iteration/holder.py DEFAULT_BUILD_S), so a slow pool looks stalled at first
     warmup_s, timed_s = s.pick(5.0, 3.0), s.pick(10.0, 4.0)
     stall_s = s.pick(15.0, 9.0)
     private = private_shm_available()

@@ -12,7 +12,7 @@
 
 The pass's state is under one lock (``_lock``; the consumer waits on ``_cond``): who holds which
 grant (``Credit``, the rule: batchd.client.iteration.credit), the reorder buffer, the converted
-batch, the error that ends it. Its servers' links tell it what happens (``link_up``, ``arrived``,
+batch, the error that ends it. Its servers' links tell it what happens (``links_up``, ``arrived``,
 ``link_down``, ``link_failed``, ``fail``), each from its own thread; the loader's thread
 (``batchd.client.iteration.servers.Servers``) calls ``service`` now and then (stalls, servers
 silent too long, all servers down for ``reconnect_timeout``, converting) and closes a pass that was
@@ -43,7 +43,6 @@ from typing import Any, Iterator
 from batchd import errors
 from batchd.client.device.convert import convert, deliver, inline
 from batchd.client.iteration.credit import Credit
-from batchd.client.transport import fields
 from batchd.client.transport.progress import Progress
 from batchd.client.transport.redial import FellBack
 
@@ -99,13 +98,10 @@ class Epoch:
         with self._lock:
             return self._progress.setdefault(link, Progress())
 
-    def link_up(self, link: Any, seq: int) -> None:
-        """``link``'s call carries this pass (``open_seq`` ``seq``): grant it what it held, then plan."""
-        self.links_up([(link, seq)])
-
     def links_up(self, ups: list[tuple[Any, int]]) -> None:
-        """Several links' calls carry this pass (as it begins): all join, then one plan (so that
-        the first does not take what the others would build as soon)."""
+        """Links' calls carry this pass (``(link, open_seq)``; several as it begins): each is granted
+        what it held, then one plan (so that the first does not take what the others would build
+        as soon)."""
         with self._lock:
             if self.closed or not ups:
                 return
@@ -117,8 +113,7 @@ class Epoch:
                 capacity.leases_held = link.leases_held
                 if link not in self.credit.holders:
                     self.credit.add(link, capacity, link.address, stalled=self.servers.was_stalled(link))
-                again = self.credit.opened(link)
-                if again:
+                if again := self.credit.opened(link):
                     link.grant(again, seq)
             self._plan()
             self._cond.notify_all()
@@ -166,7 +161,7 @@ class Epoch:
 
     def arrived(self, link: Any, raw: Any, received: float, nbytes: int, shm: Any) -> None:
         """A batch came on ``link``'s call for this pass."""
-        self.servers.stats.received(*_transport(raw, nbytes))
+        self.servers.stats.received(raw, nbytes)
         if raw.segment and shm is not None:
             shm.hold(raw.lease)
         keep = False
@@ -186,7 +181,7 @@ class Epoch:
                     revoke = self.credit.arrived(link, b, nbytes)
                     keep = revoke is not None
                     if keep:
-                        self._revoke(revoke)
+                        self._tell(revoke)
                         self._raw[b] = _Arrived(raw, link, shm, received)
                         if b == self.credit.base:
                             self._cond.notify_all()
@@ -208,16 +203,13 @@ class Epoch:
         self.servers.wake()
 
     def _plan(self) -> None:  # (under the lock)
-        for link, batches in self.credit.plan(time.monotonic()).items():
-            seq = self._seqs.get(link)
-            if seq is not None:
-                link.grant(batches, seq)
+        self._tell(self.credit.plan(time.monotonic()), grant=True)
 
-    def _revoke(self, revokes: dict[Any, list[int]]) -> None:  # (under the lock)
-        for link, batches in revokes.items():
-            seq = self._seqs.get(link)
-            if seq is not None:
-                link.revoke(batches, seq)
+    def _tell(self, batches_of: dict[Any, list[int]], grant: bool = False) -> None:  # (under the lock)
+        """Grant (or revoke) each link's batches on its call, in this pass (its ``open_seq``)."""
+        for link, batches in batches_of.items():
+            if (seq := self._seqs.get(link)) is not None:
+                (link.grant if grant else link.revoke)(batches, seq)
 
     def _requeue_shared(self, link: Any) -> None:  # (under the lock)
         """``link``'s call broke: its shared-memory batches waiting here may be gone with its
@@ -241,7 +233,7 @@ class Epoch:
             if self.closed:
                 return _MAX_WAIT_S
             revokes, due = self.credit.check(now)
-            self._revoke(revokes)
+            self._tell(revokes)
             for link, batches in revokes.items():
                 self.servers.stats.count("stalls")
                 log.info("batchd server %s is stalled (its oldest batch is late); its %d batches go to the "
@@ -281,7 +273,6 @@ class Epoch:
                 self._cond.notify_all()
                 return False
             if item is not None and not self.closed:
-                self._took(b)
                 self._ready = item
                 self._cond.notify_all()
             return item is not None
@@ -289,7 +280,8 @@ class Epoch:
     # --- converting (either thread) ----------------------------------------------------------------
 
     def _convert(self, b: int) -> Any:  # (under the lock, released while converting)
-        """Batch b converted; None if its shared-memory slot was gone (it is granted again)."""
+        """Batch b converted and taken (its server credited, the next grants planned); None if its
+        shared-memory slot was gone (it is granted again)."""
         entry = self._raw[b]
         self._converting = b
         self._lock.release()
@@ -312,13 +304,11 @@ class Epoch:
             self._plan()
             return None
         item.times.receive = entry.received
+        if not self.closed:
+            self._raw.pop(b, None)
+            self.credit.take(b).batches += 1
+            self._plan()
         return item
-
-    def _took(self, b: int) -> None:  # (under the lock)
-        link = self.credit.take(b)
-        self._raw.pop(b, None)
-        link.batches += 1
-        self._plan()
 
     # --- the consumer --------------------------------------------------------------------------------
 
@@ -352,7 +342,6 @@ class Epoch:
                 if self.inline and self._converting is None and self.credit.has(self.credit.base):
                     item = self._convert(b)
                     if item is not None:
-                        self._took(b)
                         break
                     continue
                 if self._fatal is not None and not self.credit.has(self.credit.base):
@@ -389,7 +378,7 @@ class Epoch:
                 return
             self.closed = True
             self.stopping.set()
-            self._revoke(self.credit.outstanding())
+            self._tell(self.credit.outstanding())
             dropped = [entry for b, entry in self._raw.items() if b != self._converting]
             self._raw.clear()
             self._ready = None
@@ -409,10 +398,3 @@ def _release(raw: Any, shm: Any) -> None:
     if raw.segment and shm is not None:
         shm.release_unused(raw.lease)
 
-
-def _transport(raw: Any, nbytes: int) -> tuple[str, int]:
-    """How a batch came and its bytes for ``loader.stats()["bytes_received"]``: shared memory (its
-    tensors' bytes in the slot), the socket data plane or inline (the bytes received)."""
-    if raw.segment:
-        return "shm", sum(fields.nbytes(t) for t in raw.tensors)
-    return ("socket" if raw.payload is not None else "inline"), nbytes

@@ -302,7 +302,7 @@ class Servers:
             if pass_ is not None:
                 seq = link.serve(pass_)
                 if seq is not None:
-                    pass_.link_up(link, seq)
+                    pass_.links_up([(link, seq)])
 
 
 def _run(ref: "weakref.ref[Servers]", events: queue.SimpleQueue) -> None:

@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from batchd.client.transport import fields
+
 WAIT_WINDOW = 10_000  # per-batch waits kept for the percentiles
 COUNTERS = ("reconnects", "failovers", "stalls", "data_plane_fallbacks")
 TRANSPORTS = ("shm", "socket", "inline")
@@ -88,8 +90,13 @@ class LoaderStats:
         with self._lock:
             self._counters[name] += n
 
-    def received(self, transport: str, nbytes: int) -> None:
-        """A batch of ``nbytes`` bytes came by ``transport`` (one of ``TRANSPORTS``; lane threads)."""
+    def received(self, raw: Any, nbytes: int) -> None:
+        """A batch came (``raw``: its WireBatch; any link's thread): over shared memory its tensors'
+        bytes in the slot count, over the socket data plane or inline the ``nbytes`` received."""
+        if raw.segment:
+            transport, nbytes = "shm", sum(fields.nbytes(t) for t in raw.tensors)
+        else:
+            transport = "socket" if raw.payload is not None else "inline"
         with self._lock:
             self._received[transport] += nbytes
 

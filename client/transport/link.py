@@ -10,7 +10,7 @@ everything that blocks for this server:
 * opens the call for the pass it serves, reads the server's metadata (its id: a restarted
   server's dataset is described again, ``check_server``; its capacity: ``batchd-workers``,
   ``batchd-max-leases``; no metadata within ``connect_timeout``: the call is cancelled) and tells
-  the pass it is up (``link_up``);
+  the pass it is up (``links_up``);
 * reads the call: each batch goes to the pass of its ``open`` (``Batch.open_seq``); one of an
   earlier pass is dropped (its lease released);
 * when the call breaks (a restart, a lost connection, ``restart`` from the pass), tells the pass
@@ -22,14 +22,12 @@ everything that blocks for this server:
 * after ``close``: ends the call (``done``, or cancelled mid-pass), then releases what the
   caller still holds (``_drain``) and closes the connection.
 
-A shared-memory batch's lease goes back when its tensors are freed (``weakref.finalize``) or when
-it is dropped unread: in any thread, inside a garbage collection or a lock, so ``freed`` takes no
-lock (a ``queue.SimpleQueue``). While the call is open, its next message carries them (gRPC's
-request thread takes them, ``batchd.client.transport.outbox``); after it, ``_drain`` sends them by
-ReleaseLeases as they come. Leases of a session that ended (the server restarted: it took every
-slot back) are dropped.
+A shared-memory batch's lease goes back when its tensors are freed (``weakref.finalize``) or it is
+dropped unread, in any thread (a garbage collection, a lock held): ``freed`` queues it without a
+lock; the call's next message carries it (``batchd.client.transport.outbox``), after the call
+``_drain`` sends it by ReleaseLeases. Leases of a session that ended (a restart) are dropped.
 
-The pass (``iteration.epoch.Epoch``) is a sink: ``link_up``, ``link_down``, ``link_failed``,
+The pass (``iteration.epoch.Epoch``) is a sink: ``links_up``, ``link_down``, ``link_failed``,
 ``arrived``, ``fail``, ``progress``, ``where``, ``epoch``, ``start_position``.
 """
 
@@ -101,7 +99,7 @@ class ServerLink:
 
     def serve(self, pass_: Any) -> int | None:
         """Serve ``pass_`` from now on: on the open call, a later ``open``: returns its open_seq
-        (the caller tells the pass: ``link_up``); else None: the thread opens a call for it when
+        (the caller tells the pass: ``links_up``); else None: the thread opens a call for it when
         it can and tells the pass itself."""
         with self._lock:
             if self._closing:
@@ -248,11 +246,10 @@ class ServerLink:
                     self.error = ""  # (it sends: whatever went wrong before is over)
                 with self._lock:
                     sink = self._pass if raw.open_seq == self._seq else None
-                if sink is None:  # (an earlier pass's, sent before the switch: its lease goes back)
-                    if raw.segment and conn.shm is not None:
-                        conn.shm.release_unused(raw.lease)
-                else:
+                if sink is not None:
                     sink.arrived(self, raw, received, nbytes, conn.shm if raw.segment else None)
+                elif raw.segment and conn.shm is not None:  # (an earlier pass's: its lease goes back)
+                    conn.shm.release_unused(raw.lease)
                 raw = None
             self._ended(None)
         except (ServerRefused, DatasetChangedError, DatasetNotFoundError) as e:
@@ -270,7 +267,7 @@ class ServerLink:
 
     def _open(self, conn: ServerConnection) -> BatchesCall | None:
         """The call for the pass the link serves, up: its metadata read (capacity, server id
-        checked), the pass told (``link_up``). None once closing. Raises the call's errors;
+        checked), the pass told (``links_up``). None once closing. Raises the call's errors;
         ConnectionError if the server sends no metadata within ``connect_timeout`` (the call is
         cancelled)."""
         tag = f"{conn.tag}-{next(self._tags)}"
@@ -279,8 +276,8 @@ class ServerLink:
             if self._closing or pass_ is None:
                 return None
             request = conn.request(pass_.epoch, start_position=pass_.start_position, tag=tag)
-            call = conn.open_call(request, pass_.progress(self), self._take_releases,
-                                  pending=lambda: not self._freed.empty())
+            call = conn.open_call(request, pass_.progress(self), lambda: self._mine(conn.shm),
+                                  pending=lambda: not self._freed.empty())  # (gRPC's request thread)
             call.tag, call.transport = tag, request.transport
             with self._lock:
                 if not self._closing and self._pass is pass_:  # (else serve() moved on meanwhile: again)
@@ -302,7 +299,7 @@ class ServerLink:
             self.up, self._backoff = True, 0.0
             sink, seq = self._pass, self._seq
         if sink is not None and seq is not None:
-            sink.link_up(self, seq)
+            sink.links_up([(self, seq)])
         return call
 
     def _ended(self, error: BaseException | None, down: bool = True) -> None:
@@ -362,9 +359,6 @@ class ServerLink:
             sink.link_failed(self, failed)
         if conn is not None:
             conn.close()
-
-    def _take_releases(self) -> list[int]:  # (the call's share of the freed leases: gRPC's request thread)
-        return self._mine(conn.shm if (conn := self.conn) is not None else None)
 
     def _mine(self, shm: Any, freed: tuple = ()) -> list[int]:
         """The leases of ``shm``'s session among ``freed`` and those waiting (those of another session
