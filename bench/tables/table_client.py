@@ -335,6 +335,13 @@ def targets(r: dict) -> list[dict]:
                 "passed": all(m["total"] < BEFORE_THREADS[int(k.split("|")[1])]["total"] for k, m in rows.items()),
                 "detail": ", ".join(f"{m['total']} vs {BEFORE_THREADS[int(k.split('|')[1])]['total']} for "
                                     f"{k.split('|')[1]}" for k, m in rows.items() if k.startswith("shm"))})
+    ln = r.get("lines", {})
+    if ln.get("before") and "statements" in ln["now"]:
+        b, now = ln["before"], ln["now"]
+        out.append({"name": f"a smaller client than at {BEFORE}: fewer lines and fewer statements in client/",
+                    "passed": now["lines"] < b["lines"] and now["statements"] < b["statements"],
+                    "detail": f"{now['lines']:,} vs {b['lines']:,} lines, {now['statements']:,} vs "
+                              f"{b['statements']:,} statements"})
     return out
 
 
