@@ -218,12 +218,16 @@ class Credit:
     def _probe(self, now: float, grants: dict) -> None:
         """A stalled server without a grant (a new pass) gets one: its probe, the lowest batch
         granted to another server and not arrived (so the loop never waits on it)."""
+        waiting = [h for h in self.holders.values() if h.stalled and h.open and not h.outstanding]
+        if not waiting:
+            return  # (the usual case: nothing to look at, every plan)
         held = {b for o in self.holders.values() for b in o.outstanding}
         probe = min((b for b in held if b >= self.base and b not in self._arrived), default=None)
-        for h in self.holders.values():
-            if probe is not None and h.stalled and h.open and not h.outstanding:
-                h.probe = probe
-                self._grant(h, probe, now, grants)
+        if probe is None:
+            return
+        for h in waiting:
+            h.probe = probe
+            self._grant(h, probe, now, grants)
 
     # --- stalls ----------------------------------------------------------------------------------
 
